@@ -1,0 +1,3 @@
+"""scalerl: reinforcement-learning post-training of language models, from one process to a cluster."""
+
+__version__ = "0.1.0"
