@@ -1,0 +1,278 @@
+"""Hugging Face checkpoint interop: read and write ``config.json`` + (sharded) ``*.safetensors`` directories.
+
+Weights never go through pickle: safetensors only. Errors name the file, field or tensor at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from scalerl.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from scalerl.models.decoder import CausalLM
+
+CONFIG_FILE = "config.json"
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# Buffers some older checkpoints carry; they are recomputed, never loaded.
+_IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointFormatError(ValueError):
+    """A model directory that scalerl cannot load, with the offending file/field/tensor named."""
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def _our_name(hf_name: str) -> str:
+    return hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+
+
+def model_config_from_hf(raw: dict[str, Any], source: str = CONFIG_FILE) -> ModelConfig:
+    """Translate an HF ``config.json`` dict (transformers 4.x or 5.x style) into a ``ModelConfig``."""
+    model_type = raw.get("model_type")
+    architectures = raw.get("architectures") or []
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointFormatError(
+            f"{source}: unsupported architecture model_type={model_type!r} architectures={architectures}; "
+            f"scalerl loads {sorted(SUPPORTED_ARCHITECTURES.values())}"
+        )
+    for arch in architectures:
+        if arch != SUPPORTED_ARCHITECTURES[model_type]:
+            raise CheckpointFormatError(
+                f"{source}: architecture {arch!r} is not supported; expected {SUPPORTED_ARCHITECTURES[model_type]!r}"
+            )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointFormatError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported (only 'silu')")
+    if raw.get("mlp_bias"):
+        raise CheckpointFormatError(f"{source}: mlp_bias=true is not supported")
+    if raw.get("use_sliding_window"):
+        raise CheckpointFormatError(f"{source}: use_sliding_window=true is not supported (set it false)")
+    required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise CheckpointFormatError(f"{source}: missing required field(s) {missing}")
+    # transformers 5 nests rope settings in `rope_parameters`; 4.x uses `rope_theta` + `rope_scaling`.
+    rope_params = dict(raw.get("rope_parameters") or {})
+    rope_theta = raw.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
+    rope_scaling = raw.get("rope_scaling")
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = rope_params
+    default_bias = model_type == "qwen2"
+    try:
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+            head_dim=raw.get("head_dim"),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            attention_bias=bool(raw.get("attention_bias", default_bias)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+            pad_token_id=raw.get("pad_token_id"),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        )
+    except ValueError as err:
+        raise CheckpointFormatError(f"{source}: {err}") from err
+
+
+def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """An HF ``config.json`` dict readable by transformers 4.x and 5.x."""
+    out: dict[str, Any] = {
+        "architectures": [SUPPORTED_ARCHITECTURES[cfg.model_type]],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "torch_dtype": cfg.torch_dtype,
+        "use_cache": True,
+    }
+    if cfg.model_type == "llama":
+        out["attention_bias"] = cfg.attention_bias
+        out["mlp_bias"] = False
+    elif not cfg.attention_bias:
+        raise CheckpointFormatError("a qwen2 checkpoint must have attention_bias=True (Qwen2 always has q/k/v bias)")
+    else:
+        out["use_sliding_window"] = False
+    return out
+
+
+def load_model_config(path: str | os.PathLike) -> ModelConfig:
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointFormatError(f"{config_path} not found: a model directory needs {CONFIG_FILE}")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointFormatError(f"{config_path} is not valid JSON: {err}") from err
+    return model_config_from_hf(raw, str(config_path))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointFormatError(f"{index} has no 'weight_map' object")
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointFormatError(f"shard {f.name} listed in {index} is missing from {path}")
+        return files
+    single = path / SINGLE_WEIGHTS_FILE
+    if single.is_file():
+        return [single]
+    raise CheckpointFormatError(
+        f"no weights in {path}: expected {SINGLE_WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} with its shards"
+    )
+
+
+def load_generation_config(path: str | os.PathLike) -> dict[str, Any]:
+    gen = Path(path) / GENERATION_CONFIG_FILE
+    return json.loads(gen.read_text()) if gen.is_file() else {}
+
+
+def from_pretrained(
+    path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+) -> CausalLM:
+    """Load an HF Qwen2/Llama directory. ``dtype`` defaults to float32 (the CPU training dtype)."""
+    path = Path(path)
+    cfg = load_model_config(path)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    dtype = dtype or torch.float32
+    cfg.torch_dtype = str(dtype).removeprefix("torch.")
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    expected = {name: p for name, p in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    loaded: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for hf_key in f.keys():
+                name = _our_name(hf_key)
+                if name not in expected:
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue  # some tied checkpoints still store the head; the embedding wins
+                    if not hf_key.endswith(_IGNORED_TENSOR_SUFFIXES):
+                        unexpected.append(f"{hf_key} (in {file.name})")
+                    continue
+                tensor = f.get_tensor(hf_key)
+                if tuple(tensor.shape) != tuple(expected[name].shape):
+                    raise CheckpointFormatError(
+                        f"tensor {hf_key} in {file.name} has shape {tuple(tensor.shape)}, but config.json implies "
+                        f"{tuple(expected[name].shape)}"
+                    )
+                loaded[name] = tensor.to(dtype)
+    if unexpected:
+        raise CheckpointFormatError(f"unexpected tensors in {path}: {unexpected[:10]}")
+    missing = [_hf_name(n) for n in expected if n not in loaded]
+    if missing:
+        raise CheckpointFormatError(f"tensors missing from {path}: {missing[:10]}" + (" ..." if len(missing) > 10 else ""))
+    model = model.to_empty(device=device)
+    model.load_state_dict(loaded, strict=not cfg.tie_word_embeddings, assign=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.to(dtype)
+
+
+def save_pretrained(
+    model: CausalLM,
+    path: str | os.PathLike,
+    max_shard_bytes: int = 4 * 1024**3,
+    generation_config: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``config.json``, ``model.safetensors`` (or shards + index) and ``generation_config.json``.
+
+    The directory loads with ``transformers.AutoModelForCausalLM.from_pretrained``. Files are written to a
+    temporary directory first and renamed into place, so an interrupted save never corrupts an old one.
+    """
+    path = Path(path)
+    cfg = model.config
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {_hf_name(n): t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name]
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / SINGLE_WEIGHTS_FILE), metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / fname), metadata=metadata)
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (tmp / WEIGHTS_INDEX_FILE).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+    hf_cfg = model_config_to_hf(cfg)
+    hf_cfg["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    (tmp / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2))
+    gen = dict(generation_config or {})
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(cfg, key) is not None:
+            gen.setdefault(key, getattr(cfg, key))
+    if gen:
+        (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(gen, indent=2))
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        # Keep any files the caller placed there (tokenizer, notes) that this save does not produce.
+        for extra in path.iterdir():
+            if not (tmp / extra.name).exists() and not extra.name.startswith("model-") and extra.is_file():
+                os.replace(extra, tmp / extra.name)
+        os.rename(path, old)
+        os.rename(tmp, path)
+        _remove_tree(old)
+    else:
+        os.rename(tmp, path)
+    return path
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
