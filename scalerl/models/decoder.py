@@ -99,6 +99,9 @@ def attention_mask_4d(key_mask: torch.Tensor, query_len: int) -> torch.Tensor:
     on a padding position also sees itself, so no row is empty (an empty row makes SDPA return NaN, which
     would poison gradients even though padded outputs are never used).
     """
+    if query_len == 1:
+        # Decode step: the only query is the newest position, which may see every real key.
+        return key_mask.bool()[:, None, None, :]
     key_len = key_mask.shape[1]
     device = key_mask.device
     q_pos = torch.arange(key_len - query_len, key_len, device=device).unsqueeze(1)

@@ -1,0 +1,107 @@
+"""The built-in rollout engine: batched prefill, then a decode loop over a preallocated KV cache.
+
+Each decode step runs one forward for the whole batch; nothing in the loop iterates over sequences.
+Finished sequences keep stepping (cheaper than compacting the batch at these sizes) with their outputs
+masked, and the loop ends as soon as every sequence has finished.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from scalerl.models.decoder import CausalLM
+from scalerl.models.kv_cache import KVCache
+from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
+from scalerl.rollout.sampling import sample_tokens
+
+
+class BuiltinEngine:
+    """Generates with a ``CausalLM`` it shares with the trainer (colocated: weight sync is free)."""
+
+    def __init__(self, model: CausalLM, pad_token_id: int, finish_check_every: int | None = None):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        # Checking "all finished?" reads a flag back from the device; on a GPU that sync costs more than a
+        # few wasted steps, so it is done every few steps there and every step on the CPU.
+        self.finish_check_every = finish_check_every
+
+    def sync_weights(self, named_tensors: dict[str, torch.Tensor] | None = None) -> int:
+        """Colocated: the engine reads the trainer's parameters directly. With tensors given (a standalone
+        engine), copy them in place and return the bytes copied."""
+        if not named_tensors:
+            return 0
+        params = dict(self.model.named_parameters())
+        copied = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors.items():
+                params[name].copy_(tensor)
+                copied += tensor.numel() * tensor.element_size()
+        return copied
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        model = self.model
+        device = model.embed_tokens.weight.device
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        batch, prompt_len = prompt_ids.shape
+        max_new = sampling.max_new_tokens
+        total_len = prompt_len + max_new
+        if total_len > model.config.max_position_embeddings:
+            raise ValueError(
+                f"prompt length {prompt_len} + max_new_tokens {max_new} exceeds the model's "
+                f"max_position_embeddings ({model.config.max_position_embeddings})"
+            )
+        generator = None
+        if sampling.seed is not None and sampling.temperature > 0:
+            generator = torch.Generator(device=device).manual_seed(sampling.seed)
+        stop_ids = torch.as_tensor(list(sampling.stop_token_ids), dtype=torch.long, device=device)
+        check_every = self.finish_check_every or (1 if device.type == "cpu" else 8)
+
+        cache = KVCache.for_model(model, batch, total_len)
+        key_mask = torch.ones(batch, total_len, dtype=torch.long, device=device)
+        key_mask[:, :prompt_len] = prompt_mask
+        positions = prompt_mask.sum(-1, keepdim=True) - 1  # position of each prompt's last token
+        tokens_out = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=device)
+        logprobs_out = torch.zeros(batch, max_new, dtype=torch.float32, device=device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        response_mask = torch.zeros(batch, max_new, dtype=torch.long, device=device)
+
+        logits = model(prompt_ids, attention_mask=prompt_mask, kv_cache=cache, cache_start=0, logits_to_keep=1)
+        steps = 0
+        for t in range(max_new):
+            tokens, logprobs = sample_tokens(
+                logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p, generator
+            )
+            alive = ~finished
+            tokens_out[:, t] = torch.where(alive, tokens, self.pad_token_id)
+            logprobs_out[:, t] = torch.where(alive, logprobs, 0.0)
+            response_mask[:, t] = alive
+            if stop_ids.numel():
+                hit = torch.isin(tokens, stop_ids) & alive
+                stopped |= hit
+                finished |= hit
+            steps = t + 1
+            if t + 1 == max_new or ((t + 1) % check_every == 0 and bool(finished.all())):
+                break
+            positions = positions + 1
+            cur = prompt_len + t
+            logits = model(
+                tokens_out[:, t : t + 1],
+                attention_mask=key_mask[:, : cur + 1],
+                position_ids=positions,
+                kv_cache=cache,
+                cache_start=cur,
+            )
+        finish_reasons = ["stop" if s else "length" for s in stopped.tolist()]
+        return GenerationOutput(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=tokens_out[:, :steps],
+            response_mask=response_mask[:, :steps],
+            logprobs=logprobs_out[:, :steps],
+            finish_reasons=finish_reasons,
+        )

@@ -1,0 +1,79 @@
+"""The rollout engine interface: prompts in, sampled token ids with their log-probs out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+
+@dataclass
+class GenerationOutput:
+    """A batch of completions, row ``i`` answering prompt ``i``.
+
+    ``response_ids`` is right-padded with ``pad_token_id``; ``response_mask`` marks generated tokens (a stop
+    token counts as generated). ``logprobs[i, t]`` is ``log softmax(logits / T)`` of the sampled token, T the
+    sampling temperature (1 for greedy), i.e. the log-probability a full forward pass over
+    ``prompt + response`` assigns, before top-k/top-p truncation. ``finish_reasons[i]`` is ``"stop"`` or
+    ``"length"``.
+    """
+
+    prompt_ids: torch.Tensor  # [B, P], left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    response_ids: torch.Tensor  # [B, R]
+    response_mask: torch.Tensor  # [B, R]
+    logprobs: torch.Tensor  # [B, R]
+    finish_reasons: list[str]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        """Generate one completion per prompt (repeat prompts for ``n`` samples each)."""
+        ...
+
+    def sync_weights(self, named_tensors: dict[str, torch.Tensor] | None = None) -> int:
+        """Bring the engine's weights up to date with the trainer's; returns bytes copied (0 when shared)."""
+        ...
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into ``[B, P]`` ids and a 0/1 mask, so every prompt ends at the same column."""
+    if not prompts:
+        raise ValueError("generate() needs at least one prompt")
+    lengths = [len(p) for p in prompts]
+    if min(lengths) == 0:
+        raise ValueError(f"prompt {lengths.index(0)} is empty; every prompt needs at least one token")
+    width = max(lengths)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask

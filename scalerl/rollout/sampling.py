@@ -1,0 +1,50 @@
+"""Token sampling from logits: temperature, top-k, top-p (nucleus), greedy; batched, no per-row Python."""
+
+from __future__ import annotations
+
+import torch
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k set and outside the smallest nucleus with mass >= top_p to -inf.
+
+    The most likely token always survives, so no row is left empty.
+    """
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Mass strictly before each token; drop a token once that mass already reaches top_p.
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` ``[B, V]``; returns ``(tokens [B], logprobs [B])``.
+
+    The log-prob is taken from ``log_softmax(logits / T)`` before truncation (T = 1 for greedy): the value
+    a training forward pass at the same temperature recomputes.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        logprobs = logits.log_softmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+    else:
+        scaled = logits / temperature
+        logprobs = scaled.log_softmax(dim=-1)
+        filtered = filter_top_k_top_p(scaled, top_k, top_p)
+        probs = filtered.softmax(dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,115 @@
+"""The built-in KV-cache engine: log-prob consistency, stopping, sampling options, determinism."""
+
+import pytest
+import torch
+
+from scalerl.models.config import ModelConfig
+from scalerl.models.decoder import build_model
+from scalerl.rollout.builtin_engine import BuiltinEngine
+from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.sampling import filter_top_k_top_p
+
+PAD, EOS = 0, 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2)
+    return build_model(cfg, seed=0).eval()
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 9, 2, 7)]
+
+
+def _full_forward_logprobs(model, out, temperature):
+    ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)
+    mask = torch.cat([out.prompt_mask, out.response_mask], dim=1)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).float()
+    p = out.prompt_ids.shape[1]
+    logits = logits[:, p - 1 : -1] / (temperature or 1.0)
+    return logits.log_softmax(-1).gather(-1, out.response_ids.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_new_tokens=12, temperature=1.0, seed=1),
+    SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=20, seed=2),
+    SamplingParams(max_new_tokens=12, temperature=0.0),
+])
+def test_logprobs_equal_full_forward(model, sampling):
+    out = BuiltinEngine(model, PAD).generate(_prompts(), sampling)
+    ref = _full_forward_logprobs(model, out, sampling.temperature)
+    m = out.response_mask.bool()
+    assert (out.logprobs[m] - ref[m]).abs().max().item() < 1e-5
+
+
+def test_greedy_matches_argmax_of_full_forward(model):
+    out = BuiltinEngine(model, PAD).generate(_prompts(), SamplingParams(max_new_tokens=8, temperature=0))
+    ids = torch.cat([out.prompt_ids, out.response_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.response_mask], 1)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask)
+    p = out.prompt_ids.shape[1]
+    assert torch.equal(logits[:, p - 1 : -1].argmax(-1), out.response_ids)
+
+
+def test_seeded_runs_repeat_and_seeds_differ(model):
+    engine = BuiltinEngine(model, PAD)
+    a = engine.generate(_prompts(), SamplingParams(max_new_tokens=10, seed=7))
+    b = engine.generate(_prompts(), SamplingParams(max_new_tokens=10, seed=7))
+    c = engine.generate(_prompts(), SamplingParams(max_new_tokens=10, seed=8))
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.response_ids, c.response_ids)
+
+
+def test_stop_tokens_finish_sequences_early(model):
+    engine = BuiltinEngine(model, PAD)
+    free = engine.generate(_prompts(), SamplingParams(max_new_tokens=10, temperature=0))
+    stop = int(free.response_ids[1, 3])  # force row 1 to stop at its 4th token
+    out = engine.generate(_prompts(), SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=[stop]))
+    assert out.finish_reasons[1] == "stop"
+    first = int((out.response_ids[1] == stop).nonzero()[0])
+    assert out.response_mask[1, : first + 1].all() and not out.response_mask[1, first + 1 :].any()
+    assert (out.response_ids[1, first + 1 :] == PAD).all()
+    assert (out.logprobs[1, first + 1 :] == 0).all()
+    for i, reason in enumerate(out.finish_reasons):
+        if reason == "length":
+            assert out.response_mask[i].sum() == out.response_ids.shape[1]
+
+
+def test_all_stopped_ends_loop(model):
+    engine = BuiltinEngine(model, PAD)
+    out = engine.generate(_prompts(), SamplingParams(max_new_tokens=20, seed=0, stop_token_ids=list(range(64))))
+    assert out.response_ids.shape[1] == 1 and out.finish_reasons == ["stop"] * 4
+
+
+def test_single_prompt_matches_batched(model):
+    engine = BuiltinEngine(model, PAD)
+    prompts = _prompts()
+    batched = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0))
+    alone = engine.generate(prompts[2:3], SamplingParams(max_new_tokens=6, temperature=0))
+    assert torch.equal(batched.response_ids[2], alone.response_ids[0])
+
+
+def test_top_k_top_p_filtering():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_top_k_top_p(logits, 2, 1.0)).tolist() == [[False, False, True, True]]
+    # nucleus 0.8: 0.5 + 0.3 reaches 0.8, so the third token is dropped
+    assert torch.isinf(filter_top_k_top_p(logits, 0, 0.8)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_top_k_top_p(logits, 0, 0.81)).tolist() == [[False, False, False, True]]
+    assert torch.isinf(filter_top_k_top_p(logits, 0, 0.01)).tolist() == [[False, True, True, True]]
+
+
+def test_sampled_tokens_respect_top_k(model):
+    out = BuiltinEngine(model, PAD).generate(_prompts() * 4, SamplingParams(max_new_tokens=1, top_k=1, seed=3))
+    greedy = BuiltinEngine(model, PAD).generate(_prompts() * 4, SamplingParams(max_new_tokens=1, temperature=0))
+    assert torch.equal(out.response_ids, greedy.response_ids)
+
+
+def test_bad_sampling_params():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
