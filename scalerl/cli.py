@@ -1,0 +1,221 @@
+"""`scalerl <command>`: the command-line entry point (also `python -m scalerl`, which torchrun needs).
+
+Commands that run something import their module only when invoked, so `scalerl --help` stays fast and
+a missing optional piece fails only the command that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from scalerl import __version__
+from scalerl.config import ConfigError, config_to_yaml, describe_keys, format_config, load_config
+
+OVERRIDE_HELP = """\
+configuration:
+  A run is configured by defaults <- CONFIG.yaml <- key=value overrides (later wins).
+  Overrides use dotted keys and YAML values:
+    actor.lr=1e-6  rollout.n=8  model.path=null  trainer.logger=[console,tensorboard]
+  A list can also be written comma-separated: trainer.logger=console,tensorboard
+  Every key, with its type, default and meaning: scalerl config --keys
+  Check a config without running anything:   scalerl config CONFIG.yaml key=value ...
+"""
+
+MAIN_EPILOG = OVERRIDE_HELP + """
+examples:
+  scalerl demo                                     # tiny GRPO run on the built-in arithmetic task (CPU)
+  scalerl train run.yaml actor.lr=1e-6 rollout.n=8
+  scalerl sft run.yaml sft.steps=500
+  torchrun --nproc-per-node 8 -m scalerl train run.yaml
+  scalerl generate --model outputs/run/final --prompt "12+30="
+  scalerl version
+"""
+
+
+def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """Split positional args into (YAML path or None, overrides).
+
+    The first arg is the config file if it is an existing file or ends with .yaml/.yml and has no '=';
+    every other arg must be a key=value override.
+    """
+    path = None
+    if args and (Path(args[0]).is_file() or ("=" not in args[0] and args[0].endswith((".yaml", ".yml")))):
+        path, args = args[0], args[1:]
+    for arg in args:
+        if "=" not in arg:
+            if arg.endswith((".yaml", ".yml")):
+                raise ConfigError(f"unexpected config file {arg!r}: the config file must come first, "
+                                  "before any key=value override")
+            raise ConfigError(f"{arg!r} is neither a YAML config file (.yaml/.yml) nor a key=value override "
+                              "(e.g. actor.lr=1e-6)")
+    return path, args
+
+
+def _is_main_rank() -> bool:
+    """Under torchrun every rank runs this CLI; only rank 0 should print the config."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _load_run_config(args: argparse.Namespace, show: bool = True) -> Any:
+    path, overrides = split_config_args(args.config_args)
+    try:
+        cfg = load_config(path, overrides)
+    except FileNotFoundError as e:  # a missing config file is a user error, not a crash
+        raise ConfigError(str(e)) from None
+    if show and _is_main_rank():
+        print(format_config(cfg), flush=True)
+    return cfg
+
+
+def _run_target(module: str, function: str) -> Callable[..., Any]:
+    """Import `module.function` lazily; a missing scalerl module becomes a clear error, not a traceback."""
+    try:
+        return getattr(importlib.import_module(module), function)
+    except ModuleNotFoundError as e:
+        if e.name is not None and module.startswith(e.name):
+            raise ConfigError(f"{module} is not available in this installation ({e})") from None
+        raise
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _load_run_config(args)
+    _run_target("scalerl.rl.grpo_trainer", "train")(cfg)
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    cfg = _load_run_config(args)
+    _run_target("scalerl.rl.sft_trainer", "train_sft")(cfg)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    cfg = _load_run_config(args, show=False)  # the demo picks its own defaults and prints what it runs
+    _run_target("scalerl.demo", "run_demo")(cfg)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.keys:
+        print(describe_keys())
+        return 0
+    print(config_to_yaml(_load_run_config(args, show=False)), end="")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0 or args.max_new_tokens < 1:
+        raise ConfigError("--top-k must be >= 0 and --max-new-tokens >= 1")
+    if args.model != "builtin" and not Path(args.model).exists():
+        raise ConfigError(f"--model {args.model!r}: no such directory")
+    generate_text = _run_target("scalerl.rollout.text", "generate_text")
+    completions = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    for i, (prompt, completion) in enumerate(zip(args.prompt, completions)):
+        print(f"--- sample {i} ---")
+        print(f"{prompt}{completion}")
+    return 0
+
+
+def _installed_version(package: str) -> str | None:
+    """Version from package metadata, without importing (importing vllm takes seconds)."""
+    if importlib.util.find_spec(package) is None:
+        return None
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(importlib.import_module(package), "__version__", "unknown")
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    import torch
+
+    print(f"scalerl: {__version__}")
+    print(f"python: {platform.python_version()} ({sys.executable})")
+    print(f"torch: {torch.__version__}")
+    for package in ("ray", "transformers", "vllm"):
+        version = _installed_version(package)
+        print(f"{package}: {version if version else 'not installed'}")
+    if torch.cuda.is_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "n/a"
+        print(f"CUDA: {torch.version.cuda}")
+        print(f"NCCL: {nccl}")
+        print(f"GPUs: {torch.cuda.device_count()}")
+        for i in range(torch.cuda.device_count()):
+            print(f"  cuda:{i}: {torch.cuda.get_device_name(i)}")
+    else:
+        print("CUDA: not available")
+        print("GPUs: 0")
+    return 0
+
+
+def _add_config_args(parser: argparse.ArgumentParser, extra_usage: str = "") -> None:
+    parser.usage = f"%(prog)s [-h]{extra_usage} [CONFIG.yaml] [key=value ...]"
+    parser.add_argument("config_args", nargs="*", metavar="CONFIG.yaml | key=value",
+                        help="optional YAML config file first, then dotted key=value overrides")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser; each subcommand sets `func`."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="scalerl", formatter_class=formatter, epilog=MAIN_EPILOG,
+        description="Reinforcement-learning post-training of language models (GRPO, PPO, SFT).")
+    parser.add_argument("-V", "--version", action="version", version=f"scalerl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], summary: str, epilog: str = "") -> Any:
+        p = sub.add_parser(name, help=summary, description=summary, epilog=epilog, formatter_class=formatter)
+        p.set_defaults(func=func)
+        return p
+
+    _add_config_args(add("train", cmd_train, "RL training (GRPO, or PPO with algorithm.adv_estimator=gae)",
+                         OVERRIDE_HELP + "\nexamples:\n  scalerl train run.yaml actor.lr=1e-6 rollout.n=8\n"
+                         "  torchrun --nproc-per-node 8 -m scalerl train run.yaml trainer.resume=auto\n"))
+    _add_config_args(add("sft", cmd_sft, "supervised fine-tuning (uses the data.* and sft.* keys)",
+                         OVERRIDE_HELP + "\nexamples:\n  scalerl sft run.yaml sft.steps=500 sft.lr=1e-4\n"))
+    _add_config_args(add("demo", cmd_demo, "small end-to-end run on the built-in model and task (CPU friendly)",
+                         OVERRIDE_HELP + "\nexamples:\n  scalerl demo\n  scalerl demo trainer.total_steps=50\n"))
+    config = add("config", cmd_config, "print the resolved config as YAML (checks a config and overrides)",
+                 OVERRIDE_HELP + "\nexamples:\n  scalerl config run.yaml actor.lr=1e-6\n  scalerl config --keys\n")
+    _add_config_args(config, " [--keys]")
+    config.add_argument("--keys", action="store_true", help="list every key with its type, default and meaning")
+
+    gen = add("generate", cmd_generate, "sample completions from a model for quick inspection",
+              "examples:\n  scalerl generate --model outputs/run/final --prompt '12+30=' --prompt '7*6='\n"
+              "  scalerl generate --model builtin --prompt hello --temperature 0.8 --top-p 0.9\n")
+    gen.add_argument("--model", required=True, metavar="PATH|builtin",
+                     help="model directory (Hugging Face layout or a scalerl checkpoint), or 'builtin'")
+    gen.add_argument("--prompt", required=True, action="append", metavar="TEXT",
+                     help="prompt text; repeat for several prompts")
+    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                     help="sampling temperature; 0 = greedy (default 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
+    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens; 0 = off")
+    gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+
+    add("version", cmd_version, "print versions of scalerl, python, torch, optional packages, CUDA and NCCL")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` (default: sys.argv[1:]) and run the command; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:  # a user error: one message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
