@@ -94,13 +94,24 @@ class HFTokenizer:
         tokenizer_file = directory / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(_missing_tokenizer_message(str(directory)))
-        backend = hf_tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = hf_tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # e.g. a file written by a newer `tokenizers` than the installed one
+            raise ValueError(
+                f"{tokenizer_file} cannot be loaded by tokenizers {hf_tokenizers.__version__}: {error}"
+            ) from error
         tokenizer_config = _read_json(directory / "tokenizer_config.json")
         generation_config = _read_json(directory / "generation_config.json")
         model_config = _read_json(directory / "config.json")
 
         def token_id(field: str) -> int | None:
-            """The id of a special token named in tokenizer_config.json, else the id in the other configs."""
+            """The id of a special token named in tokenizer_config.json, else the id in the other configs.
+
+            A field that tokenizer_config.json sets to null stays None (Qwen2 has `"bos_token": null`
+            although its config.json names a bos id that the model never sees at the start).
+            """
+            if field in tokenizer_config and tokenizer_config[field] is None:
+                return None
             token = _token_content(tokenizer_config.get(field))
             if token is not None:
                 found = backend.token_to_id(token)
@@ -154,7 +165,8 @@ class HFTokenizer:
         """`decode` for each sequence, in one call into the Rust library."""
         if hasattr(list_of_ids, "tolist"):
             list_of_ids = list_of_ids.tolist()
-        return self.backend.decode_batch([_as_int_list(ids) for ids in list_of_ids], skip_special_tokens=skip_special_tokens)
+        batch = [_as_int_list(ids) for ids in list_of_ids]
+        return self.backend.decode_batch(batch, skip_special_tokens=skip_special_tokens)
 
     def token_string(self, token_id: int | None) -> str | None:
         """The string of a special token id, as chat templates expect (`eos_token`, `bos_token`, ...)."""
@@ -361,7 +373,9 @@ def _as_int_list(ids: Iterable[int]) -> list[int]:
 
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not all(isinstance(message, dict) for message in messages):
-        raise TypeError(f"messages must be a list of dicts like {{'role': 'user', 'content': '...'}}, got {messages!r:.120}")
+        raise TypeError(
+            f"messages must be a list of dicts like {{'role': 'user', 'content': '...'}}, got {messages!r:.120}"
+        )
     for index, message in enumerate(messages):
         if "role" not in message or "content" not in message:
             raise ValueError(f"messages[{index}] = {message!r:.120} needs both 'role' and 'content'")

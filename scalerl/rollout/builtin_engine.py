@@ -61,7 +61,7 @@ class BuiltinEngine:
         check_every = self.finish_check_every or (1 if device.type == "cpu" else 8)
 
         cache = KVCache.for_model(model, batch, total_len)
-        key_mask = torch.ones(batch, total_len, dtype=torch.long, device=device)
+        key_mask = torch.ones(batch, total_len, dtype=torch.bool, device=device)
         key_mask[:, :prompt_len] = prompt_mask
         positions = prompt_mask.sum(-1, keepdim=True) - 1  # position of each prompt's last token
         tokens_out = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=device)
@@ -81,7 +81,7 @@ class BuiltinEngine:
             logprobs_out[:, t] = torch.where(alive, logprobs, 0.0)
             response_mask[:, t] = alive
             if stop_ids.numel():
-                hit = torch.isin(tokens, stop_ids) & alive
+                hit = (tokens.unsqueeze(-1) == stop_ids).any(-1) & alive
                 stopped |= hit
                 finished |= hit
             steps = t + 1

@@ -113,3 +113,15 @@ def test_bad_sampling_params():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+def test_sampling_frequencies_follow_probabilities():
+    from scalerl.rollout.sampling import sample_tokens
+
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    logits = probs.log().expand(20000, -1).contiguous()
+    tokens, logprobs = sample_tokens(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=4).float() / tokens.numel()
+    assert freq[1] == 0  # a zero-probability token is never drawn
+    assert (freq - probs).abs().max() < 0.015
+    assert torch.allclose(logprobs, probs.log()[tokens])

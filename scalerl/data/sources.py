@@ -1,0 +1,67 @@
+"""Rows and the reward function a run's `data` config section asks for, and the seeded prompt stream."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from scalerl.data.arithmetic import make_arithmetic_rows
+from scalerl.data.errors import DataError
+from scalerl.data.loaders import load_rows
+from scalerl.data.rewards import RewardComputer
+
+_SPLIT_FILES = {"train": "train_files", "test": "val_files"}
+_TASK_REWARDS = {"arithmetic": "gsm8k", "gsm8k": "gsm8k", "math": "math"}
+
+
+def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
+    """Train (``split="train"``) or held-out (``"test"``) rows: the built-in task, or the configured files."""
+    if data_cfg.task == "arithmetic" and not getattr(data_cfg, _SPLIT_FILES[split]):
+        count = data_cfg.num_train if split == "train" else data_cfg.num_val
+        return make_arithmetic_rows(split, count, list(data_cfg.difficulty), seed)
+    files = getattr(data_cfg, _SPLIT_FILES[split])
+    if not files:
+        raise DataError(f"data.task={data_cfg.task!r} needs data.{_SPLIT_FILES[split]} (JSONL or Parquet paths)")
+    kind = data_cfg.task if data_cfg.task in ("gsm8k", "math") else "auto"
+    limit = data_cfg.num_train if split == "train" else data_cfg.num_val
+    return load_rows(files, kind=kind, prompt_template=data_cfg.prompt_template, limit=limit)
+
+
+def reward_from_config(data_cfg: Any) -> RewardComputer:
+    spec = _TASK_REWARDS[data_cfg.task] if data_cfg.reward == "auto" else data_cfg.reward
+    return RewardComputer(spec)
+
+
+class PromptStream:
+    """Yields batches of rows forever, reshuffled each epoch from ``seed``; its position is its whole state,
+    so a resumed run continues with exactly the rows an uninterrupted one would have seen."""
+
+    def __init__(self, rows: list[dict], batch_size: int, seed: int, shuffle: bool = True):
+        if not rows:
+            raise DataError("the training set is empty")
+        if batch_size > len(rows):
+            raise DataError(f"trainer.batch_size={batch_size} exceeds the {len(rows)} training rows")
+        self.rows, self.batch_size, self.seed, self.shuffle = rows, batch_size, seed, shuffle
+        self.position = 0  # rows consumed so far, across epochs
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(f"prompts:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def next_batch(self) -> list[dict]:
+        batch = []
+        while len(batch) < self.batch_size:
+            epoch, offset = divmod(self.position, len(self.rows))
+            order = self._order(epoch)
+            take = min(self.batch_size - len(batch), len(self.rows) - offset)
+            batch.extend(self.rows[i] for i in order[offset : offset + take])
+            self.position += take
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])

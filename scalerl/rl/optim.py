@@ -1,0 +1,42 @@
+"""Optimizer and learning-rate schedule shared by the SFT and RL trainers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_lambda(step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the base lr at ``step``: linear warm-up over ``warmup_steps``, then constant or cosine
+    decay to ``min_lr_ratio`` at ``total_steps``: ``min + (1 - min) * (1 + cos(pi * progress)) / 2``."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise ValueError(f"unknown lr schedule {schedule!r}; expected 'constant' or 'cosine'")
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(
+    params,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    warmup_steps: int = 0,
+    total_steps: int = 1,
+    schedule: str = "constant",
+    min_lr_ratio: float = 0.0,
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW plus a LambdaLR stepped once per trainer step. Norms and biases get no weight decay."""
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), foreach=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, warmup_steps, total_steps, schedule, min_lr_ratio)
+    )
+    return optimizer, scheduler
