@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import torch
 
@@ -21,8 +22,7 @@ def lr_lambda(step: int, warmup_steps: int, total_steps: int, schedule: str, min
 
 
 def build_optimizer(
-    params,
-    lr: float,
+    params_and_lrs: list[tuple[Iterable[torch.nn.Parameter], float]],
     weight_decay: float,
     betas: tuple[float, float] = (0.9, 0.999),
     warmup_steps: int = 0,
@@ -30,12 +30,14 @@ def build_optimizer(
     schedule: str = "constant",
     min_lr_ratio: float = 0.0,
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW plus a LambdaLR stepped once per trainer step. Norms and biases get no weight decay."""
-    params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), foreach=True)
+    """AdamW over one or more (parameters, lr) sets (policy, critic), plus a LambdaLR stepped once per
+    trainer step that scales every set's lr alike. Norms and biases get no weight decay."""
+    groups = []
+    for params, lr in params_and_lrs:
+        params = [p for p in params if p.requires_grad]
+        groups.append({"params": [p for p in params if p.ndim >= 2], "lr": lr, "weight_decay": weight_decay})
+        groups.append({"params": [p for p in params if p.ndim < 2], "lr": lr, "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, betas=tuple(betas), foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, warmup_steps, total_steps, schedule, min_lr_ratio)
     )

@@ -1,0 +1,114 @@
+"""Supervised fine-tuning on prompt/response pairs (loss on response tokens only), used for warm starts."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scalerl.config import Config, config_to_dict
+from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
+from scalerl.rl.entropy import logprobs_from_logits
+from scalerl.rl.evaluation import evaluate
+from scalerl.rl.optim import build_optimizer
+from scalerl.rl.policy import encode_prompts, load_policy, resolve_device, save_policy
+from scalerl.rl.runtime import AutocastFactory, grad_scaler, max_memory_gb, seed_everything
+from scalerl.rollout.builtin_engine import BuiltinEngine
+from scalerl.tracking import MetricsLogger
+
+
+def sft_example(tokenizer: Any, row: dict) -> tuple[list[int], int]:
+    """Token ids of ``prompt + response + eos`` and the prompt's length (tokens before it carry no loss)."""
+    prompt = encode_prompts(tokenizer, [row["prompt"]])[0]
+    return prompt + tokenizer.encode(row["response"]) + [tokenizer.eos_token_id], len(prompt)
+
+
+def collate(examples: list[tuple[list[int], int]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``/``attention_mask`` and ``loss_mask`` marking the tokens to predict."""
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), width), dtype=torch.float32)
+    for i, (ids, prompt_len) in enumerate(examples):
+        input_ids[i, : len(ids)] = torch.as_tensor(ids)
+        attention_mask[i, : len(ids)] = 1
+        loss_mask[i, prompt_len : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy summed over loss tokens and divided by the whole batch's count, so the
+    micro-batch losses add up to the batch's token-mean."""
+    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])[:, :-1].float()
+    logp = logprobs_from_logits(logits, batch["input_ids"][:, 1:])
+    mask = batch["loss_mask"][:, 1:]
+    return -(logp * mask).sum() / num_tokens
+
+
+def train_sft(cfg: Config) -> dict[str, Any]:
+    """Run SFT as configured by the ``sft`` section (model/data/trainer sections as for RL)."""
+    cfg.validate()
+    s, t = cfg.sft, cfg.trainer
+    seed_everything(t.seed)
+    device = resolve_device(t.device)
+    out_dir = Path(s.output_dir or Path(t.output_dir) / "sft")
+    model, tokenizer = load_policy(cfg, device, t.seed)
+    train_rows = rows_from_config(cfg.data, "train", t.seed)
+    val_rows = rows_from_config(cfg.data, "test", t.seed)
+    examples = [sft_example(tokenizer, row) for row in train_rows]
+    stream = PromptStream(list(range(len(examples))), s.batch_size, t.seed, cfg.data.shuffle)
+    optimizer, scheduler = build_optimizer(
+        [(model.parameters(), s.lr)], s.weight_decay, warmup_steps=s.warmup_steps, total_steps=s.steps,
+        schedule=s.lr_schedule,
+    )
+    autocast = AutocastFactory(t.precision, device) if t.precision != "fp32" else contextlib.nullcontext()
+    scaler = grad_scaler(t.precision, device)
+    engine = BuiltinEngine(model, tokenizer.pad_token_id)
+    reward = reward_from_config(cfg.data)
+    params = [p for p in model.parameters() if p.requires_grad]
+    summary: dict[str, Any] = {}
+
+    def run_eval() -> dict[str, float]:
+        return evaluate(engine, tokenizer, val_rows, reward, cfg.rollout.max_new_tokens, seed=t.seed) if val_rows else {}
+
+    with MetricsLogger(out_dir, backends=t.logger, total_steps=s.steps, config=config_to_dict(cfg)) as logger:
+        for step in range(1, s.steps + 1):
+            start = time.perf_counter()
+            model.train()
+            batch = collate([examples[i] for i in stream.next_batch()], tokenizer.pad_token_id)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            num_tokens = batch["loss_mask"][:, 1:].sum().clamp(min=1)
+            optimizer.zero_grad(set_to_none=True)
+            loss_total = torch.zeros((), device=device)
+            for lo in range(0, s.batch_size, s.micro_batch_size):
+                micro = {k: v[lo : lo + s.micro_batch_size] for k, v in batch.items()}
+                with autocast:
+                    loss = sft_loss(model, micro, num_tokens)
+                (scaler.scale(loss) if scaler else loss).backward()
+                loss_total += loss.detach()
+            if scaler:
+                scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            lr = optimizer.param_groups[0]["lr"]
+            scheduler.step()
+            elapsed = time.perf_counter() - start
+            tokens = int(batch["attention_mask"].sum())
+            metrics = {
+                "sft/loss": float(loss_total), "sft/grad_norm": float(grad_norm), "sft/lr": lr,
+                "timing_s/step": elapsed, "perf/throughput": tokens / elapsed,
+                "perf/max_memory_gb": max_memory_gb(device),
+            }
+            if step == s.steps:
+                metrics.update(run_eval())
+                summary["final"] = metrics
+            logger.log(metrics, step=step)
+    summary["model_dir"] = str(save_policy(model, tokenizer, out_dir / "model"))
+    return summary
