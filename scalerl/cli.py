@@ -59,13 +59,17 @@ def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
     return path, args
 
 
+DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+
+
 def _is_main_rank() -> bool:
     """Under torchrun every rank runs this CLI; only rank 0 should print the config."""
     return os.environ.get("RANK", "0") == "0"
 
 
-def _load_run_config(args: argparse.Namespace, show: bool = True) -> Any:
+def _load_run_config(args: argparse.Namespace, show: bool = True, default_path: Path | None = None) -> Any:
     path, overrides = split_config_args(args.config_args)
+    path = path or default_path
     try:
         cfg = load_config(path, overrides)
     except FileNotFoundError as e:  # a missing config file is a user error, not a crash
@@ -98,7 +102,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    cfg = _load_run_config(args, show=False)  # the demo picks its own defaults and prints what it runs
+    # The demo's own defaults (scalerl/configs/demo.yaml) sit under the user's overrides.
+    cfg = _load_run_config(args, show=False, default_path=DEMO_CONFIG)
     _run_target("scalerl.demo", "run_demo")(cfg)
     return 0
 

@@ -85,7 +85,7 @@ class RLTrainer:
             self.stream.load_state_dict(loaded.trainer_state["data"])
         self.logger = MetricsLogger(
             self.output_dir, backends=t.logger, total_steps=t.total_steps, config=config_to_dict(cfg),
-            resume_step=self.step + 1 if resume_from is not None else None,
+            resume_step=self.step + 1 if resume_from is not None else 0,  # a fresh run starts fresh files
         )
 
     def _build_engine(self):

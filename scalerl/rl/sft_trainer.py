@@ -74,7 +74,7 @@ def train_sft(cfg: Config) -> dict[str, Any]:
     def run_eval() -> dict[str, float]:
         return evaluate(engine, tokenizer, val_rows, reward, cfg.rollout.max_new_tokens, seed=t.seed) if val_rows else {}
 
-    with MetricsLogger(out_dir, backends=t.logger, total_steps=s.steps, config=config_to_dict(cfg)) as logger:
+    with MetricsLogger(out_dir, backends=t.logger, total_steps=s.steps, config=config_to_dict(cfg), resume_step=0) as logger:
         for step in range(1, s.steps + 1):
             start = time.perf_counter()
             model.train()
