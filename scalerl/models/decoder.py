@@ -25,6 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
 
@@ -56,8 +58,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        # One rotation over q and k heads together: half the small kernels of rotating each.
+        q, k = apply_rotary(torch.cat((q, k), dim=1), cos, sin).split((q.shape[1], k.shape[1]), dim=1)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, cache_start)
         out = F.scaled_dot_product_attention(

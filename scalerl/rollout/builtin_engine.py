@@ -1,8 +1,8 @@
 """The built-in rollout engine: batched prefill, then a decode loop over a preallocated KV cache.
 
-Each decode step runs one forward for the whole batch; nothing in the loop iterates over sequences.
-Finished sequences keep stepping (cheaper than compacting the batch at these sizes) with their outputs
-masked, and the loop ends as soon as every sequence has finished.
+Each decode step runs one forward for the whole batch and two copies into preallocated outputs; nothing
+in the loop iterates over sequences. Finished sequences keep stepping (cheaper than compacting the batch at
+these sizes); which tokens count is worked out once after the loop, from the first stop token of each row.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ class BuiltinEngine:
     def __init__(self, model: CausalLM, pad_token_id: int, finish_check_every: int | None = None):
         self.model = model
         self.pad_token_id = pad_token_id
-        # Checking "all finished?" reads a flag back from the device; on a GPU that sync costs more than a
-        # few wasted steps, so it is done every few steps there and every step on the CPU.
+        # "All finished?" reads a flag back from the device and scans the tokens so far; every few steps is
+        # enough (at most that many wasted steps) and on a GPU avoids a sync per token.
         self.finish_check_every = finish_check_every
 
     def sync_weights(self, named_tensors: dict[str, torch.Tensor] | None = None) -> int:
@@ -58,35 +58,29 @@ class BuiltinEngine:
         if sampling.seed is not None and sampling.temperature > 0:
             generator = torch.Generator(device=device).manual_seed(sampling.seed)
         stop_ids = torch.as_tensor(list(sampling.stop_token_ids), dtype=torch.long, device=device)
-        check_every = self.finish_check_every or (1 if device.type == "cpu" else 8)
+        check_every = self.finish_check_every or (4 if device.type == "cpu" else 16)
 
         cache = KVCache.for_model(model, batch, total_len)
         key_mask = torch.ones(batch, total_len, dtype=torch.bool, device=device)
-        key_mask[:, :prompt_len] = prompt_mask
+        key_mask[:, :prompt_len] = prompt_mask.bool()
         positions = prompt_mask.sum(-1, keepdim=True) - 1  # position of each prompt's last token
-        tokens_out = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=device)
-        logprobs_out = torch.zeros(batch, max_new, dtype=torch.float32, device=device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        stopped = torch.zeros(batch, dtype=torch.bool, device=device)
-        response_mask = torch.zeros(batch, max_new, dtype=torch.long, device=device)
+        tokens_out = torch.empty((batch, max_new), dtype=torch.long, device=device)
+        logprobs_out = torch.empty((batch, max_new), dtype=torch.float32, device=device)
 
         logits = model(prompt_ids, attention_mask=prompt_mask, kv_cache=cache, cache_start=0, logits_to_keep=1)
-        steps = 0
+        steps = max_new
         for t in range(max_new):
             tokens, logprobs = sample_tokens(
                 logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p, generator
             )
-            alive = ~finished
-            tokens_out[:, t] = torch.where(alive, tokens, self.pad_token_id)
-            logprobs_out[:, t] = torch.where(alive, logprobs, 0.0)
-            response_mask[:, t] = alive
-            if stop_ids.numel():
-                hit = (tokens.unsqueeze(-1) == stop_ids).any(-1) & alive
-                stopped |= hit
-                finished |= hit
-            steps = t + 1
-            if t + 1 == max_new or ((t + 1) % check_every == 0 and bool(finished.all())):
+            tokens_out[:, t] = tokens
+            logprobs_out[:, t] = logprobs
+            if t + 1 == max_new:
                 break
+            if stop_ids.numel() and (t + 1) % check_every == 0:
+                if bool(torch.isin(tokens_out[:, : t + 1], stop_ids).any(-1).all()):
+                    steps = t + 1
+                    break
             positions = positions + 1
             cur = prompt_len + t
             logits = model(
@@ -96,12 +90,22 @@ class BuiltinEngine:
                 kv_cache=cache,
                 cache_start=cur,
             )
-        finish_reasons = ["stop" if s else "length" for s in stopped.tolist()]
+        return self._finish(prompt_ids, prompt_mask, tokens_out[:, :steps], logprobs_out[:, :steps], stop_ids)
+
+    def _finish(self, prompt_ids, prompt_mask, tokens, logprobs, stop_ids) -> GenerationOutput:
+        """Cut each row after its first stop token (kept, as generated), pad the rest, and trim columns
+        that no row uses."""
+        steps = tokens.shape[1]
+        is_stop = torch.isin(tokens, stop_ids) if stop_ids.numel() else torch.zeros_like(tokens, dtype=torch.bool)
+        stopped = is_stop.any(-1)
+        last = torch.where(stopped, is_stop.int().argmax(-1), steps - 1)
+        response_mask = torch.arange(steps, device=tokens.device).unsqueeze(0) <= last.unsqueeze(1)
+        width = int(last.max()) + 1
         return GenerationOutput(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
-            response_ids=tokens_out[:, :steps],
-            response_mask=response_mask[:, :steps],
-            logprobs=logprobs_out[:, :steps],
-            finish_reasons=finish_reasons,
+            response_ids=tokens.masked_fill(~response_mask, self.pad_token_id)[:, :width],
+            response_mask=response_mask.long()[:, :width],
+            logprobs=logprobs.masked_fill(~response_mask, 0.0)[:, :width],
+            finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
         )
