@@ -1,0 +1,41 @@
+"""Text in, text out: `scalerl generate` on a model directory (or the built-in tiny model)."""
+
+from __future__ import annotations
+
+from scalerl.models.decoder import build_model
+from scalerl.models.hf_checkpoint import from_pretrained
+from scalerl.models.tokenizer import CharTokenizer, load_tokenizer
+from scalerl.rollout.builtin_engine import BuiltinEngine
+from scalerl.rollout.engine import SamplingParams
+
+
+def generate_text(
+    model_path: str,
+    prompts: list[str],
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = 0,
+) -> list[str]:
+    """Completions of ``prompts``. ``model_path="builtin"`` uses a randomly initialised built-in model (a
+    smoke test of the stack); a directory (e.g. ``outputs/demo/grpo/final``) is loaded with its tokenizer."""
+    if model_path == "builtin":
+        from scalerl.config import ModelSection
+        from scalerl.rl.policy import builtin_model_config
+
+        tokenizer = CharTokenizer()
+        model = build_model(builtin_model_config(ModelSection(), tokenizer), seed=seed or 0)
+    else:
+        model = from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)
+    from scalerl.rl.policy import encode_prompts
+
+    model.eval()
+    ids = encode_prompts(tokenizer, prompts)
+    sampling = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        stop_token_ids=tokenizer.stop_token_ids, seed=seed,
+    )
+    out = BuiltinEngine(model, tokenizer.pad_token_id).generate(ids, sampling)
+    return tokenizer.batch_decode(out.response_ids.tolist())

@@ -1,0 +1,20 @@
+"""`scalerl generate` on a saved model directory with its tokenizer."""
+
+from scalerl.cli import main
+from scalerl.config import ModelSection
+from scalerl.models.decoder import build_model
+from scalerl.models.tokenizer import CharTokenizer
+from scalerl.rl.policy import builtin_model_config, save_policy
+from scalerl.rollout.text import generate_text
+
+
+def test_generate_from_a_saved_directory(tmp_path, capsys):
+    tok = CharTokenizer()
+    model = build_model(builtin_model_config(ModelSection(hidden_size=32, intermediate_size=64), tok), seed=1)
+    save_policy(model, tok, tmp_path / "m")
+    texts = generate_text(str(tmp_path / "m"), ["Q:1+1\nA:", "abc"], max_new_tokens=6, temperature=0)
+    assert len(texts) == 2 and all(isinstance(t, str) and len(t) <= 6 for t in texts)
+    assert generate_text(str(tmp_path / "m"), ["abc"], max_new_tokens=6, temperature=0)[0] == texts[1]
+    assert main(["generate", "--model", str(tmp_path / "m"), "--prompt", "abc", "--max-new-tokens", "6",
+                 "--temperature", "0"]) == 0
+    assert f"abc{texts[1]}" in capsys.readouterr().out
