@@ -312,6 +312,32 @@ class TrainerSection(_Section):
         return p
 
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass
+class ParallelSection(_Section):
+    name = "parallel"
+    dp_replicate: int = opt(-1, "data-parallel replicas (DDP, or HSDP's replicate dim); -1 = all ranks left over")
+    dp_shard: int = opt(1, "FSDP2 shard group size (>1 turns on FSDP; with dp_replicate>1, HSDP); -1 = left over")
+    tp: int = opt(1, "tensor-parallel degree (heads and kv heads must divide by it)")
+    pp: int = opt(1, "pipeline-parallel stages (layers must divide by it)")
+    pp_schedule: str = opt("1f1b", "pipeline schedule: " + " | ".join(PP_SCHEDULES))
+    microbatches: int = opt(4, "pipeline micro-batches per mini-batch")
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        for key in ("dp_replicate", "dp_shard", "tp", "pp"):
+            value = getattr(self, key)
+            _check(p, value == -1 or value >= 1, f"parallel.{key}", ">= 1 or -1 (fill the world)", value)
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            p.append("only one of parallel.dp_replicate and parallel.dp_shard may be -1")
+        _check(p, self.tp != -1 and self.pp != -1, "parallel.tp/pp", "explicit sizes (>= 1)", (self.tp, self.pp))
+        _check_choice(p, "parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _check(p, self.microbatches >= 1, "parallel.microbatches", ">= 1", self.microbatches)
+        return p
+
+
 @dataclass
 class Config(_Section):
     """A whole run: every section, each with defaults."""
@@ -324,6 +350,7 @@ class Config(_Section):
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     sft: SFTSection = field(default_factory=SFTSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
 
     def problems(self) -> list[str]:
         p = [msg for f in dataclasses.fields(self) for msg in getattr(self, f.name).problems()]

@@ -8,6 +8,8 @@ from typing import Any, Iterator
 
 import torch
 
+from scalerl.parallel.distributed import DistContext, single_process_context
+from scalerl.parallel.grad_norm import clip_grad_norm
 from scalerl.rl.batch import RolloutBatch
 from scalerl.rl.entropy import entropy_from_logits, logprobs_from_logits
 from scalerl.rl.kl import kl_penalty
@@ -57,28 +59,34 @@ def update_policy(
     generator: torch.Generator,
     autocast=None,
     grad_scaler: torch.amp.GradScaler | None = None,
+    dist_ctx: DistContext | None = None,
 ) -> dict[str, float]:
     """``ppo_epochs`` x shuffled mini-batches x micro-batches (gradient accumulation) of PPO-clip.
 
-    Each micro-batch loss is aggregated against the *mini-batch's* token/sequence counts, so summing the
-    micro-batch gradients gives exactly the full mini-batch loss's gradient (no 1/num_micro fudge).
+    Each micro-batch loss is aggregated against the *mini-batch's* token/sequence counts summed over the
+    data-parallel ranks, scaled by the DP size that DDP/FSDP average gradients over, so the gradient equals
+    the single-process full mini-batch gradient (no 1/num_micro fudge). ``batch`` holds this rank's rows;
+    a mini-batch takes ``ppo_mini_batch_size / dp`` of them.
     """
     cfg = actor_cfg
+    ctx = dist_ctx or single_process_context()
     n = len(batch)
+    mini_size = cfg.ppo_mini_batch_size // ctx.dp_size
     stats: dict[str, list[tuple[float, float]]] = defaultdict(list)
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(n, generator=generator).to(batch.input_ids.device)
-        for start in range(0, n, cfg.ppo_mini_batch_size):
-            mini = batch.select(order[start : start + cfg.ppo_mini_batch_size])
-            num_tokens = mini.response_mask.sum()
-            num_seqs = (mini.response_mask.sum(-1) > 0).sum()
-            agg = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, horizon=horizon)
+        for start in range(0, n, mini_size):
+            mini = batch.select(order[start : start + mini_size])
+            counts = ctx.all_reduce(torch.stack([mini.response_mask.sum(), (mini.response_mask.sum(-1) > 0).sum().float()]))
+            num_tokens, num_seqs = counts[0], counts[1]
+            agg = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=ctx.dp_size, horizon=horizon)
             optimizer.zero_grad(set_to_none=True)
-            for micro in micro_batches(mini, cfg.ppo_micro_batch_size):
+            micros = list(micro_batches(mini, cfg.ppo_micro_batch_size))
+            for i, micro in enumerate(micros):
                 micro, _, _ = micro.trimmed()
-                weight = micro.response_mask.sum() / num_tokens.clamp(min=1)
+                weight = micro.response_mask.sum() / num_tokens.clamp(min=1) * ctx.dp_size  # averaged over ranks later
                 with autocast or contextlib.nullcontext():
                     logits = response_logits(model, micro, temperature)
                 logp = logprobs_from_logits(logits, micro.response_ids)
@@ -100,14 +108,17 @@ def update_policy(
                     kl_loss = aggregate_loss(kl, micro.response_mask, cfg.loss_agg_mode, **agg)
                     loss = loss + cfg.kl_loss_coef * kl_loss
                     stats["actor/kl_loss"].append((kl_loss.detach(), 1.0))
-                (grad_scaler.scale(loss) if grad_scaler else loss).backward()
+                # DDP all-reduces only on the last micro-batch's backward; FSDP reduces every time.
+                sync = getattr(model, "no_sync", None) if i < len(micros) - 1 else None
+                with sync() if sync else contextlib.nullcontext():
+                    (grad_scaler.scale(loss) if grad_scaler else loss).backward()
                 stats["actor/pg_loss"].append((pg_loss.detach(), 1.0))  # parts of the mini-batch loss: summed
-                stats["actor/entropy"].append(((entropy.detach() * micro.response_mask).sum() / num_tokens, 1.0))
+                stats["actor/entropy"].append(((entropy.detach() * micro.response_mask).sum() / num_tokens * ctx.dp_size, 1.0))
                 for key, value in pg_metrics.items():
                     stats[f"actor/{key}"].append((value, weight))
             if grad_scaler:
                 grad_scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            grad_norm = clip_grad_norm(params, cfg.grad_clip)
             if grad_scaler:
                 grad_scaler.step(optimizer)  # skips the step itself on inf/nan
                 grad_scaler.update()

@@ -18,6 +18,9 @@ from scalerl.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from scalerl.config import Config, config_to_dict
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
 from scalerl.diagnose.flops import mfu
+from scalerl.parallel.distributed import init_distributed, reduce_metrics
+from scalerl.parallel.parallelize import parallelize
+from scalerl.parallel.sharding import check_distributed_config, shard_rows
 from scalerl.rl.actor import compute_logprobs, update_policy
 from scalerl.rl.advantages import gae_advantages, grpo_advantages
 from scalerl.rl.batch import RolloutBatch
@@ -44,10 +47,17 @@ class RLTrainer:
         t = cfg.trainer
         seed_everything(t.seed)
         self.device = resolve_device(t.device)
+        self.dist = init_distributed(cfg.parallel, self.device)
+        check_distributed_config(cfg, self.dist)
         self.output_dir = Path(t.output_dir)
         self.model, self.tokenizer = load_policy(cfg, self.device, t.seed)
+        self.ref_model = None
+        if cfg.actor.use_kl_loss:  # a frozen copy of the initial policy, laid out like the policy
+            self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
+            self.ref_model = parallelize(self.ref_model, self.dist, trainable=False).eval()
+        self.train_model = parallelize(self.model, self.dist, cfg.model.activation_checkpointing)
         self.train_rows = rows_from_config(cfg.data, "train", t.seed)
-        self.val_rows = rows_from_config(cfg.data, "test", t.seed)
+        self.val_rows = shard_rows(rows_from_config(cfg.data, "test", t.seed), self.dist)
         self.reward = reward_from_config(cfg.data)
         self.stream = PromptStream(self.train_rows, t.batch_size, t.seed, cfg.data.shuffle)
         self.engine = self._build_engine()
@@ -65,9 +75,6 @@ class RLTrainer:
         if "critic" in self.modules:
             param_sets.append((self.modules["critic"].parameters(), cfg.critic.lr))
         self.optimizer, self.scheduler = build_optimizer(param_sets, a.weight_decay, **optim_args)
-        self.ref_model = None
-        if a.use_kl_loss:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.update_generator = torch.Generator().manual_seed(t.seed + 1)
         self.autocast = AutocastFactory(t.precision, self.device) if t.precision != "fp32" else None
         self.scaler = grad_scaler(t.precision, self.device)
@@ -84,13 +91,14 @@ class RLTrainer:
             self.step = loaded.step
             self.stream.load_state_dict(loaded.trainer_state["data"])
         self.logger = MetricsLogger(
-            self.output_dir, backends=t.logger, total_steps=t.total_steps, config=config_to_dict(cfg),
+            self.output_dir, backends=t.logger if self.dist.is_main else [], total_steps=t.total_steps,
+            config=config_to_dict(cfg) if self.dist.is_main else None,
             resume_step=self.step + 1 if resume_from is not None else 0,  # a fresh run starts fresh files
         )
 
     def _build_engine(self):
         if self.cfg.rollout.engine == "builtin":
-            return BuiltinEngine(self.model, self.tokenizer.pad_token_id)
+            return BuiltinEngine(self.model, self.tokenizer.pad_token_id, all_finished=self.dist.all_finished)
         from scalerl.rollout.vllm_engine import VLLMEngine
 
         source = self.cfg.trainer.init_from or self.cfg.model.path
@@ -105,6 +113,8 @@ class RLTrainer:
         return SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             stop_token_ids=self.tokenizer.stop_token_ids, seed=self.cfg.trainer.seed * 1_000_003 + self.step,
+            row_offset=self.dist.dp_rank * self.cfg.trainer.batch_size // self.dist.dp_size * r.n,
+            total_rows=self.cfg.trainer.batch_size * r.n,
         )
 
     def _encode(self, rows: list[dict]) -> list[list[int]]:
@@ -120,7 +130,7 @@ class RLTrainer:
 
     def _rollout(self) -> tuple[RolloutBatch, dict[str, float], list[str]]:
         cfg, timer = self.cfg, self.timer
-        rows = self.stream.next_batch()
+        rows = shard_rows(self.stream.next_batch(), self.dist)  # every rank draws the global batch, keeps its part
         n = cfg.rollout.n
         prompts = [p for p in self._encode(rows) for _ in range(n)]
         group_ids = torch.arange(len(rows)).repeat_interleave(n)
@@ -132,7 +142,7 @@ class RLTrainer:
             scores, failures = self.reward.compute(texts, [rows[i // n] for i in range(len(prompts))])
         batch = RolloutBatch.from_generation(out, group_ids, torch.tensor(scores, dtype=torch.float32))
         lengths = out.response_lengths.float()
-        metrics = {
+        metrics = {  # per rank here; `reduce_metrics` combines them over DP
             "critic/score/mean": float(batch.scores.mean()),
             "critic/score/max": float(batch.scores.max()),
             "critic/score/min": float(batch.scores.min()),
@@ -155,7 +165,7 @@ class RLTrainer:
             if isinstance(self.engine, BuiltinEngine) and cfg.trainer.precision == "fp32":
                 batch.old_logprobs = batch.rollout_logprobs
             else:
-                batch.old_logprobs = compute_logprobs(self.model, batch, r.temperature or 1.0, micro, self.autocast)
+                batch.old_logprobs = compute_logprobs(self.train_model, batch, r.temperature or 1.0, micro, self.autocast)
         if self.ref_model is not None:
             with timer("ref"):
                 batch.ref_logprobs = compute_logprobs(self.ref_model, batch, r.temperature or 1.0, micro, self.autocast)
@@ -178,8 +188,8 @@ class RLTrainer:
                 ))
         with timer("update_actor"):
             metrics.update(update_policy(
-                self.model, self.optimizer, batch, a, r.temperature or 1.0, r.max_new_tokens,
-                self.update_generator, self.autocast, self.scaler,
+                self.train_model, self.optimizer, batch, a, r.temperature or 1.0, r.max_new_tokens,
+                self.update_generator, self.autocast, self.scaler, self.dist,
             ))
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
@@ -197,7 +207,7 @@ class RLTrainer:
             "perf/mfu": mfu(num_tokens * a.ppo_epochs, seq_len, step_time, self.model.config, device=self.device),
             "perf/max_memory_gb": max_memory_gb(self.device),
         })
-        return metrics
+        return reduce_metrics(metrics, self.dist)
 
     def _weights_for_engine(self) -> dict[str, torch.Tensor] | None:
         if isinstance(self.engine, BuiltinEngine):
@@ -207,10 +217,11 @@ class RLTrainer:
     # ----------------------------------------------------------------------------------------- the loop
     def evaluate(self) -> dict[str, float]:
         with self.timer("eval"):
-            return evaluate(
+            local = evaluate(
                 self.engine, self.tokenizer, self.val_rows, self.reward, self.cfg.rollout.max_new_tokens,
                 temperature=self.cfg.rollout.val_temperature, seed=self.cfg.trainer.seed,
             )
+        return reduce_metrics(local, self.dist)  # equal shards, so the mean of rank means is the mean
 
     def save(self) -> Path:
         t = self.cfg.trainer
@@ -236,12 +247,13 @@ class RLTrainer:
                     metrics.update(self.evaluate())
                     metrics.update(self.timer.pop())
                 self.logger.log(metrics, step=self.step)
-                if (t.save_every and self.step % t.save_every == 0) or last:
+                # Distributed checkpoints (DCP) are not built yet: a distributed run keeps its final model only.
+                if self.dist.world_size == 1 and ((t.save_every and self.step % t.save_every == 0) or last):
                     self.save()
                 summary["last"] = metrics
-            final_dir = save_policy(self.model, self.tokenizer, self.output_dir / "final")
+            final_dir = save_policy(self.model, self.tokenizer, self.output_dir / "final", self.dist)
             summary["final_model"] = str(final_dir)
-            if "jsonl" in t.logger:
+            if "jsonl" in t.logger and self.dist.is_main:
                 summary["plot"] = str(plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "metrics.png"))
         finally:
             self.logger.close()

@@ -6,6 +6,7 @@ import math
 from typing import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
@@ -37,7 +38,9 @@ def build_optimizer(
         params = [p for p in params if p.requires_grad]
         groups.append({"params": [p for p in params if p.ndim >= 2], "lr": lr, "weight_decay": weight_decay})
         groups.append({"params": [p for p in params if p.ndim < 2], "lr": lr, "weight_decay": 0.0})
-    optimizer = torch.optim.AdamW(groups, betas=tuple(betas), foreach=True)
+    # foreach kernels need all-plain or all-DTensor parameters; tensor parallelism alone leaves norms plain.
+    kinds = {isinstance(p, DTensor) for g in groups for p in g["params"]}
+    optimizer = torch.optim.AdamW(groups, betas=tuple(betas), foreach=len(kinds) == 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, warmup_steps, total_steps, schedule, min_lr_ratio)
     )

@@ -63,8 +63,24 @@ def load_policy(cfg: Any, device: torch.device, seed: int) -> tuple[CausalLM, An
     return model, tokenizer
 
 
-def save_policy(model: CausalLM, tokenizer: Any, path: str | Path) -> Path:
-    """An HF-format directory (weights, config, tokenizer) that `from_pretrained` and transformers load."""
+def save_policy(model: CausalLM, tokenizer: Any, path: str | Path, dist_ctx=None) -> Path:
+    """An HF-format directory (weights, config, tokenizer) that `from_pretrained` and transformers load.
+
+    Distributed: every rank takes part in gathering the full (unsharded) weights; rank 0 writes them."""
+    path = Path(path)
+    if dist_ctx is not None and dist_ctx.world_size > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist_ctx.is_main:
+            plain = CausalLM(model.config)
+            plain.load_state_dict(full, strict=False)
+            if model.config.tie_word_embeddings:
+                plain.lm_head.weight = plain.embed_tokens.weight
+            save_pretrained(plain.to(getattr(torch, model.config.torch_dtype)), path)
+            tokenizer.save_pretrained(path)
+        dist_ctx.barrier()
+        return path
     path = save_pretrained(model, path)
     tokenizer.save_pretrained(path)
     return path

@@ -11,6 +11,10 @@ import torch
 
 from scalerl.config import Config, config_to_dict
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
+from scalerl.parallel.distributed import init_distributed, reduce_metrics
+from scalerl.parallel.grad_norm import clip_grad_norm
+from scalerl.parallel.parallelize import parallelize
+from scalerl.parallel.sharding import check_distributed_config, shard_rows
 from scalerl.rl.entropy import logprobs_from_logits
 from scalerl.rl.evaluation import evaluate
 from scalerl.rl.optim import build_optimizer
@@ -39,13 +43,16 @@ def collate(examples: list[tuple[list[int], int]], pad_token_id: int) -> dict[st
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
-def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy summed over loss tokens and divided by the whole batch's count, so the
-    micro-batch losses add up to the batch's token-mean."""
+def sft_loss(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor, dp_size: int = 1
+) -> torch.Tensor:
+    """Next-token cross-entropy summed over loss tokens and divided by the global batch's count (all
+    micro-batches, all DP ranks), times the DP size that gradient averaging divides by: micro-batch and
+    rank losses then add up to the global token-mean."""
     logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])[:, :-1].float()
     logp = logprobs_from_logits(logits, batch["input_ids"][:, 1:])
     mask = batch["loss_mask"][:, 1:]
-    return -(logp * mask).sum() / num_tokens
+    return -(logp * mask).sum() / num_tokens * dp_size
 
 
 def train_sft(cfg: Config) -> dict[str, Any]:
@@ -54,10 +61,13 @@ def train_sft(cfg: Config) -> dict[str, Any]:
     s, t = cfg.sft, cfg.trainer
     seed_everything(t.seed)
     device = resolve_device(t.device)
+    ctx = init_distributed(cfg.parallel, device)
+    check_distributed_config(cfg, ctx)
     out_dir = Path(s.output_dir or Path(t.output_dir) / "sft")
     model, tokenizer = load_policy(cfg, device, t.seed)
+    train_model = parallelize(model, ctx, cfg.model.activation_checkpointing)
     train_rows = rows_from_config(cfg.data, "train", t.seed)
-    val_rows = rows_from_config(cfg.data, "test", t.seed)
+    val_rows = shard_rows(rows_from_config(cfg.data, "test", t.seed), ctx)
     examples = [sft_example(tokenizer, row) for row in train_rows]
     stream = PromptStream(list(range(len(examples))), s.batch_size, t.seed, cfg.data.shuffle)
     optimizer, scheduler = build_optimizer(
@@ -66,32 +76,39 @@ def train_sft(cfg: Config) -> dict[str, Any]:
     )
     autocast = AutocastFactory(t.precision, device) if t.precision != "fp32" else contextlib.nullcontext()
     scaler = grad_scaler(t.precision, device)
-    engine = BuiltinEngine(model, tokenizer.pad_token_id)
+    engine = BuiltinEngine(model, tokenizer.pad_token_id, all_finished=ctx.all_finished)
     reward = reward_from_config(cfg.data)
     params = [p for p in model.parameters() if p.requires_grad]
     summary: dict[str, Any] = {}
 
     def run_eval() -> dict[str, float]:
-        return evaluate(engine, tokenizer, val_rows, reward, cfg.rollout.max_new_tokens, seed=t.seed) if val_rows else {}
+        if not val_rows:
+            return {}
+        return reduce_metrics(evaluate(engine, tokenizer, val_rows, reward, cfg.rollout.max_new_tokens, seed=t.seed), ctx)
 
-    with MetricsLogger(out_dir, backends=t.logger, total_steps=s.steps, config=config_to_dict(cfg), resume_step=0) as logger:
+    backends = t.logger if ctx.is_main else []
+    with MetricsLogger(out_dir, backends=backends, total_steps=s.steps, config=config_to_dict(cfg), resume_step=0) as logger:
         for step in range(1, s.steps + 1):
             start = time.perf_counter()
             model.train()
-            batch = collate([examples[i] for i in stream.next_batch()], tokenizer.pad_token_id)
+            local = shard_rows(stream.next_batch(), ctx)  # each rank draws the global batch, keeps its part
+            batch = collate([examples[i] for i in local], tokenizer.pad_token_id)
             batch = {k: v.to(device) for k, v in batch.items()}
-            num_tokens = batch["loss_mask"][:, 1:].sum().clamp(min=1)
+            num_tokens = ctx.all_reduce(batch["loss_mask"][:, 1:].sum()).clamp(min=1)
             optimizer.zero_grad(set_to_none=True)
             loss_total = torch.zeros((), device=device)
-            for lo in range(0, s.batch_size, s.micro_batch_size):
+            starts = list(range(0, len(local), s.micro_batch_size))
+            for i, lo in enumerate(starts):
                 micro = {k: v[lo : lo + s.micro_batch_size] for k, v in batch.items()}
                 with autocast:
-                    loss = sft_loss(model, micro, num_tokens)
-                (scaler.scale(loss) if scaler else loss).backward()
+                    loss = sft_loss(train_model, micro, num_tokens, ctx.dp_size)
+                no_sync = getattr(train_model, "no_sync", None) if i < len(starts) - 1 else None
+                with no_sync() if no_sync else contextlib.nullcontext():
+                    (scaler.scale(loss) if scaler else loss).backward()
                 loss_total += loss.detach()
             if scaler:
                 scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
+            grad_norm = clip_grad_norm(params, s.grad_clip)
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()
@@ -106,9 +123,10 @@ def train_sft(cfg: Config) -> dict[str, Any]:
                 "timing_s/step": elapsed, "perf/throughput": tokens / elapsed,
                 "perf/max_memory_gb": max_memory_gb(device),
             }
+            metrics = reduce_metrics(metrics, ctx)
             if step == s.steps:
                 metrics.update(run_eval())
                 summary["final"] = metrics
             logger.log(metrics, step=step)
-    summary["model_dir"] = str(save_policy(model, tokenizer, out_dir / "model"))
+    summary["model_dir"] = str(save_policy(model, tokenizer, out_dir / "model", ctx))
     return summary

@@ -7,7 +7,7 @@ these sizes); which tokens count is worked out once after the loop, from the fir
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -20,9 +20,18 @@ from scalerl.rollout.sampling import sample_tokens
 class BuiltinEngine:
     """Generates with a ``CausalLM`` it shares with the trainer (colocated: weight sync is free)."""
 
-    def __init__(self, model: CausalLM, pad_token_id: int, finish_check_every: int | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        pad_token_id: int,
+        finish_check_every: int | None = None,
+        all_finished: Callable[[bool], bool] | None = None,
+    ):
         self.model = model
         self.pad_token_id = pad_token_id
+        # With sharded or tensor-parallel weights every forward is a collective, so the ranks agree on when
+        # to stop (`DistContext.all_finished`); alone, a rank decides for itself.
+        self.all_finished = all_finished or (lambda flag: flag)
         # "All finished?" reads a flag back from the device and scans the tokens so far; every few steps is
         # enough (at most that many wasted steps) and on a GPU avoids a sync per token.
         self.finish_check_every = finish_check_every
@@ -40,7 +49,9 @@ class BuiltinEngine:
                 copied += tensor.numel() * tensor.element_size()
         return copied
 
-    @torch.inference_mode()
+    # no_grad, not inference_mode: FSDP2 keeps its all-gather buffers across calls, and buffers created as
+    # inference tensors cannot be written later by the training forward.
+    @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         model = self.model
         device = model.embed_tokens.weight.device
@@ -54,9 +65,12 @@ class BuiltinEngine:
                 f"prompt length {prompt_len} + max_new_tokens {max_new} exceeds the model's "
                 f"max_position_embeddings ({model.config.max_position_embeddings})"
             )
-        generator = None
+        generator, uniforms = None, None
         if sampling.seed is not None and sampling.temperature > 0:
             generator = torch.Generator(device=device).manual_seed(sampling.seed)
+            total = sampling.total_rows or batch
+            uniforms = torch.rand(max_new, total, device=device, generator=generator)
+            uniforms = uniforms[:, sampling.row_offset : sampling.row_offset + batch]
         stop_ids = torch.as_tensor(list(sampling.stop_token_ids), dtype=torch.long, device=device)
         check_every = self.finish_check_every or (4 if device.type == "cpu" else 16)
 
@@ -71,14 +85,15 @@ class BuiltinEngine:
         steps = max_new
         for t in range(max_new):
             tokens, logprobs = sample_tokens(
-                logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p, generator
+                logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p, generator,
+                None if uniforms is None else uniforms[t],
             )
             tokens_out[:, t] = tokens
             logprobs_out[:, t] = logprobs
             if t + 1 == max_new:
                 break
             if stop_ids.numel() and (t + 1) % check_every == 0:
-                if bool(torch.isin(tokens_out[:, : t + 1], stop_ids).any(-1).all()):
+                if self.all_finished(bool(torch.isin(tokens_out[:, : t + 1], stop_ids).any(-1).all())):
                     steps = t + 1
                     break
             positions = positions + 1

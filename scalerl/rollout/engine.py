@@ -18,6 +18,11 @@ class SamplingParams:
     top_k: int = 0
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     seed: int | None = None
+    # Rows of a larger batch split over ranks: this call's rows start at `row_offset` of `total_rows`.
+    # Random draws are made for all `total_rows` from `seed` and sliced, so a sample depends only on its
+    # global row, never on how the batch was split (distributed runs reproduce single-process ones).
+    row_offset: int = 0
+    total_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -31,6 +31,7 @@ def sample_tokens(
     top_k: int,
     top_p: float,
     generator: torch.Generator | None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` ``[B, V]``; returns ``(tokens [B], logprobs [B])``.
 
@@ -45,13 +46,18 @@ def sample_tokens(
         scaled = logits / temperature
         logprobs = scaled.log_softmax(dim=-1)
         filtered = filter_top_k_top_p(scaled, top_k, top_p)
-        tokens = sample_from_logits(filtered, generator)
+        tokens = sample_from_logits(filtered, generator, uniform)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def sample_from_logits(
+    logits: torch.Tensor, generator: torch.Generator | None, uniform: torch.Tensor | None = None
+) -> torch.Tensor:
     """Inverse-CDF sampling: one uniform draw per row instead of ``torch.multinomial``'s one per vocabulary
-    entry (5x faster at small batch on CPU). ``right=True`` never lands on a zero-probability token."""
+    entry (5x faster at small batch on CPU). ``right=True`` never lands on a zero-probability token.
+    ``uniform`` ``[B]`` supplies the draws (pre-generated per global row); otherwise ``generator`` does."""
     cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device, generator=generator) * cdf[:, -1:]
+    if uniform is None:
+        uniform = torch.rand(cdf.shape[0], device=cdf.device, generator=generator)
+    u = uniform.unsqueeze(-1) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(-1)

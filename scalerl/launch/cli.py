@@ -1,0 +1,175 @@
+"""`scalerl launch slurm ...` and `scalerl launch ray ...`: the launcher subcommands.
+
+`add_launch_parser(subparsers)` registers them on the main CLI's subparsers; every handler imports what
+it runs only when invoked, so `scalerl --help` stays fast and Ray is needed only by `launch ray`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+SLURM_EPILOG = """\
+what it does:
+  Writes an sbatch script that starts one `python -m scalerl train` task per GPU (one per node with
+  --gpus-per-node 0) through srun, or with --ray one Ray node per Slurm node and a `scalerl launch ray`
+  driver on the first. The config and overrides are checked before anything is written or submitted.
+  default:   write <trainer.output_dir>/slurm_job.sh, submit it with sbatch, print the job id
+  --print:   print the script to stdout; write and submit nothing
+  --wait:    after submitting, wait for the job; exit 0 if it COMPLETED, 1 otherwise
+  Job logs go to <trainer.output_dir>/logs/<job-name>-<job id>.out/.err unless --output/--error.
+
+examples:
+  scalerl launch slurm run.yaml actor.lr=1e-6 --nodes 2 --gpus-per-node 8 --partition gpu --time 04:00:00
+  scalerl launch slurm run.yaml --nodes 4 --gpus-per-node 8 --ray --print > job.sh
+"""
+
+RAY_EPILOG = """\
+what it does:
+  Connects to a Ray cluster (--address auto or HOST:PORT; none starts a local one), reserves one
+  placement-group bundle per rank (--gpus-per-node GPUs and --cpus-per-rank CPUs each) with the chosen
+  strategy, and runs `train(config)` in every rank with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set.
+
+examples:
+  scalerl launch ray run.yaml --num-nodes 2 --gpus-per-node 8 --address auto
+  scalerl launch ray run.yaml trainer.total_steps=10 --num-nodes 1 --gpus-per-node 0 --cpus-per-rank 1
+"""
+
+
+def add_launch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `launch {slurm,ray}` on the main CLI's subparsers; returns the `launch` parser."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    launch = subparsers.add_parser("launch", help="start a multi-node job through Slurm or Ray",
+                                   description="start a multi-node job through Slurm or Ray",
+                                   formatter_class=formatter)
+    kinds = launch.add_subparsers(dest="launcher", metavar="LAUNCHER", required=True)
+
+    slurm = kinds.add_parser("slurm", help="write (and submit) an sbatch script", epilog=SLURM_EPILOG,
+                             description="write and submit an sbatch script for a scalerl training run",
+                             formatter_class=formatter)
+    _add_config_args(slurm)
+    slurm.add_argument("--nodes", type=int, required=True, metavar="N", help="number of nodes")
+    slurm.add_argument("--gpus-per-node", type=int, default=0, metavar="G",
+                       help="GPUs per node (#SBATCH --gres=gpu:G; one task per GPU; default 0 = CPU)")
+    slurm.add_argument("--ntasks-per-node", type=int, metavar="T",
+                       help="tasks per node (default: --gpus-per-node, or 1 without GPUs)")
+    slurm.add_argument("--cpus-per-task", type=int, metavar="C", help="#SBATCH --cpus-per-task")
+    slurm.add_argument("--mem", metavar="MEM", help="#SBATCH --mem (e.g. 200G, or 0 for the whole node)")
+    slurm.add_argument("--time", default="01:00:00", metavar="T", help="#SBATCH --time (default 01:00:00)")
+    slurm.add_argument("--partition", metavar="P", help="#SBATCH --partition")
+    slurm.add_argument("--job-name", default="scalerl", metavar="NAME", help="#SBATCH --job-name (default scalerl)")
+    slurm.add_argument("--output", metavar="PATH", help="#SBATCH --output (default <output_dir>/logs/%%x-%%j.out)")
+    slurm.add_argument("--error", metavar="PATH", help="#SBATCH --error (default <output_dir>/logs/%%x-%%j.err)")
+    slurm.add_argument("--sbatch-arg", action="append", default=[], metavar="--OPT=VALUE",
+                       help="extra #SBATCH option, e.g. --sbatch-arg=--account=proj (repeatable)")
+    slurm.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                       help="export NAME=VALUE in the job before srun (repeatable)")
+    slurm.add_argument("--master-addr", metavar="HOST",
+                       help="rendezvous address (default: the job's first node, from scontrol)")
+    slurm.add_argument("--python", default=sys.executable, metavar="PATH",
+                       help=f"python that runs scalerl on the nodes (default {sys.executable})")
+    slurm.add_argument("--ray", action="store_true", help="start Ray on the nodes and drive the run through it")
+    mode = slurm.add_mutually_exclusive_group()
+    mode.add_argument("--print", dest="print_only", action="store_true", help="print the script; do not submit")
+    mode.add_argument("--submit", dest="print_only", action="store_false", help="write and submit (the default)")
+    slurm.add_argument("--wait", action="store_true", help="wait for the submitted job; exit 0 only if it completed")
+    slurm.set_defaults(func=cmd_launch_slurm)
+
+    ray = kinds.add_parser("ray", help="run the ranks as Ray actors (local or an existing cluster)",
+                           description="run a scalerl training run as Ray actors", epilog=RAY_EPILOG,
+                           formatter_class=formatter)
+    _add_config_args(ray)
+    ray.add_argument("--num-nodes", type=int, default=1, metavar="N", help="nodes to use (default 1)")
+    ray.add_argument("--gpus-per-node", type=int, default=0, metavar="G",
+                     help="ranks per node = GPUs per node (default 0: CPU, one rank per node)")
+    ray.add_argument("--cpus-per-rank", type=float, default=1.0, metavar="C", help="CPUs reserved per rank (default 1)")
+    ray.add_argument("--strategy", default="PACK", choices=("PACK", "STRICT_PACK", "SPREAD"),
+                     help="placement-group strategy (default PACK)")
+    ray.add_argument("--address", metavar="auto|HOST:PORT",
+                     help="Ray cluster to join; omit to start a local one")
+    ray.add_argument("--dashboard-host", default="127.0.0.1", metavar="HOST",
+                     help="dashboard bind address of a locally started Ray (default 127.0.0.1)")
+    ray.set_defaults(func=cmd_launch_ray)
+    return launch
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config_args", nargs="*", metavar="CONFIG.yaml | key=value",
+                        help="optional YAML config file first, then dotted key=value overrides")
+
+
+def _env_pairs(pairs: list[str]) -> dict[str, str]:
+    from scalerl.config import ConfigError
+
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--env {pair!r}: expected NAME=VALUE")
+        env[name] = value
+    return env
+
+
+def cmd_launch_slurm(args: argparse.Namespace) -> int:
+    """Check the config, build the job script, then print it or write + submit (+ wait for) it."""
+    from scalerl.cli import split_config_args
+    from scalerl.config import ConfigError, load_config
+    from scalerl.launch.slurm import SlurmError, slurm_job_script, submit, wait_for_job
+
+    config_path, overrides = split_config_args(args.config_args)
+    try:  # validate now: a typo should fail here, not after hours in the queue
+        cfg = load_config(config_path, overrides)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    output_dir = Path(cfg.trainer.output_dir).absolute()
+    log_dir = output_dir / "logs"
+    try:
+        script = slurm_job_script(
+            os.path.abspath(config_path) if config_path else None, overrides, nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node, ntasks_per_node=args.ntasks_per_node,
+            cpus_per_task=args.cpus_per_task, mem=args.mem, time=args.time, partition=args.partition,
+            job_name=args.job_name, output=args.output or str(log_dir / "%x-%j.out"),
+            error=args.error or str(log_dir / "%x-%j.err"), ray=args.ray, python=args.python,
+            extra_sbatch=args.sbatch_arg, env=_env_pairs(args.env), master_addr=args.master_addr)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if args.print_only:
+        print(script, end="")
+        return 0
+    for path in (args.output, args.error):  # sbatch silently loses logs whose folder is missing
+        if path and "%" not in str(Path(path).parent):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    script_path = output_dir / "slurm_job.sh"
+    try:
+        job_id = submit(script, script_path=script_path)
+        print(f"submitted Slurm job {job_id} ({script_path}); logs in {log_dir}", flush=True)
+        if not args.wait:
+            return 0
+        state = wait_for_job(job_id, timeout_s=float("inf"), poll_s=2.0)
+    except (SlurmError, FileNotFoundError) as e:  # FileNotFoundError: no sbatch on this machine
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"Slurm job {job_id}: {state}")
+    return 0 if state == "COMPLETED" else 1
+
+
+def cmd_launch_ray(args: argparse.Namespace) -> int:
+    """Hand the run to `scalerl.launch.ray_launcher.launch_ray` (imported here: Ray is optional)."""
+    from scalerl.cli import split_config_args
+    from scalerl.config import ConfigError
+
+    config_path, overrides = split_config_args(args.config_args)
+    if args.num_nodes < 1 or args.gpus_per_node < 0 or args.cpus_per_rank <= 0:
+        raise ConfigError("--num-nodes must be >= 1, --gpus-per-node >= 0 and --cpus-per-rank > 0")
+    try:
+        from scalerl.launch.ray_launcher import launch_ray
+    except ModuleNotFoundError as e:
+        if e.name in ("ray", "scalerl.launch.ray_launcher"):
+            raise ConfigError(f"scalerl launch ray needs Ray (pip install 'scalerl[ray]'): {e}") from None
+        raise
+    return launch_ray(config_path, overrides, num_nodes=args.num_nodes, gpus_per_node=args.gpus_per_node,
+                      cpus_per_rank=args.cpus_per_rank, strategy=args.strategy, address=args.address,
+                      dashboard_host=args.dashboard_host)

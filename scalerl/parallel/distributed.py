@@ -1,0 +1,119 @@
+"""The process group and mesh a run uses, and the few collectives the trainer needs on the DP dimension.
+
+A single process gets the same object with sizes of 1 and no-op collectives, so the trainer has one code
+path for every layout.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from scalerl.parallel.mesh import ParallelDims
+
+
+@dataclass
+class DistContext:
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    dp_mesh: DeviceMesh | None = None
+    rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None and self.dims.dp > 1 else 0
+
+    @property
+    def dp_group(self):
+        return self.dp_mesh.get_group() if self.dp_mesh is not None and self.dims.dp > 1 else None
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place reduction over the data-parallel ranks (TP/PP peers hold the same values already)."""
+        if self.dims.dp > 1:
+            dist.all_reduce(tensor, op=op, group=self.dp_group)
+        return tensor
+
+    def all_finished(self, flag: bool) -> bool:
+        """True once every DP rank is done: ranks whose forwards hold collectives (FSDP all-gathers, TP
+        all-reduces) must run the same number of decode steps."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def single_process_context() -> DistContext:
+    return DistContext(ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=1), mesh=None)
+
+
+def init_distributed(parallel_cfg, device: torch.device) -> DistContext:
+    """Join the process group described by the launcher's environment (torchrun, Slurm, MPI, Ray all end
+    with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) and build the named mesh."""
+    try:
+        from scalerl.launch.env import apply_rank_env, detect_rank_env
+
+        env = detect_rank_env()
+        if env is not None:
+            apply_rank_env(env)
+    except ImportError:  # launcher detection not installed: plain torchrun variables only
+        pass
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        ParallelDims.from_config(parallel_cfg, 1)  # a layout asking for more ranks fails here, by name
+        return single_process_context()
+    dims = ParallelDims.from_config(parallel_cfg, world_size)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, init_method="env://")
+    mesh, dp_mesh = dims.build_mesh(device.type)
+    return DistContext(dims, mesh, dp_mesh, rank=dist.get_rank(), device=device)
+
+
+def reduce_metrics(metrics: dict[str, float], ctx: DistContext) -> dict[str, float]:
+    """Mean over DP ranks, except ``*/max`` (max), ``*/min`` (min) and counts/totals (sum). One collective
+    per reduction kind."""
+    if ctx.dp_size == 1:
+        return metrics
+    keys = sorted(metrics)
+    kinds = {
+        "max": [k for k in keys if k.endswith("/max")],
+        "min": [k for k in keys if k.endswith("/min")],
+        "sum": [k for k in keys if k.endswith(("num_failures", "total_num_tokens", "throughput", "weight_sync_bytes"))],
+    }
+    taken = {k for ks in kinds.values() for k in ks}
+    kinds["mean"] = [k for k in keys if k not in taken]
+    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM}
+    out = {}
+    for kind, ks in kinds.items():
+        if not ks:
+            continue
+        t = torch.tensor([float(metrics[k]) for k in ks], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(t, op=ops[kind], group=ctx.dp_group)
+        if kind == "mean":
+            t /= ctx.dp_size
+        out.update(zip(ks, t.tolist()))
+    return out

@@ -1,0 +1,52 @@
+"""Gradient-norm clipping over a mix of plain tensors and DTensors (FSDP shards, TP shards)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of the logical (unsharded) gradients, the same on every rank.
+
+    Squares of local shards are summed per (mesh, sharded dims) and all-reduced once per such group over
+    the dims they are sharded on; replicated dims are counted once. One collective per group, not per
+    parameter.
+    """
+    groups: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
+    meshes = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            # Any non-replicated placement splits the tensor (Shard, and the _StridedShard FSDP uses over TP).
+            sharded = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
+            key = (id(g.device_mesh), sharded)
+            meshes[key] = g.device_mesh
+            local = g.to_local()
+        else:
+            key, local = (None, ()), g
+        groups[key] = groups[key].to(local.device) + local.detach().float().pow(2).sum()
+    total = None
+    for (mesh_id, sharded), value in groups.items():
+        for dim in sharded:
+            dist.all_reduce(value, group=meshes[(mesh_id, sharded)].get_group(dim))
+        total = value if total is None else total + value.to(total.device)
+    return total.sqrt()
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale all gradients so their global L2 norm is at most ``max_norm`` (``<= 0``: measure only).
+    Returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if not any(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    total = total_grad_norm(grads)
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(float(scale))
+    return total

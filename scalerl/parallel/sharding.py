@@ -1,0 +1,46 @@
+"""How a run's global batch and held-out set split over data-parallel ranks, and what a layout requires."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scalerl.parallel.distributed import DistContext
+from scalerl.parallel.mesh import LayoutError
+
+
+def shard_rows(rows: list, ctx: DistContext) -> list:
+    """This DP rank's contiguous share of ``rows`` (TP/PP peers get the same share). A remainder that
+    does not split evenly is dropped: every rank must run the same number of generation calls."""
+    if ctx.dp_size == 1:
+        return rows
+    per_rank = len(rows) // ctx.dp_size
+    return rows[ctx.dp_rank * per_rank : (ctx.dp_rank + 1) * per_rank]
+
+
+def check_distributed_config(cfg: Any, ctx: DistContext) -> None:
+    """Batch sizes must split evenly over DP ranks; features not yet distributed fail here, by name."""
+    if ctx.world_size == 1:
+        return
+    dp = ctx.dp_size
+    problems = []
+    if cfg.trainer.batch_size % dp:
+        problems.append(f"trainer.batch_size ({cfg.trainer.batch_size}) must be divisible by the data-parallel size {dp}")
+    if cfg.actor.ppo_mini_batch_size % dp:
+        problems.append(
+            f"actor.ppo_mini_batch_size ({cfg.actor.ppo_mini_batch_size}) must be divisible by the data-parallel size {dp}"
+        )
+    if cfg.sft.batch_size % dp:
+        problems.append(f"sft.batch_size ({cfg.sft.batch_size}) must be divisible by the data-parallel size {dp}")
+    if ctx.dims.pp > 1:
+        problems.append("parallel.pp > 1 is not available yet in the trainers (pipeline stages are being built)")
+    if cfg.algorithm.adv_estimator == "gae":
+        problems.append("algorithm.adv_estimator=gae (a critic) runs in a single process only for now")
+    if cfg.trainer.save_every or cfg.trainer.resume not in ("never", ""):
+        problems.append(
+            "periodic checkpoints and resume (trainer.save_every / trainer.resume) are single-process only for "
+            "now; a distributed run saves its final model"
+        )
+    if cfg.rollout.engine != "builtin":
+        problems.append("rollout.engine=vllm is single-process only for now")
+    if problems:
+        raise LayoutError("; ".join(problems))

@@ -1,0 +1,34 @@
+"""Tensor parallelism with DTensor plans on the decoder (Megatron-style column/row split per block).
+
+q/k/v and gate/up are split by output features (column-wise: each rank owns whole heads / a slice of the
+MLP), o/down by input features (row-wise: partial sums all-reduced). Attention reads its local head count
+from the weight shapes, so the module code needs no TP special case. With untied embeddings, the embedding
+is split by vocabulary and the output head by vocabulary with replicated logits; tied embeddings stay
+replicated (one parameter cannot carry two shardings).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    if not model.config.tie_word_embeddings:
+        parallelize_module(model, tp_mesh, {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        })
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, plan)

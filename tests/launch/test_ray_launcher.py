@@ -1,0 +1,181 @@
+"""Ray launcher on one machine: a `ray.cluster_utils.Cluster` of two simulated nodes (2 logical CPUs each)
+stands in for a cluster, so placement, cross-"node" rendezvous and failure reports are all exercised.
+One Cluster serves the whole module: starting Ray is the expensive part."""
+
+import os
+import sys
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+
+from scalerl.config import ConfigError  # noqa: E402
+from scalerl.launch.ray_launcher import (  # noqa: E402
+    PlacementError, RankFailure, create_rank_group, launch_ray, placement_problems, rank_bundles, run_on_ranks,
+)
+
+OBJECT_STORE_BYTES = 128 * 2**20
+TINY = ["trainer.total_steps=2", "model.hidden_size=32", "model.intermediate_size=64", "data.num_train=200",
+        "data.num_val=8", "trainer.batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=8",
+        "actor.ppo_micro_batch_size=4", "trainer.logger=[jsonl]"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two simulated nodes; the variables keep Ray on 127.0.0.1, token-free, and gloo on loopback."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        env.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        env.setenv("GLOO_SOCKET_IFNAME", "lo")
+        nodes = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 2, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False,
+            "node_ip_address": "127.0.0.1"})
+        try:
+            nodes.add_node(num_cpus=2, object_store_memory=OBJECT_STORE_BYTES, node_ip_address="127.0.0.1")
+            nodes.wait_for_nodes()
+            ray.init(address=nodes.address, log_to_driver=False)
+            # The functions below run inside the actors; shipping them by value spares the workers from
+            # importing this test module (which they may not find on their sys.path).
+            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+            yield nodes
+        finally:
+            ray.shutdown()
+            nodes.shutdown()
+
+
+# -------------------------------------------------- functions run inside the rank actors (pickled by name)
+def rank_view(*_):
+    """What a rank sees of itself: its node and the rendezvous variables it was given."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")
+    return {"node_id": ray.get_runtime_context().get_node_id(), **{k: os.environ.get(k) for k in keys}}
+
+
+def all_reduce_rank_ids(*_):
+    """Stand-in for the distributed trainer: env:// rendezvous on gloo, then sum rank+1 over the world."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://")
+    try:
+        total = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(total)
+        return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": total.item(),
+                "node_id": ray.get_runtime_context().get_node_id()}
+    finally:
+        dist.destroy_process_group()
+
+
+def stand_in_train(cfg):
+    """`train(cfg)`'s shape: a summary whose "last" holds metrics; here they come from one all_reduce."""
+    result = all_reduce_rank_ids()
+    return {"last": {"dist/sum": result["sum"], "dist/world": result["world"]},
+            "output_dir": cfg.trainer.output_dir}
+
+
+def fail_on_rank_one(cfg):
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom on rank 1")
+    time.sleep(300)  # rank 0 stuck as if in a collective: the launcher must not wait for it
+
+
+# ----------------------------------------------------------------------------------------------- tests
+def test_placement_problems_name_the_mismatch():
+    two_cpu_nodes = [{"CPU": 2.0}, {"CPU": 2.0}]
+    assert placement_problems(rank_bundles(2, 0, 1.0), "STRICT_SPREAD", two_cpu_nodes) == []
+    (gpu,) = [p for p in placement_problems(rank_bundles(1, 1, 1.0), "PACK", two_cpu_nodes) if "on one node" in p]
+    assert "GPU" in gpu and "largest node has 0" in gpu
+    assert "only 2 of the 3 node(s)" not in " ".join(placement_problems(rank_bundles(3, 0, 1.0), "SPREAD",
+                                                                         two_cpu_nodes))
+    assert "STRICT_SPREAD" in placement_problems(rank_bundles(3, 0, 0.5), "STRICT_SPREAD", two_cpu_nodes)[0]
+    assert "STRICT_PACK" in placement_problems(rank_bundles(2, 0, 2.0), "STRICT_PACK", two_cpu_nodes)[0]
+    # 16 GPUs in total, enough for 2 x 8, but only one node has 8 on it.
+    uneven = [{"CPU": 64.0, "GPU": 8.0}, {"CPU": 64.0, "GPU": 4.0}, {"CPU": 64.0, "GPU": 4.0}]
+    assert "only 1 of the 2 bundles fit" in placement_problems(rank_bundles(2, 8, 1.0), "PACK", uneven)[0]
+    assert placement_problems(rank_bundles(5, 0, 0.4), "STRICT_PACK", [{"CPU": 2.0}]) == []  # 2.0 / 0.4 is 5
+
+
+@pytest.mark.parametrize("strategy, distinct_nodes", [
+    ("PACK", 1), ("STRICT_PACK", 1), ("SPREAD", 2), ("STRICT_SPREAD", 2)])
+def test_strategy_puts_ranks_on_expected_nodes(cluster, strategy, distinct_nodes):
+    with create_rank_group(2, 0, 1.0, strategy, timeout_s=30) as group:
+        views = run_on_ranks(group.actors, rank_view, timeout_s=60)
+    assert [v["node_id"] for v in views] == group.node_ids
+    assert len(set(group.node_ids)) == distinct_nodes
+    assert [v["RANK"] for v in views] == ["0", "1"] and {v["WORLD_SIZE"] for v in views} == {"2"}
+    local = [(v["LOCAL_RANK"], v["LOCAL_WORLD_SIZE"], v["GROUP_RANK"]) for v in views]
+    assert local == ([("0", "2", "0"), ("1", "2", "0")] if distinct_nodes == 1 else [("0", "1", "0"), ("0", "1", "1")])
+    assert {(v["MASTER_ADDR"], v["MASTER_PORT"], v["OMP_NUM_THREADS"], v["GLOO_SOCKET_IFNAME"]) for v in views} == {
+        ("127.0.0.1", group.env[0]["MASTER_PORT"], "1", "lo")}
+
+
+def test_rank_group_all_reduces_across_two_nodes(cluster):
+    with create_rank_group(2, 0, 1.0, "STRICT_SPREAD", timeout_s=30) as group:
+        results = run_on_ranks(group.actors, all_reduce_rank_ids, timeout_s=120)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["sum"] for r in results] == [3.0, 3.0]  # (0 + 1) + (1 + 1)
+    assert len({r["node_id"] for r in results}) == 2
+
+
+def test_launch_ray_runs_every_rank_and_prints_rank0_metrics(cluster, tmp_path, capsys):
+    code = launch_ray(None, [*TINY, f"trainer.output_dir={tmp_path}"], num_nodes=2, gpus_per_node=0,
+                      strategy="SPREAD", address=cluster.address, timeout_s=30, train_fn=stand_in_train)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "2 rank(s) on 2 node(s) (SPREAD)" in out
+    assert "dist/sum = 3" in out and "dist/world = 2" in out and f"output_dir: {tmp_path}" in out
+    assert ray.is_initialized()  # the caller's connection is left alone
+
+
+def test_launch_ray_reports_the_failing_rank_without_waiting_for_the_others(cluster, capsys):
+    started = time.monotonic()
+    code = launch_ray(None, TINY, num_nodes=2, gpus_per_node=0, strategy="PACK", timeout_s=30,
+                      train_fn=fail_on_rank_one)
+    assert code == 1
+    assert time.monotonic() - started < 60
+    err = capsys.readouterr().err
+    assert "rank 1 failed" in err and "boom on rank 1" in err
+
+
+def test_impossible_requests_fail_up_front_naming_bundles_and_cluster(cluster, capsys):
+    started = time.monotonic()
+    with pytest.raises(PlacementError) as gpus:
+        create_rank_group(1, 1, 1.0, "PACK", timeout_s=30)
+    message = str(gpus.value)
+    assert "1 bundle(s) of {CPU 1, GPU 1}" in message
+    assert "GPU: each bundle needs 1 on one node, the largest node has 0" in message
+    assert "cluster resources: CPU 4, GPU 0" in message and "alive nodes (2)" in message
+    with pytest.raises(PlacementError, match="STRICT_SPREAD puts each of the 3 bundles on its own node"):
+        create_rank_group(3, 0, 1.0, "STRICT_SPREAD", timeout_s=30)
+    assert launch_ray(None, TINY, num_nodes=2, gpus_per_node=2, timeout_s=30, train_fn=stand_in_train) == 2
+    assert "GPU: 2 bundle(s) x 2 = 4 requested, the cluster has 0" in capsys.readouterr().err
+    assert time.monotonic() - started < 10  # no placement group was ever waited on
+
+
+def test_request_blocked_by_busy_resources_times_out_with_report(cluster):
+    holder = placement_group([{"CPU": 2.0}, {"CPU": 2.0}], strategy="STRICT_SPREAD")  # every CPU in the cluster
+    try:
+        assert holder.wait(timeout_seconds=30)
+        started = time.monotonic()
+        with pytest.raises(PlacementError) as busy:
+            create_rank_group(1, 0, 1.0, "PACK", timeout_s=1)
+        assert time.monotonic() - started < 10
+    finally:
+        remove_placement_group(holder)
+    assert "not placed within 1 s" in str(busy.value) and "available now: CPU 0" in str(busy.value)
+    assert not [pg for pg in ray.util.placement_group_table().values()
+                if pg["state"] not in ("REMOVED",) and pg["bundles"] == {0: {"CPU": 1.0}}]  # the waiter was removed
+
+
+def test_bad_config_fails_before_ray_is_touched():
+    with pytest.raises(ConfigError, match="actor.lrr"):
+        launch_ray(None, ["actor.lrr=1"], num_nodes=1, gpus_per_node=0, address="127.0.0.1:1")
+    with pytest.raises(ConfigError, match="strategy"):
+        launch_ray(None, [], num_nodes=1, gpus_per_node=0, strategy="BEST", address="127.0.0.1:1")
+
+
+def test_rank_failure_names_rank():
+    assert str(RankFailure(3, ValueError("x"))) == "rank 3 failed: x"
