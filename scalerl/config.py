@@ -191,6 +191,9 @@ class ActorSection(_Section):
     ppo_epochs: int = opt(1, "passes over each rollout batch")
     ppo_mini_batch_size: int = opt(64, "sequences per optimizer step")
     ppo_micro_batch_size: int = opt(16, "sequences per forward/backward (gradient accumulation)")
+    micro_batch_max_tokens: int = opt(
+        0, "dynamic batch size: pack micro-batches up to this many (padded) tokens; 0 = fixed ppo_micro_batch_size"
+    )
     clip_ratio_low: float = opt(0.2, "PPO clip: ratio >= 1 - clip_ratio_low")
     clip_ratio_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_ratio_high")
     clip_ratio_c: float = opt(3.0, "dual-clip bound for negative advantages (> 1)")
@@ -296,6 +299,7 @@ class TrainerSection(_Section):
     precision: str = opt("fp32", "autocast precision: fp32 | bf16 | fp16 (fp16 uses a grad scaler)")
     device: str = opt("auto", "auto | cpu | cuda")
     init_from: str | None = opt(None, "model directory to start from (e.g. the SFT output)")
+    balance_batch: bool = opt(True, "redistribute rollouts over DP ranks so each gets a near-equal token count")
 
     def problems(self) -> list[str]:
         p: list[str] = []

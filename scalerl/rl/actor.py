@@ -7,7 +7,9 @@ from collections import defaultdict
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
+from scalerl.parallel.balance import token_budget_micro_batches
 from scalerl.parallel.distributed import DistContext, single_process_context
 from scalerl.parallel.grad_norm import clip_grad_norm
 from scalerl.rl.batch import RolloutBatch
@@ -28,6 +30,19 @@ def response_logits(model: torch.nn.Module, batch: RolloutBatch, temperature: fl
 def micro_batches(batch: RolloutBatch, size: int) -> Iterator[RolloutBatch]:
     for start in range(0, len(batch), size):
         yield batch.select(torch.arange(start, min(start + size, len(batch)), device=batch.input_ids.device))
+
+
+def token_budget_batches(batch: RolloutBatch, max_tokens: int, ctx: DistContext) -> list[RolloutBatch]:
+    """Dynamic batch size: micro-batches packed up to ``max_tokens`` padded tokens. Ranks agree on the
+    count (the largest any rank needs), since sharded/TP forwards must run in lockstep."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    groups = token_budget_micro_batches(lengths, max_tokens)
+    if ctx.world_size > 1:
+        count = torch.tensor([len(groups)], device=ctx.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        groups = token_budget_micro_batches(lengths, max_tokens, same_count_across=int(count))
+    device = batch.input_ids.device
+    return [batch.select(torch.tensor(sorted(g), device=device)) for g in groups]
 
 
 def _pad_right(t: torch.Tensor, right: int) -> torch.Tensor:
@@ -83,7 +98,10 @@ def update_policy(
             num_tokens, num_seqs = counts[0], counts[1]
             agg = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=ctx.dp_size, horizon=horizon)
             optimizer.zero_grad(set_to_none=True)
-            micros = list(micro_batches(mini, cfg.ppo_micro_batch_size))
+            if cfg.micro_batch_max_tokens:
+                micros = token_budget_batches(mini, cfg.micro_batch_max_tokens, ctx)
+            else:
+                micros = list(micro_batches(mini, cfg.ppo_micro_batch_size))
             for i, micro in enumerate(micros):
                 micro, _, _ = micro.trimmed()
                 weight = micro.response_mask.sum() / num_tokens.clamp(min=1) * ctx.dp_size  # averaged over ranks later

@@ -20,6 +20,7 @@ from scalerl.data.sources import PromptStream, reward_from_config, rows_from_con
 from scalerl.diagnose.flops import mfu
 from scalerl.parallel.distributed import init_distributed, reduce_metrics
 from scalerl.parallel.parallelize import parallelize
+from scalerl.parallel.rebalance import rebalance_batch
 from scalerl.parallel.sharding import check_distributed_config, shard_rows
 from scalerl.rl.actor import compute_logprobs, update_policy
 from scalerl.rl.advantages import gae_advantages, grpo_advantages
@@ -180,6 +181,10 @@ class RLTrainer:
                 batch.advantages, batch.returns = gae_advantages(
                     token_rewards, batch.values, batch.response_mask, cfg.algorithm.gamma, cfg.algorithm.lam
                 )
+        if self.dist.dp_size > 1 and cfg.trainer.balance_batch:
+            with timer("balance"):
+                batch, balance_metrics = rebalance_batch(batch, self.dist, cfg.trainer.batch_size // self.dist.dp_size)
+            metrics.update(balance_metrics)
         if "critic" in self.modules:
             with timer("update_critic"):
                 metrics.update(update_critic(

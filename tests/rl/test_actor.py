@@ -17,7 +17,8 @@ from scalerl.rollout.engine import SamplingParams
 def _actor_cfg(**kw):
     base = dict(ppo_epochs=1, ppo_mini_batch_size=32, ppo_micro_batch_size=32, clip_ratio_low=0.2,
                 clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0,
-                use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl", grad_clip=0.0)
+                use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl", grad_clip=0.0,
+                micro_batch_max_tokens=0)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -59,3 +60,15 @@ def test_update_raises_the_likelihood_of_better_samples():
     delta = (compute_logprobs(model, batch, 1.0, 32) - batch.old_logprobs).sum(-1)
     adv = batch.advantages[:, 0]
     assert delta[adv > 0].mean() > 0 > delta[adv < 0].mean()
+
+
+def test_token_budget_micro_batches_give_the_same_update():
+    results = []
+    for budget in (0, 40, 90):
+        model = _model()
+        batch = _batch(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        update_policy(model, opt, batch, _actor_cfg(ppo_micro_batch_size=32, micro_batch_max_tokens=budget), 1.0, 6,
+                      torch.Generator().manual_seed(0))
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.allclose(results[0], results[1], atol=1e-6) and torch.allclose(results[0], results[2], atol=1e-6)
