@@ -346,9 +346,10 @@ def launch_ray(config_path: str | None, overrides: list[str], num_nodes: int, gp
 
     started_here = not ray.is_initialized()
     if started_here:
-        if address is None:
+        address = address or os.environ.get("RAY_ADDRESS")  # what `ray.init()` itself would connect to
+        if address is None:  # a fresh local Ray; its dashboard (if installed) only on `dashboard_host`
             ray.init(dashboard_host=dashboard_host)
-        else:
+        else:  # an existing cluster's dashboard is already bound; passing a host there is an error
             ray.init(address=address)
     group = None
     try:

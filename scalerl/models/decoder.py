@@ -94,6 +94,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a model or of a pipeline stage (which keeps them in a dict by layer index)."""
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
 def attention_mask_4d(key_mask: torch.Tensor, query_len: int) -> torch.Tensor:
     """Boolean ``[B, 1, Tq, Tk]`` mask (True = attend) for the last ``query_len`` of ``Tk`` positions.
 

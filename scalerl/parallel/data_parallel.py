@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Callable
 
 from torch import nn
+
+from scalerl.models.decoder import decoder_layers
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -16,7 +18,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: boo
     A 1-D mesh is FSDP; a 2-D ``(dp_replicate, dp_shard)`` mesh is HSDP (shard inside a group, replicate
     across groups). Per-layer units let the all-gather of layer i+1 overlap the compute of layer i.
     """
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     return model

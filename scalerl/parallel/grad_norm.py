@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def total_grad_norm(grads: list[torch.Tensor], extra_group=None) -> torch.Tensor:
     """L2 norm of the logical (unsharded) gradients, the same on every rank.
 
     Squares of local shards are summed per (mesh, sharded dims) and all-reduced once per such group over
@@ -33,18 +33,29 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         for dim in sharded:
             dist.all_reduce(value, group=meshes[(mesh_id, sharded)].get_group(dim))
         total = value if total is None else total + value.to(total.device)
+    if total is None:
+        total = torch.zeros(())
+    if extra_group is not None:  # e.g. the pipeline group: each rank holds different parameters
+        dist.all_reduce(total, group=extra_group)
     return total.sqrt()
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    params: list[torch.nn.Parameter],
+    max_norm: float,
+    norm_params: list[torch.nn.Parameter] | None = None,
+    extra_group=None,
+) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most ``max_norm`` (``<= 0``: measure only).
-    Returns the norm before clipping."""
+    The norm is taken over ``norm_params`` (default ``params``; a pipeline leaves out a tied copy) and
+    summed over ``extra_group``. Returns the norm before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
+    norm_grads = grads if norm_params is None else [p.grad for p in norm_params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    if not any(isinstance(g, DTensor) for g in grads):
+    if extra_group is None and not any(isinstance(g, DTensor) for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    total = total_grad_norm(grads)
+    total = total_grad_norm(norm_grads, extra_group)
     if max_norm > 0:
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:

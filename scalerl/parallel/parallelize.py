@@ -24,6 +24,12 @@ def parallelize(
     if mesh is None or dims.world_size == 1:
         return model
     dims.check_model(model.config)
+    if dims.pp > 1:
+        # `model` becomes the full replica for rollouts (tensor-parallel like the stages); the trained
+        # stages are cut from it by `PipelineRunner` and laid out by `shard_pipeline_stage`.
+        if dims.tp > 1:
+            apply_tensor_parallel(model, mesh["tp"])
+        return model
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if dims.dp > 1:
@@ -37,3 +43,12 @@ def parallelize(
 def unwrap(module: nn.Module) -> nn.Module:
     """The model inside a DDP wrapper (FSDP2 and TP modify the model in place, so it is the model)."""
     return getattr(module, "module", module)
+
+
+def shard_pipeline_stage(stage: nn.Module, ctx: DistContext) -> None:
+    """Lay out one pipeline stage over the non-pipeline dimensions: TP, or FSDP2/HSDP over dp."""
+    dims, mesh = ctx.dims, ctx.mesh
+    if dims.tp > 1:
+        apply_tensor_parallel(stage, mesh["tp"])
+    if dims.dp > 1:
+        apply_fsdp(stage, mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"])

@@ -31,8 +31,24 @@ def check_distributed_config(cfg: Any, ctx: DistContext) -> None:
         )
     if cfg.sft.batch_size % dp:
         problems.append(f"sft.batch_size ({cfg.sft.batch_size}) must be divisible by the data-parallel size {dp}")
+    if ctx.dims.pp > 1 and ctx.dims.tp > 1 and ctx.dims.dp > 1:
+        problems.append(
+            f"pipeline parallel combines with data parallel or tensor parallel, not both yet "
+            f"(pp={ctx.dims.pp}, dp={ctx.dims.dp}, tp={ctx.dims.tp})"
+        )
     if ctx.dims.pp > 1:
-        problems.append("parallel.pp > 1 is not available yet in the trainers (pipeline stages are being built)")
+        local = cfg.actor.ppo_mini_batch_size // dp
+        if local % cfg.parallel.microbatches:
+            problems.append(
+                f"parallel.microbatches ({cfg.parallel.microbatches}) must divide the per-rank mini-batch "
+                f"actor.ppo_mini_batch_size / dp = {local}"
+            )
+        if (cfg.sft.batch_size // dp) % cfg.parallel.microbatches:
+            problems.append(
+                f"parallel.microbatches ({cfg.parallel.microbatches}) must divide sft.batch_size / dp = {cfg.sft.batch_size // dp}"
+            )
+        if cfg.actor.micro_batch_max_tokens:
+            problems.append("actor.micro_batch_max_tokens (dynamic batch size) does not apply with parallel.pp > 1")
     if cfg.algorithm.adv_estimator == "gae":
         problems.append("algorithm.adv_estimator=gae (a critic) runs in a single process only for now")
     if cfg.trainer.save_every or cfg.trainer.resume not in ("never", ""):

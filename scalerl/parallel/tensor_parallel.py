@@ -10,6 +10,8 @@ replicated (one parameter cannot carry two shardings).
 from __future__ import annotations
 
 from torch import nn
+
+from scalerl.models.decoder import decoder_layers
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -17,10 +19,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if not model.config.tie_word_embeddings:
-        parallelize_module(model, tp_mesh, {
+        plan = {
             "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Replicate()),
-        })
+        }
+        # A pipeline stage may hold neither (middle stages) or one of them.
+        plan = {name: style for name, style in plan.items() if getattr(model, name, None) is not None}
+        if plan:
+            parallelize_module(model, tp_mesh, plan)
     plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -30,5 +36,5 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(),
     }
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, plan)

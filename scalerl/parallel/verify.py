@@ -24,12 +24,18 @@ LAYOUTS: dict[int, dict[str, dict[str, int]]] = {
         "ddp": {"dp_replicate": 2},
         "fsdp": {"dp_replicate": 1, "dp_shard": 2},
         "tp": {"dp_replicate": 1, "tp": 2},
+        "pp-1f1b": {"dp_replicate": 1, "pp": 2},
+        "pp-gpipe": {"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe"},
+        "pp-interleaved": {"dp_replicate": 1, "pp": 2, "pp_schedule": "interleaved_1f1b"},
     },
     4: {
         "ddp": {"dp_replicate": 4},
         "hsdp": {"dp_replicate": 2, "dp_shard": 2},
         "dp2xtp2": {"dp_replicate": 2, "tp": 2},
         "fsdp2xtp2": {"dp_replicate": 1, "dp_shard": 2, "tp": 2},
+        "pp2xdp2": {"dp_replicate": 2, "pp": 2},
+        "pp2xfsdp2": {"dp_replicate": 1, "dp_shard": 2, "pp": 2},
+        "pp2xtp2": {"dp_replicate": 1, "tp": 2, "pp": 2},
     },
 }
 KINDS = ("grpo", "sft")
@@ -47,9 +53,10 @@ def response_length_reward(response: str, ground_truth: str) -> float:
 
 
 def verification_overrides(steps: int) -> list[str]:
-    """A tiny model whose heads (4) and kv heads (2) split over tp=2; one update per step over the batch."""
+    """A tiny model whose heads (4) and kv heads (2) split over tp=2 and whose 4 layers split into 4 pipeline
+    stages (interleaved: 2 per rank); one optimizer update per step over the whole batch."""
     return [
-        "model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=4",
+        "model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=4", "model.num_hidden_layers=4",
         "model.num_key_value_heads=2", "data.num_train=256", "data.num_val=8",
         f"data.reward={__name__}:response_length_reward", "rollout.n=4", "rollout.max_new_tokens=8",
         "trainer.batch_size=8", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size=4",
@@ -198,12 +205,12 @@ def run_verification(
 
 def format_rows(rows: list[VerificationRow]) -> str:
     lines = [
-        f"{'kind':5} {'layout':10} {'world':>5} {'max loss diff':>14} {'max weight diff':>16} "
+        f"{'kind':5} {'layout':14} {'world':>5} {'max loss diff':>14} {'max weight diff':>16} "
         f"{'(max abs)':>10}  result (tolerance {TOLERANCE:g}, relative)"
     ]
     for r in rows:
         lines.append(
-            f"{r.kind:5} {r.layout:10} {r.world:>5} {r.max_loss_diff:>14.2e} {r.max_weight_diff:>16.2e} "
+            f"{r.kind:5} {r.layout:14} {r.world:>5} {r.max_loss_diff:>14.2e} {r.max_weight_diff:>16.2e} "
             f"{r.max_abs_weight_diff:>10.1e}  {'pass' if r.passed else 'FAIL'}"
         )
     return "\n".join(lines)

@@ -5,8 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 import torch
+import torch.nn.functional as F
 
 from scalerl.rollout.engine import GenerationOutput
+
+# Fields laid out like the response, [B, R]; input_ids and attention_mask are [B, P + R].
+PER_TOKEN_FIELDS = ("response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs",
+                    "values", "advantages", "returns")
 
 
 @dataclass
@@ -56,6 +61,23 @@ class RolloutBatch:
             f.name: getattr(self, f.name)[index] for f in fields(self) if getattr(self, f.name) is not None
         })
 
+    def padded_to(self, prompt_len: int, response_len: int) -> "RolloutBatch":
+        """Left-pad prompts and right-pad responses to the given widths (ranks' tensors then stack, and
+        pipeline stages, which fix activation shapes at their first step, see one shape every step)."""
+        extra_p, extra_r = prompt_len - self.prompt_len, response_len - self.response_ids.shape[1]
+        if extra_p < 0 or extra_r < 0:
+            raise ValueError(f"cannot pad a batch of widths ({self.prompt_len}, {self.response_ids.shape[1]}) "
+                             f"down to ({prompt_len}, {response_len})")
+        updates = {
+            "input_ids": F.pad(self.input_ids, (extra_p, extra_r)),
+            "attention_mask": F.pad(self.attention_mask, (extra_p, extra_r)),
+        }
+        for name in PER_TOKEN_FIELDS:
+            t = getattr(self, name)
+            if t is not None:
+                updates[name] = F.pad(t, (0, extra_r))
+        return replace(self, **updates)
+
     def trimmed(self) -> tuple["RolloutBatch", int, int]:
         """Drop columns that are padding in every row (left of the prompts, right of the responses), which
         a micro-batch of short sequences spends most of its forward on. Returns the batch and the number of
@@ -67,10 +89,8 @@ class RolloutBatch:
         right = self.response_ids.shape[1] - keep_r
         left = min(first, self.prompt_len - 1)
         cols = slice(left, self.input_ids.shape[1] - right)
-        per_token = {"response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs",
-                     "values", "advantages", "returns"}
         updates = {"input_ids": self.input_ids[:, cols], "attention_mask": self.attention_mask[:, cols]}
-        for name in per_token:
+        for name in PER_TOKEN_FIELDS:
             t = getattr(self, name)
             if t is not None:
                 updates[name] = t[:, :keep_r]

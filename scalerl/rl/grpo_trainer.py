@@ -19,7 +19,8 @@ from scalerl.config import Config, config_to_dict
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
 from scalerl.diagnose.flops import mfu
 from scalerl.parallel.distributed import init_distributed, reduce_metrics
-from scalerl.parallel.parallelize import parallelize
+from scalerl.parallel.parallelize import parallelize, shard_pipeline_stage
+from scalerl.parallel.pipeline import PipelineRunner
 from scalerl.parallel.rebalance import rebalance_batch
 from scalerl.parallel.sharding import check_distributed_config, shard_rows
 from scalerl.rl.actor import compute_logprobs, update_policy
@@ -28,6 +29,7 @@ from scalerl.rl.batch import RolloutBatch
 from scalerl.rl.critic import ValueModel, compute_values, update_critic
 from scalerl.rl.evaluation import evaluate
 from scalerl.rl.optim import build_optimizer
+from scalerl.rl.pipeline_update import PolicyLossOnLastStage, update_policy_pipeline
 from scalerl.rl.policy import encode_prompts, load_policy, resolve_device, save_policy
 from scalerl.rl.runtime import AutocastFactory, StepTimer, grad_scaler, max_memory_gb, seed_everything
 from scalerl.rollout.builtin_engine import BuiltinEngine
@@ -56,6 +58,13 @@ class RLTrainer:
         if cfg.actor.use_kl_loss:  # a frozen copy of the initial policy, laid out like the policy
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
             self.ref_model = parallelize(self.ref_model, self.dist, trainable=False).eval()
+        self.pipeline = None
+        if self.dist.dims.pp > 1:  # stages are cut from the unsharded model, before it becomes the replica
+            self.pipeline_loss = PolicyLossOnLastStage(cfg.actor, cfg.rollout.temperature or 1.0, cfg.rollout.max_new_tokens)
+            self.pipeline = PipelineRunner(
+                self.model, self.dist, cfg.parallel.pp_schedule, cfg.parallel.microbatches, self.pipeline_loss,
+                lambda stage: shard_pipeline_stage(stage, self.dist),
+            )
         self.train_model = parallelize(self.model, self.dist, cfg.model.activation_checkpointing)
         self.train_rows = rows_from_config(cfg.data, "train", t.seed)
         self.val_rows = shard_rows(rows_from_config(cfg.data, "test", t.seed), self.dist)
@@ -72,7 +81,7 @@ class RLTrainer:
             betas=tuple(a.betas), warmup_steps=a.warmup_steps, total_steps=t.total_steps,
             schedule=a.lr_schedule, min_lr_ratio=a.min_lr_ratio,
         )
-        param_sets = [(self.model.parameters(), a.lr)]
+        param_sets = [(self.pipeline.parameters() if self.pipeline else self.model.parameters(), a.lr)]
         if "critic" in self.modules:
             param_sets.append((self.modules["critic"].parameters(), cfg.critic.lr))
         self.optimizer, self.scheduler = build_optimizer(param_sets, a.weight_decay, **optim_args)
@@ -192,14 +201,23 @@ class RLTrainer:
                     self.update_generator, self.autocast,
                 ))
         with timer("update_actor"):
-            metrics.update(update_policy(
-                self.train_model, self.optimizer, batch, a, r.temperature or 1.0, r.max_new_tokens,
-                self.update_generator, self.autocast, self.scaler, self.dist,
-            ))
+            if self.pipeline is not None:
+                fixed = batch.padded_to(cfg.data.max_prompt_length, r.max_new_tokens)
+                metrics.update(update_policy_pipeline(
+                    self.pipeline, self.optimizer, fixed, a, self.pipeline_loss, self.update_generator, self.dist
+                ))
+            else:
+                metrics.update(update_policy(
+                    self.train_model, self.optimizer, batch, a, r.temperature or 1.0, r.max_new_tokens,
+                    self.update_generator, self.autocast, self.scaler, self.dist,
+                ))
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         with timer("update_weights"):
-            metrics["comm/weight_sync_bytes"] = float(self.engine.sync_weights(self._weights_for_engine()))
+            if self.pipeline is not None:  # stages -> the full replica the engine generates with
+                metrics["comm/weight_sync_bytes"] = float(self.pipeline.refresh_replica())
+            else:
+                metrics["comm/weight_sync_bytes"] = float(self.engine.sync_weights(self._weights_for_engine()))
         step_time = time.perf_counter() - step_start
         metrics.update(self.timer.pop())
         metrics["timing_s/step"] = step_time

@@ -13,11 +13,13 @@ from scalerl.config import Config, config_to_dict
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
 from scalerl.parallel.distributed import init_distributed, reduce_metrics
 from scalerl.parallel.grad_norm import clip_grad_norm
-from scalerl.parallel.parallelize import parallelize
+from scalerl.parallel.parallelize import parallelize, shard_pipeline_stage
+from scalerl.parallel.pipeline import PipelineRunner
 from scalerl.parallel.sharding import check_distributed_config, shard_rows
 from scalerl.rl.entropy import logprobs_from_logits
 from scalerl.rl.evaluation import evaluate
 from scalerl.rl.optim import build_optimizer
+from scalerl.rl.pipeline_update import SFTLossOnLastStage, sft_step_pipeline
 from scalerl.rl.policy import encode_prompts, load_policy, resolve_device, save_policy
 from scalerl.rl.runtime import AutocastFactory, grad_scaler, max_memory_gb, seed_everything
 from scalerl.rollout.builtin_engine import BuiltinEngine
@@ -30,9 +32,10 @@ def sft_example(tokenizer: Any, row: dict) -> tuple[list[int], int]:
     return prompt + tokenizer.encode(row["response"]) + [tokenizer.eos_token_id], len(prompt)
 
 
-def collate(examples: list[tuple[list[int], int]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded ``input_ids``/``attention_mask`` and ``loss_mask`` marking the tokens to predict."""
-    width = max(len(ids) for ids, _ in examples)
+def collate(examples: list[tuple[list[int], int]], pad_token_id: int, width: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``/``attention_mask`` and ``loss_mask`` marking the tokens to predict
+    (``width``: pad to this many columns instead of the longest example)."""
+    width = width or max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
     loss_mask = torch.zeros((len(examples), width), dtype=torch.float32)
@@ -65,20 +68,26 @@ def train_sft(cfg: Config) -> dict[str, Any]:
     check_distributed_config(cfg, ctx)
     out_dir = Path(s.output_dir or Path(t.output_dir) / "sft")
     model, tokenizer = load_policy(cfg, device, t.seed)
+    pipeline = None
+    if ctx.dims.pp > 1:  # stages are cut from the unsharded model, before it becomes the replica
+        pipeline_loss = SFTLossOnLastStage()
+        pipeline = PipelineRunner(model, ctx, cfg.parallel.pp_schedule, cfg.parallel.microbatches, pipeline_loss,
+                                  lambda stage: shard_pipeline_stage(stage, ctx))
     train_model = parallelize(model, ctx, cfg.model.activation_checkpointing)
     train_rows = rows_from_config(cfg.data, "train", t.seed)
     val_rows = shard_rows(rows_from_config(cfg.data, "test", t.seed), ctx)
     examples = [sft_example(tokenizer, row) for row in train_rows]
     stream = PromptStream(list(range(len(examples))), s.batch_size, t.seed, cfg.data.shuffle)
     optimizer, scheduler = build_optimizer(
-        [(model.parameters(), s.lr)], s.weight_decay, warmup_steps=s.warmup_steps, total_steps=s.steps,
+        [(pipeline.parameters() if pipeline else model.parameters(), s.lr)], s.weight_decay, warmup_steps=s.warmup_steps, total_steps=s.steps,
         schedule=s.lr_schedule,
     )
     autocast = AutocastFactory(t.precision, device) if t.precision != "fp32" else contextlib.nullcontext()
     scaler = grad_scaler(t.precision, device)
     engine = BuiltinEngine(model, tokenizer.pad_token_id, all_finished=ctx.all_finished)
     reward = reward_from_config(cfg.data)
-    params = [p for p in model.parameters() if p.requires_grad]
+    pipeline_width = max(len(ids) for ids, _ in examples) if pipeline else None
+    params = [p for p in (pipeline.parameters() if pipeline else model.parameters()) if p.requires_grad]
     summary: dict[str, Any] = {}
 
     def run_eval() -> dict[str, float]:
@@ -92,12 +101,15 @@ def train_sft(cfg: Config) -> dict[str, Any]:
             start = time.perf_counter()
             model.train()
             local = shard_rows(stream.next_batch(), ctx)  # each rank draws the global batch, keeps its part
-            batch = collate([examples[i] for i in local], tokenizer.pad_token_id)
+            # Pipeline stages fix activation shapes at their first step: pad every batch to one width.
+            batch = collate([examples[i] for i in local], tokenizer.pad_token_id, pipeline_width)
             batch = {k: v.to(device) for k, v in batch.items()}
             num_tokens = ctx.all_reduce(batch["loss_mask"][:, 1:].sum()).clamp(min=1)
             optimizer.zero_grad(set_to_none=True)
             loss_total = torch.zeros((), device=device)
-            starts = list(range(0, len(local), s.micro_batch_size))
+            starts = [] if pipeline else list(range(0, len(local), s.micro_batch_size))
+            if pipeline is not None:  # parallel.microbatches replaces sft.micro_batch_size here
+                loss_total += sft_step_pipeline(pipeline, batch, pipeline_loss, num_tokens, ctx)
             for i, lo in enumerate(starts):
                 micro = {k: v[lo : lo + s.micro_batch_size] for k, v in batch.items()}
                 with autocast:
@@ -108,12 +120,17 @@ def train_sft(cfg: Config) -> dict[str, Any]:
                 loss_total += loss.detach()
             if scaler:
                 scaler.unscale_(optimizer)
-            grad_norm = clip_grad_norm(params, s.grad_clip)
+            if pipeline is not None:
+                grad_norm = clip_grad_norm(params, s.grad_clip, pipeline.norm_parameters(), pipeline.pp_group)
+            else:
+                grad_norm = clip_grad_norm(params, s.grad_clip)
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()
             else:
                 optimizer.step()
+            if pipeline is not None:
+                pipeline.refresh_replica()  # evaluation and the saved model read the full replica
             lr = optimizer.param_groups[0]["lr"]
             scheduler.step()
             elapsed = time.perf_counter() - start

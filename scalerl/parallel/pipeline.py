@@ -1,0 +1,177 @@
+"""Pipeline parallelism: stages cut from the model's layer list, run by `torch.distributed.pipelining`.
+
+Each pipeline rank trains only its stage(s) (GPipe, 1F1B, or interleaved 1F1B with two virtual stages per
+rank). Generation, evaluation and the old/reference log-prob passes run on a full replica of the model
+kept on every rank and refreshed from the stages after each optimizer step ("gathered full weights"): the
+decode loop then needs no pipeline bubbles, at the cost of one model copy per rank and a broadcast of every
+stage's weights per step (counted in ``comm/weight_sync_bytes``).
+
+Tied embeddings: the first stage's embedding and the last stage's head are copies of one tensor; their
+gradients are summed over the pipeline group each step (as Megatron does), so the copies stay equal.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+
+from scalerl.models.decoder import CausalLM, attention_mask_4d, position_ids_from_mask
+from scalerl.parallel.distributed import DistContext
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def stage_layer_ids(num_layers: int, num_stages: int) -> list[list[int]]:
+    """Contiguous, equal runs of layer indices, one per stage."""
+    if num_layers % num_stages:
+        raise ValueError(f"{num_layers} layers do not split into {num_stages} pipeline stages")
+    per = num_layers // num_stages
+    return [list(range(s * per, (s + 1) * per)) for s in range(num_stages)]
+
+
+class DecoderStage(nn.Module):
+    """A slice of a ``CausalLM``: its layers ``layer_ids`` (kept under their original names, so parameter
+    names match the full model), plus the embedding on the first stage and norm + head on the last.
+
+    ``forward(x, attention_mask)``: ``x`` is token ids on the first stage, hidden states after; non-last
+    stages return ``(hidden, attention_mask)`` so the mask travels down the pipeline with its micro-batch.
+    """
+
+    def __init__(self, model: CausalLM, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.config = model.config
+        self.embed_tokens = copy.deepcopy(model.embed_tokens) if first else None
+        self.layers = nn.ModuleDict({str(i): copy.deepcopy(model.layers[i]) for i in layer_ids})
+        self.norm = copy.deepcopy(model.norm) if last else None
+        self.lm_head = copy.deepcopy(model.lm_head) if last else None
+        self.rotary = model.rotary
+        self.gradient_checkpointing = model.gradient_checkpointing
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        key_mask = attention_mask > 0
+        cos, sin = self.rotary(position_ids_from_mask(key_mask), hidden.dtype)
+        mask = attention_mask_4d(key_mask, hidden.shape[1])
+        for layer in self.layers.values():
+            if self.gradient_checkpointing and self.training:
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, cos, sin, mask, use_reentrant=False)
+            else:
+                hidden = layer(hidden, cos, sin, mask)
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(hidden))
+        return hidden, attention_mask
+
+
+class PipelineRunner:
+    """This rank's stages, their schedule, and the replica they refresh after each optimizer step."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        ctx: DistContext,
+        schedule: str,
+        microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        shard_stage: Callable[[nn.Module], None] | None = None,
+    ):
+        self.ctx, self.replica = ctx, model
+        pp_mesh = ctx.mesh["pp"]
+        self.pp_group, pp_rank, pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size()
+        virtual = 2 if schedule == "interleaved_1f1b" else 1
+        self.num_stages = pp * virtual
+        layer_ids = stage_layer_ids(model.config.num_hidden_layers, self.num_stages)
+        # Stage s lives on pipeline rank s % pp (the looped order interleaved schedules expect).
+        self.stage_ids = [pp_rank + v * pp for v in range(virtual)]
+        self.modules = []
+        stages = []
+        for s in self.stage_ids:
+            module = DecoderStage(model, layer_ids[s], first=s == 0, last=s == self.num_stages - 1)
+            if shard_stage is not None:
+                shard_stage(module)
+            self.modules.append(module)
+            stages.append(PipelineStage(module, s, self.num_stages, ctx.device, group=self.pp_group))
+        self.owner = {s: s % pp for s in range(self.num_stages)}
+        self.layer_ids = layer_ids
+        self.tied = model.config.tie_word_embeddings
+        self.has_last = self.num_stages - 1 in self.stage_ids
+        # Micro-batch losses are normalised by the whole mini-batch's token count already: no 1/M scaling.
+        cls = SCHEDULES[schedule]
+        self.schedule = cls(stages if virtual > 1 else stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.pp_rank = pp_rank
+        self.microbatches = microbatches
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.modules for p in m.parameters()]
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """Parameters counted in the gradient norm: a tied head is the embedding's copy, counted once."""
+        return [p for m in self.modules for n, p in m.named_parameters() if not (self.tied and n == "lm_head.weight")]
+
+    def train(self) -> None:
+        for m in self.modules:
+            m.train()
+
+    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target: torch.Tensor) -> None:
+        """Forward + backward of one mini-batch through the pipeline (gradients accumulate in the stages)."""
+        first = 0 in self.stage_ids
+        args = (input_ids, attention_mask.float()) if first else ()
+        self.schedule.step(*args, target=target if self.has_last else None)
+
+    def sync_tied_gradients(self) -> None:
+        if not self.tied:
+            return
+        pieces = []
+        for m in self.modules:
+            for piece in (m.embed_tokens, m.lm_head):
+                if piece is not None and piece.weight.grad is not None:
+                    pieces.append(piece.weight.grad)
+        shape_source = self.replica.embed_tokens.weight
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        total = torch.zeros_like(local(pieces[0])) if pieces else torch.zeros_like(shape_source)
+        for g in pieces:
+            total += local(g)
+        dist.all_reduce(total, group=self.pp_group)
+        for g in pieces:
+            local(g).copy_(total)
+
+    def stage_of(self, name: str) -> int:
+        if name.startswith("embed_tokens."):
+            return 0
+        if name.startswith(("norm.", "lm_head.")):
+            return self.num_stages - 1
+        layer = int(name.split(".")[1])
+        return next(s for s, ids in enumerate(self.layer_ids) if layer in ids)
+
+    @torch.no_grad()
+    def refresh_replica(self) -> int:
+        """Copy every stage's weights into the full replica on all pipeline ranks; returns bytes received."""
+        own = {}
+        for m in self.modules:
+            for n, p in m.named_parameters():
+                own[n] = p.full_tensor() if isinstance(p, DTensor) and _is_dp_sharded(p) else p
+        received = 0
+        pp_ranks = dist.get_process_group_ranks(self.pp_group)
+        for name, target in self.replica.named_parameters():
+            stage = self.stage_of(name)
+            dest = target.to_local() if isinstance(target, DTensor) else target
+            if stage in self.stage_ids:
+                src = own[name]
+                dest.copy_(src.to_local() if isinstance(src, DTensor) else src)
+            else:
+                received += dest.numel() * dest.element_size()
+            buf = dest.contiguous()
+            dist.broadcast(buf, src=pp_ranks[self.owner[stage]], group=self.pp_group)
+            if buf.data_ptr() != dest.data_ptr():
+                dest.copy_(buf)
+        return received
+
+
+def _is_dp_sharded(p: DTensor) -> bool:
+    names = p.device_mesh.mesh_dim_names or ()
+    return any(not pl.is_replicate() and n.startswith("dp") for n, pl in zip(names, p.placements))
