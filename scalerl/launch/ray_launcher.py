@@ -149,8 +149,8 @@ def placement_problems(bundles: Sequence[dict[str, float]], strategy: str,
     return problems
 
 
-def _resources_text(resources: dict[str, float]) -> str:
-    shown = {"CPU": resources.get("CPU", 0.0), "GPU": resources.get("GPU", 0.0)}
+def _resources_text(resources: dict[str, float], always: tuple[str, ...] = ("CPU", "GPU")) -> str:
+    shown = {r: resources.get(r, 0.0) for r in always}  # a cluster's "GPU 0" is news; a bundle's is noise
     shown.update({r: v for r, v in resources.items() if not r.startswith(_INTERNAL_RESOURCE_PREFIXES)})
     return ", ".join(f"{r} {v:g}" for r, v in shown.items())
 
@@ -159,7 +159,7 @@ def _placement_report(bundles: list[dict[str, float]], strategy: str, problems: 
                       nodes: list[dict[str, Any]]) -> str:
     import ray
 
-    lines = [f"cannot place {len(bundles)} bundle(s) of {{{_resources_text(bundles[0]) if bundles else ''}}} "
+    lines = [f"cannot place {len(bundles)} bundle(s) of {{{_resources_text(bundles[0], always=()) if bundles else ''}}} "
              f"with strategy {strategy}:"]
     lines += [f"  - {p}" for p in problems]
     lines.append(f"cluster resources: {_resources_text(ray.cluster_resources())} "

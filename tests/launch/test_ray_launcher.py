@@ -94,8 +94,7 @@ def test_placement_problems_name_the_mismatch():
     assert placement_problems(rank_bundles(2, 0, 1.0), "STRICT_SPREAD", two_cpu_nodes) == []
     (gpu,) = [p for p in placement_problems(rank_bundles(1, 1, 1.0), "PACK", two_cpu_nodes) if "on one node" in p]
     assert "GPU" in gpu and "largest node has 0" in gpu
-    assert "only 2 of the 3 node(s)" not in " ".join(placement_problems(rank_bundles(3, 0, 1.0), "SPREAD",
-                                                                         two_cpu_nodes))
+    assert placement_problems(rank_bundles(3, 0, 1.0), "SPREAD", two_cpu_nodes) == []  # SPREAD may stack
     assert "STRICT_SPREAD" in placement_problems(rank_bundles(3, 0, 0.5), "STRICT_SPREAD", two_cpu_nodes)[0]
     assert "STRICT_PACK" in placement_problems(rank_bundles(2, 0, 2.0), "STRICT_PACK", two_cpu_nodes)[0]
     # 16 GPUs in total, enough for 2 x 8, but only one node has 8 on it.
