@@ -63,8 +63,14 @@ DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 
 def _is_main_rank() -> bool:
-    """Under torchrun every rank runs this CLI; only rank 0 should print the config."""
-    return os.environ.get("RANK", "0") == "0"
+    """Under torchrun, srun or mpirun every rank runs this CLI; only rank 0 should print the config."""
+    try:
+        from scalerl.launch.env import detect_rank_env
+
+        env = detect_rank_env()
+    except Exception:  # a broken launcher environment is reported by the trainer, with its own message
+        return os.environ.get("RANK", "0") == "0"
+    return env is None or env.rank == 0
 
 
 def _load_run_config(args: argparse.Namespace, show: bool = True, default_path: Path | None = None) -> Any:

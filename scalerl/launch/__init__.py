@@ -10,5 +10,5 @@
 from scalerl.launch.env import RankEnv, RankEnvError, apply_rank_env, detect_rank_env, expand_hostlist
 from scalerl.launch.slurm import SlurmError, slurm_job_script, submit, wait_for_job
 
-__all__ = ["RankEnv", "RankEnvError", "apply_rank_env", "detect_rank_env", "expand_hostlist", "SlurmError",
+__all__ = ["RankEnv", "RankEnvError", "SlurmError", "apply_rank_env", "detect_rank_env", "expand_hostlist",
            "slurm_job_script", "submit", "wait_for_job"]

@@ -17,8 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time as time_module
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from scalerl.launch.env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
@@ -87,12 +87,18 @@ def slurm_job_script(config_path: str | None, overrides: Sequence[str] = (), *, 
                      ray: bool = False, python: str = sys.executable, extra_sbatch: Sequence[str] = (),
                      env: Mapping[str, str] | None = None, master_addr: str | None = None,
                      ray_port: int = DEFAULT_RAY_PORT, ray_start_args: Sequence[str] = (),
+                     ray_head_args: Sequence[str] = (), ray_launch_args: Sequence[str] = (),
                      ray_wait_s: int = 300) -> str:
     """The text of an sbatch script that trains `config_path` with `overrides` on `nodes` nodes.
 
     SPMD: one task per GPU (`gpus_per_node`), or one per node with 0 GPUs, unless `ntasks_per_node`
     is given; `srun --kill-on-bad-exit=1 python -m scalerl train ...` so one failed rank ends the job.
-    Ray (`ray=True`): one task per node; the driver runs `scalerl launch ray ... --address HEAD:PORT`.
+    Ray (`ray=True`): one task per node; the driver runs `scalerl launch ray ... --address HEAD:PORT`
+    once `ray status` counts `nodes` active nodes (at most `ray_wait_s`; a `ray start` that dies ends the
+    job at once). `ray_start_args` go to every `ray start`, `ray_head_args` to the head's only
+    (e.g. `--include-dashboard=false`), `ray_launch_args` to the driver (e.g. `["--strategy", "SPREAD"]`).
+    The driver gets the explicit head address rather than `auto`, which could find another Ray instance
+    sharing the node.
     `MASTER_ADDR` is the job's first host (`scontrol show hostnames`; with Ray its IP address), or
     `master_addr` when node names do not resolve; `MASTER_PORT` is 15000 + job id % 20000, as
     `detect_rank_env` derives it. `env` is exported after those (so it may override them), e.g.
@@ -108,6 +114,8 @@ def slurm_job_script(config_path: str | None, overrides: Sequence[str] = (), *, 
                            error=error, extra_sbatch=extra_sbatch)
     config_words = ([config_path] if config_path else []) + list(overrides)
     lines += ["# Written by scalerl (scalerl.launch.slurm.slurm_job_script).", "set -euo pipefail", "",
+              "# sbatch copies the submitting shell's environment; ranks must come from srun, not a stale RANK.",
+              "unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK",
               'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)']
     if master_addr is not None:
         lines.append(f"export MASTER_ADDR={shlex.quote(master_addr)}")
@@ -122,34 +130,41 @@ def slurm_job_script(config_path: str | None, overrides: Sequence[str] = (), *, 
     lines.append("")
     if ray:
         lines += _ray_body(python, config_words, nodes, gpus_per_node, cpus_per_task, ray_port,
-                           ray_start_args, ray_wait_s)
+                           ray_start_args, ray_head_args, ray_launch_args, ray_wait_s)
     else:
         lines.append("srun --kill-on-bad-exit=1 " + _command([python, "-m", "scalerl", "train", *config_words]))
     return "\n".join(lines) + "\n"
 
 
 def _ray_body(python: str, config_words: list[str], nodes: int, gpus_per_node: int, cpus_per_task: int | None,
-              ray_port: int, ray_start_args: Sequence[str], ray_wait_s: int) -> list[str]:
+              ray_port: int, ray_start_args: Sequence[str], ray_head_args: Sequence[str],
+              ray_launch_args: Sequence[str], ray_wait_s: int) -> list[str]:
     """Head, workers, a bounded wait until all nodes joined, then the driver on the head node."""
     resources = [f"--num-gpus={gpus_per_node}"] + ([f"--num-cpus={cpus_per_task}"] if cpus_per_task else [])
     extra = _command([*resources, *ray_start_args])
+    head_extra = _command(["--dashboard-host=127.0.0.1", *resources, *ray_start_args, *ray_head_args])
     ray = _command([str(Path(python).with_name("ray"))]) if "/" in python else "ray"
     # --overlap: the driver step shares the head node with the `ray start --head` step.
     step = 'srun --overlap --nodes=1 --ntasks=1 -w'
     return [
         f"ray_address=\"$MASTER_ADDR:{ray_port}\"",
         'export RAY_ADDRESS="$ray_address"',
-        f'{step} "$head_node" {ray} start --head --node-ip-address="$MASTER_ADDR" --port={ray_port} '
-        f"--dashboard-host=127.0.0.1 {extra} --block &",
+        (f'{step} "$head_node" {ray} start --head --node-ip-address="$MASTER_ADDR" --port={ray_port} '
+         f"{head_extra} --block &"),
+        "ray_steps=($!)",
         "sleep 5  # let the head's GCS come up before workers dial it",
         'for worker in $(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +2); do',
         f'    {step} "$worker" {ray} start --address="$ray_address" {extra} --block &',
+        "    ray_steps+=($!)",
         "done",
         "# Wait (bounded) until every node is an active Ray node; `ray status` lists them under Active.",
         f"deadline=$(( SECONDS + {int(ray_wait_s)} ))",
         "while true; do",
-        f"    alive=$({ray} status --address=\"$ray_address\" 2>/dev/null | "
-        "awk '/^Active:/{a=1;next} /^[A-Z][a-z ]*:/{a=0} a && /node_/{n++} END{print n+0}') || true",
+        '    for pid in "${ray_steps[@]}"; do',
+        '        kill -0 "$pid" 2>/dev/null || { echo "scalerl: a ray start step exited early (see above)" >&2; exit 1; }',
+        "    done",
+        (f"    alive=$({ray} status --address=\"$ray_address\" 2>/dev/null | "
+         "awk '/^Active:/{a=1;next} /^[A-Z][a-z ]*:/{a=0} a && /node_/{n++} END{print n+0}') || true"),
         f'    [ "$alive" -ge {nodes} ] && break',
         '    if [ $SECONDS -ge $deadline ]; then',
         f'        echo "scalerl: only $alive of {nodes} Ray nodes joined within {int(ray_wait_s)} s" >&2; exit 1',
@@ -159,7 +174,7 @@ def _ray_body(python: str, config_words: list[str], nodes: int, gpus_per_node: i
         'echo "scalerl: $alive Ray nodes up at $ray_address"',
         f'{step} "$head_node" '
         + _command([python, "-m", "scalerl", "launch", "ray", *config_words, "--num-nodes", str(nodes),
-                    "--gpus-per-node", str(gpus_per_node)])
+                    "--gpus-per-node", str(gpus_per_node), *ray_launch_args])
         + ' --address="$ray_address"',
     ]
 
@@ -173,7 +188,7 @@ def submit(script_text: str, sbatch: str = "sbatch", script_path: str | Path | N
     else:
         Path(script_path).parent.mkdir(parents=True, exist_ok=True)
         Path(script_path).write_text(script_text)
-    result = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True)
+    result = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SlurmError(f"{sbatch} --parsable {script_path} failed ({result.returncode}): "
                          f"{result.stderr.strip() or result.stdout.strip()}")
@@ -183,12 +198,12 @@ def submit(script_text: str, sbatch: str = "sbatch", script_path: str | Path | N
 
 def job_state(job_id: str, squeue: str = "squeue", scontrol: str = "scontrol") -> str | None:
     """The job's state (PENDING, RUNNING, COMPLETED, ...) or None once Slurm has forgotten it."""
-    result = subprocess.run([squeue, "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True)
+    result = subprocess.run([squeue, "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True, check=False)
     state = result.stdout.strip() if result.returncode == 0 else ""
     if state:
         return state.split()[0]
     # squeue shows only live jobs; scontrol remembers finished ones for MinJobAge (300 s by default).
-    result = subprocess.run([scontrol, "show", "job", "-o", str(job_id)], capture_output=True, text=True)
+    result = subprocess.run([scontrol, "show", "job", "-o", str(job_id)], capture_output=True, text=True, check=False)
     match = re.search(r"\bJobState=(\S+)", result.stdout)
     return match.group(1) if match else None
 

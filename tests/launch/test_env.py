@@ -2,8 +2,14 @@
 
 import pytest
 
-from scalerl.launch.env import (RankEnv, RankEnvError, apply_rank_env, detect_rank_env, expand_hostlist,
-                                parse_tasks_per_node)
+from scalerl.launch.env import (
+    RankEnv,
+    RankEnvError,
+    apply_rank_env,
+    detect_rank_env,
+    expand_hostlist,
+    parse_tasks_per_node,
+)
 
 
 @pytest.mark.parametrize("hostlist, hosts", [

@@ -33,7 +33,7 @@ TEST_JOB_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUF
 
 
 def bash_syntax_ok(script: str) -> None:
-    result = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    result = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
 
 
@@ -48,11 +48,12 @@ def test_spmd_script_shape_and_quoting():
                  "#SBATCH --cpus-per-task=12", "#SBATCH --mem=200G", "#SBATCH --time=01:00:00",
                  "#SBATCH --output=logs/%x-%j.out", "#SBATCH --error=logs/%x-%j.err", "#SBATCH --job-name=scalerl",
                  "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --exclusive",
+                 "unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK",
                  'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
                  "export MASTER_PORT=$(( 15000 + SLURM_JOB_ID % 20000 ))",
                  "export NCCL_DEBUG='WARN it'\"'\"'s'",
-                 "srun --kill-on-bad-exit=1 /opt/py/bin/python -m scalerl train '/cfg/my run.yaml' actor.lr=1e-6 "
-                 "'data.prompt_template=Q: $(rm -rf /)'"]:
+                 ("srun --kill-on-bad-exit=1 /opt/py/bin/python -m scalerl train '/cfg/my run.yaml' actor.lr=1e-6 "
+                  "'data.prompt_template=Q: $(rm -rf /)'")]:
         assert line in script.splitlines(), line
     assert script.startswith("#!/bin/bash\n")
     bash_syntax_ok(script)
@@ -79,8 +80,8 @@ def test_ray_script_shape():
     lines = script.splitlines()
     head = next(line for line in lines if "start --head" in line)
     assert head.startswith('srun --overlap --nodes=1 --ntasks=1 -w "$head_node" /venv/bin/ray start --head')
-    assert '--node-ip-address="$MASTER_ADDR" --port=6379 --dashboard-host=127.0.0.1' in head
-    assert head.endswith("--num-gpus=4 --num-cpus=32 --block &")
+    assert head.endswith('--node-ip-address="$MASTER_ADDR" --port=6379 --dashboard-host=127.0.0.1 '
+                         "--num-gpus=4 --num-cpus=32 --block &")
     assert any("ray start --address=\"$ray_address\" --num-gpus=4 --num-cpus=32 --block &" in line for line in lines)
     assert any("ray status" in line for line in lines) and "-ge 3 ]" in script
     assert lines[-1] == ('srun --overlap --nodes=1 --ntasks=1 -w "$head_node" /venv/bin/python -m scalerl launch ray '
@@ -141,8 +142,9 @@ def test_cli_ray_calls_launch_ray(monkeypatch):
     monkeypatch.setitem(sys.modules, "scalerl.launch.ray_launcher", fake)
     assert launch_cli(["launch", "ray", "rollout.n=2", "--num-nodes", "2", "--gpus-per-node", "4",
                        "--strategy", "SPREAD", "--address", "auto"]) == 0
-    assert calls == [(None, ["rollout.n=2"], dict(num_nodes=2, gpus_per_node=4, cpus_per_rank=1.0,
-                                                  strategy="SPREAD", address="auto", dashboard_host="127.0.0.1"))]
+    expected = {"num_nodes": 2, "gpus_per_node": 4, "cpus_per_rank": 1.0, "strategy": "SPREAD", "address": "auto",
+                "dashboard_host": "127.0.0.1"}
+    assert calls == [(None, ["rollout.n=2"], expected)]
 
 
 # ---- a real two-node cluster -----------------------------------------------------------------------
@@ -177,7 +179,7 @@ def slurm_cluster():
     env = {**os.environ, "SLURMCTLD_PORT": str(free_port_pair()), "SLURMD_PORT_BASE": str(free_port_pair()),
            "SLURM_CONF": str(base / "slurm.conf")}
     started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start", str(base)], env=env, capture_output=True,
-                             text=True, timeout=120)
+                             text=True, timeout=120, check=False)
     try:
         if started.returncode != 0:
             pytest.skip(f"the test Slurm cluster did not start:\n{started.stdout}{started.stderr}")
@@ -191,7 +193,8 @@ def slurm_cluster():
             else:
                 os.environ["SLURM_CONF"] = saved
     finally:
-        subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop", str(base)], env=env, capture_output=True, timeout=60)
+        subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop", str(base)], env=env, capture_output=True, timeout=60,
+                       check=False)
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -212,14 +215,16 @@ RANK_PROBE = textwrap.dedent("""\
 """)
 
 
-def run_job(script: str, tmp_path: Path, timeout_s: float = 240) -> tuple[str, str]:
+def run_job(script: str, tmp_path: Path, monkeypatch, timeout_s: float = 240) -> tuple[str, str]:
+    """Submit, wait, and return (final state, the job's stdout + stderr)."""
+    monkeypatch.setenv("RANK", "7")  # a stale rank in the submitting shell must not reach the tasks
     job_id = submit(script, script_path=tmp_path / "job.sh")
     state = wait_for_job(job_id, timeout_s=timeout_s)
     logs = "".join(p.read_text() for p in sorted(tmp_path.glob(f"job-{job_id}.*")))
     return state, logs
 
 
-def test_two_node_job_ranks_and_training(slurm_cluster, tmp_path):
+def test_two_node_job_ranks_and_training(slurm_cluster, tmp_path, monkeypatch):
     """`--nodes=2 --ntasks-per-node=1`: each task's rank env and a cross-node all_reduce, then 2 GRPO steps.
 
     The job's `python` is a wrapper that first runs RANK_PROBE in the task (a stand-in rank check that
@@ -233,9 +238,11 @@ def test_two_node_job_ranks_and_training(slurm_cluster, tmp_path):
     out_dir = tmp_path / "train"
     script = slurm_job_script(None, [*TINY_TRAIN, f"trainer.output_dir={out_dir}"], nodes=2, gpus_per_node=0,
                               time="00:05:00", output=str(tmp_path / "job-%j.out"),
-                              error=str(tmp_path / "job-%j.err"), python=str(wrapper), env=TEST_JOB_ENV,
+                              error=str(tmp_path / "job-%j.err"), python=str(wrapper),
+                              # a free port, not 15000 + job id: job ids restart at 1 on every test cluster
+                              env={**TEST_JOB_ENV, "MASTER_PORT": str(free_port_pair())},
                               master_addr="127.0.0.1", job_name="scalerl-test")
-    state, logs = run_job(script, tmp_path)
+    state, logs = run_job(script, tmp_path, monkeypatch)
     records = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")), key=lambda r: r["rank"])
     assert [(r["rank"], r["world_size"], r["node_rank"], r["slurm_nodeid"], r["launcher"]) for r in records] == \
         [(0, 2, 0, "0", "slurm"), (1, 2, 1, "1", "slurm")], logs
@@ -246,22 +253,31 @@ def test_two_node_job_ranks_and_training(slurm_cluster, tmp_path):
     assert len(steps) == len(set(steps)), f"metrics written by more than one rank: {steps}"
 
 
-def test_ray_on_slurm_job(slurm_cluster, tmp_path):
-    """Ray head on n1, a worker on n2, then the `scalerl launch ray` driver trains 2 steps over both."""
+def test_ray_on_slurm_job(slurm_cluster, tmp_path, monkeypatch):
+    """Ray head on n1, a worker on n2, then the `scalerl launch ray` driver trains 2 steps, one rank on each."""
     if importlib.util.find_spec("ray") is None:
         pytest.skip("Ray is not installed (pip install 'scalerl[ray]')")
     if importlib.util.find_spec("scalerl.launch.ray_launcher") is None:
         pytest.skip("scalerl.launch.ray_launcher is not in this tree yet")
     out_dir = tmp_path / "train"
+    # A private Ray temp root: `ray start --head` records its address in <root>/ray/ray_current_cluster,
+    # which plain `ray.init()` calls elsewhere on this machine would otherwise join (or trip on once stale).
+    # Short (unix socket paths are limited to 107 bytes) and searchable, like the cluster folder.
+    ray_tmp = slurm_cluster / "ray"
     script = slurm_job_script(None, [*TINY_TRAIN, f"trainer.output_dir={out_dir}"], nodes=2, gpus_per_node=0,
                               cpus_per_task=2, time="00:05:00", output=str(tmp_path / "job-%j.out"),
                               error=str(tmp_path / "job-%j.err"), ray=True, master_addr="127.0.0.1",
                               ray_port=free_port_pair(), job_name="scalerl-ray-test",
-                              ray_start_args=["--include-dashboard=false", "--object-store-memory=100000000"],
-                              env={**TEST_JOB_ENV, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"},
+                              ray_start_args=["--object-store-memory=100000000"],
+                              ray_head_args=["--include-dashboard=false"], ray_launch_args=["--strategy", "SPREAD"],
+                              env={**TEST_JOB_ENV, "RAY_TMPDIR": str(ray_tmp), "RAY_AUTH_MODE": "disabled",
+                                   "RAY_USAGE_STATS_ENABLED": "0",
+                                   # sbatch exports this process's environment to the job, and another
+                                   # test module sets this to 0, which makes `ray start` refuse workers.
+                                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"},
                               ray_wait_s=120)
-    state, logs = run_job(script, tmp_path, timeout_s=300)
+    state, logs = run_job(script, tmp_path, monkeypatch, timeout_s=300)
     assert state == "COMPLETED", logs
-    assert "2 Ray nodes up" in logs, logs
+    assert "2 Ray nodes up" in logs and "on 2 node(s)" in logs, logs  # launch_ray reports the spread
     steps = [json.loads(line)["step"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert sorted(set(steps) - {0}) == [1, 2], steps
