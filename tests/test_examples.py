@@ -1,6 +1,8 @@
 """The example configs are valid, and the seed article's launch script maps or refuses its flags."""
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ def test_example_configs_validate(path):
 
 
 def _run(*args):
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_gradient_compression_is_refused_clearly():

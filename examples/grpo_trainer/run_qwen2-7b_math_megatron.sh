@@ -11,6 +11,7 @@
 # Every flag maps onto scalerl config keys (printed before launch); an unknown flag is an error.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+python="${PYTHON:-python3}"   # the interpreter that has scalerl installed
 backend="" nodes=1 gpus=0 batch=64 compression=False accum=1 fp16=False model="" train="" val="" print=""
 extra=()
 need() { [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; exit 2; }; }
@@ -59,7 +60,7 @@ fi
 overrides+=("${extra[@]}")
 echo "scalerl overrides: ${overrides[*]}"
 if [ "$backend" = slurm ]; then
-  exec scalerl launch slurm "$config" "${overrides[@]}" --nodes "$nodes" --gpus-per-node "$gpus" $print
+  exec "$python" -m scalerl launch slurm "$config" "${overrides[@]}" --nodes "$nodes" --gpus-per-node "$gpus" $print
 else
-  exec scalerl launch ray "$config" "${overrides[@]}" --num-nodes "$nodes" --gpus-per-node "$gpus"
+  exec "$python" -m scalerl launch ray "$config" "${overrides[@]}" --num-nodes "$nodes" --gpus-per-node "$gpus"
 fi
