@@ -51,11 +51,6 @@ def check_distributed_config(cfg: Any, ctx: DistContext) -> None:
             problems.append("actor.micro_batch_max_tokens (dynamic batch size) does not apply with parallel.pp > 1")
     if cfg.algorithm.adv_estimator == "gae":
         problems.append("algorithm.adv_estimator=gae (a critic) runs in a single process only for now")
-    if cfg.trainer.save_every or cfg.trainer.resume not in ("never", ""):
-        problems.append(
-            "periodic checkpoints and resume (trainer.save_every / trainer.resume) are single-process only for "
-            "now; a distributed run saves its final model"
-        )
     if cfg.rollout.engine != "builtin":
         problems.append("rollout.engine=vllm is single-process only for now")
     if problems:

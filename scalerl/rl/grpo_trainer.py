@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from scalerl.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from scalerl.config import Config, config_to_dict
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
 from scalerl.diagnose.flops import mfu
+from scalerl.parallel.dcp_checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
 from scalerl.parallel.distributed import init_distributed, reduce_metrics
 from scalerl.parallel.parallelize import parallelize, shard_pipeline_stage
 from scalerl.parallel.pipeline import PipelineRunner
@@ -93,13 +95,16 @@ class RLTrainer:
         self.checkpoint_root = self.output_dir / "checkpoints"
         resume_from = resolve_resume(t.resume, self.checkpoint_root)
         if resume_from is not None:
-            loaded = load_checkpoint(
-                resume_from, model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
+            load = load_checkpoint if self.dist.world_size == 1 else partial(load_distributed_checkpoint, ctx=self.dist)
+            loaded = load(
+                resume_from, model=self._checkpointed(), optimizer=self.optimizer, scheduler=self.scheduler,
                 generators={"update": self.update_generator}, expected_config=config_to_dict(cfg),
                 strict_config_keys=RESUME_MUST_MATCH,
             )
             self.step = loaded.step
             self.stream.load_state_dict(loaded.trainer_state["data"])
+            if self.pipeline is not None:
+                self.pipeline.refresh_replica()  # rollouts must start from the restored stage weights
         self.logger = MetricsLogger(
             self.output_dir, backends=t.logger if self.dist.is_main else [], total_steps=t.total_steps,
             config=config_to_dict(cfg) if self.dist.is_main else None,
@@ -246,13 +251,20 @@ class RLTrainer:
             )
         return reduce_metrics(local, self.dist)  # equal shards, so the mean of rank means is the mean
 
+    def _checkpointed(self) -> nn.Module:
+        """The modules whose state a checkpoint holds on this rank: the policy (and critic), or this rank's
+        pipeline stages."""
+        if self.pipeline is not None:
+            return nn.ModuleDict({f"stage{s}": m for s, m in zip(self.pipeline.stage_ids, self.pipeline.modules)})
+        return self.modules
+
     def save(self) -> Path:
-        t = self.cfg.trainer
-        return save_checkpoint(
-            self.checkpoint_root, self.step, model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
-            generators={"update": self.update_generator},
+        save = save_checkpoint if self.dist.world_size == 1 else partial(save_distributed_checkpoint, ctx=self.dist)
+        return save(
+            self.checkpoint_root, self.step, model=self._checkpointed(), optimizer=self.optimizer,
+            scheduler=self.scheduler, generators={"update": self.update_generator},
             trainer_state={"step": self.step, "data": self.stream.state_dict()},
-            config=config_to_dict(self.cfg), keep_last=t.keep_last,
+            config=config_to_dict(self.cfg), keep_last=self.cfg.trainer.keep_last,
         )
 
     def fit(self) -> dict[str, Any]:
@@ -270,8 +282,7 @@ class RLTrainer:
                     metrics.update(self.evaluate())
                     metrics.update(self.timer.pop())
                 self.logger.log(metrics, step=self.step)
-                # Distributed checkpoints (DCP) are not built yet: a distributed run keeps its final model only.
-                if self.dist.world_size == 1 and ((t.save_every and self.step % t.save_every == 0) or last):
+                if (t.save_every and self.step % t.save_every == 0) or last:
                     self.save()
                 summary["last"] = metrics
             final_dir = save_policy(self.model, self.tokenizer, self.output_dir / "final", self.dist)
