@@ -13,6 +13,7 @@ logger = logging.getLogger("scalerl.tracking")
 # Shown on the console, in this order, when present; every metric goes to the debug log.
 KEY_METRICS = (
     "critic/score/mean",
+    "sft/loss",
     "val/accuracy",
     "actor/pg_loss",
     "actor/kl_loss",
@@ -54,6 +55,14 @@ class ConsoleBackend:
         self._progress = None
         self._task = None
 
+    def _plain_line_due(self, metrics: dict[str, Any], step: int) -> bool:
+        """About 20 lines per run in logs: every `total_steps // 20`-th step, the first and last steps, and
+        any step with evaluation results (all steps still go to the debug log and the other backends)."""
+        if self.total_steps is None or self.total_steps <= 40:
+            return True
+        every = self.total_steps // 20
+        return step <= 1 or step >= self.total_steps or step % every == 0 or any(k.startswith("val/") for k in metrics)
+
     def _step_label(self, step: int) -> str:
         return f"step {step}/{self.total_steps}" if self.total_steps is not None else f"step {step}"
 
@@ -61,6 +70,8 @@ class ConsoleBackend:
         logger.debug("%s | %s", self._step_label(step), format_metrics(metrics))
         shown = format_metrics(key_metrics(metrics))
         if self.mode == "plain":
+            if not self._plain_line_due(metrics, step):
+                return
             # sys.stdout looked up per call so redirection (pytest capture, contextlib) is honoured.
             print(f"{self._step_label(step)} | {shown}" if shown else self._step_label(step), flush=True)
             return

@@ -133,3 +133,15 @@ def test_default_tensorboard_is_skipped_with_a_warning_when_missing(tmp_path, mo
     logger.close()
     with pytest.raises(ImportError, match="pip install tensorboard"):
         MetricsLogger(tmp_path, backends=["tensorboard"])
+
+
+def test_plain_console_thins_long_runs_to_about_twenty_lines(capsys):
+    from scalerl.tracking.console_backend import ConsoleBackend
+
+    console = ConsoleBackend(total_steps=1000, mode="plain")
+    for step in range(1, 1001):
+        console.log({"critic/score/mean": 0.5, **({"val/accuracy": 0.1} if step == 333 else {})}, step)
+    lines = capsys.readouterr().out.splitlines()
+    assert 20 <= len(lines) <= 24
+    assert lines[0].startswith("step 1/1000") and lines[-1].startswith("step 1000/1000")
+    assert any(line.startswith("step 333/1000") for line in lines)  # evaluation steps always show
