@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from scalerl.models.decoder import CausalLM
 from scalerl.models.kv_cache import KVCache
@@ -49,10 +50,15 @@ class BuiltinEngine:
                 copied += tensor.numel() * tensor.element_size()
         return copied
 
-    # no_grad, not inference_mode: FSDP2 keeps its all-gather buffers across calls, and buffers created as
-    # inference tensors cannot be written later by the training forward.
-    @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        # inference_mode is ~15% faster here than no_grad (no version counters or view tracking), but FSDP2
+        # keeps all-gather buffers across calls, and buffers created as inference tensors cannot be written
+        # by a later training forward: sharded models decode under no_grad.
+        sharded = any(isinstance(m, FSDPModule) for m in self.model.modules())
+        with torch.no_grad() if sharded else torch.inference_mode():
+            return self._generate(prompts, sampling)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         model = self.model
         device = model.embed_tokens.weight.device
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
