@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--world", type=int, action="append", choices=[2, 4], metavar="N",
                         help="world size to check (2 and/or 4; default both)")
     verify.add_argument("--layout", action="append", metavar="NAME", help="only these layouts (default all)")
-    verify.add_argument("--kind", action="append", choices=["grpo", "sft"], help="only these trainers (default both)")
+    verify.add_argument("--kind", action="append", choices=["grpo", "sft", "ppo"],
+                        help="trainers to check (default grpo and sft; ppo = GAE with a critic)")
     verify.add_argument("--steps", type=int, default=3, metavar="K", help="training steps per run (default 3)")
     verify.add_argument("--output-dir", default="outputs/verify", metavar="DIR", help="where runs are written")
 

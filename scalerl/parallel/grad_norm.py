@@ -40,6 +40,13 @@ def total_grad_norm(grads: list[torch.Tensor], extra_group=None) -> torch.Tensor
     return total.sqrt()
 
 
+def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Read at clipping time, not before the forward: FSDP2 swaps a root module's registered parameters
+    between sharded DTensors and unsharded tensors around forward/backward, and gradients land on the
+    sharded ones."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
 def clip_grad_norm(
     params: list[torch.nn.Parameter],
     max_norm: float,

@@ -49,8 +49,8 @@ def check_distributed_config(cfg: Any, ctx: DistContext) -> None:
             )
         if cfg.actor.micro_batch_max_tokens:
             problems.append("actor.micro_batch_max_tokens (dynamic batch size) does not apply with parallel.pp > 1")
-    if cfg.algorithm.adv_estimator == "gae":
-        problems.append("algorithm.adv_estimator=gae (a critic) runs in a single process only for now")
+    if cfg.algorithm.adv_estimator == "gae" and ctx.dims.pp > 1:
+        problems.append("algorithm.adv_estimator=gae (a critic) does not run with parallel.pp > 1 yet")
     if cfg.rollout.engine != "builtin":
         problems.append("rollout.engine=vllm is single-process only for now")
     if problems:

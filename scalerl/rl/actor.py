@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from scalerl.parallel.balance import token_budget_micro_batches
 from scalerl.parallel.distributed import DistContext, single_process_context
-from scalerl.parallel.grad_norm import clip_grad_norm
+from scalerl.parallel.grad_norm import clip_grad_norm, trainable_parameters
 from scalerl.rl.batch import RolloutBatch
 from scalerl.rl.entropy import entropy_from_logits, logprobs_from_logits
 from scalerl.rl.kl import kl_penalty
@@ -88,7 +88,6 @@ def update_policy(
     n = len(batch)
     mini_size = cfg.ppo_mini_batch_size // ctx.dp_size
     stats: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(n, generator=generator).to(batch.input_ids.device)
@@ -136,7 +135,7 @@ def update_policy(
                     stats[f"actor/{key}"].append((value, weight))
             if grad_scaler:
                 grad_scaler.unscale_(optimizer)
-            grad_norm = clip_grad_norm(params, cfg.grad_clip)
+            grad_norm = clip_grad_norm(trainable_parameters(model), cfg.grad_clip)
             if grad_scaler:
                 grad_scaler.step(optimizer)  # skips the step itself on inf/nan
                 grad_scaler.update()

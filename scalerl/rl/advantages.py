@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from scalerl.rl.masked import masked_whiten
+from scalerl.rl.masked import masked_whiten, sharded_masked_whiten
 
 GroupIds = torch.Tensor | np.ndarray | Sequence[Any]
 
@@ -87,8 +87,12 @@ def gae_advantages(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    all_reduce=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation over the response tokens, then whitening (verl / TRL).
+
+    ``all_reduce`` (sum over data-parallel ranks) makes the whitening use the global batch's statistics
+    when the batch is sharded; without it the statistics are this batch's.
 
     Backwards over t, with m_t the response mask (padding and observation tokens are skipped: they
     carry the running `next_value` and `gae` through unchanged):
@@ -110,4 +114,6 @@ def gae_advantages(
         gae_reversed.append(running_gae)
     gae = torch.stack(gae_reversed[::-1], dim=1)
     returns = gae + values
+    if all_reduce is not None:
+        return sharded_masked_whiten(gae, mask, all_reduce), returns
     return masked_whiten(gae, mask), returns

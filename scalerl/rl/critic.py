@@ -8,8 +8,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 from scalerl.models.decoder import CausalLM
+from scalerl.parallel.data_parallel import apply_ddp
+from scalerl.parallel.distributed import DistContext, single_process_context
+from scalerl.parallel.grad_norm import clip_grad_norm, trainable_parameters
+from scalerl.parallel.mesh import LayoutError
+from scalerl.parallel.tensor_parallel import apply_tensor_parallel
 from scalerl.rl.actor import micro_batches
 from scalerl.rl.batch import RolloutBatch
 from scalerl.rl.losses import value_loss
@@ -25,7 +31,7 @@ class ValueModel(nn.Module):
     def __init__(self, policy: CausalLM):
         super().__init__()
         self.backbone = copy.deepcopy(policy)
-        self.backbone.lm_head = nn.Identity()  # unused: the head below replaces it (and unties embeddings)
+        self.backbone.lm_head = None  # unused (hidden states are read before it); also unties embeddings
         self.value_head = nn.Linear(policy.config.hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
@@ -50,8 +56,28 @@ def compute_values(critic: ValueModel, batch: RolloutBatch, micro_batch_size: in
     return torch.cat(out)
 
 
+def parallelize_critic(critic: ValueModel, ctx: DistContext) -> nn.Module:
+    """The critic laid out like the policy: DDP for plain replication; otherwise TP on the backbone and
+    FSDP2 per backbone layer plus a root unit holding embeddings, norm and the value head."""
+    dims = ctx.dims
+    if ctx.world_size == 1:
+        return critic
+    if dims.pp > 1:
+        raise LayoutError("algorithm.adv_estimator=gae (a critic) does not run with parallel.pp > 1 yet")
+    if dims.tp > 1:
+        apply_tensor_parallel(critic.backbone, ctx.mesh["tp"])
+    if dims.dp > 1:
+        if dims.dp_shard == 1 and dims.tp == 1:
+            return apply_ddp(critic, ctx.dp_mesh)
+        mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else ctx.mesh["dp_shard"]
+        for layer in critic.backbone.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(critic, mesh=mesh)
+    return critic
+
+
 def update_critic(
-    critic: ValueModel,
+    critic: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: RolloutBatch,
     actor_cfg: Any,
@@ -59,23 +85,24 @@ def update_critic(
     horizon: int,
     generator: torch.Generator,
     autocast=None,
+    dist_ctx: DistContext | None = None,
 ) -> dict[str, float]:
-    """Clipped value regression onto GAE returns, with the actor's epoch / mini / micro-batch layout."""
+    """Clipped value regression onto GAE returns, with the actor's epoch / mini / micro-batch layout and
+    its global token counts (so DP ranks and micro-batches reproduce the full-batch gradient)."""
+    ctx = dist_ctx or single_process_context()
     losses, clipfracs, norms = [], [], []
-    params = [p for p in critic.parameters() if p.requires_grad]
+    mini_size = actor_cfg.ppo_mini_batch_size // ctx.dp_size
     critic.train()
     for _ in range(actor_cfg.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator).to(batch.input_ids.device)
-        for start in range(0, len(batch), actor_cfg.ppo_mini_batch_size):
-            mini = batch.select(order[start : start + actor_cfg.ppo_mini_batch_size])
-            agg = dict(
-                global_num_tokens=mini.response_mask.sum(),
-                global_num_seqs=(mini.response_mask.sum(-1) > 0).sum(),
-                horizon=horizon,
-            )
+        for start in range(0, len(batch), mini_size):
+            mini = batch.select(order[start : start + mini_size])
+            counts = ctx.all_reduce(torch.stack([mini.response_mask.sum(), (mini.response_mask.sum(-1) > 0).sum().float()]))
+            agg = dict(global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=ctx.dp_size, horizon=horizon)
             optimizer.zero_grad(set_to_none=True)
             mini_loss = 0.0
-            for micro in micro_batches(mini, actor_cfg.ppo_micro_batch_size):
+            micros = list(micro_batches(mini, actor_cfg.ppo_micro_batch_size))
+            for i, micro in enumerate(micros):
                 micro, _, _ = micro.trimmed()
                 with autocast or contextlib.nullcontext():
                     vpreds = critic(micro)
@@ -83,10 +110,12 @@ def update_critic(
                     vpreds, micro.returns, micro.values, micro.response_mask, critic_cfg.cliprange_value,
                     agg=actor_cfg.loss_agg_mode, **agg,
                 )
-                (critic_cfg.value_loss_coef * loss).backward()
+                no_sync = getattr(critic, "no_sync", None) if i < len(micros) - 1 else None
+                with no_sync() if no_sync else contextlib.nullcontext():
+                    (critic_cfg.value_loss_coef * loss).backward()
                 mini_loss = mini_loss + loss.detach()
                 clipfracs.append(metrics["vf_clipfrac"])
-            norms.append(torch.nn.utils.clip_grad_norm_(params, actor_cfg.grad_clip or float("inf")))
+            norms.append(clip_grad_norm(trainable_parameters(critic), actor_cfg.grad_clip))
             optimizer.step()
             losses.append(mini_loss)
     return {

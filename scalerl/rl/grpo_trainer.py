@@ -28,7 +28,7 @@ from scalerl.parallel.sharding import check_distributed_config, shard_rows
 from scalerl.rl.actor import compute_logprobs, update_policy
 from scalerl.rl.advantages import gae_advantages, grpo_advantages
 from scalerl.rl.batch import RolloutBatch
-from scalerl.rl.critic import ValueModel, compute_values, update_critic
+from scalerl.rl.critic import ValueModel, compute_values, parallelize_critic, update_critic
 from scalerl.rl.evaluation import evaluate
 from scalerl.rl.optim import build_optimizer
 from scalerl.rl.pipeline_update import PolicyLossOnLastStage, update_policy_pipeline
@@ -67,6 +67,8 @@ class RLTrainer:
                 self.model, self.dist, cfg.parallel.pp_schedule, cfg.parallel.microbatches, self.pipeline_loss,
                 lambda stage: shard_pipeline_stage(stage, self.dist),
             )
+        critic = ValueModel(self.model) if cfg.algorithm.adv_estimator == "gae" else None  # before sharding
+        self.train_critic = parallelize_critic(critic, self.dist) if critic is not None else None
         self.train_model = parallelize(self.model, self.dist, cfg.model.activation_checkpointing)
         self.train_rows = rows_from_config(cfg.data, "train", t.seed)
         self.val_rows = shard_rows(rows_from_config(cfg.data, "test", t.seed), self.dist)
@@ -77,8 +79,8 @@ class RLTrainer:
         # each update zeroes grads first, so a step only moves the parameters that got gradients).
         self.modules = nn.ModuleDict({"actor": self.model})
         a = cfg.actor
-        if cfg.algorithm.adv_estimator == "gae":
-            self.modules["critic"] = ValueModel(self.model)
+        if critic is not None:
+            self.modules["critic"] = critic
         optim_args = dict(
             betas=tuple(a.betas), warmup_steps=a.warmup_steps, total_steps=t.total_steps,
             schedule=a.lr_schedule, min_lr_ratio=a.min_lr_ratio,
@@ -191,9 +193,10 @@ class RLTrainer:
                     token_rewards, batch.response_mask, batch.group_ids, norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo
                 )
             else:
-                batch.values = compute_values(self.modules["critic"], batch, micro, self.autocast)
+                batch.values = compute_values(self.train_critic, batch, micro, self.autocast)
                 batch.advantages, batch.returns = gae_advantages(
-                    token_rewards, batch.values, batch.response_mask, cfg.algorithm.gamma, cfg.algorithm.lam
+                    token_rewards, batch.values, batch.response_mask, cfg.algorithm.gamma, cfg.algorithm.lam,
+                    all_reduce=self.dist.all_reduce if self.dist.dp_size > 1 else None,
                 )
         if self.dist.dp_size > 1 and cfg.trainer.balance_batch:
             with timer("balance"):
@@ -202,8 +205,8 @@ class RLTrainer:
         if "critic" in self.modules:
             with timer("update_critic"):
                 metrics.update(update_critic(
-                    self.modules["critic"], self.optimizer, batch, a, cfg.critic, r.max_new_tokens,
-                    self.update_generator, self.autocast,
+                    self.train_critic, self.optimizer, batch, a, cfg.critic, r.max_new_tokens,
+                    self.update_generator, self.autocast, self.dist,
                 ))
         with timer("update_actor"):
             if self.pipeline is not None:

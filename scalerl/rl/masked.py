@@ -52,3 +52,18 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
+
+
+def sharded_masked_whiten(values: torch.Tensor, mask: torch.Tensor, all_reduce) -> torch.Tensor:
+    """`masked_whiten` over a batch split across data-parallel ranks: the mean and unbiased variance come
+    from sums ``all_reduce``d over the ranks, so every shard is whitened with the global batch's statistics
+    (whitening each shard by its own would change the result with the number of ranks)."""
+    m = mask.to(values.dtype)
+    totals = all_reduce(torch.stack([(values * m).sum(), m.sum()]))
+    mean = totals[0] / totals[1]
+    n = totals[1]
+    if n < 2:
+        raise ValueError("sharded_masked_whiten: the masks select fewer than two entries in total")
+    squared = all_reduce(((values - mean) ** 2 * m).sum().reshape(1))[0]
+    var = squared / (n - 1)
+    return (values - mean) * torch.rsqrt(var + 1e-8)

@@ -12,7 +12,7 @@ import torch
 from scalerl.config import Config, config_to_dict
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
 from scalerl.parallel.distributed import init_distributed, reduce_metrics
-from scalerl.parallel.grad_norm import clip_grad_norm
+from scalerl.parallel.grad_norm import clip_grad_norm, trainable_parameters
 from scalerl.parallel.parallelize import parallelize, shard_pipeline_stage
 from scalerl.parallel.pipeline import PipelineRunner
 from scalerl.parallel.sharding import check_distributed_config, shard_rows
@@ -87,7 +87,6 @@ def train_sft(cfg: Config) -> dict[str, Any]:
     engine = BuiltinEngine(model, tokenizer.pad_token_id, all_finished=ctx.all_finished)
     reward = reward_from_config(cfg.data)
     pipeline_width = max(len(ids) for ids, _ in examples) if pipeline else None
-    params = [p for p in (pipeline.parameters() if pipeline else model.parameters()) if p.requires_grad]
     summary: dict[str, Any] = {}
 
     def run_eval() -> dict[str, float]:
@@ -121,9 +120,9 @@ def train_sft(cfg: Config) -> dict[str, Any]:
             if scaler:
                 scaler.unscale_(optimizer)
             if pipeline is not None:
-                grad_norm = clip_grad_norm(params, s.grad_clip, pipeline.norm_parameters(), pipeline.pp_group)
+                grad_norm = clip_grad_norm(pipeline.parameters(), s.grad_clip, pipeline.norm_parameters(), pipeline.pp_group)
             else:
-                grad_norm = clip_grad_norm(params, s.grad_clip)
+                grad_norm = clip_grad_norm(trainable_parameters(model), s.grad_clip)
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()

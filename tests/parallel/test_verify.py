@@ -53,3 +53,11 @@ def test_training_moved_the_weights_beyond_the_tolerance(verification, tmp_path_
     moved = sum(float((trained[k] - init[k]).pow(2).sum()) for k in trained) ** 0.5
     norm = sum(float(init[k].pow(2).sum()) for k in trained) ** 0.5
     assert moved / norm > 100 * 1e-4
+
+
+def test_ppo_with_a_critic_matches_single_process(tmp_path):
+    rows = run_verification(tmp_path, worlds=(2, 4), steps=2, kinds=("ppo",),
+                            layouts=["ddp", "fsdp", "tp", "hsdp", "dp2xtp2", "fsdp2xtp2"])
+    assert len(rows) == 7  # ddp at both world sizes
+    failures = [r for r in rows if not r.passed]
+    assert not failures, failures
