@@ -83,6 +83,11 @@ def run_kind(kind: str, overrides: list[str], output_dir: Path) -> Path:
     return Path(train_sft(cfg)["model_dir"])
 
 
+def supported(kind: str, layout: dict[str, int]) -> bool:
+    """PPO's critic does not run under pipeline parallelism yet (the trainer refuses it at start)."""
+    return not (kind == "ppo" and layout.get("pp", 1) > 1)
+
+
 def _critic_trained(run_dir: Path) -> bool:
     rows = _read_metrics(run_dir / "metrics.jsonl")
     return any(r.get("critic/grad_norm", 0) > 0 for r in rows)
@@ -107,7 +112,8 @@ def _worker(rank: int, world: int, port: int, layouts: dict, overrides: list[str
         for name, layout in layouts.items():
             layout_overrides = [f"parallel.{k}={v}" for k, v in {"dp_replicate": 1, **layout}.items()]
             for kind in kinds:
-                run_kind(kind, [*overrides, *layout_overrides], Path(out_dir) / f"world{world}-{name}" / kind)
+                if supported(kind, layout):
+                    run_kind(kind, [*overrides, *layout_overrides], Path(out_dir) / f"world{world}-{name}" / kind)
     finally:
         dist.destroy_process_group()
 
@@ -197,6 +203,9 @@ def run_verification(
         )
         for name in chosen:
             for kind in kinds:
+                if not supported(kind, chosen[name]):
+                    print(f"skipped: {kind} under {name} (the critic does not run with pipeline parallelism yet)")
+                    continue
                 run_dir = out_dir / f"world{world}-{name}" / kind
                 single_dir = out_dir / "single" / kind
                 loss_diff = max_metric_diff(

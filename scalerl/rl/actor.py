@@ -49,6 +49,13 @@ def _pad_right(t: torch.Tensor, right: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, right)) if right else t
 
 
+def aggregation_counts(mini: RolloutBatch, ctx: DistContext, horizon: int) -> dict[str, Any]:
+    """The `aggregate_loss` keyword arguments for one mini-batch: its valid tokens and sequences summed over
+    the data-parallel ranks (one all-reduce), the DP size gradients are averaged over, and the horizon."""
+    counts = ctx.all_reduce(torch.stack([mini.response_mask.sum(), (mini.response_mask.sum(-1) > 0).sum().float()]))
+    return dict(global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=ctx.dp_size, horizon=horizon)
+
+
 @torch.no_grad()
 def compute_logprobs(
     model: torch.nn.Module, batch: RolloutBatch, temperature: float, micro_batch_size: int, autocast=None
@@ -93,9 +100,8 @@ def update_policy(
         order = torch.randperm(n, generator=generator).to(batch.input_ids.device)
         for start in range(0, n, mini_size):
             mini = batch.select(order[start : start + mini_size])
-            counts = ctx.all_reduce(torch.stack([mini.response_mask.sum(), (mini.response_mask.sum(-1) > 0).sum().float()]))
-            num_tokens, num_seqs = counts[0], counts[1]
-            agg = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=ctx.dp_size, horizon=horizon)
+            agg = aggregation_counts(mini, ctx, horizon)
+            num_tokens = agg["global_num_tokens"]
             optimizer.zero_grad(set_to_none=True)
             if cfg.micro_batch_max_tokens:
                 micros = token_budget_batches(mini, cfg.micro_batch_max_tokens, ctx)

@@ -16,7 +16,7 @@ from scalerl.parallel.distributed import DistContext, single_process_context
 from scalerl.parallel.grad_norm import clip_grad_norm, trainable_parameters
 from scalerl.parallel.mesh import LayoutError
 from scalerl.parallel.tensor_parallel import apply_tensor_parallel
-from scalerl.rl.actor import micro_batches
+from scalerl.rl.actor import aggregation_counts, micro_batches
 from scalerl.rl.batch import RolloutBatch
 from scalerl.rl.losses import value_loss
 
@@ -97,8 +97,7 @@ def update_critic(
         order = torch.randperm(len(batch), generator=generator).to(batch.input_ids.device)
         for start in range(0, len(batch), mini_size):
             mini = batch.select(order[start : start + mini_size])
-            counts = ctx.all_reduce(torch.stack([mini.response_mask.sum(), (mini.response_mask.sum(-1) > 0).sum().float()]))
-            agg = dict(global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=ctx.dp_size, horizon=horizon)
+            agg = aggregation_counts(mini, ctx, horizon)
             optimizer.zero_grad(set_to_none=True)
             mini_loss = 0.0
             micros = list(micro_batches(mini, actor_cfg.ppo_micro_batch_size))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.grad_norm import clip_grad_norm
 from scalerl.parallel.pipeline import PipelineRunner
+from scalerl.rl.actor import aggregation_counts
 from scalerl.rl.batch import RolloutBatch
 from scalerl.rl.entropy import entropy_from_logits, logprobs_from_logits
 from scalerl.rl.kl import kl_penalty
@@ -88,9 +89,7 @@ def update_policy_pipeline(
         order = torch.randperm(len(batch), generator=generator).to(batch.input_ids.device)
         for start in range(0, len(batch), mini_size):
             mini = batch.select(order[start : start + mini_size])
-            counts = ctx.all_reduce(torch.stack([mini.response_mask.sum(), (mini.response_mask.sum(-1) > 0).sum().float()]))
-            loss_fn.agg = dict(global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=ctx.dp_size,
-                               horizon=loss_fn.horizon)
+            loss_fn.agg = aggregation_counts(mini, ctx, loss_fn.horizon)
             loss_fn.records = []
             optimizer.zero_grad(set_to_none=True)
             runner.step(mini.input_ids, mini.attention_mask, PolicyLossOnLastStage.target(mini))
