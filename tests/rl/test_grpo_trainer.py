@@ -104,3 +104,13 @@ def test_too_long_prompt_names_the_setting(tiny_config):
     trainer = RLTrainer(tiny_config("data.max_prompt_length=4"))
     with pytest.raises(ValueError, match="data.max_prompt_length"):
         trainer.train_step()
+
+
+def test_token_budget_micro_batches_in_the_trainer(tiny_config, length_reward):
+    fixed = RLTrainer(tiny_config(length_reward, "trainer.total_steps=2"))
+    fixed.fit()
+    budget = RLTrainer(tiny_config(length_reward, "trainer.total_steps=2", "actor.micro_batch_max_tokens=40",
+                                   f"trainer.output_dir={fixed.output_dir}-budget"))
+    budget.fit()
+    for (name, a), (_, b) in zip(fixed.model.state_dict().items(), budget.model.state_dict().items()):
+        assert torch.allclose(a, b, atol=1e-6), name
