@@ -261,11 +261,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors that describe bad user input (their messages name the file, key or setting); matched by name so
+# that `scalerl --help` does not import torch to know them.
+USER_ERRORS = {
+    "scalerl.data.errors.DataError", "scalerl.checkpoint.CheckpointError",
+    "scalerl.models.hf_checkpoint.CheckpointFormatError", "scalerl.parallel.mesh.LayoutError",
+    "scalerl.data.rewards.RewardFunctionError", "scalerl.launch.env.RankEnvError", "scalerl.launch.slurm.SlurmError",
+    "scalerl.launch.ray_launcher.PlacementError", "scalerl.rollout.vllm_engine.VLLMNotAvailable",
+}
+
+
+def _is_user_error(error: BaseException) -> bool:
+    return any(f"{c.__module__}.{c.__qualname__}" in USER_ERRORS for c in type(error).__mro__)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run the command; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as e:  # a user error: one message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # bad data, checkpoint, layout, reward or launcher input: the same, by class
+        if not _is_user_error(e):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
