@@ -1,7 +1,6 @@
 """Distributed vs single process: every layout at world 2 and 4 reproduces the single-process GRPO and SFT
 steps (losses per step and final weights within 1e-4 relative), in one spawned group per world size."""
 
-import json
 
 import pytest
 import torch
