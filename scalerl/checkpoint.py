@@ -24,21 +24,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_model
 
 import scalerl
+from scalerl.rng_state import capture_rng_state, restore_rng_state
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
@@ -117,7 +115,7 @@ def save_checkpoint(
             )
         if scheduler is not None:
             _save_torch_state(scheduler.state_dict(), temp / SCHEDULER_FILE)
-        _save_torch_state(_capture_rng(generators or {}), temp / RNG_FILE)
+        _save_torch_state(capture_rng_state(generators or {}), temp / RNG_FILE)
         _write_durably(temp / TRAINER_STATE_FILE, state_json)
         files = {
             p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(temp.iterdir())
@@ -276,7 +274,7 @@ def load_checkpoint(
         optimizer.load_state_dict(optimizer_state)
     if scheduler is not None:
         scheduler.load_state_dict(scheduler_state)
-    _restore_rng(rng_state, generators or {}, restore_global=restore_rng)
+    restore_rng_state(rng_state, generators or {}, restore_global=restore_rng)
     return LoadedCheckpoint(path=path, step=meta["step"], trainer_state=trainer_state, meta=meta)
 
 
@@ -390,58 +388,6 @@ def _lookup(config: dict, dotted: str) -> Any:
             return _MISSING
         value = value[part]
     return value
-
-
-# ----------------------------------------------------------------------------------------------
-# random number generators
-
-
-def _capture_rng(generators: dict[str, torch.Generator]) -> dict[str, Any]:
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    return {
-        "python": random.getstate(),
-        # numpy arrays are not allowed under weights_only loading, so the key goes in as a tensor.
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "position": int(position),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-        "torch_cpu": torch.get_rng_state(),
-        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "generators": {name: generator.get_state() for name, generator in generators.items()},
-    }
-
-
-def _restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator], *, restore_global: bool) -> None:
-    for name, generator in generators.items():
-        generator.set_state(state["generators"][name])
-    if not restore_global:
-        return
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    saved_numpy = state["numpy"]
-    np.random.set_state(
-        (
-            saved_numpy["kind"],
-            saved_numpy["keys"].numpy().astype(np.uint32),
-            saved_numpy["position"],
-            saved_numpy["has_gauss"],
-            saved_numpy["cached_gaussian"],
-        )
-    )
-    torch.set_rng_state(state["torch_cpu"])
-    cuda_states = state["torch_cuda"]
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cuda_states and len(cuda_states) != visible:
-        warnings.warn(
-            f"checkpoint holds CUDA RNG states for {len(cuda_states)} device(s) but {visible} are visible; "
-            f"restoring the first {min(len(cuda_states), visible)}, CUDA random numbers will differ",
-            stacklevel=3,
-        )
-    for device, device_state in enumerate(cuda_states[:visible]):
-        torch.cuda.set_rng_state(device_state, device)
 
 
 # ----------------------------------------------------------------------------------------------

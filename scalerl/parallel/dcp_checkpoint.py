@@ -25,9 +25,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import scalerl
 from scalerl.checkpoint import (
     FORMAT_VERSION, META_FILE, SCHEDULER_FILE, TRAINER_STATE_FILE, CheckpointError, LoadedCheckpoint,
-    _canonical_json, _capture_rng, _check_config, _load_torch_state, _prune, _publish, _read_meta,
-    _restore_rng, _save_torch_state, _sha256, _step_dir_name, _write_durably,
+    _canonical_json, _check_config, _load_torch_state, _prune, _publish, _read_meta, _save_torch_state, _sha256,
+    _step_dir_name, _write_durably,
 )
+from scalerl.rng_state import capture_rng_state, restore_rng_state
 from scalerl.parallel.distributed import DistContext
 
 SHARDS_DIR = "dcp"
@@ -65,7 +66,7 @@ def save_distributed_checkpoint(
     ctx.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, _optim_key(ctx): optim_state}, checkpoint_id=str(temp / SHARDS_DIR))
-    _save_torch_state(_capture_rng(generators), temp / _rng_file(ctx.rank))
+    _save_torch_state(capture_rng_state(generators), temp / _rng_file(ctx.rank))
     ctx.barrier()  # every shard and RNG file is on disk before rank 0 declares the checkpoint complete
     if ctx.is_main:
         _save_torch_state(scheduler.state_dict(), temp / SCHEDULER_FILE)
@@ -113,7 +114,7 @@ def load_distributed_checkpoint(
     dcp.load(state, checkpoint_id=str(path / SHARDS_DIR))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state[_optim_key(ctx)])
     scheduler.load_state_dict(_load_torch_state(path / SCHEDULER_FILE))
-    _restore_rng(_load_torch_state(rng_file), generators, restore_global=True)
+    restore_rng_state(_load_torch_state(rng_file), generators, restore_global=True)
     trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
     dist.barrier()
     return LoadedCheckpoint(path=path, step=int(meta["step"]), trainer_state=trainer_state, meta=meta)
