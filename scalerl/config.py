@@ -100,7 +100,8 @@ class DataSection(_Section):
     difficulty: list[int] = opt(help="arithmetic task: difficulty levels to sample", factory=lambda: [1, 2])
     num_train: int = opt(4000, "generated tasks: number of training prompts")
     num_val: int = opt(200, "generated tasks: number of validation prompts")
-    max_prompt_length: int = opt(64, "prompts longer than this many tokens are dropped")
+    max_prompt_length: int = opt(64, "longest prompt in tokens; a longer one stops the run with an error naming it")
+    chat_template: bool = opt(False, "send each prompt as a user message through the tokenizer's chat template")
     reward: str = opt("auto", "auto (by task) | gsm8k | math | module:function | file.py:function")
     shuffle: bool = opt(True, "shuffle training prompts every epoch")
 

@@ -20,6 +20,7 @@ def evaluate(
     temperature: float = 0.0,
     batch_size: int = 256,
     seed: int = 0,
+    chat_template: bool = False,
 ) -> dict[str, float]:
     """``val/accuracy`` (share of rows whose reward is >= 1, i.e. exactly right) and ``val/score/mean``."""
     was_training = getattr(engine, "model", None) is not None and engine.model.training
@@ -32,7 +33,7 @@ def evaluate(
         sampling = SamplingParams(
             max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=tokenizer.stop_token_ids, seed=seed
         )
-        out = engine.generate(encode_prompts(tokenizer, [r["prompt"] for r in chunk]), sampling)
+        out = engine.generate(encode_prompts(tokenizer, [r["prompt"] for r in chunk], chat_template), sampling)
         texts = tokenizer.batch_decode(out.response_ids.tolist())
         chunk_scores, _ = reward.compute(texts, chunk)
         scores.extend(chunk_scores)

@@ -135,7 +135,7 @@ class RLTrainer:
         )
 
     def _encode(self, rows: list[dict]) -> list[list[int]]:
-        prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows])
+        prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows], self.cfg.data.chat_template)
         limit = self.cfg.data.max_prompt_length
         for row, ids in zip(rows, prompts):
             if len(ids) > limit:
@@ -251,6 +251,7 @@ class RLTrainer:
             local = evaluate(
                 self.engine, self.tokenizer, self.val_rows, self.reward, self.cfg.rollout.max_new_tokens,
                 temperature=self.cfg.rollout.val_temperature, seed=self.cfg.trainer.seed,
+                chat_template=self.cfg.data.chat_template,
             )
         return reduce_metrics(local, self.dist)  # equal shards, so the mean of rank means is the mean
 

@@ -86,7 +86,13 @@ def save_policy(model: CausalLM, tokenizer: Any, path: str | Path, dist_ctx=None
     return path
 
 
-def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
-    """Prompt token ids, with the tokenizer's BOS in front when it has one."""
+def encode_prompts(tokenizer: Any, prompts: list[str], chat_template: bool = False) -> list[list[int]]:
+    """Prompt token ids. Plain: the tokenizer's BOS (when it has one) + the text. With ``chat_template``,
+    each prompt becomes a user message rendered by the tokenizer's chat template with the generation prompt
+    appended (instruct models); the template supplies its own special tokens, so no BOS is added."""
+    if chat_template:
+        rendered = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                    for p in prompts]
+        return [tokenizer.encode(text) for text in rendered]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     return [bos + tokenizer.encode(p) for p in prompts]

@@ -26,9 +26,9 @@ from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.tracking import MetricsLogger
 
 
-def sft_example(tokenizer: Any, row: dict) -> tuple[list[int], int]:
+def sft_example(tokenizer: Any, row: dict, chat_template: bool = False) -> tuple[list[int], int]:
     """Token ids of ``prompt + response + eos`` and the prompt's length (tokens before it carry no loss)."""
-    prompt = encode_prompts(tokenizer, [row["prompt"]])[0]
+    prompt = encode_prompts(tokenizer, [row["prompt"]], chat_template)[0]
     return prompt + tokenizer.encode(row["response"]) + [tokenizer.eos_token_id], len(prompt)
 
 
@@ -76,7 +76,7 @@ def train_sft(cfg: Config) -> dict[str, Any]:
     train_model = parallelize(model, ctx, cfg.model.activation_checkpointing)
     train_rows = rows_from_config(cfg.data, "train", t.seed)
     val_rows = shard_rows(rows_from_config(cfg.data, "test", t.seed), ctx)
-    examples = [sft_example(tokenizer, row) for row in train_rows]
+    examples = [sft_example(tokenizer, row, cfg.data.chat_template) for row in train_rows]
     stream = PromptStream(list(range(len(examples))), s.batch_size, t.seed, cfg.data.shuffle)
     optimizer, scheduler = build_optimizer(
         [(pipeline.parameters() if pipeline else model.parameters(), s.lr)], s.weight_decay, warmup_steps=s.warmup_steps, total_steps=s.steps,
@@ -92,7 +92,8 @@ def train_sft(cfg: Config) -> dict[str, Any]:
     def run_eval() -> dict[str, float]:
         if not val_rows:
             return {}
-        return reduce_metrics(evaluate(engine, tokenizer, val_rows, reward, cfg.rollout.max_new_tokens, seed=t.seed), ctx)
+        return reduce_metrics(evaluate(engine, tokenizer, val_rows, reward, cfg.rollout.max_new_tokens, seed=t.seed,
+                                       chat_template=cfg.data.chat_template), ctx)
 
     backends = t.logger if ctx.is_main else []
     with MetricsLogger(out_dir, backends=backends, total_steps=s.steps, config=config_to_dict(cfg), resume_step=0) as logger:

@@ -153,3 +153,19 @@ def test_load_tokenizer_errors_name_the_path(tmp_path):
         load_tokenizer(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="Qwen/Qwen2.5-0.5B"):
         load_tokenizer("Qwen/Qwen2.5-0.5B")
+
+
+def test_prompts_through_the_chat_template(bpe_dir):
+    from scalerl.rl.policy import encode_prompts
+
+    tokenizer = load_tokenizer(bpe_dir)
+    plain = encode_prompts(tokenizer, ["Q:12+7"])[0]
+    chat = encode_prompts(tokenizer, ["Q:12+7"], chat_template=True)[0]
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(bpe_dir / "tokenizer.json"))
+    expected = theirs.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": "Q:12+7"}], add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    assert chat == expected and chat != plain
+    assert tokenizer.decode(chat, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
