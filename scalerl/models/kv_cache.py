@@ -31,9 +31,11 @@ class KVCache:
     def for_model(cls, model: torch.nn.Module, batch_size: int, max_len: int) -> "KVCache":
         cfg = model.config
         weight = model.layers[0].self_attn.k_proj.weight
-        # Local kv heads from the weight shape, so a tensor-parallel shard allocates only its own heads.
-        local_kv_heads = weight.shape[0] // cfg.head_dim
-        return cls(cfg.num_hidden_layers, batch_size, local_kv_heads, max_len, cfg.head_dim, weight.dtype, weight.device)
+        # Local kv heads from the local weight shape, so a tensor-parallel shard allocates only its own heads
+        # (a DTensor's .shape is the global one).
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        local_kv_heads = local.shape[0] // cfg.head_dim
+        return cls(cfg.num_hidden_layers, batch_size, local_kv_heads, max_len, cfg.head_dim, local.dtype, local.device)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         end = start + k.shape[2]
