@@ -7,13 +7,21 @@ import torch
 import torch.multiprocessing as mp
 
 
+def _cached_kv_heads(model) -> int:
+    from scalerl.models.kv_cache import KVCache
+
+    cache = KVCache.for_model(model, 1, 8)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), kv_cache=cache, cache_start=0)
+    return cache.keys.shape[2]
+
+
 def _worker(rank, port, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from scalerl.config import ParallelSection
     from scalerl.models.config import ModelConfig
     from scalerl.models.decoder import build_model
-    from scalerl.models.kv_cache import KVCache
     from scalerl.parallel.distributed import init_distributed
     from scalerl.parallel.parallelize import parallelize
     from scalerl.rollout.builtin_engine import BuiltinEngine
@@ -32,7 +40,7 @@ def _worker(rank, port, results):
     results[rank] = {
         "same_tokens": torch.equal(single.response_ids, sharded.response_ids),
         "logprob_diff": float((single.logprobs - sharded.logprobs).abs().max()),
-        "local_kv_heads": KVCache.for_model(model, 1, 4).keys.shape[2],
+        "local_kv_heads": _cached_kv_heads(model),
     }
     torch.distributed.destroy_process_group()
 
