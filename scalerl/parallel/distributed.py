@@ -7,12 +7,14 @@ path for every layout.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from scalerl.launch.env import apply_rank_env, detect_rank_env
 from scalerl.parallel.mesh import ParallelDims
 
 
@@ -71,14 +73,9 @@ def single_process_context() -> DistContext:
 def init_distributed(parallel_cfg, device: torch.device) -> DistContext:
     """Join the process group described by the launcher's environment (torchrun, Slurm, MPI, Ray all end
     with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) and build the named mesh."""
-    try:
-        from scalerl.launch.env import apply_rank_env, detect_rank_env
-
-        env = detect_rank_env()
-        if env is not None:
-            apply_rank_env(env)
-    except ImportError:  # launcher detection not installed: plain torchrun variables only
-        pass
+    env = detect_rank_env()
+    if env is not None:
+        apply_rank_env(env)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         ParallelDims.from_config(parallel_cfg, 1)  # a layout asking for more ranks fails here, by name
@@ -117,3 +114,10 @@ def reduce_metrics(metrics: dict[str, float], ctx: DistContext) -> dict[str, flo
             t /= ctx.dp_size
         out.update(zip(ks, t.tolist()))
     return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now, for a local rendezvous (spawned groups, tests)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from scalerl.parallel.distributed import free_port
 
 # Layouts checked at each world size (the single-process run is the reference for all of them).
 LAYOUTS: dict[int, dict[str, dict[str, int]]] = {
@@ -118,12 +119,6 @@ def _worker(rank: int, world: int, port: int, layouts: dict, overrides: list[str
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class VerificationRow:
     kind: str
@@ -198,7 +193,7 @@ def run_verification(
         if not chosen:
             continue
         mp.start_processes(
-            _worker, args=(world, _free_port(), chosen, overrides, str(out_dir), tuple(kinds)), nprocs=world,
+            _worker, args=(world, free_port(), chosen, overrides, str(out_dir), tuple(kinds)), nprocs=world,
             start_method="spawn",
         )
         for name in chosen:

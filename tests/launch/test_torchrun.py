@@ -2,9 +2,10 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
+
+from scalerl.parallel.distributed import free_port
 
 TINY = [
     "model.hidden_size=32", "model.intermediate_size=64", "data.num_train=200", "data.num_val=8",
@@ -15,9 +16,7 @@ TINY = [
 
 def test_torchrun_two_ranks(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
            "-m", "scalerl", "train", *TINY, f"trainer.output_dir={tmp_path}"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

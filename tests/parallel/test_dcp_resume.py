@@ -2,13 +2,14 @@
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+
+from scalerl.parallel.distributed import free_port
 
 LAYOUTS = {"ddp": ["parallel.dp_replicate=2"], "fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=2"],
            "pp": ["parallel.dp_replicate=1", "parallel.pp=2"]}
@@ -35,9 +36,7 @@ def _worker(rank, port, out):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dcp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.start_processes(_worker, args=(port, str(out)), nprocs=2, start_method="spawn")
     return out
 

@@ -1,11 +1,11 @@
 """Rollouts move between DP ranks so token counts even out, with every row's tensors intact."""
 
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
+from scalerl.parallel.distributed import free_port
 from scalerl.rl.batch import RolloutBatch
 
 
@@ -48,9 +48,7 @@ def _worker(rank, port, results):
 
 
 def test_rebalance_evens_tokens_and_keeps_rows_whole():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.Manager().dict()
     mp.start_processes(_worker, args=(port, results), nprocs=2, start_method="spawn")
     tags = sorted(results[0]["tags"] + results[1]["tags"])

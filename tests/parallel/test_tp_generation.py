@@ -1,10 +1,11 @@
 """Tensor-parallel generation: each rank caches only its own kv heads and the tokens match one process."""
 
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
+
+from scalerl.parallel.distributed import free_port
 
 
 def _cached_kv_heads(model) -> int:
@@ -46,9 +47,7 @@ def _worker(rank, port, results):
 
 
 def test_tensor_parallel_generation_matches_single_process():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.Manager().dict()
     mp.start_processes(_worker, args=(port, results), nprocs=2, start_method="spawn")
     for rank in (0, 1):
