@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from scalerl import __version__
-from scalerl.config import ConfigError, config_to_yaml, describe_keys, format_config, load_config
+from scalerl.core.config import (
+    ConfigError, config_to_yaml, describe_keys, format_config, load_config, split_config_args,
+)
 
 OVERRIDE_HELP = """\
 configuration:
@@ -40,32 +42,13 @@ examples:
 """
 
 
-def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
-    """Split positional args into (YAML path or None, overrides).
-
-    The first arg is the config file if it is an existing file or ends with .yaml/.yml and has no '=';
-    every other arg must be a key=value override.
-    """
-    path = None
-    if args and (Path(args[0]).is_file() or ("=" not in args[0] and args[0].endswith((".yaml", ".yml")))):
-        path, args = args[0], args[1:]
-    for arg in args:
-        if "=" not in arg:
-            if arg.endswith((".yaml", ".yml")):
-                raise ConfigError(f"unexpected config file {arg!r}: the config file must come first, "
-                                  "before any key=value override")
-            raise ConfigError(f"{arg!r} is neither a YAML config file (.yaml/.yml) nor a key=value override "
-                              "(e.g. actor.lr=1e-6)")
-    return path, args
-
-
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 
 def _is_main_rank() -> bool:
     """Under torchrun, srun or mpirun every rank runs this CLI; only rank 0 should print the config."""
     try:
-        from scalerl.launch.env import detect_rank_env
+        from scalerl.core.rank_env import detect_rank_env
 
         env = detect_rank_env()
     except Exception:  # a broken launcher environment is reported by the trainer, with its own message
@@ -97,13 +80,13 @@ def _run_target(module: str, function: str) -> Callable[..., Any]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load_run_config(args)
-    _run_target("scalerl.rl.grpo_trainer", "train")(cfg)
+    _run_target("scalerl.trainer.rl_trainer", "train")(cfg)
     return 0
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
     cfg = _load_run_config(args)
-    _run_target("scalerl.rl.sft_trainer", "train_sft")(cfg)
+    _run_target("scalerl.trainer.sft_trainer", "train_sft")(cfg)
     return 0
 
 
@@ -179,7 +162,7 @@ def _add_config_args(parser: argparse.ArgumentParser, extra_usage: str = "") -> 
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from scalerl.parallel.verify import format_rows, run_verification
+    from scalerl.verify import format_rows, run_verification
 
     rows = run_verification(
         args.output_dir, worlds=tuple(args.world or (2, 4)), steps=args.steps,
@@ -264,9 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
 # Errors that describe bad user input (their messages name the file, key or setting); matched by name so
 # that `scalerl --help` does not import torch to know them.
 USER_ERRORS = {
-    "scalerl.data.errors.DataError", "scalerl.checkpoint.CheckpointError",
+    "scalerl.data.errors.DataError", "scalerl.checkpoint.layout.CheckpointError",
     "scalerl.models.hf_checkpoint.CheckpointFormatError", "scalerl.parallel.mesh.LayoutError",
-    "scalerl.data.rewards.RewardFunctionError", "scalerl.launch.env.RankEnvError", "scalerl.launch.slurm.SlurmError",
+    "scalerl.data.rewards.RewardFunctionError", "scalerl.core.rank_env.RankEnvError", "scalerl.launch.slurm.SlurmError",
     "scalerl.launch.ray_launcher.PlacementError", "scalerl.rollout.vllm_engine.VLLMNotAvailable",
 }
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scalerl.config import Config
+from scalerl.core.config import Config
 from scalerl.data.arithmetic import make_arithmetic_rows
 
 # Share of the teacher's demonstrations whose final answer is off by one.
@@ -43,8 +43,8 @@ def _say(text: str) -> None:
 
 
 def run_demo(cfg: Config) -> dict[str, Any]:
-    from scalerl.rl.grpo_trainer import RLTrainer
-    from scalerl.rl.sft_trainer import train_sft
+    from scalerl.trainer.rl_trainer import RLTrainer
+    from scalerl.trainer.sft_trainer import train_sft
 
     start = time.perf_counter()
     out = Path(cfg.trainer.output_dir)

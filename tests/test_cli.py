@@ -8,8 +8,9 @@ import types
 import pytest
 import torch
 
-from scalerl.cli import main, split_config_args
-from scalerl.config import Config, ConfigError
+from scalerl.cli import main
+from scalerl.core.config import split_config_args
+from scalerl.core.config import Config, ConfigError
 
 
 def fake_module(monkeypatch, name: str, **functions) -> None:
@@ -39,7 +40,7 @@ def test_subcommand_help_explains_overrides(capsys):
 
 def test_train_loads_config_and_calls_trainer(tmp_path, monkeypatch, capsys):
     calls = []
-    fake_module(monkeypatch, "scalerl.rl.grpo_trainer", train=calls.append)
+    fake_module(monkeypatch, "scalerl.trainer.rl_trainer", train=calls.append)
     path = tmp_path / "run.yaml"
     path.write_text("actor:\n  lr: 1e-5\nrollout:\n  n: 4\n")
     assert main(["train", str(path), "rollout.n=2", "actor.ppo_mini_batch_size=32"]) == 0
@@ -51,7 +52,7 @@ def test_train_loads_config_and_calls_trainer(tmp_path, monkeypatch, capsys):
 
 def test_sft_and_demo_call_their_targets(monkeypatch):
     calls = {}
-    fake_module(monkeypatch, "scalerl.rl.sft_trainer", train_sft=lambda cfg: calls.setdefault("sft", cfg))
+    fake_module(monkeypatch, "scalerl.trainer.sft_trainer", train_sft=lambda cfg: calls.setdefault("sft", cfg))
     fake_module(monkeypatch, "scalerl.demo", run_demo=lambda cfg: calls.setdefault("demo", cfg))
     assert main(["sft", "sft.steps=5"]) == 0
     assert main(["demo", "trainer.total_steps=3"]) == 0
@@ -60,7 +61,7 @@ def test_sft_and_demo_call_their_targets(monkeypatch):
 
 
 def test_config_error_exits_2_naming_the_key(monkeypatch, capsys):
-    fake_module(monkeypatch, "scalerl.rl.grpo_trainer", train=lambda cfg: pytest.fail("must not start"))
+    fake_module(monkeypatch, "scalerl.trainer.rl_trainer", train=lambda cfg: pytest.fail("must not start"))
     assert main(["train", "actor.lrr=1e-6"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "'actor.lrr'" in err and "actor.lr" in err

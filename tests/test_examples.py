@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scalerl.config import load_config
+from scalerl.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "grpo_trainer" / "run_qwen2-7b_math_megatron.sh"

@@ -1,14 +1,11 @@
-"""Launchers: how ranks start and find each other (torchrun, Slurm, MPI, Ray).
+"""Launchers: how ranks start and find each other (Slurm, Ray; torchrun and MPI need no code of ours, and
+`scalerl.core.rank_env` reads all of their variables).
 
-- `env`: `detect_rank_env()` reads RANK / WORLD_SIZE / ... from torchrun, Slurm `srun`, OpenMPI or
-  MPICH / Intel MPI variables; `apply_rank_env()` exports them for `init_process_group("env://")`.
 - `slurm`: `slurm_job_script()` (SPMD or Ray-on-Slurm sbatch scripts), `submit()`, `wait_for_job()`.
 - `cli`: `add_launch_parser()` for `scalerl launch slurm|ray`.
 - `ray_launcher`: `launch_ray()` runs the ranks as Ray actors.
 """
 
-from scalerl.launch.env import RankEnv, RankEnvError, apply_rank_env, detect_rank_env, expand_hostlist
 from scalerl.launch.slurm import SlurmError, slurm_job_script, submit, wait_for_job
 
-__all__ = ["RankEnv", "RankEnvError", "SlurmError", "apply_rank_env", "detect_rank_env", "expand_hostlist",
-           "slurm_job_script", "submit", "wait_for_job"]
+__all__ = ["SlurmError", "slurm_job_script", "submit", "wait_for_job"]

@@ -101,7 +101,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _env_pairs(pairs: list[str]) -> dict[str, str]:
-    from scalerl.config import ConfigError
+    from scalerl.core.config import ConfigError
 
     env = {}
     for pair in pairs:
@@ -114,8 +114,7 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 def cmd_launch_slurm(args: argparse.Namespace) -> int:
     """Check the config, build the job script, then print it or write + submit (+ wait for) it."""
-    from scalerl.cli import split_config_args
-    from scalerl.config import ConfigError, load_config
+    from scalerl.core.config import ConfigError, load_config, split_config_args
     from scalerl.launch.slurm import SlurmError, slurm_job_script, submit, wait_for_job
 
     config_path, overrides = split_config_args(args.config_args)
@@ -158,8 +157,7 @@ def cmd_launch_slurm(args: argparse.Namespace) -> int:
 
 def cmd_launch_ray(args: argparse.Namespace) -> int:
     """Hand the run to `scalerl.launch.ray_launcher.launch_ray` (imported here: Ray is optional)."""
-    from scalerl.cli import split_config_args
-    from scalerl.config import ConfigError
+    from scalerl.core.config import ConfigError, split_config_args
 
     config_path, overrides = split_config_args(args.config_args)
     if args.num_nodes < 1 or args.gpus_per_node < 0 or args.cpus_per_rank <= 0:

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from scalerl.config import ConfigError, load_config
+from scalerl.core.config import ConfigError, load_config
 
 STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 # Ray's bookkeeping resources, not something a user asks for: left out of reports.
@@ -311,7 +311,7 @@ def run_on_ranks(actors: Sequence[Any], fn: Callable[..., Any], *args: Any, time
 
 # ------------------------------------------------------------------------------------------ launcher
 def _default_train(cfg: Any) -> dict[str, Any]:
-    from scalerl.rl.grpo_trainer import train
+    from scalerl.trainer.rl_trainer import train
 
     return train(cfg)
 

@@ -2,7 +2,7 @@
 
 Two shapes, the ones verl / Megatron users write by hand:
 - SPMD (default): `srun` starts one `python -m scalerl train` task per GPU (one per node on CPU), each
-  reads its rank from Slurm's variables (`scalerl.launch.env`), and rank 0's node is the rendezvous.
+  reads its rank from Slurm's variables (`scalerl.core.rank_env`), and rank 0's node is the rendezvous.
 - Ray on Slurm (`ray=True`): one `ray start` per node (head on the first), then one driver
   `python -m scalerl launch ray` on the head node, which places the ranks through Ray.
 Every user string is shell-quoted; `#SBATCH` values, which sbatch (not the shell) reads, are refused
@@ -20,7 +20,7 @@ import time as time_module
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from scalerl.launch.env import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from scalerl.core.rank_env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
 DEFAULT_RAY_PORT = 6379
 # Job states after which squeue / scontrol will not change the outcome any more.

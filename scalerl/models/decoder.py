@@ -138,7 +138,6 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.gradient_checkpointing = False
 
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """Normal(0, std) weights, zero biases, unit norms (HF's ``initializer_range`` scheme)."""
@@ -188,12 +187,7 @@ class CausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, hidden.dtype)
         for layer in self.layers:
-            if self.gradient_checkpointing and self.training:
-                hidden = torch.utils.checkpoint.checkpoint(
-                    layer, hidden, cos, sin, mask, kv_cache, cache_start, use_reentrant=False
-                )
-            else:
-                hidden = layer(hidden, cos, sin, mask, kv_cache, cache_start)
+            hidden = layer(hidden, cos, sin, mask, kv_cache, cache_start)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         hidden = self.norm(hidden)

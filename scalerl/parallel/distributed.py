@@ -7,14 +7,13 @@ path for every layout.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from scalerl.launch.env import apply_rank_env, detect_rank_env
+from scalerl.core.rank_env import apply_rank_env, detect_rank_env
 from scalerl.parallel.mesh import ParallelDims
 
 
@@ -45,6 +44,19 @@ class DistContext:
     @property
     def dp_group(self):
         return self.dp_mesh.get_group() if self.dp_mesh is not None and self.dims.dp > 1 else None
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards over: ``dp_shard`` alone, or ``(dp_replicate, dp_shard)`` for HSDP."""
+        return self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    def dp_share(self, rows: list) -> list:
+        """This DP rank's contiguous share of ``rows`` (TP/PP peers get the same share). A remainder that
+        does not split evenly is dropped: every rank must run the same number of generation calls."""
+        if self.dp_size == 1:
+            return rows
+        per_rank = len(rows) // self.dp_size
+        return rows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place reduction over the data-parallel ranks (TP/PP peers hold the same values already)."""
@@ -88,36 +100,3 @@ def init_distributed(parallel_cfg, device: torch.device) -> DistContext:
         dist.init_process_group(backend, init_method="env://")
     mesh, dp_mesh = dims.build_mesh(device.type)
     return DistContext(dims, mesh, dp_mesh, rank=dist.get_rank(), device=device)
-
-
-def reduce_metrics(metrics: dict[str, float], ctx: DistContext) -> dict[str, float]:
-    """Mean over DP ranks, except ``*/max`` (max), ``*/min`` (min) and counts/totals (sum). One collective
-    per reduction kind."""
-    if ctx.dp_size == 1:
-        return metrics
-    keys = sorted(metrics)
-    kinds = {
-        "max": [k for k in keys if k.endswith("/max")],
-        "min": [k for k in keys if k.endswith("/min")],
-        "sum": [k for k in keys if k.endswith(("num_failures", "total_num_tokens", "throughput", "weight_sync_bytes"))],
-    }
-    taken = {k for ks in kinds.values() for k in ks}
-    kinds["mean"] = [k for k in keys if k not in taken]
-    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM}
-    out = {}
-    for kind, ks in kinds.items():
-        if not ks:
-            continue
-        t = torch.tensor([float(metrics[k]) for k in ks], dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(t, op=ops[kind], group=ctx.dp_group)
-        if kind == "mean":
-            t /= ctx.dp_size
-        out.update(zip(ks, t.tolist()))
-    return out
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now, for a local rendezvous (spawned groups, tests)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

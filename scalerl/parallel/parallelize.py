@@ -1,54 +1,211 @@
-"""The one place parallelism is applied: tensor parallel -> activation checkpointing -> data parallel."""
+"""The one place parallelism is applied: pipeline stages -> tensor parallel -> activation checkpointing ->
+data parallel (DDP / FSDP2 / HSDP).
+
+`parallelize` returns the model's parts for this rank (torchtitan's ``model_parts`` idea): the full model
+that generates and computes log-probs, and what trains. Trainers use the parts through one interface
+(forward + backward of micro-batches, gradient clipping, metrics of the loss, refreshing the generation
+copy), so they never ask which layout is running:
+
+- `ModuleParts`: one module generates and trains (single process, DDP, FSDP2, HSDP, TP and their mixes);
+- `PipelineParts`: this rank trains its pipeline stages and generates with a full replica that is
+  refreshed from the stages after the update.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
 from torch import nn
 
+from scalerl.parallel.activation_checkpointing import apply_activation_checkpointing, set_activation_checkpointing
 from scalerl.parallel.data_parallel import apply_ddp, apply_fsdp
 from scalerl.parallel.distributed import DistContext
+from scalerl.parallel.grad_norm import clip_grad_norm, trainable_parameters
+from scalerl.parallel.pipeline import PipelineRunner
 from scalerl.parallel.tensor_parallel import apply_tensor_parallel
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class MicroBatch:
+    """One forward's inputs: ``output = model(input_ids, attention_mask, logits_to_keep=keep)`` and the
+    per-token ``target`` the loss reads (aligned to the last positions of the sequence)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    target: torch.Tensor
+    keep: int = 0  # trailing positions the loss needs outputs for; 0 = all
+
+
+@dataclass
+class PipelineOptions:
+    schedule: str = "1f1b"
+    microbatches: int = 4
+
+
+class ModuleParts:
+    """One module that generates and trains: ``model`` (sharded or TP-split in place) and the module the
+    training forward calls (a DDP wrapper for plain replication, else ``model`` itself)."""
+
+    fixed_shapes = False  # any batch shape may go through `forward_backward`
+
+    def __init__(self, model: nn.Module, trained: nn.Module):
+        self.model, self.trained = model, trained
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+    def state_module(self) -> nn.Module:
+        """The module whose state a checkpoint holds on this rank."""
+        return self.model
+
+    def train(self) -> None:
+        self.model.train()
+        set_activation_checkpointing(self.model, True)
+
+    def eval(self) -> None:
+        self.model.eval()
+        set_activation_checkpointing(self.model, False)
+
+    def forward_backward(self, micros: Sequence[MicroBatch], loss_fn: LossFn, autocast=None, grad_scaler=None) -> int:
+        """Accumulate the gradients of ``sum(loss_fn(output, target))`` over ``micros``; returns the number of
+        loss calls. DDP all-reduces only on the last backward; FSDP reduce-scatters on every one."""
+        for i, micro in enumerate(micros):
+            with autocast or contextlib.nullcontext():
+                output = self.trained(micro.input_ids, attention_mask=micro.attention_mask, logits_to_keep=micro.keep)
+            loss = loss_fn(output, micro.target)
+            no_sync = getattr(self.trained, "no_sync", None) if i < len(micros) - 1 else None
+            with no_sync() if no_sync else contextlib.nullcontext():
+                (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
+        return len(micros)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(trainable_parameters(self.model), max_norm)
+
+    def share_loss_metrics(self, values: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, float]:
+        """The loss's metrics as floats on every rank (here they are computed on every rank already)."""
+        return {k: float(values[k]) for k in names if k in values}
+
+    def refresh_generation_copy(self) -> int:
+        """The model generates with the trained parameters themselves: nothing to copy."""
+        return 0
+
+
+class PipelineParts:
+    """This rank's pipeline stages (trained) and a full replica of the model (generates, log-probs)."""
+
+    fixed_shapes = True  # pipeline stages fix activation shapes at their first step
+
+    def __init__(self, replica: nn.Module, runner: PipelineRunner, ctx: DistContext):
+        self.model, self.runner, self.ctx = replica, runner, ctx
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.runner.parameters()
+
+    def state_module(self) -> nn.Module:
+        return nn.ModuleDict({f"stage{s}": m for s, m in zip(self.runner.stage_ids, self.runner.modules)})
+
+    def train(self) -> None:
+        self.runner.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def forward_backward(self, micros: Sequence[MicroBatch], loss_fn: LossFn, autocast=None, grad_scaler=None) -> int:
+        """One schedule step over the concatenated micro-batches (the schedule splits them into
+        ``parallel.microbatches`` itself); the tied embedding's gradient copies are summed afterwards."""
+        input_ids = torch.cat([m.input_ids for m in micros])
+        attention_mask = torch.cat([m.attention_mask for m in micros])
+        target = torch.cat([m.target for m in micros])
+
+        def scaled_loss(output: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(output, tgt)
+            return grad_scaler.scale(loss) if grad_scaler is not None else loss
+
+        self.runner.step(input_ids, attention_mask, target, scaled_loss)
+        self.runner.sync_tied_gradients()
+        return self.runner.microbatches
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        r = self.runner
+        return clip_grad_norm(r.parameters(), max_norm, r.norm_parameters(), r.pp_group)
+
+    def share_loss_metrics(self, values: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, float]:
+        """Loss metrics live on the last stage; every pipeline rank gets them (rank 0 logs)."""
+        r = self.runner
+        t = torch.tensor([float(values[k]) if k in values else float("nan") for k in names],
+                         dtype=torch.float64, device=self.ctx.device)
+        last_owner = dist.get_process_group_ranks(r.pp_group)[r.owner[r.num_stages - 1]]
+        dist.broadcast(t, src=last_owner, group=r.pp_group)
+        return {k: v for k, v in zip(names, t.tolist()) if v == v}
+
+    def refresh_generation_copy(self) -> int:
+        """Copy the stages' weights into the full replica on every pipeline rank; returns bytes received."""
+        return self.runner.refresh_replica()
+
+
+ModelParts = ModuleParts | PipelineParts
 
 
 def parallelize(
-    model: nn.Module, ctx: DistContext, activation_checkpointing: bool = False, trainable: bool = True
-) -> nn.Module:
-    """Apply the layout to ``model`` in place and return the module the trainer should call for updates
-    (a DDP wrapper for plain replication, otherwise ``model`` itself).
+    model: nn.Module,
+    ctx: DistContext,
+    *,
+    activation_checkpointing: bool = False,
+    trainable: bool = True,
+    pipeline: PipelineOptions | None = None,
+    autocast=None,
+) -> ModelParts:
+    """Lay ``model`` out over ``ctx``'s mesh (in place) and return its parts for this rank.
 
     Plain replication (dp only) uses DDP, whose comm hooks carry gradient compression; any layout with
     sharding or tensor parallelism uses FSDP2 on the ``(dp_replicate, dp_shard)`` mesh, which composes with
-    DTensor TP (DDP does not support DTensor parameters).
+    DTensor TP (DDP does not support DTensor parameters). With ``parallel.pp > 1`` the trained stages are
+    cut from the model first; the model itself becomes the replica (tensor-parallel like the stages).
+    ``trainable=False`` (a frozen reference model) skips gradient machinery and pipeline stages.
     """
-    model.gradient_checkpointing = activation_checkpointing
     mesh, dims = ctx.mesh, ctx.dims
     if mesh is None or dims.world_size == 1:
-        return model
+        if activation_checkpointing and trainable:
+            apply_activation_checkpointing(model)
+        return ModuleParts(model, model)
     dims.check_model(model.config)
-    if dims.pp > 1:
-        # `model` becomes the full replica for rollouts (tensor-parallel like the stages); the trained
-        # stages are cut from it by `PipelineRunner` and laid out by `shard_pipeline_stage`.
+    if dims.pp > 1 and trainable:
+        options = pipeline or PipelineOptions()
+
+        def layout_stage(stage: nn.Module) -> None:
+            _apply_layout(stage, ctx, activation_checkpointing, use_ddp=False)
+
+        # Stages are cut from the unsharded model, before it becomes the replica.
+        runner = PipelineRunner(model, ctx, options.schedule, options.microbatches, layout_stage, autocast)
         if dims.tp > 1:
             apply_tensor_parallel(model, mesh["tp"])
-        return model
-    if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"])
-    if dims.dp > 1:
-        if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:
-            # A frozen model (the KL reference) has no gradients to synchronise: plain replicas suffice.
-            return apply_ddp(model, ctx.dp_mesh) if trainable else model
-        apply_fsdp(model, mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"])
-    return model
+        return PipelineParts(model, runner, ctx)
+    if dims.pp > 1:  # a frozen replica for forward passes only
+        if dims.tp > 1:
+            apply_tensor_parallel(model, mesh["tp"])
+        return ModuleParts(model, model)
+    trained = _apply_layout(model, ctx, activation_checkpointing and trainable, use_ddp=trainable)
+    return ModuleParts(model, trained)
 
 
-def unwrap(module: nn.Module) -> nn.Module:
-    """The model inside a DDP wrapper (FSDP2 and TP modify the model in place, so it is the model)."""
-    return getattr(module, "module", module)
-
-
-def shard_pipeline_stage(stage: nn.Module, ctx: DistContext) -> None:
-    """Lay out one pipeline stage over the non-pipeline dimensions: TP, or FSDP2/HSDP over dp."""
+def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing: bool, use_ddp: bool) -> nn.Module:
+    """TP -> activation checkpointing -> DP on a whole model or one pipeline stage; returns the module the
+    training forward calls. Without gradients to synchronise (``use_ddp=False`` under plain replication)
+    plain replicas suffice."""
     dims, mesh = ctx.dims, ctx.mesh
     if dims.tp > 1:
-        apply_tensor_parallel(stage, mesh["tp"])
+        apply_tensor_parallel(getattr(module, "backbone", module), mesh["tp"])  # a value model's backbone
+    if activation_checkpointing:
+        apply_activation_checkpointing(module)
     if dims.dp > 1:
-        apply_fsdp(stage, mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"])
+        if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:
+            return apply_ddp(module, ctx.dp_mesh) if use_ddp else module
+        apply_fsdp(module, ctx.fsdp_mesh)
+    return module
+

@@ -12,6 +12,7 @@ gradients are summed over the pipeline group each step (as Megatron does), so th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable
 
@@ -43,7 +44,7 @@ class DecoderStage(nn.Module):
     stages return ``(hidden, attention_mask)`` so the mask travels down the pipeline with its micro-batch.
     """
 
-    def __init__(self, model: CausalLM, layer_ids: list[int], first: bool, last: bool):
+    def __init__(self, model: CausalLM, layer_ids: list[int], first: bool, last: bool, autocast=None):
         super().__init__()
         self.config = model.config
         self.embed_tokens = copy.deepcopy(model.embed_tokens) if first else None
@@ -51,20 +52,19 @@ class DecoderStage(nn.Module):
         self.norm = copy.deepcopy(model.norm) if last else None
         self.lm_head = copy.deepcopy(model.lm_head) if last else None
         self.rotary = model.rotary
-        self.gradient_checkpointing = model.gradient_checkpointing
+        # The schedule runs forward and backward itself: autocast is entered around the forward only.
+        self.autocast = autocast or contextlib.nullcontext()
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
-        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
-        key_mask = attention_mask > 0
-        cos, sin = self.rotary(position_ids_from_mask(key_mask), hidden.dtype)
-        mask = attention_mask_4d(key_mask, hidden.shape[1])
-        for layer in self.layers.values():
-            if self.gradient_checkpointing and self.training:
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, cos, sin, mask, use_reentrant=False)
-            else:
+        with self.autocast:
+            hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+            key_mask = attention_mask > 0
+            cos, sin = self.rotary(position_ids_from_mask(key_mask), hidden.dtype)
+            mask = attention_mask_4d(key_mask, hidden.shape[1])
+            for layer in self.layers.values():
                 hidden = layer(hidden, cos, sin, mask)
-        if self.lm_head is not None:
-            return self.lm_head(self.norm(hidden))
+            if self.lm_head is not None:
+                return self.lm_head(self.norm(hidden))
         return hidden, attention_mask
 
 
@@ -77,8 +77,8 @@ class PipelineRunner:
         ctx: DistContext,
         schedule: str,
         microbatches: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        shard_stage: Callable[[nn.Module], None] | None = None,
+        layout_stage: Callable[[nn.Module], None],
+        autocast=None,
     ):
         self.ctx, self.replica = ctx, model
         pp_mesh = ctx.mesh["pp"]
@@ -91,18 +91,19 @@ class PipelineRunner:
         self.modules = []
         stages = []
         for s in self.stage_ids:
-            module = DecoderStage(model, layer_ids[s], first=s == 0, last=s == self.num_stages - 1)
-            if shard_stage is not None:
-                shard_stage(module)
+            module = DecoderStage(model, layer_ids[s], first=s == 0, last=s == self.num_stages - 1, autocast=autocast)
+            layout_stage(module)
             self.modules.append(module)
             stages.append(PipelineStage(module, s, self.num_stages, ctx.device, group=self.pp_group))
         self.owner = {s: s % pp for s in range(self.num_stages)}
         self.layer_ids = layer_ids
         self.tied = model.config.tie_word_embeddings
         self.has_last = self.num_stages - 1 in self.stage_ids
-        # Micro-batch losses are normalised by the whole mini-batch's token count already: no 1/M scaling.
+        # The schedule takes its loss function once; `step` sets the one this mini-batch uses. Micro-batch
+        # losses are normalised by the whole mini-batch's token count already: no 1/M scaling.
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         cls = SCHEDULES[schedule]
-        self.schedule = cls(stages if virtual > 1 else stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.schedule = cls(stages if virtual > 1 else stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
         self.pp_rank = pp_rank
         self.microbatches = microbatches
 
@@ -117,8 +118,14 @@ class PipelineRunner:
         for m in self.modules:
             m.train()
 
-    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target: torch.Tensor) -> None:
-        """Forward + backward of one mini-batch through the pipeline (gradients accumulate in the stages)."""
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target)
+
+    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target: torch.Tensor,
+             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Forward + backward of one mini-batch through the pipeline (gradients accumulate in the stages);
+        the last stage calls ``loss_fn(logits, target)`` per micro-batch."""
+        self.loss_fn = loss_fn
         first = 0 in self.stage_ids
         args = (input_ids, attention_mask.float()) if first else ()
         self.schedule.step(*args, target=target if self.has_last else None)

@@ -21,6 +21,10 @@ from scalerl.rollout.sampling import sample_tokens
 class BuiltinEngine:
     """Generates with a ``CausalLM`` it shares with the trainer (colocated: weight sync is free)."""
 
+    # Capabilities the trainer reads instead of asking for the class:
+    logprobs_match_training_forward = True  # its log-probs equal an fp32 forward over the sequence (tested)
+    shares_trainer_weights = True  # it generates with the trained parameters themselves
+
     def __init__(
         self,
         model: CausalLM,

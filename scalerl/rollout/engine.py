@@ -59,6 +59,11 @@ class GenerationOutput:
 
 
 class RolloutEngine(Protocol):
+    # Whether its log-probs equal an fp32 training forward (the trainer then skips recomputing them).
+    logprobs_match_training_forward: bool
+    # Whether it generates with the trained parameters themselves (weight sync is then free).
+    shares_trainer_weights: bool
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         """Generate one completion per prompt (repeat prompts for ``n`` samples each)."""
         ...

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from scalerl.core.config import ModelSection
+from scalerl.data.prompts import encode_prompts
 from scalerl.models.decoder import build_model
+from scalerl.models.load import builtin_model_config
 from scalerl.models.hf_checkpoint import from_pretrained
 from scalerl.models.tokenizer import CharTokenizer, load_tokenizer
 from scalerl.rollout.builtin_engine import BuiltinEngine
@@ -21,16 +24,11 @@ def generate_text(
     """Completions of ``prompts``. ``model_path="builtin"`` uses a randomly initialised built-in model (a
     smoke test of the stack); a directory (e.g. ``outputs/demo/grpo/final``) is loaded with its tokenizer."""
     if model_path == "builtin":
-        from scalerl.config import ModelSection
-        from scalerl.rl.policy import builtin_model_config
-
         tokenizer = CharTokenizer()
         model = build_model(builtin_model_config(ModelSection(), tokenizer), seed=seed or 0)
     else:
         model = from_pretrained(model_path)
         tokenizer = load_tokenizer(model_path)
-    from scalerl.rl.policy import encode_prompts
-
     model.eval()
     ids = encode_prompts(tokenizer, prompts)
     sampling = SamplingParams(

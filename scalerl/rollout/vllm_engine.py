@@ -75,6 +75,9 @@ def map_vllm_outputs(
 class VLLMEngine:
     """Runs a vLLM ``LLM`` on a model directory; ``sync_weights`` loads trainer tensors into it."""
 
+    logprobs_match_training_forward = False  # its kernels differ from the trainer's: recompute old log-probs
+    shares_trainer_weights = False  # it holds its own copy of the weights
+
     def __init__(self, model_path: str, pad_token_id: int, **llm_kwargs: Any):
         vllm = import_vllm()
         self._vllm = vllm

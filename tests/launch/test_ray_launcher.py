@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 
-from scalerl.config import ConfigError  # noqa: E402
+from scalerl.core.config import ConfigError  # noqa: E402
 from scalerl.launch.ray_launcher import (  # noqa: E402
     PlacementError, RankFailure, create_rank_group, launch_ray, placement_problems, rank_bundles, run_on_ranks,
 )

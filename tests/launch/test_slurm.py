@@ -112,7 +112,7 @@ def test_cli_print(capsys, tmp_path):
 
 
 def test_cli_validates_config_before_anything():
-    from scalerl.config import ConfigError
+    from scalerl.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="actor.lrr"):
         launch_cli(["launch", "slurm", "actor.lrr=1", "--nodes", "1", "--print"])
@@ -202,7 +202,7 @@ def slurm_cluster():
 RANK_PROBE = textwrap.dedent("""\
     import json, os, sys
     import torch, torch.distributed as dist
-    from scalerl.launch.env import apply_rank_env, detect_rank_env
+    from scalerl.core.rank_env import apply_rank_env, detect_rank_env
     env = detect_rank_env()
     apply_rank_env(env)
     dist.init_process_group("gloo", init_method="env://")

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from scalerl.parallel.distributed import free_port
+from scalerl.core.net import free_port
 
 TINY = [
     "model.hidden_size=32", "model.intermediate_size=64", "data.num_train=200", "data.num_val=8",

@@ -156,7 +156,7 @@ def test_load_tokenizer_errors_name_the_path(tmp_path):
 
 
 def test_prompts_through_the_chat_template(bpe_dir):
-    from scalerl.rl.policy import encode_prompts
+    from scalerl.data.prompts import encode_prompts
 
     tokenizer = load_tokenizer(bpe_dir)
     plain = encode_prompts(tokenizer, ["Q:12+7"])[0]

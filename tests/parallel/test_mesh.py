@@ -2,7 +2,7 @@
 
 import pytest
 
-from scalerl.config import ParallelSection
+from scalerl.core.config import ParallelSection
 from scalerl.models.config import ModelConfig
 from scalerl.parallel.mesh import LayoutError, ParallelDims
 

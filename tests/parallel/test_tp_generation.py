@@ -5,7 +5,7 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from scalerl.parallel.distributed import free_port
+from scalerl.core.net import free_port
 
 
 def _cached_kv_heads(model) -> int:
@@ -20,7 +20,7 @@ def _cached_kv_heads(model) -> int:
 def _worker(rank, port, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from scalerl.config import ParallelSection
+    from scalerl.core.config import ParallelSection
     from scalerl.models.config import ModelConfig
     from scalerl.models.decoder import build_model
     from scalerl.parallel.distributed import init_distributed

@@ -1,10 +1,11 @@
 """`scalerl generate` on a saved model directory with its tokenizer."""
 
 from scalerl.cli import main
-from scalerl.config import ModelSection
+from scalerl.core.config import ModelSection
 from scalerl.models.decoder import build_model
 from scalerl.models.tokenizer import CharTokenizer
-from scalerl.rl.policy import builtin_model_config, save_policy
+from scalerl.checkpoint.export import export_hf_model as save_policy
+from scalerl.models.load import builtin_model_config
 from scalerl.rollout.text import generate_text
 
 

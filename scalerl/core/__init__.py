@@ -1,0 +1,3 @@
+"""Foundations every layer may use: the run configuration (`config`, `config_tree`), RNG state and
+seeding (`rng_state`), rank-environment detection for every launcher (`rank_env`), the compute device
+and precision (`device`), and small network helpers (`net`)."""

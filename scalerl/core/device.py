@@ -1,0 +1,45 @@
+"""Which device a run computes on, and its mixed-precision contexts (autocast, fp16 loss scaling)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    return torch.device(name)
+
+
+def compute_dtype(precision: str, param_dtype: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype matmuls run in: the autocast dtype for bf16/fp16, else the parameters' own."""
+    return AUTOCAST_DTYPES.get(precision, param_dtype)
+
+
+class Autocast:
+    """Reusable autocast for ``precision`` (bf16/fp16 compute, fp32 parameters); a no-op for fp32.
+    Autocast contexts are single-use, so a new one is made each time this is entered."""
+
+    def __init__(self, precision: str, device: torch.device):
+        self.precision, self.device = precision, device
+
+    def __enter__(self):
+        if self.precision in AUTOCAST_DTYPES:
+            self._ctx = torch.autocast(device_type=self.device.type, dtype=AUTOCAST_DTYPES[self.precision])
+        else:
+            self._ctx = contextlib.nullcontext()
+        return self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """fp16 gradients underflow without loss scaling; bf16 has fp32's exponent range and needs none."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None

@@ -1,0 +1,50 @@
+"""One step's metrics combined over ranks as each metric declares (`scalerl.perf.metrics`), in one
+all-gather: every rank contributes its vector of values, every rank computes the same reductions."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from scalerl.parallel.distributed import DistContext
+from scalerl.perf.metrics import reduction_of
+
+
+def reduce_metrics(metrics: dict[str, float], ctx: DistContext) -> dict[str, float]:
+    """Reduce ``metrics`` (the same keys on every rank) over ranks; see `scalerl.perf.metrics`."""
+    keys = sorted(metrics)
+    kinds = {k: reduction_of(k) for k in keys}  # an undeclared name fails here, on one rank too
+    if ctx.world_size == 1:
+        out = dict(metrics)
+        for k in keys:
+            if kinds[k] == "spread":
+                out[f"{k}/max"] = out[f"{k}/min"] = float(metrics[k])
+        if "timing_s/step" in metrics:
+            out["timing_s/step/slowest_rank"] = 0.0
+        return out
+    local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=ctx.device)
+    gathered = torch.empty(ctx.world_size * len(keys), dtype=torch.float64, device=ctx.device)
+    dist.all_gather_into_tensor(gathered, local)
+    gathered = gathered.view(ctx.world_size, len(keys))
+    # Tensor/pipeline peers of a DP rank hold copies of its values: a sum over all ranks counts each DP
+    # rank's value world/dp times.
+    copies = ctx.world_size / ctx.dp_size
+    out: dict[str, float] = {}
+    for i, k in enumerate(keys):
+        column = gathered[:, i]
+        kind = kinds[k]
+        if kind == "sum":
+            out[k] = float(column.sum() / copies)
+        elif kind == "sum_all_ranks":
+            out[k] = float(column.sum())
+        elif kind == "max":
+            out[k] = float(column.max())
+        elif kind == "min":
+            out[k] = float(column.min())
+        else:  # mean, spread
+            out[k] = float(column.mean())
+        if kind == "spread":
+            out[f"{k}/max"], out[f"{k}/min"] = float(column.max()), float(column.min())
+            if k == "timing_s/step":
+                out["timing_s/step/slowest_rank"] = float(column.argmax())
+    return out

@@ -1,0 +1,22 @@
+"""Performance arithmetic: FLOPs per token and device peaks (`flops`), MFU of a rank's share of a step
+(`mfu`), step timers (`timing`), peak memory (`memory`), and how each metric combines over ranks
+(`metrics`)."""
+
+from scalerl.perf.flops import (
+    decoder_param_count,
+    device_peak_flops,
+    flops_per_token,
+    forward_flops_per_token,
+    matmul_param_count,
+    measure_matmul_flops,
+)
+from scalerl.perf.memory import max_memory_gb
+from scalerl.perf.metrics import METRIC_REDUCTIONS, UndeclaredMetricError, reduction_of
+from scalerl.perf.mfu import RankShare, StepWork, step_mfu
+from scalerl.perf.timing import StepTimer
+
+__all__ = [
+    "METRIC_REDUCTIONS", "RankShare", "StepTimer", "StepWork", "UndeclaredMetricError", "decoder_param_count",
+    "device_peak_flops", "flops_per_token", "forward_flops_per_token", "matmul_param_count", "max_memory_gb",
+    "measure_matmul_flops", "reduction_of", "step_mfu",
+]

@@ -1,0 +1,125 @@
+"""The tensors of one RL step: prompts + responses laid out as ``[prompt (left-padded) | response (right-padded)]``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+
+from scalerl.rollout.engine import GenerationOutput, left_pad
+
+# Fields laid out like the response, [B, R]; input_ids and attention_mask are [B, P + R].
+PER_TOKEN_FIELDS = ("response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs",
+                    "values", "advantages", "returns")
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor  # [B, P + R]
+    attention_mask: torch.Tensor  # [B, P + R]
+    response_ids: torch.Tensor  # [B, R]
+    response_mask: torch.Tensor  # [B, R] float, 1 on generated tokens
+    rollout_logprobs: torch.Tensor | None  # [B, R] from the engine (None for demonstrations)
+    group_ids: torch.Tensor  # [B] prompt index: the GRPO group
+    scores: torch.Tensor  # [B] outcome reward per sequence
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @classmethod
+    def from_generation(cls, out: GenerationOutput, group_ids: torch.Tensor, scores: torch.Tensor) -> "RolloutBatch":
+        return cls(
+            input_ids=torch.cat([out.prompt_ids, out.response_ids], dim=1),
+            attention_mask=torch.cat([out.prompt_mask, out.response_mask], dim=1),
+            response_ids=out.response_ids,
+            response_mask=out.response_mask.float(),
+            rollout_logprobs=out.logprobs,
+            group_ids=group_ids.to(out.response_ids.device),
+            scores=scores.to(out.response_ids.device),
+        )
+
+    @classmethod
+    def from_demonstrations(
+        cls, prompts: list[list[int]], responses: list[list[int]], pad_token_id: int
+    ) -> "RolloutBatch":
+        """SFT examples in the rollout layout: left-padded prompts, right-padded responses (the tokens the
+        loss covers). Group ids and scores are unused there (zeros)."""
+        prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)
+        width = max(len(r) for r in responses)
+        response_ids = torch.full((len(responses), width), pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((len(responses), width), dtype=torch.long)
+        for i, r in enumerate(responses):
+            response_ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+            response_mask[i, : len(r)] = 1
+        return cls(
+            input_ids=torch.cat([prompt_ids, response_ids], dim=1),
+            attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
+            response_ids=response_ids,
+            response_mask=response_mask.float(),
+            rollout_logprobs=None,
+            group_ids=torch.zeros(len(prompts), dtype=torch.long),
+            scores=torch.zeros(len(prompts)),
+        )
+
+    def to(self, device: torch.device) -> "RolloutBatch":
+        return replace(self, **{
+            f.name: getattr(self, f.name).to(device) for f in fields(self) if getattr(self, f.name) is not None
+        })
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def prompt_len(self) -> int:
+        return self.input_ids.shape[1] - self.response_ids.shape[1]
+
+    def token_rewards(self) -> torch.Tensor:
+        """Outcome score placed on each sequence's last response token (zeros elsewhere)."""
+        rewards = torch.zeros_like(self.response_mask)
+        last = (self.response_mask.sum(-1).long() - 1).clamp(min=0)
+        rewards.scatter_(1, last.unsqueeze(1), self.scores.unsqueeze(1).to(rewards.dtype))
+        return rewards
+
+    def select(self, index: torch.Tensor) -> "RolloutBatch":
+        """Rows ``index`` of every tensor."""
+        return replace(self, **{
+            f.name: getattr(self, f.name)[index] for f in fields(self) if getattr(self, f.name) is not None
+        })
+
+    def padded_to(self, prompt_len: int, response_len: int) -> "RolloutBatch":
+        """Left-pad prompts and right-pad responses to the given widths (ranks' tensors then stack, and
+        pipeline stages, which fix activation shapes at their first step, see one shape every step)."""
+        extra_p, extra_r = prompt_len - self.prompt_len, response_len - self.response_ids.shape[1]
+        if extra_p < 0 or extra_r < 0:
+            raise ValueError(f"cannot pad a batch of widths ({self.prompt_len}, {self.response_ids.shape[1]}) "
+                             f"down to ({prompt_len}, {response_len})")
+        updates = {
+            "input_ids": F.pad(self.input_ids, (extra_p, extra_r)),
+            "attention_mask": F.pad(self.attention_mask, (extra_p, extra_r)),
+        }
+        for name in PER_TOKEN_FIELDS:
+            t = getattr(self, name)
+            if t is not None:
+                updates[name] = F.pad(t, (0, extra_r))
+        return replace(self, **updates)
+
+    def trimmed(self) -> tuple["RolloutBatch", int, int]:
+        """Drop columns that are padding in every row (left of the prompts, right of the responses), which
+        a micro-batch of short sequences spends most of its forward on. Returns the batch and the number of
+        columns dropped on the left and on the right (callers pad per-token outputs back)."""
+        valid = self.attention_mask.bool().any(0)
+        first = int(valid.int().argmax())
+        response_valid = self.response_mask.bool().any(0)
+        keep_r = int(response_valid.nonzero().max()) + 1 if response_valid.any() else 1
+        right = self.response_ids.shape[1] - keep_r
+        left = min(first, self.prompt_len - 1)
+        cols = slice(left, self.input_ids.shape[1] - right)
+        updates = {"input_ids": self.input_ids[:, cols], "attention_mask": self.attention_mask[:, cols]}
+        for name in PER_TOKEN_FIELDS:
+            t = getattr(self, name)
+            if t is not None:
+                updates[name] = t[:, :keep_r]
+        return replace(self, **updates), left, right

@@ -1,0 +1,155 @@
+"""The micro-batch losses of the trainers: PPO-clip for the policy, clipped value regression for the critic,
+token-mean cross-entropy for SFT.
+
+Each is called as ``loss(output, target)`` on one micro-batch, by a plain forward or by the last pipeline
+stage alike: ``output`` is the model's output whose last positions cover the response (logits, or values
+for the critic), ``target`` the per-token tensor `target(batch)` builds. Losses are normalised by the whole
+mini-batch's counts over all data-parallel ranks (`start_mini_batch`), so micro-batch losses add up to the
+mini-batch loss and DP ranks average to the single-process gradient. Metrics are recorded the same way,
+as parts that add up, and `summary` averages them over mini-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scalerl.algorithms.entropy import entropy_from_logits, logprobs_from_logits
+from scalerl.algorithms.kl import kl_penalty
+from scalerl.algorithms.losses import aggregate_loss, policy_loss, value_loss
+from scalerl.rollout.batch import RolloutBatch
+
+
+class MicroBatchObjective:
+    """Bookkeeping shared by the losses: the mini-batch's aggregation counts, metric parts per call."""
+
+    metric_names: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.agg: dict[str, Any] = {}
+        self._calls: list[dict[str, torch.Tensor]] = []
+        self._totals: dict[str, torch.Tensor] = {}
+        self._mini_batches = 0
+
+    def start_mini_batch(self, agg: dict[str, Any]) -> None:
+        """``agg``: `aggregate_loss`'s counts for this mini-batch (global tokens/sequences, dp size, horizon)."""
+        self.agg, self._calls = agg, []
+
+    def end_mini_batch(self, num_calls: int) -> None:
+        """Add up the metric parts of the mini-batch's last ``num_calls`` calls (a pipeline schedule may call
+        the loss once more while it infers shapes on its first step; the real micro-batches come last)."""
+        for parts in self._calls[len(self._calls) - num_calls :]:
+            for key, value in parts.items():
+                self._totals[key] = self._totals.get(key, 0.0) + value
+        self._mini_batches += 1
+
+    def summary(self) -> dict[str, torch.Tensor]:
+        """Per-mini-batch metric values averaged over the mini-batches since the last summary."""
+        out = {k: v / max(self._mini_batches, 1) for k, v in self._totals.items()}
+        self._totals, self._mini_batches = {}, 0
+        return out
+
+    def _record(self, parts: dict[str, torch.Tensor]) -> None:
+        self._calls.append({k: v.detach() for k, v in parts.items()})
+
+    def _token_weight(self, mask: torch.Tensor) -> torch.Tensor:
+        """This call's share of the mini-batch's tokens, times the DP size (ranks are averaged later)."""
+        return mask.sum() / torch.as_tensor(self.agg["global_num_tokens"]).clamp(min=1) * self.agg["dp_size"]
+
+    @staticmethod
+    def keep(batch: RolloutBatch) -> int:
+        """Output positions the loss reads: the one before each response token, plus the last."""
+        return batch.response_ids.shape[1] + 1
+
+    @staticmethod
+    def response_outputs(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The outputs at positions ``P - 1 + t`` that predict response token ``t`` (float32)."""
+        response_len = target.shape[1]
+        return output[:, -response_len - 1 : -1].float()
+
+
+class PolicyObjective(MicroBatchObjective):
+    """Dual-clip PPO with an optional entropy bonus and KL penalty to a reference policy.
+    ``target[..., :]`` = (response ids, mask, old log-prob, advantage, reference log-prob)."""
+
+    metric_names = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl",
+                    "actor/pg_clipfrac_lower")
+
+    def __init__(self, actor_cfg: Any, temperature: float):
+        super().__init__()
+        self.cfg, self.temperature = actor_cfg, temperature or 1.0
+
+    @staticmethod
+    def target(batch: RolloutBatch) -> torch.Tensor:
+        ref = batch.ref_logprobs if batch.ref_logprobs is not None else torch.zeros_like(batch.old_logprobs)
+        return torch.stack([batch.response_ids.float(), batch.response_mask, batch.old_logprobs,
+                            batch.advantages, ref], dim=-1)
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        logits = self.response_outputs(logits, target)
+        if self.temperature != 1.0:
+            logits = logits / self.temperature  # log-probs of what the sampler drew at this temperature
+        ids, mask, old, adv, ref = target[..., 0].long(), *target[..., 1:].unbind(-1)
+        logp = logprobs_from_logits(logits, ids)
+        pg_loss, pg_metrics = policy_loss(
+            old, logp, adv, mask, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
+            clip_c=cfg.clip_ratio_c, agg=cfg.loss_agg_mode, **self.agg,
+        )
+        loss = pg_loss
+        if cfg.entropy_coeff:
+            entropy = entropy_from_logits(logits)
+            loss = loss - cfg.entropy_coeff * aggregate_loss(entropy, mask, cfg.loss_agg_mode, **self.agg)
+        else:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits)
+        weight = self._token_weight(mask)
+        parts = {"actor/pg_loss": pg_loss,
+                 "actor/entropy": (entropy * mask).sum() / mask.sum().clamp(min=1) * weight}
+        if cfg.use_kl_loss:
+            kl_loss = aggregate_loss(kl_penalty(logp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode, **self.agg)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            parts["actor/kl_loss"] = kl_loss
+        parts.update({f"actor/{k}": v * weight for k, v in pg_metrics.items()})
+        self._record(parts)
+        return loss
+
+
+class ValueObjective(MicroBatchObjective):
+    """Clipped value regression onto the returns; ``target[..., :]`` = (return, old value, mask)."""
+
+    metric_names = ("critic/vf_loss", "critic/vf_clipfrac")
+
+    def __init__(self, critic_cfg: Any, loss_agg_mode: str):
+        super().__init__()
+        self.cfg, self.loss_agg_mode = critic_cfg, loss_agg_mode
+
+    @staticmethod
+    def target(batch: RolloutBatch) -> torch.Tensor:
+        return torch.stack([batch.returns, batch.values, batch.response_mask], dim=-1)
+
+    def __call__(self, values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        returns, old_values, mask = target.unbind(-1)
+        vpreds = self.response_outputs(values, target)
+        loss, metrics = value_loss(vpreds, returns, old_values, mask, self.cfg.cliprange_value,
+                                   agg=self.loss_agg_mode, **self.agg)
+        self._record({"critic/vf_loss": loss, "critic/vf_clipfrac": metrics["vf_clipfrac"] * self._token_weight(mask)})
+        return self.cfg.value_loss_coef * loss
+
+
+class SFTObjective(MicroBatchObjective):
+    """Token-mean cross-entropy of the response tokens; ``target[..., :]`` = (response ids, mask)."""
+
+    metric_names = ("sft/loss",)
+
+    @staticmethod
+    def target(batch: RolloutBatch) -> torch.Tensor:
+        return torch.stack([batch.response_ids.float(), batch.response_mask], dim=-1)
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        ids, mask = target[..., 0].long(), target[..., 1]
+        logp = logprobs_from_logits(self.response_outputs(logits, target), ids)
+        loss = aggregate_loss(-logp, mask, "token-mean", **self.agg)
+        self._record({"sft/loss": loss})
+        return loss

@@ -1,0 +1,53 @@
+"""Distributed checkpoints: a run resumed at step 2 ends where an uninterrupted run ends, per layout."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from scalerl.core.net import free_port
+
+LAYOUTS = {"ddp": ["parallel.dp_replicate=2"], "fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=2"],
+           "pp": ["parallel.dp_replicate=1", "parallel.pp=2"]}
+
+
+def _worker(rank, port, out):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    from scalerl.core.config import load_config
+    from scalerl.verify import verification_overrides
+    from scalerl.trainer.rl_trainer import train
+
+    base = [o for o in verification_overrides(4) if not o.startswith("trainer.total_steps")]
+    for name, layout in LAYOUTS.items():
+        run = lambda d, *extra: train(load_config(None, [*base, *layout, f"trainer.output_dir={out}/{name}-{d}", *extra]))  # noqa: E731
+        run("straight", "trainer.total_steps=4")
+        run("resumed", "trainer.total_steps=2", "trainer.save_every=2")
+        run("resumed", "trainer.total_steps=4", "trainer.resume=auto")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dcp")
+    port = free_port()
+    mp.start_processes(_worker, args=(port, str(out)), nprocs=2, start_method="spawn")
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resumed_run_matches_uninterrupted(runs, layout):
+    straight = load_file(str(runs / f"{layout}-straight" / "final" / "model.safetensors"))
+    resumed = load_file(str(runs / f"{layout}-resumed" / "final" / "model.safetensors"))
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+    rows = [json.loads(x) for x in (runs / f"{layout}-resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    meta = json.loads(next((runs / f"{layout}-resumed" / "checkpoints").glob("step_*/meta.json")).read_text())
+    assert meta["distributed"]["world_size"] == 2 and any(Path(f).name.endswith(".distcp") for f in meta["files"])

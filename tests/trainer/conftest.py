@@ -1,0 +1,30 @@
+import pytest
+
+from scalerl.core.config import load_config
+
+TINY = [
+    "model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=4", "model.num_key_value_heads=2",
+    "data.num_train=200", "data.num_val=16", "rollout.n=4", "rollout.max_new_tokens=8",
+    "trainer.batch_size=4", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=4", "actor.lr=1e-3",
+    "trainer.total_steps=3", "trainer.eval_every=0", "trainer.logger=[jsonl]", "sft.steps=3", "sft.batch_size=8",
+    "sft.micro_batch_size=4",
+]
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    """A config small enough that a few RL steps take about a second on one CPU core."""
+
+    def make(*overrides: str):
+        return load_config(None, [*TINY, f"trainer.output_dir={tmp_path / 'run'}", *overrides])
+
+    return make
+
+
+@pytest.fixture
+def length_reward(tmp_path):
+    """An override for a reward that varies within a group even for an untrained model (it never answers
+    right, so the exact-answer reward would leave every advantage at zero and nothing to learn)."""
+    path = tmp_path / "length_reward.py"
+    path.write_text("def score(response, ground_truth):\n    return len(response) / 10\n")
+    return f"data.reward={path}:score"

@@ -1,0 +1,116 @@
+"""The RL trainer end to end on the tiny built-in model: metrics, estimators, precisions, bitwise resume."""
+
+import json
+
+import pytest
+import torch
+
+from scalerl.checkpoint import CheckpointError
+from scalerl.trainer.rl_trainer import RLTrainer, train
+
+EXPECTED_METRICS = [
+    "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
+    "timing_s/update_weights", "timing_s/step", "perf/throughput", "perf/total_num_tokens", "perf/time_per_step",
+    "perf/mfu", "perf/max_memory_gb", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
+    "actor/grad_norm", "actor/lr", "critic/score/mean", "critic/score/max", "critic/score/min",
+    "response_length/mean", "response_length/max", "response_length/clip_ratio", "reward/num_failures",
+]
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_grpo_run_writes_metrics_model_and_plot(tiny_config):
+    cfg = tiny_config("trainer.eval_every=2", "actor.use_kl_loss=true", "actor.entropy_coeff=0.01")
+    summary = train(cfg)
+    out = cfg.trainer.output_dir
+    rows = _lines(__import__("pathlib").Path(out) / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for key in EXPECTED_METRICS + ["timing_s/ref", "actor/kl_loss"]:
+        assert key in rows[1], key
+    assert "val/accuracy" in rows[0] and "val/accuracy" in rows[2] and "val/accuracy" in rows[3]
+    assert 0 < rows[1]["perf/mfu"] < 1
+    assert rows[1]["perf/total_num_tokens"] > 0
+    assert (__import__("pathlib").Path(summary["final_model"]) / "model.safetensors").is_file()
+    assert summary["plot"].endswith("metrics.png")
+
+
+def test_gae_estimator_trains_a_critic(tiny_config, length_reward):
+    trainer = RLTrainer(tiny_config("algorithm.adv_estimator=gae", "algorithm.lam=0.95", length_reward))
+    critic_before = {k: v.clone() for k, v in trainer.critic.model.state_dict().items()}
+    metrics = trainer.train_step()
+    assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"} <= set(metrics)
+    changed = any(not torch.equal(v, trainer.critic.model.state_dict()[k]) for k, v in critic_before.items())
+    assert changed
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_steps_are_finite(tiny_config, length_reward, precision):
+    trainer = RLTrainer(tiny_config(f"trainer.precision={precision}", length_reward))
+    before = trainer.policy.model.layers[0].mlp.up_proj.weight.clone()
+    metrics = trainer.train_step()
+    assert all(v == v for v in metrics.values())  # no NaN
+    assert trainer.policy.model.layers[0].mlp.up_proj.weight.dtype == torch.float32  # master weights stay fp32
+    if precision == "bf16":
+        assert not torch.equal(before, trainer.policy.model.layers[0].mlp.up_proj.weight)
+
+
+def test_resume_is_bitwise_identical(tiny_config, length_reward, tmp_path):
+    straight = RLTrainer(tiny_config("trainer.total_steps=4", length_reward, f"trainer.output_dir={tmp_path / 'a'}"))
+    straight.fit()
+    first = RLTrainer(tiny_config(
+        "trainer.total_steps=2", "trainer.save_every=2", length_reward, f"trainer.output_dir={tmp_path / 'b'}"
+    ))
+    first.fit()
+    resumed = RLTrainer(tiny_config(
+        "trainer.total_steps=4", "trainer.resume=auto", length_reward, f"trainer.output_dir={tmp_path / 'b'}"
+    ))
+    assert resumed.step == 2
+    resumed.fit()
+    for (name, a), (_, b) in zip(straight.policy.model.state_dict().items(), resumed.policy.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    initial = RLTrainer(tiny_config(length_reward, f"trainer.output_dir={tmp_path / 'x'}")).policy.model.state_dict()
+    assert not torch.equal(initial["embed_tokens.weight"], straight.policy.model.state_dict()["embed_tokens.weight"])
+    a_rows, b_rows = _lines(tmp_path / "a" / "metrics.jsonl"), _lines(tmp_path / "b" / "metrics.jsonl")
+    assert [r["step"] for r in b_rows] == [0, 1, 2, 3, 4]
+    for ra, rb in zip(a_rows[1:], b_rows[1:]):
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "actor/entropy"):
+            assert ra[key] == rb[key], (ra["step"], key)
+
+
+def test_resume_with_a_different_model_is_refused(tiny_config, tmp_path):
+    RLTrainer(tiny_config("trainer.total_steps=1", f"trainer.output_dir={tmp_path / 'c'}")).fit()
+    with pytest.raises(CheckpointError, match="model.hidden_size"):
+        RLTrainer(tiny_config("trainer.resume=auto", "model.hidden_size=64", "model.intermediate_size=64",
+                              f"trainer.output_dir={tmp_path / 'c'}"))
+
+
+def test_failing_user_reward_is_counted_not_fatal(tiny_config, tmp_path):
+    reward_file = tmp_path / "my_reward.py"
+    reward_file.write_text(
+        "def score(response, ground_truth):\n"
+        "    if '#' in response:\n"
+        "        raise RuntimeError('boom')\n"
+        "    return 'not a number'\n"
+    )
+    trainer = RLTrainer(tiny_config(f"data.reward={reward_file}:score"))
+    metrics = trainer.train_step()
+    assert metrics["reward/num_failures"] == 16  # every sample failed, scored 0, and the step completed
+    assert metrics["critic/score/mean"] == 0.0
+
+
+def test_too_long_prompt_names_the_setting(tiny_config):
+    trainer = RLTrainer(tiny_config("data.max_prompt_length=4"))
+    with pytest.raises(ValueError, match="data.max_prompt_length"):
+        trainer.train_step()
+
+
+def test_token_budget_micro_batches_in_the_trainer(tiny_config, length_reward):
+    fixed = RLTrainer(tiny_config(length_reward, "trainer.total_steps=2"))
+    fixed.fit()
+    budget = RLTrainer(tiny_config(length_reward, "trainer.total_steps=2", "actor.micro_batch_max_tokens=40",
+                                   f"trainer.output_dir={fixed.output_dir}-budget"))
+    budget.fit()
+    for (name, a), (_, b) in zip(fixed.policy.model.state_dict().items(), budget.policy.model.state_dict().items()):
+        assert torch.allclose(a, b, atol=1e-6), name
