@@ -24,7 +24,7 @@ import math
 import random
 import time
 
-from scalerl.parallel.balance import (
+from scalerl.parallel.seqlen_balance import (
     balance_across_ranks,
     padded_token_count,
     token_budget_micro_batches,
