@@ -7,6 +7,7 @@ tree; IPv4 addresses come from `ip -j addr` when iproute2 is there, else from th
 
 from __future__ import annotations
 
+import array
 import fcntl
 import ipaddress
 import json
@@ -37,6 +38,7 @@ class NetworkInterface:
     ipv4: tuple[str, ...] = ()  # "10.0.0.2/24"
     virtual_kind: str = ""  # for kind "virtual": "bridge" | "veth" | "docker" | "tun/tap" | "virtual device"
     up: bool = True
+    driver: str = ""  # from the ethtool ioctl ("mlx5_core", "veth", "virtio_net"); "" when unknown
 
     @property
     def link_local(self) -> bool:
@@ -88,42 +90,48 @@ class RankTopology:
 
 
 def detect_topology(sysfs_root: str | Path = "/sys", env: Mapping[str, str] | None = None,
-                    addresses: Mapping[str, list[str]] | None = None, detect_gpus: bool = True) -> RankTopology:
-    """This rank's topology. `addresses` (name -> ["a.b.c.d/len"]) replaces reading the real ones (tests)."""
+                    addresses: Mapping[str, list[str]] | None = None, drivers: Mapping[str, str] | None = None,
+                    detect_gpus: bool = True) -> RankTopology:
+    """This rank's topology. `addresses` (name -> ["a.b.c.d/len"]) and `drivers` (name -> driver) replace
+    asking the kernel, for a fake sysfs tree in tests."""
     env = os.environ if env is None else env
     if addresses is None:
         addresses = read_ipv4_addresses()
+    if drivers is None:
+        drivers = {name: d for _, name in socket.if_nameindex() if (d := read_driver(name))}
     rdma_ports = read_rdma_ports(sysfs_root)
     gpus, nvlink, links = detect_gpus_and_nvlink() if detect_gpus else ((), "not present", 0)
     return RankTopology(
         hostname=socket.gethostname(), rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
-        interfaces=read_interfaces(sysfs_root, addresses, rdma_ports), rdma_ports=rdma_ports,
+        interfaces=read_interfaces(sysfs_root, addresses, rdma_ports, drivers), rdma_ports=rdma_ports,
         gpus=gpus, nvlink=nvlink, nvlink_active_links=links)
 
 
 # ---- network interfaces ------------------------------------------------------------------------------
 
-def read_interfaces(sysfs_root: str | Path, addresses: Mapping[str, list[str]],
-                    rdma_ports: tuple[RdmaPort, ...] = ()) -> tuple[NetworkInterface, ...]:
+def read_interfaces(sysfs_root: str | Path, addresses: Mapping[str, list[str]], rdma_ports: tuple[RdmaPort, ...] = (),
+                    drivers: Mapping[str, str] | None = None) -> tuple[NetworkInterface, ...]:
     net = Path(sysfs_root) / "class" / "net"
     if not net.is_dir():
         return ()
     rdma_by_netdev = {netdev: port for port in rdma_ports for netdev in port.netdevs}
-    return tuple(_classify(sysfs_root, net / name, addresses.get(name, []), rdma_by_netdev.get(name))
-                 for name in sorted(os.listdir(net)))
+    drivers = drivers or {}
+    return tuple(_classify(sysfs_root, net / name, addresses.get(name, []), rdma_by_netdev.get(name),
+                           drivers.get(name, "")) for name in sorted(os.listdir(net)))
 
 
-def _classify(sysfs_root: str | Path, path: Path, ipv4: list[str], rdma: RdmaPort | None) -> NetworkInterface:
+def _classify(sysfs_root: str | Path, path: Path, ipv4: list[str], rdma: RdmaPort | None,
+              driver: str) -> NetworkInterface:
     name = path.name
     arp_type = _read_int(path / "type")
     flags = _read_int(path / "flags", base=16) or 0
     speed = _read_int(path / "speed")
     speed = speed if speed is not None and speed > 0 else None
     up = _read_text(path / "operstate") in ("up", "unknown", None)
-    common = dict(name=name, ipv4=tuple(ipv4), up=up)
+    common = dict(name=name, ipv4=tuple(ipv4), up=up, driver=driver)
     if arp_type == ARPHRD_LOOPBACK or flags & IFF_LOOPBACK or name == "lo":
         return NetworkInterface(kind="loopback", speed_mbit=None, **common)
-    virtual_kind = _virtual_kind(sysfs_root, path)
+    virtual_kind = _virtual_kind(sysfs_root, path, driver)
     if virtual_kind:
         return NetworkInterface(kind="virtual", speed_mbit=speed, virtual_kind=virtual_kind, **common)
     if arp_type == ARPHRD_INFINIBAND:  # IPoIB: the HCA port's rate is the link's
@@ -135,23 +143,38 @@ def _classify(sysfs_root: str | Path, path: Path, ipv4: list[str], rdma: RdmaPor
     return NetworkInterface(kind="ethernet", speed_mbit=speed, **common)
 
 
-def _virtual_kind(sysfs_root: str | Path, path: Path) -> str:
+def _virtual_kind(sysfs_root: str | Path, path: Path, driver: str) -> str:
     name = path.name
-    if (path / "bridge").exists():
+    devtype = _uevent(path).get("DEVTYPE", "")
+    # Bonds and VLANs are software devices too, but on real NICs: they are how many clusters reach
+    # other nodes, so they count as links (their speed file gives the bond's sum / the parent's speed).
+    if (path / "bonding").exists() or devtype in ("bond", "vlan") or driver in ("bonding", "802.1Q VLAN Support"):
+        return ""
+    if (path / "bridge").exists() or devtype == "bridge" or driver == "bridge":
         return "bridge"
-    if (path / "tun_flags").exists() or name.startswith(("tun", "tap")):
+    if (path / "tun_flags").exists() or name.startswith(("tun", "tap")) or driver == "tun":
         return "tun/tap"
     if name.startswith("docker"):
         return "docker"
-    if name.startswith("veth"):
+    if name.startswith("veth") or driver == "veth":
         return "veth"
     if name.startswith(VIRTUAL_NAME_PREFIXES):
         return "virtual device"
     # Software devices live under /sys/devices/virtual/net; real NICs under their bus (pci, virtio...).
     if (Path(sysfs_root) / "devices" / "virtual" / "net" / name).exists() \
             or "/devices/virtual/net/" in os.path.realpath(path):
+        # Without the driver's name: a veth has a peer (iflink != ifindex, unless the peer sits in another
+        # namespace under the same index) and no DEVTYPE; dummy devices point at themselves.
+        ifindex, iflink = _read_int(path / "ifindex"), _read_int(path / "iflink")
+        if not devtype and ifindex is not None and iflink is not None and iflink != ifindex:
+            return "veth"
         return "virtual device"
     return ""
+
+
+def _uevent(path: Path) -> dict[str, str]:
+    text = _read_text(path / "uevent") or ""
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
 
 # ---- RDMA (InfiniBand / RoCE) -------------------------------------------------------------------------
@@ -217,6 +240,19 @@ def _ioctl_ipv4(name: str) -> list[str]:
         except OSError:  # no IPv4 address on it
             return []
     return [str(ipaddress.ip_interface(f"{addr}/{mask}"))]
+
+
+def read_driver(name: str) -> str:
+    """The interface's driver from the ethtool ioctl (ETHTOOL_GDRVINFO); "" when it has none (lo)."""
+    siocethtool, ethtool_gdrvinfo = 0x8946, 0x3
+    drvinfo = array.array("B", struct.pack("I", ethtool_gdrvinfo) + bytes(192))  # struct ethtool_drvinfo
+    ifreq = struct.pack("16sP", name.encode()[:15], drvinfo.buffer_info()[0]).ljust(40, b"\0")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            fcntl.ioctl(s.fileno(), siocethtool, ifreq)
+        except OSError:
+            return ""
+    return bytes(drvinfo[4:36]).split(b"\0", 1)[0].decode(errors="replace")
 
 
 # ---- GPUs and NVLink ----------------------------------------------------------------------------------

@@ -8,13 +8,19 @@ from pathlib import Path
 
 def add_netdev(root: Path, name: str, *, arp_type: int = 1, speed: int | str = 10000, flags: str = "0x1003",
                bus: str | None = "pci0000:00/0000:00:03.0", bridge: bool = False, tun: bool = False,
-               operstate: str = "up") -> Path:
+               operstate: str = "up", ifindex: int = 2, iflink: int | None = None, devtype: str = "",
+               bonding: bool = False) -> Path:
     """A net device: under devices/<bus>/net/NAME (a real NIC) or devices/virtual/net/NAME (bus=None),
     linked from class/net/NAME as the kernel does."""
     device_dir = root / "devices" / (bus if bus else "virtual") / "net" / name
     device_dir.mkdir(parents=True)
-    for file, value in {"type": arp_type, "speed": speed, "flags": flags, "operstate": operstate}.items():
+    files = {"type": arp_type, "speed": speed, "flags": flags, "operstate": operstate, "ifindex": ifindex,
+             "iflink": ifindex if iflink is None else iflink,
+             "uevent": f"INTERFACE={name}\nIFINDEX={ifindex}" + (f"\nDEVTYPE={devtype}" if devtype else "")}
+    for file, value in files.items():
         (device_dir / file).write_text(f"{value}\n")
+    if bonding:
+        (device_dir / "bonding").mkdir()
     if bridge:
         (device_dir / "bridge").mkdir()
     if tun:

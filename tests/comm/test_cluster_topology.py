@@ -1,5 +1,7 @@
 """ClusterTopology from per-rank records; gather_topology over a real gloo group of two processes."""
 
+import time
+
 import torch.multiprocessing as mp
 
 from scalerl.comm.cluster_topology import ClusterTopology
@@ -62,7 +64,14 @@ def test_gather_topology_over_gloo(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     results = mp.Manager().dict()
-    mp.start_processes(_gather_worker, args=(free_port(), results), nprocs=2, start_method="spawn")
+    workers = mp.start_processes(_gather_worker, args=(free_port(), results), nprocs=2, start_method="spawn",
+                                 join=False)
+    deadline = time.monotonic() + 120
+    while not workers.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            raise AssertionError("gather_topology's two ranks did not finish within 120 s")
     assert results[0] == results[1]
     cluster = ClusterTopology.from_json_records(results[0])
     assert cluster.ranks_per_node == {cluster.records[0].hostname: [0], "other-host": [1]}

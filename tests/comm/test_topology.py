@@ -13,8 +13,8 @@ ADDRESSES = {"ib0": ["10.10.0.5/16"], "ens5": ["192.168.1.20/24"], "eno1": ["169
 
 @pytest.fixture
 def node_sysfs(tmp_path):
-    """A GPU node: IPoIB ib0, RoCE ens5, a link-local eno1 with no speed, docker0, a veth, a renamed
-    bridge, a tun device, a generic virtual device and loopback."""
+    """A GPU node: IPoIB ib0, RoCE ens5, a link-local eno1 with no speed, docker0, veths (one renamed), a
+    renamed bridge, a tun device, a generic virtual device, a bond with a VLAN on it, and loopback."""
     add_netdev(tmp_path, "ib0", arp_type=32, speed=-1, bus=IB_BUS)
     add_rdma_device(tmp_path, "mlx5_0", IB_BUS, rate="200 Gb/sec (4X HDR)")
     add_netdev(tmp_path, "ens5", speed=25000, bus=ROCE_BUS)
@@ -25,6 +25,10 @@ def node_sysfs(tmp_path):
     add_netdev(tmp_path, "lan", bus=None, bridge=True)  # a bridge whose name gives nothing away
     add_netdev(tmp_path, "vpn0", bus=None, tun=True)
     add_netdev(tmp_path, "dummy0", bus=None)
+    add_netdev(tmp_path, "peer7", bus=None, ifindex=7, iflink=8)  # a renamed veth: it has a peer
+    add_netdev(tmp_path, "node0", bus=None, ifindex=2, iflink=2)  # a veth whose peer, elsewhere, is also #2
+    add_netdev(tmp_path, "bond0", speed=50000, bus=None, bonding=True, devtype="bond")
+    add_netdev(tmp_path, "bond0.42", speed=50000, bus=None, devtype="vlan", ifindex=9, iflink=8)
     add_netdev(tmp_path, "lo", arp_type=772, speed="", flags="0x9", bus=None, operstate="unknown")
     return tmp_path
 
@@ -33,7 +37,7 @@ def test_classifies_every_kind_of_interface(node_sysfs):
     ports = read_rdma_ports(node_sysfs)
     assert [(p.device, p.link_layer, p.rate_mbit, p.netdevs) for p in ports] == [
         ("mlx5_0", "InfiniBand", 200000, ("ib0",)), ("mlx5_1", "Ethernet", 25000, ("ens5",))]
-    by_name = {i.name: i for i in read_interfaces(node_sysfs, ADDRESSES, ports)}
+    by_name = {i.name: i for i in read_interfaces(node_sysfs, ADDRESSES, ports, drivers={"node0": "veth"})}
     kinds = {name: (i.kind, i.virtual_kind, i.speed_mbit) for name, i in by_name.items()}
     assert kinds == {
         "ib0": ("infiniband", "", 200000),  # speed from the HCA port's rate, sysfs speed is -1
@@ -44,18 +48,22 @@ def test_classifies_every_kind_of_interface(node_sysfs):
         "lan": ("virtual", "bridge", 10000),
         "vpn0": ("virtual", "tun/tap", 10000),
         "dummy0": ("virtual", "virtual device", 10000),
+        "peer7": ("virtual", "veth", 10000),
+        "node0": ("virtual", "veth", 10000),  # told by its driver
+        "bond0": ("ethernet", "", 50000),  # software device on real NICs: a link
+        "bond0.42": ("ethernet", "", 50000),
         "lo": ("loopback", "", None),
     }
     assert by_name["eno1"].link_local and not by_name["ens5"].link_local
     assert by_name["ib0"].ipv4 == ("10.10.0.5/16",) and by_name["dummy0"].ipv4 == ()
-    assert [n for n, i in by_name.items() if i.is_physical_link] == ["eno1", "ens5", "ib0"]
+    assert [n for n, i in by_name.items() if i.is_physical_link] == ["bond0", "bond0.42", "eno1", "ens5", "ib0"]
 
 
 def test_detect_topology_reads_rank_env_and_round_trips_json(node_sysfs):
-    topo = detect_topology(node_sysfs, env={"RANK": "5", "LOCAL_RANK": "1"}, addresses=ADDRESSES,
+    topo = detect_topology(node_sysfs, env={"RANK": "5", "LOCAL_RANK": "1"}, addresses=ADDRESSES, drivers={},
                            detect_gpus=False)
     assert (topo.rank, topo.local_rank, topo.nvlink) == (5, 1, "not present")
-    assert len(topo.interfaces) == 9 and len(topo.rdma_ports) == 2
+    assert len(topo.interfaces) == 13 and len(topo.rdma_ports) == 2
     assert RankTopology.from_json(topo.to_json()) == topo
 
 
@@ -84,8 +92,9 @@ def test_real_machine_lo_is_loopback():
     assert topo.hostname
 
 
-def test_ioctl_fallback_reads_loopback_address():
-    from scalerl.comm.topology import _ioctl_ipv4
+def test_ioctls_on_the_real_machine():
+    from scalerl.comm.topology import _ioctl_ipv4, read_driver
 
-    assert _ioctl_ipv4("lo") == ["127.0.0.1/8"]
+    assert _ioctl_ipv4("lo") == ["127.0.0.1/8"]  # the fallback when iproute2 is missing
     assert _ioctl_ipv4("no-such-if") == []
+    assert read_driver("lo") == "" and read_driver("no-such-if") == ""
