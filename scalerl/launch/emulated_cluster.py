@@ -105,6 +105,10 @@ def _delete(argv: list[str]) -> bool:
     return subprocess.run(argv, capture_output=True, timeout=IP_TIMEOUT_S, check=False).returncode == 0
 
 
+def _signal_exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+
+
 @dataclass(frozen=True)
 class LinkShape:
     rate_mbit: float  # 0: unshaped
@@ -130,7 +134,8 @@ class EmulatedCluster:
         self._groups: list[RankGroup] = []
         self._log_dir: str | None = None
         self._previous_handlers: dict[int, object] = {}
-        self._cleaning = False
+        self._stopping = False  # a signal arrived or cleanup began: later signals wait until it is done
+        self._deferred_signal: int | None = None
 
     # ---- names and addresses ----
     def namespace(self, k: int) -> str:
@@ -157,7 +162,8 @@ class EmulatedCluster:
         """Bytes the node's link interface has sent and received so far (kernel counters, all traffic)."""
         out = run_tool(["ip", "-n", self.namespace(k), "-s", "-j", "link", "show", "dev", self.iface(k)],
                        f"read link counters of node {k}")
-        stats = json.loads(out)[0]["stats64"]
+        link = json.loads(out)[0]
+        stats = link.get("stats64") or link["stats"]  # older iproute2 names it "stats"
         return {"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"]}
 
     # ---- lifetime ----
@@ -178,6 +184,8 @@ class EmulatedCluster:
             self.cleanup(raise_errors=exc_type is None)
         finally:
             self._restore_signal_handlers()
+        if self._deferred_signal is not None and exc_type is None:
+            raise _signal_exception(self._deferred_signal)  # a Ctrl-C pressed during cleanup still stops
 
     def _build(self) -> None:
         ns = [self.namespace(k) for k in range(self.nodes)]
@@ -214,7 +222,7 @@ class EmulatedCluster:
 
     def cleanup(self, raise_errors: bool = False) -> None:
         """Kill this run's ranks, delete its links, bridge and namespaces, and check they are gone."""
-        self._cleaning = True  # a second SIGINT / SIGTERM must not interrupt the cleanup itself
+        self._stopping = True
         for group in self._groups:
             group.kill()
         ours = [n for n in list_root_links() if self._is_ours(n)]
@@ -228,7 +236,6 @@ class EmulatedCluster:
         deadline = time.monotonic() + CLEANUP_WAIT_S
         while (left := self._leftovers()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        self._cleaning = False
         if left:
             message = f"emulated cluster {self.prefix}: still present {CLEANUP_WAIT_S:.0f} s after cleanup: {left}"
             if raise_errors:
@@ -254,11 +261,14 @@ class EmulatedCluster:
         self._previous_handlers.clear()
 
     def _on_signal(self, signum, frame) -> None:
-        if self._cleaning:
+        # Only the first signal unwinds (through __exit__, which cleans up); one arriving while that runs
+        # must not cut the cleanup short and leave namespaces behind: __exit__ raises it afterwards.
+        if self._stopping:
+            self._deferred_signal = self._deferred_signal or signum
             return
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)  # unwinds through __exit__, which cleans up
+        self._stopping = True
+        raise _signal_exception(signum)
+
 
     # ---- ranks ----
     def start_ranks(self, argv: list[str], ranks_per_node: int = 1, env: dict[str, str] | None = None,

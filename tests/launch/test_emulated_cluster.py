@@ -144,7 +144,8 @@ def test_bytes_over_the_link_match_ring_all_reduce(netns_ok, tmp_path):
     print(f"bytes over the link / ring all_reduce's {expected:.0f}: "
           + ", ".join(f"{name} {ratio:.4f}" for name, ratio in ratios.items()))
     for name, ratio in ratios.items():
-        assert 1.0 <= ratio < 1.10, (name, ratio)  # TCP/IP headers and ACKs: a few percent
+        # TCP/IP headers and ACKs; veth counts GSO segments (one header per up to 64 KB): 1.0025 measured here
+        assert 1.0 <= ratio < 1.10, (name, ratio)
 
 
 def test_cleanup_after_failing_rank_timeout_and_exception(netns_ok):
@@ -170,6 +171,16 @@ def test_cleanup_after_failing_rank_timeout_and_exception(netns_ok):
     assert pids_with_marker(marker) == []
 
 
+def test_cleanup_after_sigint_in_process(netns_ok):
+    previous = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with EmulatedCluster(nodes=2, rate_mbit=200) as cluster:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises KeyboardInterrupt before this ends
+    assert leftovers(cluster.prefix) == []
+    assert signal.getsignal(signal.SIGINT) is previous
+
+
 def test_cleanup_after_sigterm_to_the_cli(netns_ok):
     marker = f"srl-test-{uuid.uuid4().hex}"
     cli = subprocess.Popen([sys.executable, "-m", "scalerl.launch.emulated_cluster", "--nodes", "2",
@@ -181,6 +192,8 @@ def test_cleanup_after_sigterm_to_the_cli(netns_ok):
         wait_until(lambda: len(ranks()) == 4, 30, "the CLI's 4 ranks to start")
         assert len(leftovers(prefix)) == 2  # two namespaces, the veth pair lives inside them
         cli.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        cli.send_signal(signal.SIGTERM)  # a second one, likely during the cleanup, must not cut it short
         _, stderr = cli.communicate(timeout=30)
     finally:
         if cli.poll() is None:  # the test failed before the CLI could clean up: do it for it
