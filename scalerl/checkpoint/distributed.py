@@ -4,7 +4,9 @@ same directory layout and with the same atomic publish, pruning and `resume=auto
 Every rank writes its own shards (FSDP/TP DTensors, pipeline stages) and its own RNG state; rank 0 writes
 the scheduler, trainer state and `meta.json` last, then renames the finished temporary directory into place.
 A checkpoint saved under one layout loads only under the same layout (DCP can reshard model weights, but
-the RNG streams and stage split are per rank), which `meta.json` records and checks.
+the RNG streams and stage split are per rank), which `meta.json` records and checks. Loading checks every
+file against the sizes and sha256s in `meta.json` first and never unpickles without restriction
+(`scalerl.checkpoint.dcp_safe_io`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from scalerl.checkpoint.atomic import prune, publish, save_torch_state, write_du
 from scalerl.checkpoint.config_match import canonical_json, check_config
 from scalerl.checkpoint.layout import (
     FORMAT_VERSION, GRAD_SCALER_FILE, META_FILE, SCHEDULER_FILE, TRAINER_STATE_FILE, CheckpointError,
-    LoadedCheckpoint, file_manifest, list_checkpoints, load_torch_state, read_meta, step_dir_name,
+    LoadedCheckpoint, file_manifest, list_checkpoints, load_torch_state, read_meta, step_dir_name, verify_files,
 )
+from scalerl.checkpoint.dcp_safe_io import dcp_load_safely
 from scalerl.core.rng_state import capture_rng_state, restore_rng_state
 from scalerl.parallel.distributed import DistContext
 
@@ -111,7 +114,9 @@ def load_distributed_checkpoint(
         raise CheckpointError(f"{path} has no {rng_file.name}: the checkpoint is incomplete")
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, _optim_key(ctx): optim_state}
-    dcp.load(state, checkpoint_id=str(path / SHARDS_DIR))
+    # Checksums before DCP reads a byte, then DCP without unrestricted unpickling.
+    verify_files(path, meta["files"], closed_dirs=(SHARDS_DIR,))
+    dcp_load_safely(state, path / SHARDS_DIR)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state[_optim_key(ctx)])
     scheduler.load_state_dict(load_torch_state(path / SCHEDULER_FILE))
     if grad_scaler is not None:

@@ -19,7 +19,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from scalerl.checkpoint.atomic import sha256_of
@@ -86,9 +86,19 @@ def file_manifest(directory: Path) -> dict[str, dict[str, Any]]:
     }
 
 
-def verify_files(path: Path, meta: dict[str, Any]) -> None:
-    """Every file ``meta.json`` lists exists with its recorded size and sha256."""
-    for name, expected in meta["files"].items():
+def verify_files(path: Path, manifest: dict[str, dict[str, Any]], closed_dirs: tuple[str, ...] = ()) -> None:
+    """Every file of ``manifest`` ({relative path: {"bytes", "sha256"}}, as in meta.json) exists under
+    ``path`` with its recorded size and sha256, and each of ``closed_dirs`` holds only listed files.
+    Raises `CheckpointError` naming the first file that is missing, unlisted, or altered."""
+    for name in manifest:
+        pure = PurePath(name)
+        if pure.is_absolute() or ".." in pure.parts or not pure.parts:  # meta.json is as untrusted as the rest
+            raise CheckpointError(f"{path / META_FILE} lists {name!r}, a path outside the checkpoint")
+    for directory in closed_dirs:
+        for file in sorted((path / directory).rglob("*")):
+            if file.is_file() and file.relative_to(path).as_posix() not in manifest:
+                raise CheckpointError(f"{file} is not listed in {path / META_FILE}: refusing to load it")
+    for name, expected in manifest.items():
         file = require_file(path, name)
         size = file.stat().st_size
         if size != expected["bytes"]:

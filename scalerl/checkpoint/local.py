@@ -128,7 +128,7 @@ def load_checkpoint(
         raise ValueError("strict_config_keys needs expected_config")
     path = Path(path)
     meta = read_meta(path)
-    verify_files(path, meta)
+    verify_files(path, meta["files"])
     if expected_config is not None:
         check_config(path, meta.get("config"), expected_config, strict_config_keys)
 
