@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -78,7 +77,3 @@ class ParallelDims:
 
 def _describe(sizes: dict) -> str:
     return ", ".join(f"{d}={v}" for d, v in sizes.items())
-
-
-def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
