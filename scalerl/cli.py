@@ -250,7 +250,7 @@ USER_ERRORS = {
     "scalerl.data.errors.DataError", "scalerl.checkpoint.layout.CheckpointError",
     "scalerl.models.hf_checkpoint.CheckpointFormatError", "scalerl.parallel.mesh.LayoutError",
     "scalerl.data.rewards.RewardFunctionError", "scalerl.core.rank_env.RankEnvError", "scalerl.launch.slurm.SlurmError",
-    "scalerl.launch.ray_launcher.PlacementError", "scalerl.rollout.vllm_engine.VLLMNotAvailable",
+    "scalerl.launch.ray_placement.PlacementError", "scalerl.rollout.vllm_engine.VLLMNotAvailable",
 }
 
 
