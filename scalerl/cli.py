@@ -10,6 +10,7 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
+import math
 import os
 import platform
 import sys
@@ -20,6 +21,7 @@ from scalerl import __version__
 from scalerl.core.config import (
     ConfigError, config_to_yaml, describe_keys, format_config, load_config, split_config_args,
 )
+from scalerl.core.errors import RunFailure, UserError
 
 OVERRIDE_HELP = """\
 configuration:
@@ -56,13 +58,17 @@ def _is_main_rank() -> bool:
     return env is None or env.rank == 0
 
 
-def _load_run_config(args: argparse.Namespace, show: bool = True, default_path: Path | None = None) -> Any:
+def _load_run_config(args: argparse.Namespace, show: bool = True, default_path: Path | None = None,
+                     sft: bool | None = None) -> Any:
+    """The validated config, checked against the model directory and output directories it names
+    (`sft`: whose outputs, see `check_run_inputs`), before anything is written."""
     path, overrides = split_config_args(args.config_args)
     path = path or default_path
     try:
         cfg = load_config(path, overrides)
     except FileNotFoundError as e:  # a missing config file is a user error, not a crash
         raise ConfigError(str(e)) from None
+    _run_target("scalerl.trainer.run_checks", "check_run_inputs")(cfg, sft=sft)
     if show and _is_main_rank():
         print(format_config(cfg), flush=True)
     return cfg
@@ -79,13 +85,13 @@ def _run_target(module: str, function: str) -> Callable[..., Any]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = _load_run_config(args)
+    cfg = _load_run_config(args, sft=False)
     _run_target("scalerl.trainer.rl_trainer", "train")(cfg)
     return 0
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    cfg = _load_run_config(args)
+    cfg = _load_run_config(args, sft=True)
     _run_target("scalerl.trainer.sft_trainer", "train_sft")(cfg)
     return 0
 
@@ -106,14 +112,14 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0 or args.max_new_tokens < 1:
         raise ConfigError("--top-k must be >= 0 and --max-new-tokens >= 1")
-    if args.model != "builtin" and not Path(args.model).exists():
-        raise ConfigError(f"--model {args.model!r}: no such directory")
+    if args.model != "builtin" and not Path(args.model).is_dir():
+        raise ConfigError(f"--model {args.model!r}: no such directory (a Hugging Face model directory or 'builtin')")
     generate_text = _run_target("scalerl.rollout.text", "generate_text")
     completions = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -162,8 +168,20 @@ def _add_config_args(parser: argparse.ArgumentParser, extra_usage: str = "") -> 
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from scalerl.verify import format_rows, run_verification
+    from scalerl.trainer.run_checks import output_dir_problems
+    from scalerl.verify import LAYOUTS, format_rows, run_verification
 
+    worlds = tuple(args.world or (2, 4))
+    known = sorted({name for world in worlds for name in LAYOUTS[world]})
+    unknown = [name for name in args.layout or [] if name not in known]
+    if unknown:  # checked before the single-process reference runs, not after
+        raise ConfigError(f"--layout {', '.join(unknown)}: not a layout of world {'/'.join(map(str, worlds))}; "
+                          f"choose from {', '.join(known)}")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    problems = output_dir_problems(args.output_dir, "--output-dir")
+    if problems:
+        raise ConfigError(problems[0])
     rows = run_verification(
         args.output_dir, worlds=tuple(args.world or (2, 4)), steps=args.steps,
         kinds=tuple(args.kind or ("grpo", "sft")), layouts=args.layout,
@@ -245,30 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Errors that describe bad user input (their messages name the file, key or setting); matched by name so
-# that `scalerl --help` does not import torch to know them.
-USER_ERRORS = {
-    "scalerl.data.errors.DataError", "scalerl.checkpoint.layout.CheckpointError",
-    "scalerl.models.hf_checkpoint.CheckpointFormatError", "scalerl.parallel.mesh.LayoutError",
-    "scalerl.data.rewards.RewardFunctionError", "scalerl.core.rank_env.RankEnvError", "scalerl.launch.slurm.SlurmError",
-    "scalerl.launch.ray_placement.PlacementError", "scalerl.rollout.vllm_engine.VLLMNotAvailable",
-}
-
-
-def _is_user_error(error: BaseException) -> bool:
-    return any(f"{c.__module__}.{c.__qualname__}" in USER_ERRORS for c in type(error).__mro__)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Parse `argv` (default: sys.argv[1:]) and run the command; returns the exit code."""
+    """Parse `argv` (default: sys.argv[1:]) and run the command; returns the exit code.
+
+    Bad input (`UserError`: config, data, model files, layout, launcher environment) prints `error: ...` and
+    returns 2; a run that cannot go on (`RunFailure`: a lost or frozen rank, repeated skipped steps) prints
+    `error: ...` and returns 1. Neither shows a traceback: the message names the cause and the fix."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as e:  # a user error: one message, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # bad data, checkpoint, layout, reward or launcher input: the same, by class
-        if not _is_user_error(e):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (UserError, RunFailure) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code

@@ -33,6 +33,14 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$backend" in ray|slurm) ;; *) echo "error: --distributed_backend must be ray or slurm, got '$backend'" >&2; exit 2 ;; esac
+# Numbers are checked before any arithmetic: bash reads "abc" as a variable (0) and "08" as bad octal.
+whole() {  # flag value minimum
+  if ! [[ "$2" =~ ^(0|[1-9][0-9]{0,8})$ ]] || [ "$2" -lt "$3" ]; then
+    echo "error: $1 must be a whole number >= $3, got '$2'" >&2; exit 2
+  fi
+}
+whole --num_nodes "$nodes" 1; whole --gpus_per_node "$gpus" 0; whole --batch_size "$batch" 1
+whole --gradient_accumulation_steps "$accum" 1
 is_true() { case "${1,,}" in true|1|yes) return 0 ;; false|0|no) return 1 ;; *) echo "error: expected True or False, got '$1'" >&2; exit 2 ;; esac; }
 if is_true "$compression"; then
   echo "error: --gradient_compression True is not available yet: gradient compression (the communication issue)" \

@@ -23,6 +23,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from scalerl.checkpoint.atomic import sha256_of
+from scalerl.core.errors import UserError
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
@@ -36,7 +37,7 @@ META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint is missing, corrupt, or does not fit the model/optimizer/config it is loaded into."""
 
 

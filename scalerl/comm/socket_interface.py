@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Mapping
 
 from scalerl.comm.cluster_topology import ClusterTopology
+from scalerl.core.errors import UserError
 from scalerl.comm.topology import RankTopology
 
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 RESOLVE_TIMEOUT_S = 5.0
 
 
-class SocketInterfaceError(RuntimeError):
+class SocketInterfaceError(UserError, RuntimeError):
     """A *_SOCKET_IFNAME names an interface this node (or another) does not have."""
 
 

@@ -53,6 +53,10 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_REWARDS = ("auto", "gsm8k", "math")
+# The built-in model (model.path unset): its context and its vocabulary (the 99 characters of the built-in
+# tokenizer, rounded up for aligned matmuls).
+BUILTIN_MAX_POSITIONS = 512
+BUILTIN_VOCAB_SIZE = 128
 
 
 @dataclass
@@ -104,7 +108,10 @@ class DataSection(_Section):
     num_val: int = opt(200, "generated tasks: number of validation prompts")
     max_prompt_length: int = opt(64, "longest prompt in tokens; a longer one stops the run with an error naming it")
     chat_template: bool = opt(False, "send each prompt as a user message through the tokenizer's chat template")
-    reward: str = opt("auto", "auto (by task) | gsm8k | math | module:function | file.py:function")
+    reward: str = opt("auto", "auto (by task) | gsm8k | math | module:function (searched in the current directory "
+                      "first, then sys.path) | file.py:function (relative to the current directory)")
+    reward_timeout_s: float = opt(30.0, "limit for one reward call; a call that runs longer scores 0 and counts "
+                                  "in reward/num_failures, like one that raises", above=0)
     shuffle: bool = opt(True, "shuffle training prompts every epoch")
 
     def problems(self) -> list[str]:
@@ -118,6 +125,10 @@ class DataSection(_Section):
         if self.reward not in BUILTIN_REWARDS and ":" not in self.reward:
             p.append(f"data.reward must be one of {', '.join(BUILTIN_REWARDS)}, 'module:function' or "
                      f"'file.py:function'; got {self.reward!r}")
+        if self.prompt_template is not None and self.task == "arithmetic" and not self.train_files:
+            # the built-in task writes its own prompts; a template given for it would silently do nothing
+            p.append(f"data.prompt_template={self.prompt_template!r} is not used by data.task=arithmetic without "
+                     "data.train_files (the built-in task writes its own prompts); remove it, or give data files")
         return p
 
 
@@ -126,74 +137,62 @@ class RolloutSection(_Section):
     name = "rollout"
     engine: str = opt("builtin", "generation engine: " + " | ".join(ROLLOUT_ENGINES))
     n: int = opt(8, "samples per prompt (the GRPO group size)")
-    temperature: float = opt(1.0, "sampling temperature for training rollouts")
-    top_p: float = opt(1.0, "nucleus sampling mass, 0 < top_p <= 1")
+    temperature: float = opt(1.0, "sampling temperature for training rollouts (GRPO needs > 0)", at_least=0)
+    top_p: float = opt(1.0, "nucleus sampling mass, 0 < top_p <= 1", above=0, at_most=1)
     top_k: int = opt(0, "keep the k most likely tokens; 0 = off")
     max_new_tokens: int = opt(16, "response length limit in tokens")
-    val_temperature: float = opt(0.0, "sampling temperature for evaluation; 0 = greedy")
+    val_temperature: float = opt(0.0, "sampling temperature for evaluation; 0 = greedy", at_least=0)
 
     def problems(self) -> list[str]:
         p: list[str] = []
         _check_choice(p, "rollout.engine", self.engine, ROLLOUT_ENGINES)
         _check(p, self.n >= 1, "rollout.n", ">= 1", self.n)
-        _check(p, self.temperature >= 0, "rollout.temperature", ">= 0", self.temperature)
-        _check(p, 0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(p, self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
         _check(p, self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
-        _check(p, self.val_temperature >= 0, "rollout.val_temperature", ">= 0", self.val_temperature)
         return p
 
 
-def _check_optimizer(p: list[str], prefix: str, lr: float, weight_decay: float, warmup_steps: int,
-                     lr_schedule: str, grad_clip: float) -> None:
-    """Checks shared by the actor and SFT optimizer settings."""
-    _check(p, lr > 0, f"{prefix}.lr", "> 0", lr)
-    _check(p, weight_decay >= 0, f"{prefix}.weight_decay", ">= 0", weight_decay)
+def _check_optimizer(p: list[str], prefix: str, warmup_steps: int, lr_schedule: str) -> None:
+    """Checks shared by the actor and SFT optimizer settings (their floats carry bounds of their own)."""
     _check(p, warmup_steps >= 0, f"{prefix}.warmup_steps", ">= 0", warmup_steps)
     _check_choice(p, f"{prefix}.lr_schedule", lr_schedule, LR_SCHEDULES)
-    _check(p, grad_clip >= 0, f"{prefix}.grad_clip", ">= 0 (0 = off)", grad_clip)
 
 
 @dataclass
 class ActorSection(_Section):
     name = "actor"
-    lr: float = opt(1e-4, "peak learning rate")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    betas: list[float] = opt(help="AdamW betas [beta1, beta2]", factory=lambda: [0.9, 0.999])
+    lr: float = opt(1e-4, "peak learning rate", above=0)
+    weight_decay: float = opt(0.0, "AdamW weight decay", at_least=0)
+    betas: list[float] = opt(help="AdamW betas [beta1, beta2]", factory=lambda: [0.9, 0.999], at_least=0, below=1)
     warmup_steps: int = opt(0, "linear warmup steps (optimizer steps)")
     lr_schedule: str = opt("constant", "after warmup: " + " | ".join(LR_SCHEDULES))
-    min_lr_ratio: float = opt(0.0, "cosine schedule floor as a fraction of lr")
-    grad_clip: float = opt(1.0, "max gradient norm; 0 = off")
+    min_lr_ratio: float = opt(0.0, "cosine schedule floor as a fraction of lr", at_least=0, at_most=1)
+    grad_clip: float = opt(1.0, "max gradient norm; 0 = off", at_least=0)
     ppo_epochs: int = opt(1, "passes over each rollout batch")
     ppo_mini_batch_size: int = opt(64, "sequences per optimizer step")
     ppo_micro_batch_size: int = opt(16, "sequences per forward/backward (gradient accumulation)")
     micro_batch_max_tokens: int = opt(
         0, "dynamic batch size: pack micro-batches up to this many (padded) tokens; 0 = fixed ppo_micro_batch_size"
     )
-    clip_ratio_low: float = opt(0.2, "PPO clip: ratio >= 1 - clip_ratio_low")
-    clip_ratio_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_ratio_high")
-    clip_ratio_c: float = opt(3.0, "dual-clip bound for negative advantages (> 1)")
+    clip_ratio_low: float = opt(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", at_least=0)
+    clip_ratio_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_ratio_high", at_least=0)
+    # dual clip bounds the loss of negative-advantage tokens from below; <= 1 would cut into the PPO clip
+    clip_ratio_c: float = opt(3.0, "dual-clip bound for negative advantages (> 1)", above=1)
     loss_agg_mode: str = opt("token-mean", "loss aggregation: " + " | ".join(LOSS_AGG_MODES))
-    entropy_coeff: float = opt(0.0, "entropy bonus coefficient")
+    entropy_coeff: float = opt(0.0, "entropy bonus coefficient (a bonus: negative would push entropy down)",
+                               at_least=0)
     use_kl_loss: bool = opt(False, "add a KL penalty to a frozen reference model to the loss")
-    kl_loss_coef: float = opt(0.001, "KL penalty coefficient")
+    kl_loss_coef: float = opt(0.001, "KL penalty coefficient", at_least=0)
     kl_loss_type: str = opt("low_var_kl", " | ".join(KL_LOSS_TYPES) + "; a trailing '+' uses the straight-through form")
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _check_optimizer(p, "actor", self.lr, self.weight_decay, self.warmup_steps, self.lr_schedule, self.grad_clip)
-        _check(p, len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "actor.betas",
-               "two values in [0, 1)", self.betas)
-        _check(p, 0 <= self.min_lr_ratio <= 1, "actor.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
+        _check_optimizer(p, "actor", self.warmup_steps, self.lr_schedule)
+        _check(p, len(self.betas) == 2, "actor.betas", "two values in [0, 1)", self.betas)
         _check(p, self.ppo_epochs >= 1, "actor.ppo_epochs", ">= 1", self.ppo_epochs)
         _check(p, self.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", ">= 1", self.ppo_mini_batch_size)
         _check(p, self.ppo_micro_batch_size >= 1, "actor.ppo_micro_batch_size", ">= 1", self.ppo_micro_batch_size)
-        _check(p, self.clip_ratio_low >= 0, "actor.clip_ratio_low", ">= 0", self.clip_ratio_low)
-        _check(p, self.clip_ratio_high >= 0, "actor.clip_ratio_high", ">= 0", self.clip_ratio_high)
-        # dual clip bounds the loss of negative-advantage tokens from below; <= 1 would cut into the PPO clip
-        _check(p, self.clip_ratio_c > 1, "actor.clip_ratio_c", "> 1", self.clip_ratio_c)
         _check_choice(p, "actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _check(p, self.kl_loss_coef >= 0, "actor.kl_loss_coef", ">= 0", self.kl_loss_coef)
         if self.kl_loss_type.removesuffix("+") not in KL_LOSS_TYPES:
             p.append(f"actor.kl_loss_type must be one of {', '.join(KL_LOSS_TYPES)} (optionally with a "
                      f"trailing '+'); got {self.kl_loss_type!r}")
@@ -208,16 +207,9 @@ class CriticSection(_Section):
     """Value model settings; used when algorithm.adv_estimator == "gae"."""
 
     name = "critic"
-    lr: float = opt(1e-4, "critic learning rate")
-    cliprange_value: float = opt(0.5, "value clipping range around the old values")
-    value_loss_coef: float = opt(0.5, "value loss weight")
-
-    def problems(self) -> list[str]:
-        p: list[str] = []
-        _check(p, self.lr > 0, "critic.lr", "> 0", self.lr)
-        _check(p, self.cliprange_value >= 0, "critic.cliprange_value", ">= 0", self.cliprange_value)
-        _check(p, self.value_loss_coef >= 0, "critic.value_loss_coef", ">= 0", self.value_loss_coef)
-        return p
+    lr: float = opt(1e-4, "critic learning rate", above=0)
+    cliprange_value: float = opt(0.5, "value clipping range around the old values", at_least=0)
+    value_loss_coef: float = opt(0.5, "value loss weight", at_least=0)
 
 
 @dataclass
@@ -225,14 +217,12 @@ class AlgorithmSection(_Section):
     name = "algorithm"
     adv_estimator: str = opt("grpo", "advantage estimator: grpo (group-normalized) | gae (PPO with a critic)")
     norm_adv_by_std_in_grpo: bool = opt(True, "GRPO: divide by the group's reward std (false = Dr. GRPO)")
-    gamma: float = opt(1.0, "GAE discount")
-    lam: float = opt(1.0, "GAE lambda")
+    gamma: float = opt(1.0, "GAE discount", at_least=0, at_most=1)
+    lam: float = opt(1.0, "GAE lambda", at_least=0, at_most=1)
 
     def problems(self) -> list[str]:
         p: list[str] = []
         _check_choice(p, "algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
-        _check(p, 0 <= self.gamma <= 1, "algorithm.gamma", "in [0, 1]", self.gamma)
-        _check(p, 0 <= self.lam <= 1, "algorithm.lam", "in [0, 1]", self.lam)
         return p
 
 
@@ -240,18 +230,20 @@ class AlgorithmSection(_Section):
 class SFTSection(_Section):
     name = "sft"
     steps: int = opt(300, "optimizer steps")
-    lr: float = opt(1e-3, "peak learning rate")
+    lr: float = opt(1e-3, "peak learning rate", above=0)
     batch_size: int = opt(64, "sequences per optimizer step")
     micro_batch_size: int = opt(64, "sequences per forward/backward (gradient accumulation)")
     warmup_steps: int = opt(10, "linear warmup steps")
     lr_schedule: str = opt("cosine", "after warmup: " + " | ".join(LR_SCHEDULES))
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    grad_clip: float = opt(1.0, "max gradient norm; 0 = off")
+    weight_decay: float = opt(0.0, "AdamW weight decay", at_least=0)
+    grad_clip: float = opt(1.0, "max gradient norm; 0 = off", at_least=0)
     output_dir: str | None = opt(None, "where the SFT model is saved; null = <trainer.output_dir>/sft")
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _check_optimizer(p, "sft", self.lr, self.weight_decay, self.warmup_steps, self.lr_schedule, self.grad_clip)
+        _check_optimizer(p, "sft", self.warmup_steps, self.lr_schedule)
+        if self.output_dir is not None and not self.output_dir.strip():
+            p.append("sft.output_dir is empty: give a directory, or null for <trainer.output_dir>/sft")
         _check(p, self.steps >= 1, "sft.steps", ">= 1", self.steps)
         _check(p, self.batch_size >= 1, "sft.batch_size", ">= 1", self.batch_size)
         _check(p, self.micro_batch_size >= 1, "sft.micro_batch_size", ">= 1", self.micro_batch_size)
@@ -278,10 +270,21 @@ class TrainerSection(_Section):
     balance_batch: bool = opt(True, "redistribute rollouts over DP ranks so each gets a near-equal token count")
     cpu_threads: int = opt(0, "CPU only: torch threads; 0 = follow the cores other processes leave free, "
                               "re-checked during the run")
+    max_skipped_steps: int = opt(5, "stop the run after this many optimizer steps in a row were skipped for a "
+                                 "non-finite gradient norm, naming the last good checkpoint; 0 = never stop")
+    dist_timeout_s: float = opt(600.0, "distributed runs: limit for one collective (a frozen or lost rank ends "
+                                "the run with an error naming the collective and the silent ranks)", above=0)
+    rendezvous_timeout_s: float = opt(120.0, "distributed runs: limit for joining the process group at "
+                                      "MASTER_ADDR:MASTER_PORT (an unreachable master or a missing rank)", above=0)
 
     def problems(self) -> list[str]:
         p: list[str] = []
         _check(p, self.total_steps >= 0, "trainer.total_steps", ">= 0", self.total_steps)
+        if not self.output_dir.strip():
+            # an empty path means the current directory: outputs would land among the user's own files
+            p.append("trainer.output_dir is empty: give a directory for checkpoints and metrics, e.g. outputs/run")
+        _check(p, self.max_skipped_steps >= 0, "trainer.max_skipped_steps", ">= 0 (0 = never stop)",
+               self.max_skipped_steps)
         _check(p, self.batch_size >= 1, "trainer.batch_size", ">= 1", self.batch_size)
         _check(p, self.save_every >= 0, "trainer.save_every", ">= 0 (0 = only at the end)", self.save_every)
         _check(p, self.keep_last >= 1, "trainer.keep_last", ">= 1", self.keep_last)
@@ -336,7 +339,7 @@ class Config(_Section):
     parallel: ParallelSection = field(default_factory=ParallelSection)
 
     def problems(self) -> list[str]:
-        p = [msg for f in dataclasses.fields(self) for msg in getattr(self, f.name).problems()]
+        p = [msg for f in dataclasses.fields(self) for msg in getattr(self, f.name).all_problems()]
         if p:
             return p  # cross-section checks assume each section is sane
         rollouts = self.trainer.batch_size * self.rollout.n
@@ -346,7 +349,32 @@ class Config(_Section):
         if self.algorithm.adv_estimator == "grpo" and self.rollout.n < 2:
             # a group of one has zero spread, so every GRPO advantage would be 0 and nothing would learn
             p.append(f"rollout.n must be >= 2 when algorithm.adv_estimator is 'grpo', got {self.rollout.n}")
+        if self.algorithm.adv_estimator == "grpo" and self.rollout.temperature == 0:
+            # greedy decoding gives a prompt's n samples the same text and reward: zero advantage everywhere
+            p.append("rollout.temperature=0 (greedy) makes the rollout.n samples of a prompt identical, so every "
+                     "GRPO advantage is 0 and nothing trains; use rollout.temperature > 0 (e.g. 1.0)")
+        if self.model.path is None and self.trainer.init_from is None:
+            p += builtin_model_problems(self)
         return p
+
+
+def builtin_model_problems(cfg: Config) -> list[str]:
+    """The built-in model's shape (the `model` section) against the layout and the sequence lengths; a model
+    directory's own config.json is checked the same way once it is read (`scalerl.trainer.model_checks`)."""
+    m, par, p = cfg.model, cfg.parallel, []
+    for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(m, attr) % par.tp:
+            p.append(f"parallel.tp={par.tp} does not divide model.{attr}={getattr(m, attr)}: tensor parallelism "
+                     "splits it evenly over the tp ranks")
+    if m.num_hidden_layers % par.pp:
+        p.append(f"parallel.pp={par.pp} does not divide model.num_hidden_layers={m.num_hidden_layers}: each "
+                 "pipeline stage holds the same number of layers")
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if longest > BUILTIN_MAX_POSITIONS:
+        p.append(f"data.max_prompt_length + rollout.max_new_tokens = {cfg.data.max_prompt_length} + "
+                 f"{cfg.rollout.max_new_tokens} = {longest} exceeds the built-in model's {BUILTIN_MAX_POSITIONS} "
+                 "positions")
+    return p
 
 
 

@@ -2,7 +2,9 @@
 
 Generic over any tree of dataclasses whose sections derive from `Section`; scalerl's own schema lives in
 `scalerl.core.config`. Every error is a `ConfigError` naming the full dotted key, with the closest valid key for
-a misspelling.
+a misspelling. Numbers are checked here for every key alike: a float must be finite (`inf`, `nan` and their
+YAML spellings are refused) and within the bounds its field declares (`opt(..., above=0)`), so no section
+can forget a check and every message reads the same.
 """
 
 from __future__ import annotations
@@ -12,31 +14,40 @@ import difflib
 import re
 import types
 import typing
-from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-class ConfigError(ValueError):
+from scalerl.core.config_numbers import describe_bounds, number_problems
+from scalerl.core.config_numbers import opt as opt  # re-exported: sections declare fields with it
+from scalerl.core.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
     """A configuration the run cannot start with; the message names the offending dotted key."""
 
 
-def opt(default: Any = dataclasses.MISSING, help: str = "", factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with a one-line help text (shown by `scalerl config --keys`)."""
-    return field(default=default, default_factory=factory, metadata={"help": help})
-
-
 class Section:
-    """Mixin for config sections: `problems()` lists impossible values, `validate()` raises on them."""
+    """Mixin for config sections: `problems()` lists impossible combinations (cross-key checks), `validate()`
+    raises on them after the generic number checks of every field (finite, within its declared bounds)."""
 
     name = ""  # the section's key in `Config`, used to build dotted names in messages
 
     def problems(self) -> list[str]:
         return []
 
+    def number_problems(self) -> list[str]:
+        """Non-finite numbers and numbers outside their field's bounds, for this section's own fields."""
+        return [msg for f in dataclasses.fields(self)
+                for msg in number_problems(self._key(f.name), getattr(self, f.name), f.metadata.get("bounds", {}))]
+
+    def all_problems(self) -> list[str]:
+        """Number problems first; a section's own checks only run on numbers that are sane."""
+        return self.number_problems() or self.problems()
+
     def validate(self) -> None:
-        _raise_problems(self.problems())
+        _raise_problems(self.all_problems())
 
     def _key(self, attr: str) -> str:
         return f"{self.name}.{attr}" if self.name else attr
@@ -63,7 +74,9 @@ def _check_choice(problems: list[str], key: str, value: Any, choices: typing.Ite
 
 # ----------------------------------------------------------------------------------- generic machinery
 
-_FLOAT_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # YAML 1.1 reads "1e-6" as a string
+# YAML 1.1 reads "1e-6" as a string, and "inf"/"nan" too (only ".inf"/".nan" are floats): all are numbers
+# here, so that `actor.lr=inf` is refused as not finite rather than as not a number.
+_FLOAT_TEXT = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|\.?(inf|infinity|nan))", re.IGNORECASE)
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -106,7 +119,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
-            return float(value)
+            return float(re.sub(r"\.(?=[a-zA-Z])", "", value.strip()))  # YAML's ".inf" is Python's "inf"
     elif tp is int or tp is str or tp is bool:
         if type(value) is tp:  # exact: a bool is not accepted as an int
             return value
@@ -228,19 +241,37 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str], cls: t
     """
     data: Any = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        data = read_yaml_file(Path(path))
     cfg = config_from_dict(cls, data)
     for override in overrides:
         apply_override(cfg, override)
     if isinstance(cfg, Section):
         cfg.validate()
     return cfg
+
+
+def read_yaml_file(path: Path) -> Any:
+    """A config file's content; a missing file is FileNotFoundError, anything else wrong a ConfigError
+    naming the file (not UTF-8 text, not YAML, not a mapping of sections)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); a config is a YAML text "
+                          "file (is it the right file?)") from None
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read: {e.strerror or e}") from None
+    if "\x00" in text:
+        raise ConfigError(f"{path} holds NUL bytes: it is a binary file, not a YAML config")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, actor:, ...), "
+                          f"got {type(data).__name__} {data!r:.60}")
+    return data
 
 
 def save_config(cfg: Any, path: str | Path) -> None:
@@ -282,7 +313,9 @@ def describe_keys(cls: type, prefix: str = "") -> str:
             continue
         default = yaml.safe_dump(getattr(defaults, f.name), default_flow_style=True).strip()
         default = default.removesuffix("\n...").removesuffix("...").strip()
-        lines.append(f"  {key} ({_type_name(tp)}, default {default}): {f.metadata.get('help', '')}")
+        bounds = f.metadata.get("bounds")
+        kind = f"{_type_name(tp)} {describe_bounds(bounds)}" if bounds else _type_name(tp)
+        lines.append(f"  {key} ({kind}, default {default}): {f.metadata.get('help', '')}")
     return "\n".join(lines).lstrip("\n")
 
 

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
+from scalerl.core.errors import UserError
+
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class DeviceError(UserError, RuntimeError):
+    """The configured device is not there."""
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+        cuda = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build of torch"
+        raise DeviceError(f"trainer.device=cuda but no CUDA device is visible (torch {torch.__version__}, {cuda}, "
+                          f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use "
+                          "trainer.device=cpu or auto")
     return torch.device(name)
 
 

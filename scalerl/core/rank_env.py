@@ -13,13 +13,15 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping
 
+from scalerl.core.errors import UserError
+
 # Slurm jobs without MASTER_PORT get a port derived from the job id, so all ranks agree on it without
 # talking, and two jobs sharing a node rarely collide (ids are consecutive, so neighbours differ).
 SLURM_PORT_BASE = 15000
 SLURM_PORT_SPAN = 20000
 
 
-class RankEnvError(ValueError):
+class RankEnvError(UserError, ValueError):
     """The launcher's variables are missing, malformed or contradict each other."""
 
 

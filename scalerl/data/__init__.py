@@ -1,4 +1,5 @@
-"""Built-in arithmetic task, GSM8K/MATH-style loaders, answer extraction and reward functions."""
+"""Built-in arithmetic task, GSM8K/MATH-style loaders, answer extraction and reward functions (each call
+within `data.reward_timeout_s`: `reward_calls`)."""
 
 from scalerl.data.answers import extract_boxed, extract_hash_answer, normalize_math_answer
 from scalerl.data.arithmetic import LEVEL_DESCRIPTIONS, count_arithmetic_problems, make_arithmetic_rows

@@ -52,16 +52,19 @@ def load_rows(
         raise DataError(f"limit={limit!r} must be a non-negative integer or None")
     rows: list[dict] = []
     for path in _expand_paths(path_or_paths):
-        for row in _convert_file(path, kind, template):
+        for row in _convert_file(path, kind, template, template_given=prompt_template is not None):
             if limit is not None and len(rows) >= limit:
                 return rows
             rows.append(row)
     return rows
 
 
-def _convert_file(path: Path, kind: str, template: str) -> Iterator[dict]:
+def _convert_file(path: Path, kind: str, template: str, template_given: bool) -> Iterator[dict]:
     records = _read_records(path)
     file_kind = kind if kind != "auto" else _detect_kind(path, records)
+    if file_kind == "rows" and template_given:  # such rows keep their own prompt: a template would do nothing
+        raise DataError(f"{path}: its rows already hold a 'prompt' field, so data.prompt_template={template!r} "
+                        "would be ignored; remove data.prompt_template, or give question/answer rows")
     convert = {"gsm8k": _gsm8k_row, "math": _math_row, "rows": _passthrough_row}[file_kind]
     for number, record in enumerate(records, start=1):
         yield convert(_RowContext(path, number, record), template)
@@ -147,7 +150,28 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
     except Exception as error:  # pyarrow.ArrowInvalid and friends; pyarrow counts rows from 0
         expected = "JSON lines (one object per line)" if suffix in JSON_LINES_SUFFIXES else "Parquet"
         raise DataError(f"{path}: cannot be read as {expected} (pyarrow counts rows from 0): {error}") from error
-    return table.to_pylist()
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError as error:  # pyarrow reads the bytes unchecked and fails only when converting
+        raise DataError(f"{path}{_first_non_utf8_row(path)}: text is not UTF-8 ({error.reason}); convert the "
+                        "file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def _first_non_utf8_row(path: Path) -> str:
+    """", row N" for the first JSON line that is not UTF-8 (blank lines not counted); "" for other files."""
+    if path.suffix.lower() not in JSON_LINES_SUFFIXES:
+        return ""
+    number = 0
+    with open(path, "rb") as lines:
+        for line in lines:
+            if not line.strip():
+                continue
+            number += 1
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return f", row {number}"
+    return ""
 
 
 def _expand_paths(path_or_paths: str | Path | Sequence[str | Path]) -> list[Path]:

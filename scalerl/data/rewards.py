@@ -9,9 +9,14 @@ whole data row, so it can use extra fields. Name one in a config with `load_rewa
     "my_package.rewards:score"      a function in an importable module
     "path/to/rewards.py:score"      a function in a Python file
 
-`RewardComputer` calls the function once per sample; a call that raises, or returns something that
-is not a finite number, scores 0.0 and is counted (`reward/num_failures` in the trainer's metrics) and
-logged once per kind of failure, so one bad sample never stops a run.
+`RewardComputer` calls the function once per sample; a call that raises, calls `sys.exit`, runs longer
+than its limit (`data.reward_timeout_s`), or returns something that is not a finite number, scores 0.0 and is
+counted (`reward/num_failures` in the trainer's metrics) and logged once per kind of failure, so one bad
+sample never stops or hangs a run.
+
+A "module:function" spec is imported with the current directory first on `sys.path` (put there once, as
+`python -m` does), so `scalerl ...` and `python -m scalerl ...` import the same module, and the module's own
+imports of files beside it work under both; a "file.py:function" path is relative to the current directory.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ import inspect
 import logging
 import math
 import numbers
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from scalerl.core.errors import UserError
+from scalerl.data.reward_calls import RewardExit, RewardTimeout, call_with_limit
 from scalerl.data.answers import extract_boxed, extract_hash_answer, normalize_math_answer, same_number
 from scalerl.data.errors import DataError
 
@@ -35,7 +43,7 @@ logger = logging.getLogger(__name__)
 RewardFn = Callable[..., float]
 
 
-class RewardFunctionError(ValueError):
+class RewardFunctionError(UserError, ValueError):
     """A reward spec that names no usable function; the message names the spec and what is missing."""
 
 
@@ -117,11 +125,15 @@ class RewardComputer:
     """Scores a batch of responses with one reward function, never letting a failing sample crash the run.
 
     `compute(responses, rows)` returns `(rewards, num_failures)`: one float per response and how many
-    samples failed (the function raised, or returned a non-number, NaN or inf) and so got 0.0. Each kind
-    of failure is logged once per `RewardComputer`, with its traceback, not once per sample.
+    samples failed (the function raised, called sys.exit, took longer than `timeout_s`, or returned a
+    non-number, NaN or inf) and so got 0.0. Each kind of failure is logged once per `RewardComputer`, with
+    its traceback, not once per sample.
     """
 
-    def __init__(self, reward_fn: RewardFn | str):
+    def __init__(self, reward_fn: RewardFn | str, timeout_s: float = 30.0):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
         self.reward_fn = load_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
         if not callable(self.reward_fn):
             raise RewardFunctionError(f"reward function {reward_fn!r} is not callable")
@@ -148,11 +160,12 @@ class RewardComputer:
 
     def _score(self, response: str, row: dict) -> float | None:
         """The reward of one sample, or None (after logging the first of its kind) when the function failed."""
+        kwargs = {"row": row} if self.passes_row else {}
         try:
-            if self.passes_row:
-                value = self.reward_fn(response, row["ground_truth"], row=row)
-            else:
-                value = self.reward_fn(response, row["ground_truth"])
+            value = call_with_limit(self.reward_fn, (response, row["ground_truth"]), kwargs, self.timeout_s)
+        except (RewardTimeout, RewardExit) as error:  # no traceback: the message says it all
+            self._log_failure(type(error).__name__, str(error), response)
+            return None
         except Exception as error:  # any user bug: score 0, count, carry on
             self._log_failure(type(error).__name__, f"raised {error!r}", response, exc_info=True)
             return None
@@ -202,6 +215,9 @@ def _accepts_row_keyword(fn: Callable) -> bool:
 
 
 def _import_module(module_name: str, spec: str) -> Any:
+    cwd = os.getcwd()
+    if not sys.path or os.path.abspath(sys.path[0] or os.curdir) != cwd:
+        sys.path.insert(0, cwd)  # the documented rule: the current directory first, under every entry point
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as error:

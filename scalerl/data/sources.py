@@ -31,18 +31,20 @@ def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
 
 def reward_from_config(data_cfg: Any) -> RewardComputer:
     spec = _TASK_REWARDS[data_cfg.task] if data_cfg.reward == "auto" else data_cfg.reward
-    return RewardComputer(spec)
+    return RewardComputer(spec, timeout_s=data_cfg.reward_timeout_s)
 
 
 class PromptStream:
     """Yields batches of rows forever, reshuffled each epoch from ``seed``; its position is its whole state,
     so a resumed run continues with exactly the rows an uninterrupted one would have seen."""
 
-    def __init__(self, rows: list[dict], batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, rows: list[dict], batch_size: int, seed: int, shuffle: bool = True,
+                 batch_key: str = "trainer.batch_size"):
         if not rows:
             raise DataError("the training set is empty")
-        if batch_size > len(rows):
-            raise DataError(f"trainer.batch_size={batch_size} exceeds the {len(rows)} training rows")
+        if batch_size > len(rows):  # `batch_key` names the setting the caller took batch_size from
+            raise DataError(f"{batch_key}={batch_size} exceeds the {len(rows)} training rows; lower {batch_key} "
+                            "or give more data (data.num_train, data.train_files)")
         self.rows, self.batch_size, self.seed, self.shuffle = rows, batch_size, seed, shuffle
         self.position = 0  # rows consumed so far, across epochs
 

@@ -28,7 +28,8 @@ examples:
 
 RAY_EPILOG = """\
 what it does:
-  Connects to a Ray cluster (--address auto or HOST:PORT; none starts a local one), reserves one
+  Connects to a Ray cluster (--address auto or HOST:PORT, given up after --connect-timeout; none starts a
+  local one listening on 127.0.0.1 only; joining a cluster says whether it uses token auth), reserves one
   placement-group bundle per rank (--gpus-per-node GPUs and --cpus-per-rank CPUs each) with the chosen
   strategy, and runs `train(config)` in every rank with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set.
 
@@ -91,6 +92,8 @@ def add_launch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                      help="Ray cluster to join; omit to start a local one")
     ray.add_argument("--dashboard-host", default="127.0.0.1", metavar="HOST",
                      help="dashboard bind address of a locally started Ray (default 127.0.0.1)")
+    ray.add_argument("--connect-timeout", type=float, default=30.0, metavar="S",
+                     help="give up on an unreachable --address after S seconds (default 30)")
     ray.set_defaults(func=cmd_launch_ray)
     return launch
 
@@ -122,6 +125,9 @@ def cmd_launch_slurm(args: argparse.Namespace) -> int:
         cfg = load_config(config_path, overrides)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
+    from scalerl.trainer.run_checks import check_run_inputs
+
+    check_run_inputs(cfg, sft=False, import_reward=False)  # the reward may exist only where ranks run
     output_dir = Path(cfg.trainer.output_dir).absolute()
     log_dir = output_dir / "logs"
     try:
@@ -160,8 +166,9 @@ def cmd_launch_ray(args: argparse.Namespace) -> int:
     from scalerl.core.config import ConfigError, split_config_args
 
     config_path, overrides = split_config_args(args.config_args)
-    if args.num_nodes < 1 or args.gpus_per_node < 0 or args.cpus_per_rank <= 0:
-        raise ConfigError("--num-nodes must be >= 1, --gpus-per-node >= 0 and --cpus-per-rank > 0")
+    if args.num_nodes < 1 or args.gpus_per_node < 0 or not args.cpus_per_rank > 0 or not args.connect_timeout > 0:
+        raise ConfigError("--num-nodes must be >= 1, --gpus-per-node >= 0, --cpus-per-rank > 0 and "
+                          "--connect-timeout > 0")
     try:
         from scalerl.launch.ray_launcher import launch_ray
     except ModuleNotFoundError as e:
@@ -170,4 +177,4 @@ def cmd_launch_ray(args: argparse.Namespace) -> int:
         raise
     return launch_ray(config_path, overrides, num_nodes=args.num_nodes, gpus_per_node=args.gpus_per_node,
                       cpus_per_rank=args.cpus_per_rank, strategy=args.strategy, address=args.address,
-                      dashboard_host=args.dashboard_host)
+                      dashboard_host=args.dashboard_host, connect_timeout_s=args.connect_timeout)

@@ -9,13 +9,15 @@ under torchrun or Slurm, `train(config)` with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Callable
 
-from scalerl.core.config import ConfigError, load_config
+from scalerl.core.config import load_config
+from scalerl.core.errors import UserError
+from scalerl.launch.ray_connect import connect_ray
 from scalerl.launch.ray_placement import PlacementError, check_request, placement_problems, rank_bundles
 from scalerl.launch.ray_ranks import RankFailure, create_rank_group, run_on_ranks
+from scalerl.trainer.run_checks import check_run_inputs
 
 __all__ = ["PlacementError", "RankFailure", "create_rank_group", "launch_ray", "placement_problems", "rank_bundles",
            "run_on_ranks"]
@@ -39,29 +41,23 @@ def _print_summary(summary: dict[str, Any], world_size: int) -> None:
 def launch_ray(config_path: str | None, overrides: list[str], num_nodes: int, gpus_per_node: int,
                cpus_per_rank: float = 1.0, strategy: str = "PACK", address: str | None = None,
                dashboard_host: str = "127.0.0.1", timeout_s: float = 120.0,
-               train_fn: Callable[[Any], dict[str, Any]] | None = None) -> int:
+               train_fn: Callable[[Any], dict[str, Any]] | None = None, connect_timeout_s: float = 30.0) -> int:
     """Run `train_fn(cfg)` (default: GRPO `train`) on `num_nodes` x ranks_per_node Ray actors; exit code.
 
-    The config is loaded and validated before Ray is touched (ConfigError propagates). Connects to
-    `address` ("auto" or host:port), reuses the connection if Ray is already initialized, or starts a local
-    Ray whose dashboard (if installed) binds to `dashboard_host`. Returns 0 after printing rank 0's final
-    metrics, 1 when a rank fails (its error on stderr), 2 when the cluster cannot hold the ranks.
+    The config is loaded and validated, and checked against the model and output directories it names,
+    before Ray is touched (ConfigError propagates). Connects to `address` ("auto" or host:port; unreachable
+    for `connect_timeout_s` is an error naming it), reuses the connection if Ray is already initialized, or
+    starts a local Ray bound to 127.0.0.1 whose dashboard (if installed) binds to `dashboard_host`
+    (`scalerl.launch.ray_connect`). Returns 0 after printing rank 0's final metrics, 1 when a rank fails (its
+    error on stderr), 2 when the cluster cannot hold the ranks or a rank refused its input.
     Every node needs scalerl installed (the actors import it); outputs are written on the ranks' nodes.
     """
     check_request(num_nodes, gpus_per_node, cpus_per_rank, strategy)
     cfg = load_config(config_path, overrides)
-    try:
-        import ray
-    except ImportError as e:
-        raise ConfigError(f"the Ray launcher needs ray: pip install 'scalerl[ray]' ({e})") from None
+    check_run_inputs(cfg, sft=False, import_reward=False)  # the reward may exist only where ranks run
+    started_here = connect_ray(address, dashboard_host, connect_timeout_s)
+    import ray
 
-    started_here = not ray.is_initialized()
-    if started_here:
-        address = address or os.environ.get("RAY_ADDRESS")  # what `ray.init()` itself would connect to
-        if address is None:  # a fresh local Ray; its dashboard (if installed) only on `dashboard_host`
-            ray.init(dashboard_host=dashboard_host)
-        else:  # an existing cluster's dashboard is already bound; passing a host there is an error
-            ray.init(address=address)
     group = None
     try:
         group = create_rank_group(num_nodes, gpus_per_node, cpus_per_rank, strategy, timeout_s)
@@ -72,6 +68,10 @@ def launch_ray(config_path: str | None, overrides: list[str], num_nodes: int, gp
         print(f"ray launch: {e}", file=sys.stderr)
         return 2
     except RankFailure as e:
+        cause = getattr(e.error, "cause", None)  # a RayTaskError carries the rank's own exception
+        if isinstance(cause, UserError):  # bad input, reported like the CLI does: no traceback
+            print(f"error: rank {e.rank}: {cause}", file=sys.stderr)
+            return 2
         print(f"ray launch: {e}", file=sys.stderr)
         return 1
     finally:

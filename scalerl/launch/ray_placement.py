@@ -11,6 +11,7 @@ import math
 from typing import Any, Sequence
 
 from scalerl.core.config import ConfigError
+from scalerl.core.errors import UserError
 
 STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 # Ray's bookkeeping resources, not something a user asks for: left out of reports.
@@ -19,7 +20,7 @@ _INTERNAL_RESOURCE_PREFIXES = ("node:", "accelerator_type:", "memory", "object_s
 _FIT_SLACK = 1e-6
 
 
-class PlacementError(RuntimeError):
+class PlacementError(UserError, RuntimeError):
     """The cluster cannot (or did not in time) hold the requested bundles; the message says why."""
 
 

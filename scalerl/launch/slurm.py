@@ -20,6 +20,7 @@ import time as time_module
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from scalerl.core.errors import UserError
 from scalerl.core.rank_env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
 DEFAULT_RAY_PORT = 6379
@@ -32,7 +33,7 @@ _SBATCH_VALUE = re.compile(r"[^\s'\"\\`$;]+")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-class SlurmError(RuntimeError):
+class SlurmError(UserError, RuntimeError):
     """sbatch / squeue failed, or a job did not finish in time."""
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from scalerl.core.errors import UserError
 from scalerl.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from scalerl.models.decoder import CausalLM
 
@@ -26,7 +27,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointFormatError(UserError, ValueError):
     """A model directory that scalerl cannot load, with the offending file/field/tensor named."""
 
 
@@ -40,6 +41,8 @@ def _our_name(hf_name: str) -> str:
 
 def model_config_from_hf(raw: dict[str, Any], source: str = CONFIG_FILE) -> ModelConfig:
     """Translate an HF ``config.json`` dict (transformers 4.x or 5.x style) into a ``ModelConfig``."""
+    if not isinstance(raw, dict):
+        raise CheckpointFormatError(f"{source} must hold a JSON object of model settings, got {type(raw).__name__}")
     model_type = raw.get("model_type")
     architectures = raw.get("architectures") or []
     if model_type not in SUPPORTED_ARCHITECTURES:
@@ -62,6 +65,7 @@ def model_config_from_hf(raw: dict[str, Any], source: str = CONFIG_FILE) -> Mode
     missing = [k for k in required if k not in raw]
     if missing:
         raise CheckpointFormatError(f"{source}: missing required field(s) {missing}")
+    _check_field_types(raw, source)
     # transformers 5 nests rope settings in `rope_parameters`; 4.x uses `rope_theta` + `rope_scaling`.
     rope_params = dict(raw.get("rope_parameters") or {})
     rope_theta = raw.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
@@ -128,23 +132,62 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
+# Fields that must be whole numbers >= 1 when present (a string such as "64" is a broken file, not a number).
+_POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                        "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _check_field_types(raw: dict[str, Any], source: str) -> None:
+    """Numbers where numbers belong: every problem named with its field and value."""
+    problems = []
+    for key in _POSITIVE_INT_FIELDS:
+        value = raw.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            problems.append(f"{key}={value!r} must be a whole number >= 1")
+    for key in ("rope_theta", "rms_norm_eps"):
+        value = raw.get(key)
+        if value is not None and (type(value) not in (int, float) or not value > 0 or value == float("inf")):
+            problems.append(f"{key}={value!r} must be a finite number > 0")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = raw.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(type(i) is int and i >= 0 for i in ids):
+            problems.append(f"{key}={value!r} must be a token id (an integer >= 0), a list of them, or null")
+    if problems:
+        raise CheckpointFormatError(f"{source}: " + "; ".join(problems))
+
+
+def read_json_file(path: Path, what: str) -> Any:
+    """A JSON file's content; unreadable, non-UTF-8 or malformed files are a CheckpointFormatError naming it."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise CheckpointFormatError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}): "
+                                    f"a {what} must be a JSON text file") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointFormatError(f"{path} is not valid JSON ({err}): a {what} must be a JSON object") from None
+    except OSError as err:
+        raise CheckpointFormatError(f"{path} cannot be read: {err.strerror or err}") from None
+
+
 def load_model_config(path: str | os.PathLike) -> ModelConfig:
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise CheckpointFormatError(f"{config_path} not found: a model directory needs {CONFIG_FILE}")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointFormatError(f"{config_path} is not valid JSON: {err}") from err
-    return model_config_from_hf(raw, str(config_path))
+    return model_config_from_hf(read_json_file(config_path, "model config"), str(config_path))
 
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / WEIGHTS_INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        content = read_json_file(index, "weights index")
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointFormatError(f"{index} has no 'weight_map' object")
+        for name in set(weight_map.values()):
+            # A shard is a file beside the index: a path elsewhere ("../x", "/etc/x") is never followed.
+            if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+                raise CheckpointFormatError(f"{index}: shard {name!r} is not a file name in {path}")
         files = [path / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
@@ -176,22 +219,29 @@ def from_pretrained(
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for file in _weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for hf_key in f.keys():
-                name = _our_name(hf_key)
-                if name not in expected:
-                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        continue  # some tied checkpoints still store the head; the embedding wins
-                    if not hf_key.endswith(_IGNORED_TENSOR_SUFFIXES):
-                        unexpected.append(f"{hf_key} (in {file.name})")
-                    continue
-                tensor = f.get_tensor(hf_key)
-                if tuple(tensor.shape) != tuple(expected[name].shape):
-                    raise CheckpointFormatError(
-                        f"tensor {hf_key} in {file.name} has shape {tuple(tensor.shape)}, but config.json implies "
-                        f"{tuple(expected[name].shape)}"
-                    )
-                loaded[name] = tensor.to(dtype)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for hf_key in f.keys():
+                    name = _our_name(hf_key)
+                    if name not in expected:
+                        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                            continue  # some tied checkpoints still store the head; the embedding wins
+                        if not hf_key.endswith(_IGNORED_TENSOR_SUFFIXES):
+                            unexpected.append(f"{hf_key} (in {file.name})")
+                        continue
+                    tensor = f.get_tensor(hf_key)
+                    if tuple(tensor.shape) != tuple(expected[name].shape):
+                        raise CheckpointFormatError(
+                            f"tensor {hf_key} in {file.name} has shape {tuple(tensor.shape)}, but config.json "
+                            f"implies {tuple(expected[name].shape)}"
+                        )
+                    loaded[name] = tensor.to(dtype)
+        except (SafetensorError, OSError) as err:  # empty, truncated or not a safetensors file at all
+            size = file.stat().st_size if file.is_file() else 0
+            raise CheckpointFormatError(
+                f"{file} ({size} bytes) is not a readable safetensors file: {err}; it is probably truncated or "
+                "empty - copy or download it again, or save the model again"
+            ) from None
     if unexpected:
         raise CheckpointFormatError(f"unexpected tensors in {path}: {unexpected[:10]}")
     missing = [_hf_name(n) for n in expected if n not in loaded]

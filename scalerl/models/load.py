@@ -7,29 +7,43 @@ from typing import Any
 
 import torch
 
+from scalerl.core.config import BUILTIN_MAX_POSITIONS, BUILTIN_VOCAB_SIZE, ConfigError
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import CausalLM, build_model
 from scalerl.models.hf_checkpoint import from_pretrained
-from scalerl.models.tokenizer import CharTokenizer, load_tokenizer
+from scalerl.models.tokenizer import CharTokenizer, TokenizerNotFound, load_tokenizer
 
 
 def builtin_model_config(model_cfg: Any, tokenizer: CharTokenizer) -> ModelConfig:
     """The built-in tiny Qwen2-shaped model, sized by the `model` config section."""
     return ModelConfig(
         model_type="qwen2",
-        vocab_size=128,  # the character vocabulary (99) rounded up, for aligned matmuls
+        vocab_size=BUILTIN_VOCAB_SIZE,
         hidden_size=model_cfg.hidden_size,
         intermediate_size=model_cfg.intermediate_size,
         num_hidden_layers=model_cfg.num_hidden_layers,
         num_attention_heads=model_cfg.num_attention_heads,
         num_key_value_heads=model_cfg.num_key_value_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=BUILTIN_MAX_POSITIONS,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype=model_cfg.dtype,
     )
+
+
+def tokenizer_source(model_cfg: Any, source: str, source_key: str) -> str:
+    """``model.tokenizer`` when set, else the model directory, which must then hold ``tokenizer.json``: falling
+    back to the built-in character tokenizer would silently train a real model on the wrong vocabulary."""
+    if model_cfg.tokenizer:
+        return model_cfg.tokenizer
+    if not (Path(source) / "tokenizer.json").is_file():
+        raise TokenizerNotFound(
+            f"{source_key}={source!r} has no tokenizer.json: set model.tokenizer=<directory with tokenizer.json> "
+            "(or model.tokenizer=builtin, only for a model trained with the built-in character tokenizer)"
+        )
+    return source
 
 
 def load_model_and_tokenizer(
@@ -41,15 +55,16 @@ def load_model_and_tokenizer(
     dtype = getattr(torch, model_cfg.dtype)
     if source:
         model = from_pretrained(source, dtype=dtype, device=device)
-        tok_source = model_cfg.tokenizer or (source if (Path(source) / "tokenizer.json").is_file() else "builtin")
-        tokenizer = load_tokenizer(tok_source)
+        source_key = "trainer.init_from" if init_from else "model.path"
+        tokenizer = load_tokenizer(tokenizer_source(model_cfg, source, source_key))
     else:
         tokenizer = load_tokenizer(model_cfg.tokenizer or "builtin")
         if not isinstance(tokenizer, CharTokenizer):
-            raise ValueError("the built-in model (model.path unset) only works with model.tokenizer=builtin")
+            raise ConfigError("the built-in model (model.path unset) only works with model.tokenizer=builtin, got "
+                              f"model.tokenizer={model_cfg.tokenizer!r}")
         model = build_model(builtin_model_config(model_cfg, tokenizer), seed=seed, device=device)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than the model's ({model.config.vocab_size}); "
             f"model.tokenizer does not belong to {source or 'the built-in model'}"
         )

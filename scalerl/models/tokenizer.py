@@ -24,11 +24,21 @@ from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 import tokenizers as hf_tokenizers
 
+from scalerl.core.errors import UserError
+
 BUILTIN_TOKENIZER_NAME = "builtin"
 
 # Plain concatenation of the message contents: the built-in task has no roles to mark, and a template
 # that adds nothing keeps the character-level prompts as short as possible.
 CHAR_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+class TokenizerError(UserError, ValueError):
+    """A tokenizer that cannot be loaded, or text it cannot encode; the message names the file or the text."""
+
+
+class TokenizerNotFound(TokenizerError, FileNotFoundError):
+    """No tokenizer.json where one was expected."""
 
 
 @runtime_checkable
@@ -82,7 +92,7 @@ class HFTokenizer:
         self._tokenizer_config = dict(tokenizer_config or {})
         for name, token_id in [("eos", eos_token_id), ("pad", self.pad_token_id), ("bos", bos_token_id)]:
             if token_id is not None and not 0 <= token_id < self.vocab_size:
-                raise ValueError(
+                raise TokenizerError(
                     f"{name}_token_id={token_id} is outside the vocabulary (size {self.vocab_size}) of "
                     f"tokenizer {name_or_path!r}; fix the id in its tokenizer_config.json/generation_config.json"
                 )
@@ -93,11 +103,11 @@ class HFTokenizer:
         directory = Path(directory)
         tokenizer_file = directory / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise FileNotFoundError(_missing_tokenizer_message(str(directory)))
+            raise TokenizerNotFound(_missing_tokenizer_message(str(directory)))
         try:
             backend = hf_tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as error:  # e.g. a file written by a newer `tokenizers` than the installed one
-            raise ValueError(
+            raise TokenizerError(
                 f"{tokenizer_file} cannot be loaded by tokenizers {hf_tokenizers.__version__}: {error}"
             ) from error
         tokenizer_config = _read_json(directory / "tokenizer_config.json")
@@ -116,7 +126,7 @@ class HFTokenizer:
             if token is not None:
                 found = backend.token_to_id(token)
                 if found is None:
-                    raise ValueError(
+                    raise TokenizerError(
                         f"{directory / 'tokenizer_config.json'}: {field}={token!r} is not in {tokenizer_file}; "
                         f"fix the token or remove the field"
                     )
@@ -132,7 +142,7 @@ class HFTokenizer:
 
         eos_token_id = token_id("eos_token")
         if eos_token_id is None:
-            raise ValueError(
+            raise TokenizerError(
                 f"no eos token found for tokenizer {directory}: set eos_token in tokenizer_config.json "
                 f"or eos_token_id in generation_config.json"
             )
@@ -155,7 +165,7 @@ class HFTokenizer:
         try:
             return self.backend.encode(text, add_special_tokens=False).ids
         except Exception as error:  # the Rust side only says e.g. "Missing [UNK] token"; name the text too
-            raise ValueError(f"tokenizer {self.name_or_path!r} cannot encode {text[:80]!r}: {error}") from error
+            raise TokenizerError(f"tokenizer {self.name_or_path!r} cannot encode {text[:80]!r}: {error}") from error
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (a list, or anything with `.tolist()` such as a tensor)."""
@@ -179,7 +189,7 @@ class HFTokenizer:
         `transformers`' `apply_chat_template(..., tokenize=False)`.
         """
         if self.chat_template is None:
-            raise ValueError(
+            raise TokenizerError(
                 f"tokenizer {self.name_or_path!r} has no chat template: add `chat_template` to its "
                 f"tokenizer_config.json (or a chat_template.jinja file), or use plain prompts"
             )
@@ -250,7 +260,7 @@ class CharTokenizer(HFTokenizer):
         if isinstance(text, str):
             for position, character in enumerate(text):
                 if character not in self._known_characters:
-                    raise ValueError(
+                    raise TokenizerError(
                         f"the built-in character tokenizer has no token for {character!r} (U+{ord(character):04X}) "
                         f"at position {position} of {text[:80]!r}; it knows printable ASCII and '\\n' only - "
                         f"clean the text or use a Hugging Face tokenizer (model.tokenizer=<directory>)"
@@ -335,9 +345,14 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        content = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise TokenizerError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from error
+        raise TokenizerError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(content, dict):
+        raise TokenizerError(f"{path} must hold a JSON object, got {type(content).__name__}")
+    return content
 
 
 def _read_chat_template(directory: Path, tokenizer_config: dict[str, Any]) -> str | None:
@@ -386,5 +401,7 @@ __all__ = [
     "CharTokenizer",
     "HFTokenizer",
     "Tokenizer",
+    "TokenizerError",
+    "TokenizerNotFound",
     "load_tokenizer",
 ]

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from scalerl.core.errors import UserError
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """A parallel layout that does not fit the world size or the model; the message names the dimensions."""
 
 

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from scalerl.models.decoder import CausalLM
 from scalerl.models.kv_cache import KVCache
-from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
+from scalerl.rollout.engine import GenerationOutput, PromptTooLongError, SamplingParams, left_pad
 from scalerl.rollout.sampling import sample_tokens
 
 
@@ -71,9 +71,10 @@ class BuiltinEngine:
         max_new = sampling.max_new_tokens
         total_len = prompt_len + max_new
         if total_len > model.config.max_position_embeddings:
-            raise ValueError(
-                f"prompt length {prompt_len} + max_new_tokens {max_new} exceeds the model's "
-                f"max_position_embeddings ({model.config.max_position_embeddings})"
+            raise PromptTooLongError(
+                f"prompt length {prompt_len} + max_new_tokens {max_new} = {total_len} tokens exceeds the model's "
+                f"max_position_embeddings ({model.config.max_position_embeddings}); shorten the prompt or generate "
+                "fewer tokens"
             )
         generator, uniforms = None, None
         if sampling.seed is not None and sampling.temperature > 0:

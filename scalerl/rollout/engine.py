@@ -7,6 +7,12 @@ from typing import Protocol, Sequence
 
 import torch
 
+from scalerl.core.errors import UserError
+
+
+class PromptTooLongError(UserError, ValueError):
+    """A prompt plus the response length does not fit the model's positions; the message gives the numbers."""
+
 
 @dataclass
 class SamplingParams:
@@ -27,8 +33,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # `not >=` also refuses NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

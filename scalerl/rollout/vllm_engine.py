@@ -10,10 +10,11 @@ from typing import Any, Sequence
 
 import torch
 
+from scalerl.core.errors import UserError
 from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
 
 
-class VLLMNotAvailable(ImportError):
+class VLLMNotAvailable(UserError, ImportError):
     pass
 
 

@@ -22,7 +22,8 @@ from scalerl.core.config import Config, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
 from scalerl.core.threads import cpu_thread_governor
-from scalerl.data.prompts import encode_prompts
+from scalerl.data.errors import DataError
+from scalerl.data.prompts import check_prompts, encode_prompts
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.value_model import ValueModel
@@ -42,6 +43,8 @@ from scalerl.trainer.layout_checks import check_rl_layout
 from scalerl.trainer.objectives import PolicyObjective, ValueObjective
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.rollout_rebalance import rebalance_batch
+from scalerl.trainer.run_checks import check_run_inputs
+from scalerl.trainer.run_failures import SkippedStepGuard, run_reporting_failures
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
 # Config keys a resumed run must share with the checkpoint it resumes (others, e.g. total_steps, may change).
@@ -54,11 +57,13 @@ RESUME_MUST_MATCH = [
 class RLTrainer:
     def __init__(self, cfg: Config):
         cfg.validate()
+        check_run_inputs(cfg, sft=False)
         self.cfg = cfg
         t, a, r = cfg.trainer, cfg.actor, cfg.rollout
         seed_everything(t.seed)
         self.device = resolve_device(t.device)
-        self.dist = init_distributed(cfg.parallel, self.device)
+        self.dist = init_distributed(cfg.parallel, self.device, t.dist_timeout_s, t.rendezvous_timeout_s,
+                                     trace_dir=Path(t.output_dir) / "nccl_traces")
         check_rl_layout(cfg, self.dist)
         self.output_dir = Path(t.output_dir)
         model, self.tokenizer = load_model_and_tokenizer(cfg.model, t.init_from, self.device, t.seed)
@@ -77,6 +82,8 @@ class RLTrainer:
 
         self.train_rows = rows_from_config(cfg.data, "train", t.seed)
         self.val_rows = self.dist.dp_share(rows_from_config(cfg.data, "test", t.seed))
+        for split, rows in (("training", self.train_rows), ("validation", self.val_rows)):
+            check_prompts(self.tokenizer, rows, cfg.data.chat_template, cfg.data.max_prompt_length, split)
         self.reward = reward_from_config(cfg.data)
         self.stream = PromptStream(self.train_rows, t.batch_size, t.seed, cfg.data.shuffle)
         self.engine = self._build_engine()
@@ -104,6 +111,7 @@ class RLTrainer:
         self.threads = cpu_thread_governor(t.cpu_threads, self.device)
         self.step = 0
         self.checkpoint_root = self.output_dir / "checkpoints"
+        self.skip_guard = SkippedStepGuard(t.max_skipped_steps, "actor", self.checkpoint_root)
         resume_from = checkpoint.resolve_resume(t.resume, self.checkpoint_root)
         if resume_from is not None:
             loaded = checkpoint.load(
@@ -127,7 +135,7 @@ class RLTrainer:
 
         source = self.cfg.trainer.init_from or self.cfg.model.path
         if not source:
-            raise ValueError("rollout.engine=vllm needs model.path (vLLM loads the model directory itself)")
+            raise DataError("rollout.engine=vllm needs model.path (vLLM loads the model directory itself)")
         return VLLMEngine(source, self.tokenizer.pad_token_id)
 
     def _state_module(self) -> nn.Module:
@@ -153,7 +161,7 @@ class RLTrainer:
         limit = self.cfg.data.max_prompt_length
         for row, ids in zip(rows, prompts):
             if len(ids) > limit:
-                raise ValueError(
+                raise DataError(
                     f"prompt of {len(ids)} tokens exceeds data.max_prompt_length={limit}: {row['prompt'][:80]!r}; "
                     "raise data.max_prompt_length or shorten the prompts"
                 )
@@ -304,6 +312,7 @@ class RLTrainer:
                     metrics.update(self.evaluate())
                     metrics.update(reduce_metrics(self.timer.pop(), self.dist))
                 self.logger.log(metrics, step=self.step)
+                self.skip_guard.after_step(self.step, self.optimizer_step.consecutive_skips)
                 if (t.save_every and self.step % t.save_every == 0) or last:
                     self.save()
                 summary["last"] = metrics
@@ -318,4 +327,4 @@ class RLTrainer:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run RL training as configured; returns initial/last metrics and output paths."""
-    return RLTrainer(cfg).fit()
+    return run_reporting_failures(lambda: RLTrainer(cfg).fit(), Path(cfg.trainer.output_dir) / "checkpoints")

@@ -19,7 +19,7 @@ from scalerl.core.config import Config, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
 from scalerl.core.threads import cpu_thread_governor
-from scalerl.data.prompts import encode_demonstration
+from scalerl.data.prompts import encode_demonstrations
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.parallel.distributed import init_distributed
@@ -34,6 +34,8 @@ from scalerl.trainer.evaluation import evaluate
 from scalerl.trainer.layout_checks import check_sft_layout
 from scalerl.trainer.objectives import SFTObjective
 from scalerl.trainer.optim import build_optimizer
+from scalerl.trainer.run_checks import check_run_inputs
+from scalerl.trainer.run_failures import SkippedStepGuard, run_reporting_failures
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
 RESUME_MUST_MATCH = [
@@ -45,13 +47,15 @@ RESUME_MUST_MATCH = [
 class SFTTrainer:
     def __init__(self, cfg: Config):
         cfg.validate()
+        check_run_inputs(cfg, sft=True)
         self.cfg = cfg
         s, t = cfg.sft, cfg.trainer
         seed_everything(t.seed)
         self.device = resolve_device(t.device)
-        self.dist = init_distributed(cfg.parallel, self.device)
+        self.dist = init_distributed(cfg.parallel, self.device, t.dist_timeout_s, t.rendezvous_timeout_s,
+                                     trace_dir=sft_output_dir(cfg) / "nccl_traces")
         check_sft_layout(cfg, self.dist)
-        self.output_dir = Path(s.output_dir or Path(t.output_dir) / "sft")
+        self.output_dir = sft_output_dir(cfg)
         model, self.tokenizer = load_model_and_tokenizer(cfg.model, t.init_from, self.device, t.seed)
         self.model_config = model.config
         self.autocast = Autocast(t.precision, self.device)
@@ -59,10 +63,11 @@ class SFTTrainer:
             model, self.dist, activation_checkpointing=cfg.model.activation_checkpointing, autocast=self.autocast,
             pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches),
         )
-        self.examples = [encode_demonstration(self.tokenizer, row, cfg.data.chat_template)
-                         for row in rows_from_config(cfg.data, "train", t.seed)]
+        self.examples = encode_demonstrations(self.tokenizer, rows_from_config(cfg.data, "train", t.seed),
+                                              cfg.data.chat_template, model.config.max_position_embeddings)
         self.val_rows = self.dist.dp_share(rows_from_config(cfg.data, "test", t.seed))
-        self.stream = PromptStream(list(range(len(self.examples))), s.batch_size, t.seed, cfg.data.shuffle)
+        self.stream = PromptStream(list(range(len(self.examples))), s.batch_size, t.seed, cfg.data.shuffle,
+                                   batch_key="sft.batch_size")
         self.optimizer, self.scheduler = build_optimizer(
             [(self.policy.parameters(), s.lr)], s.weight_decay, warmup_steps=s.warmup_steps, total_steps=s.steps,
             schedule=s.lr_schedule,
@@ -81,6 +86,7 @@ class SFTTrainer:
         self.threads = cpu_thread_governor(t.cpu_threads, self.device)
         self.step = 0
         self.checkpoint_root = self.output_dir / "checkpoints"
+        self.skip_guard = SkippedStepGuard(t.max_skipped_steps, "sft", self.checkpoint_root)
         resume_from = checkpoint.resolve_resume(t.resume, self.checkpoint_root)
         if resume_from is not None:
             loaded = checkpoint.load(
@@ -154,6 +160,7 @@ class SFTTrainer:
                     metrics.update(self.evaluate())
                     summary["final"] = metrics
                 self.logger.log(metrics, step=self.step)
+                self.skip_guard.after_step(self.step, self.optimizer_step.consecutive_skips)
                 if (t.save_every and self.step % t.save_every == 0) or self.step == s.steps:
                     self.save()
         self.policy.refresh_generation_copy()
@@ -162,6 +169,10 @@ class SFTTrainer:
         return summary
 
 
+def sft_output_dir(cfg: Config) -> Path:
+    return Path(cfg.sft.output_dir or Path(cfg.trainer.output_dir) / "sft")
+
+
 def train_sft(cfg: Config) -> dict[str, Any]:
     """Run SFT as configured by the ``sft`` section (model/data/trainer sections as for RL)."""
-    return SFTTrainer(cfg).fit()
+    return run_reporting_failures(lambda: SFTTrainer(cfg).fit(), sft_output_dir(cfg) / "checkpoints")

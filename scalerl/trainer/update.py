@@ -39,10 +39,19 @@ class UpdatePlan:
 
 
 class OptimizerStep:
-    """Unscale -> clip -> step unless the gradient norm is not finite -> update the loss scale."""
+    """Unscale -> clip -> step unless the gradient norm is not finite -> update the loss scale.
+
+    `consecutive_skips` counts the optimizer steps skipped in a row (over every `run_update` that uses this
+    step), so the trainer can stop a run whose weights no longer change."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, grad_scaler: torch.amp.GradScaler | None, max_norm: float):
         self.optimizer, self.grad_scaler, self.max_norm = optimizer, grad_scaler, max_norm
+        self.consecutive_skips = 0
+
+    def count_skips(self, skipped: list[float]) -> None:
+        """Fold this update's per-step skip flags (in order) into the run of consecutive skips."""
+        for flag in skipped:
+            self.consecutive_skips = self.consecutive_skips + 1 if flag else 0
 
     def __call__(self, parts: ModelParts) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the gradient norm before clipping and 1.0 if the step was skipped (as tensors: no sync)."""
@@ -131,5 +140,7 @@ def run_update(
     metrics = parts.share_loss_metrics(objective.summary(), objective.metric_names)
     prefix = objective.metric_names[0].split("/")[0]
     metrics[f"{prefix}/grad_norm"] = float(torch.stack(norms).float().mean())
-    metrics[f"{prefix}/skipped_steps"] = float(torch.stack(skipped).sum())
+    flags = torch.stack(skipped).tolist()
+    step.count_skips(flags)
+    metrics[f"{prefix}/skipped_steps"] = float(sum(flags))
     return metrics

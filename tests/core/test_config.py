@@ -48,7 +48,7 @@ def test_override_value_parsing():
         "actor.betas=[0.9,1e-3]",
         "model.path=null",
         "trainer.output_dir=2024",  # a string field keeps the raw text
-        "data.prompt_template=Q: {question}",
+        "data.task=gsm8k", "data.prompt_template=Q: {question}",  # the built-in task would ignore a template
         "trainer.logger=console,tensorboard",
     ])
     assert cfg.actor.lr == 1e-6 and isinstance(cfg.actor.lr, float)

@@ -151,3 +151,32 @@ def test_reward_computer_rejects_mismatched_inputs():
         computer.compute(["a", "b"], [{"ground_truth": "1"}])
     with pytest.raises(ValueError, match="no 'ground_truth'"):
         computer.compute(["a"], [{"answer": "1"}])
+
+
+def test_reward_module_resolves_from_the_current_directory_under_both_entry_points(tmp_path):
+    """`scalerl` (a script: sys.path[0] is its folder) and `python -m scalerl` (sys.path[0] is the current
+    directory) import `data.reward=module:function` alike: the current directory first, before any other
+    folder on the path (here a same-named module on PYTHONPATH), and the module's own imports beside it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    work, elsewhere, bin_dir = tmp_path / "work", tmp_path / "elsewhere", tmp_path / "bin"
+    for folder in (work, elsewhere, bin_dir):
+        folder.mkdir()
+    (work / "helpers.py").write_text("WHERE = 'work'\n")
+    (work / "my_reward.py").write_text(
+        "import helpers\nprint('reward module from', helpers.WHERE, flush=True)\n"
+        "def score(response, truth):\n    return 0.0\n")
+    (elsewhere / "my_reward.py").write_text("print('reward module from elsewhere')\ndef score(r, t):\n    return 0.0\n")
+    script = bin_dir / "scalerl"  # what `pip install` writes as the console script
+    script.write_text("import sys\nfrom scalerl.cli import main\nsys.exit(main())\n")
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{elsewhere}", "OMP_NUM_THREADS": "1"}
+    run = ["config", "data.reward=my_reward:score"]  # `config` imports the reward as a run would, and no torch
+    for i, entry in enumerate(([sys.executable, str(script)], [sys.executable, "-m", "scalerl"])):
+        done = subprocess.run([*entry, *run, f"trainer.output_dir={tmp_path / f'out{i}'}"], cwd=work,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "reward module from work" in done.stdout and "elsewhere" not in done.stdout, entry

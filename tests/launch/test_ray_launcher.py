@@ -94,6 +94,14 @@ def fail_on_rank_one(cfg):
     time.sleep(300)  # rank 0 stuck as if in a collective: the launcher must not wait for it
 
 
+def refuse_input_on_rank_one(cfg):
+    from scalerl.data.errors import DataError
+
+    if os.environ["RANK"] == "1":
+        raise DataError("rows.jsonl, row 3: missing field 'answer'")
+    time.sleep(300)
+
+
 # ----------------------------------------------------------------------------------------------- tests
 def test_placement_problems_name_the_mismatch():
     two_cpu_nodes = [{"CPU": 2.0}, {"CPU": 2.0}]
@@ -153,6 +161,14 @@ def test_launch_ray_reports_the_failing_rank_without_waiting_for_the_others(idle
     assert time.monotonic() - started < 60
     err = capsys.readouterr().err
     assert "rank 1 failed" in err and "boom on rank 1" in err
+
+
+def test_a_rank_refusing_its_input_is_reported_like_the_cli_does(idle_cluster, capsys):
+    code = launch_ray(None, TINY, num_nodes=2, gpus_per_node=0, strategy="PACK", timeout_s=30,
+                      train_fn=refuse_input_on_rank_one)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "error: rank 1: rows.jsonl, row 3: missing field 'answer'" in err and "Traceback" not in err
 
 
 def test_impossible_requests_fail_up_front_naming_bundles_and_cluster(idle_cluster, capsys):

@@ -1,0 +1,73 @@
+"""Joining the process group within a limit: the TCP store every rank meets at (MASTER_ADDR:MASTER_PORT).
+
+torch's `env://` rendezvous waits as long as the collective timeout (30 minutes by default) for an
+unreachable master, and reports it with C++ stack dumps. Here rank 0 binds the store itself (a busy port is
+an error naming MASTER_PORT at once) and waits `rendezvous_timeout_s` for every rank to join; the others
+first wait, in Python, for the master's port to accept connections, so an unreachable master ends in one
+message naming the address, the world size and the limit.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from scalerl.core.errors import RunFailure
+from scalerl.core.net import free_port
+from scalerl.core.rank_env import RankEnvError
+
+_CONNECT_RETRY_S = 0.5
+
+
+class RendezvousError(RunFailure):
+    """The process group could not be formed within the rendezvous limit; the message says who waited for what."""
+
+
+def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: int,
+                     timeout_s: float) -> dist.TCPStore:
+    """The TCP store of the job: hosted by rank 0, joined by every other rank, all within `timeout_s`."""
+    where = f"MASTER_ADDR:MASTER_PORT = {master_addr}:{master_port}"
+    limit = f"within trainer.rendezvous_timeout_s={timeout_s:g} s"
+    if rank == 0:
+        try:
+            return dist.TCPStore(master_addr, master_port, world_size, is_master=True,
+                                 timeout=timedelta(seconds=timeout_s), wait_for_workers=True)
+        except dist.DistNetworkError as e:
+            if "EADDRINUSE" in str(e) or "address already in use" in str(e):
+                raise RankEnvError(f"MASTER_PORT={master_port} is already in use on this host (rank 0 hosts the "
+                                   "rendezvous there): choose a free port, e.g. MASTER_PORT="
+                                   f"{free_port()}, and give it to every rank") from None
+            raise RendezvousError(f"rank 0 cannot host the rendezvous at {where}: {e}") from None
+        except dist.DistStoreError as e:  # "Timed out ... waiting for clients. 1/2 clients joined."
+            raise RendezvousError(f"rank 0 waited for the {world_size} ranks of the job to join at {where}, but "
+                                  f"not all came {limit} ({e}); start every rank with WORLD_SIZE={world_size} and "
+                                  "the same MASTER_ADDR/MASTER_PORT") from None
+    deadline = time.monotonic() + timeout_s
+    last_error = _wait_for_port(master_addr, master_port, deadline)
+    if last_error is not None:
+        raise RendezvousError(f"rank {rank} of {world_size} could not reach the rendezvous at {where} {limit} "
+                              f"({last_error}): is rank 0 running, and are MASTER_ADDR/MASTER_PORT right?")
+    try:
+        return dist.TCPStore(master_addr, master_port, world_size, is_master=False,
+                             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except dist.DistError as e:
+        raise RendezvousError(f"rank {rank} of {world_size} reached {where} but could not join the rendezvous "
+                              f"{limit}: {e}") from None
+
+
+def _wait_for_port(host: str, port: int, deadline: float) -> str | None:
+    """None once `host:port` accepts a TCP connection before `deadline`, else the last error seen."""
+    last = "no attempt"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return last
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, remaining)):
+                return None
+        except OSError as e:  # refused (nobody listens yet), unreachable, unknown host, timed out
+            last = e.strerror or str(e) or type(e).__name__
+        time.sleep(min(_CONNECT_RETRY_S, max(0.0, deadline - time.monotonic())))

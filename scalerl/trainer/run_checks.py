@@ -1,0 +1,91 @@
+"""Checks of what a config names outside itself, made before any work: the model directory's shape against
+the layout and the sequence lengths, its tokenizer, the reward function, and the output directories.
+
+`Config.validate` checks the config alone (and the built-in model, whose shape is in the config); these
+read the files it points at. The CLI (`train`, `sft`, `demo`, `config`), the launchers and the trainers all
+call `check_run_inputs`, so a bad path or an impossible layout fails in a second, naming the key, instead of
+after the model has loaded or the job has queued. A model directory that does not exist here is left to
+the trainer (a launcher may run where it does exist); nothing is created or written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+from scalerl.core.config import BUILTIN_REWARDS, ConfigError
+
+
+def check_run_inputs(cfg: Any, sft: bool | None = None, import_reward: bool = True) -> None:
+    """Everything below for the run `cfg` describes; `sft` = True/False checks only that trainer's outputs,
+    None both; `import_reward` imports a user reward function (launchers skip it: it may exist only where
+    the ranks run). Raises a UserError (ConfigError, CheckpointFormatError, TokenizerError,
+    RewardFunctionError) naming the key."""
+    if import_reward and cfg.data.reward not in BUILTIN_REWARDS:
+        from scalerl.data.rewards import load_reward_fn
+
+        load_reward_fn(cfg.data.reward)  # runs the module's import, as the run would
+    problems = model_directory_problems(cfg)
+    if sft is not False and cfg.sft.output_dir:
+        problems += output_dir_problems(cfg.sft.output_dir, "sft.output_dir")
+    if sft is not True or not cfg.sft.output_dir:
+        problems += output_dir_problems(cfg.trainer.output_dir, "trainer.output_dir")
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"invalid config ({len(problems)} problems):\n  " + "\n  ".join(problems))
+
+
+def model_directory_problems(cfg: Any) -> list[str]:
+    """The model directory's config.json against `parallel.tp/pp` and the prompt + response length; its
+    tokenizer must be there unless `model.tokenizer` names one (raised by `tokenizer_source`)."""
+    key = "trainer.init_from" if cfg.trainer.init_from else "model.path"
+    source = cfg.trainer.init_from or cfg.model.path
+    if not source or not Path(source).is_dir():
+        return []
+    # Imported here: they pull in torch, which `scalerl config` on the built-in model does not need.
+    from scalerl.models.hf_checkpoint import load_model_config
+    from scalerl.models.load import tokenizer_source
+
+    model = load_model_config(source)
+    tokenizer_source(cfg.model, source, key)
+    problems = []
+    for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(model, attr) % cfg.parallel.tp:
+            problems.append(f"parallel.tp={cfg.parallel.tp} does not divide {attr}={getattr(model, attr)} of "
+                            f"{key}={source}: tensor parallelism splits it evenly over the tp ranks")
+    if model.num_hidden_layers % cfg.parallel.pp:
+        problems.append(f"parallel.pp={cfg.parallel.pp} does not divide num_hidden_layers={model.num_hidden_layers} "
+                        f"of {key}={source}: each pipeline stage holds the same number of layers")
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if longest > model.max_position_embeddings:
+        problems.append(f"data.max_prompt_length + rollout.max_new_tokens = {cfg.data.max_prompt_length} + "
+                        f"{cfg.rollout.max_new_tokens} = {longest} exceeds max_position_embeddings="
+                        f"{model.max_position_embeddings} of {key}={source}")
+    return problems
+
+
+def output_dir_problems(path: str, key: str) -> list[str]:
+    """Why `path` cannot become an output directory: a file is in the way, or the nearest existing folder
+    is not writable. Creates nothing."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        return [f"{key}={path!r} is a file, not a directory; choose another {key}"]
+    existing = target.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"{key}={path!r} cannot be created: {existing} is a file; choose another {key}"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        reason = "read-only file system" if _read_only(existing) else "no write permission"
+        return [f"{key}={path!r} cannot be written: {existing} is not writable ({reason}); choose another {key}"]
+    return []
+
+
+def _read_only(directory: Path) -> bool:
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError as e:
+        return e.errno == errno.EROFS
