@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from scalerl.core.rank_env import apply_rank_env, detect_rank_env
+from scalerl.core.rank_env import RankEnvError, apply_rank_env, detect_rank_env
 from scalerl.parallel.collective_failures import describe_collective_failure, is_collective_failure
 from scalerl.parallel.mesh import ParallelDims
 from scalerl.parallel.rank_liveness import RankHeartbeat
@@ -108,6 +108,9 @@ def init_distributed(parallel_cfg, device: torch.device, dist_timeout_s: float =
         return single_process_context()
     dims = ParallelDims.from_config(parallel_cfg, world_size)
     if not dist.is_initialized():
+        if "RANK" not in os.environ:  # WORLD_SIZE alone, e.g. left over in a shell
+            raise RankEnvError(f"WORLD_SIZE={world_size} is set but RANK is not: start the ranks with torchrun, srun, "
+                               "mpirun or scalerl launch, or unset WORLD_SIZE for a single process")
         rank = int(os.environ["RANK"])
         addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
         store = rendezvous_store(addr, port, rank, world_size, rendezvous_timeout_s)

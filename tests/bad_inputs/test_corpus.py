@@ -24,6 +24,8 @@ from scalerl.core.net import free_port
 from tests.bad_inputs.conftest import TINY, copy_model, run_cli, snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RAY_ADDRESS")
 SCRIPT = ROOT / "examples" / "grpo_trainer" / "run_qwen2-7b_math_megatron.sh"
 
 
@@ -240,6 +242,8 @@ CASES = [
     Case("master-port-busy", _busy_port, ("MASTER_PORT",)),
     Case("master-unreachable", _unreachable_master, ("rendezvous", "trainer.rendezvous_timeout_s"), code=1),
     Case("rank-outside-world", lambda c: (c.rank_env(3, 2, free_port()), train(c))[1], ("RANK=3", "WORLD_SIZE=2")),
+    Case("world-size-without-rank", lambda c: (c.monkeypatch.setenv("WORLD_SIZE", "2"), train(c))[1],
+         ("WORLD_SIZE=2", "RANK")),
     Case("generate-temperature-nan", lambda c: ["generate", "--model", "builtin", "--prompt", "hi",
                                                 "--temperature", "nan"], ("--temperature",)),
     Case("generate-prompt-too-long", lambda c: ["generate", "--model", "builtin", "--prompt", "a" * 600],
@@ -271,6 +275,8 @@ def test_bad_input_is_an_error_naming_it(case, model_dir, tmp_path, monkeypatch,
     ctx = Ctx(tmp_path / "ws", model_dir, monkeypatch)
     ctx.ws.mkdir()
     monkeypatch.chdir(ctx.ws)
+    for name in LAUNCHER_VARIABLES:  # a single process unless a case says otherwise, even inside a job
+        monkeypatch.delenv(name, raising=False)
     try:
         argv = case.build(ctx)
         before = snapshot(ctx.ws, model_dir)
