@@ -6,15 +6,23 @@ path for every layout.
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from scalerl.comm.accounting import CommCounter, process_counter
+from scalerl.comm.cluster_topology import ClusterTopology, gather_topology
+from scalerl.comm.rank_placement import RankPlacement, plan_rank_placement
+from scalerl.comm.socket_interface import apply_socket_interface
+from scalerl.comm.topology import detect_topology
 from scalerl.core.rank_env import apply_rank_env, detect_rank_env
 from scalerl.parallel.mesh import ParallelDims
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -24,6 +32,9 @@ class DistContext:
     dp_mesh: DeviceMesh | None = None
     rank: int = 0
     device: torch.device = torch.device("cpu")
+    comm: CommCounter = field(default_factory=process_counter)  # this process's byte accounting
+    cluster: ClusterTopology | None = None  # every rank's node and network, gathered once at start
+    placement: RankPlacement | None = None  # which global rank sits at each mesh position
 
     @property
     def world_size(self) -> int:
@@ -59,9 +70,11 @@ class DistContext:
         return rows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """In-place reduction over the data-parallel ranks (TP/PP peers hold the same values already)."""
+        """In-place reduction over the data-parallel ranks (TP/PP peers hold the same values already);
+        counted as ``metrics`` traffic (token counts, advantage statistics)."""
         if self.dims.dp > 1:
-            dist.all_reduce(tensor, op=op, group=self.dp_group)
+            with self.comm.collective("metrics", "all_reduce", tensor, self.dp_group, dim="dp"):
+                dist.all_reduce(tensor, op=op, group=self.dp_group)
         return tensor
 
     def all_finished(self, flag: bool) -> bool:
@@ -70,7 +83,8 @@ class DistContext:
         if self.world_size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        with self.comm.collective("metrics", "all_reduce", t):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
 
     def barrier(self) -> None:
@@ -93,10 +107,28 @@ def init_distributed(parallel_cfg, device: torch.device) -> DistContext:
         ParallelDims.from_config(parallel_cfg, 1)  # a layout asking for more ranks fails here, by name
         return single_process_context()
     dims = ParallelDims.from_config(parallel_cfg, world_size)
+    record = detect_topology()
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Before the group starts: a virtual / link-local default route would send gloo / NCCL's sockets
+        # the wrong way (a hang at the first collective); a named interface missing here fails now, by name.
+        choice = apply_socket_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"), record, os.environ)
+        (logger.warning if choice.name and choice.variable is None else logger.info)(
+            "socket interface on %s (rank %s): %s", record.hostname, record.rank, choice.reason)
         dist.init_process_group(backend, init_method="env://")
-    mesh, dp_mesh = dims.build_mesh(device.type)
-    return DistContext(dims, mesh, dp_mesh, rank=dist.get_rank(), device=device)
+    cluster = gather_topology(record=record)
+    placement = RankPlacement(tuple(range(world_size)))  # the launcher's order
+    if getattr(parallel_cfg, "reorder_ranks_by_node", True):
+        placement = plan_rank_placement(cluster.node_of_rank, dims.tp)
+    if dist.get_rank() == 0:
+        logger.info("cluster topology:\n%s", cluster.summary())
+        for note in placement.notes:
+            logger.warning("rank placement: %s", note)
+    mesh, dp_mesh = dims.build_mesh(device.type, placement.order)
+    counter = process_counter()
+    counter.backend = dist.get_backend()
+    counter.reset()
+    return DistContext(dims, mesh, dp_mesh, rank=dist.get_rank(), device=device, comm=counter, cluster=cluster,
+                       placement=placement)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -69,11 +71,51 @@ class ParallelDims:
         if problems:
             raise LayoutError("; ".join(problems))
 
-    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in MESH_DIMS)
+
+    def build_mesh(self, device_type: str, rank_order: Sequence[int] | None = None) -> tuple[DeviceMesh, DeviceMesh]:
         """One 4-D mesh named ``(pp, dp_replicate, dp_shard, tp)``, and its ``(dp_replicate, dp_shard)``
-        dimensions flattened into the 1-D ``dp`` mesh that data loading and loss counts reduce over."""
-        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
-        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        dimensions flattened into the 1-D ``dp`` mesh that data loading and loss counts reduce over.
+
+        ``rank_order[i]`` is the global rank at mesh position i (`scalerl.comm.rank_placement`); None or
+        the identity is the launcher's order."""
+        if rank_order is None or list(rank_order) == list(range(self.world_size)):
+            mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+            return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return _mesh_in_order(device_type, torch.tensor(list(rank_order), dtype=torch.int).view(self.shape))
+
+
+def _mesh_in_order(device_type: str, ranks: torch.Tensor) -> tuple[DeviceMesh, DeviceMesh]:
+    """The mesh over ``ranks`` (a 4-D tensor of global ranks) from groups that keep its order.
+
+    ``DeviceMesh(ranks)`` would have the right members in each group, but creates them with ``new_group``,
+    which sorts members by global rank (and uses the default group for a dimension spanning the world):
+    a ring then runs in the launcher's order again. Here every group is made with ``sort_ranks=False``
+    (every rank creates every group, as ``new_group`` requires) and the mesh is assembled from them."""
+    groups = [_group_along(ranks, (d,)) for d in range(ranks.ndim)]
+    mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=MESH_DIMS)
+    dp_dims = (MESH_DIMS.index("dp_replicate"), MESH_DIMS.index("dp_shard"))
+    dp_group = _group_along(ranks, dp_dims)
+    dp_mesh = DeviceMesh.from_group(dp_group, device_type, mesh=dist.get_process_group_ranks(dp_group),
+                                    mesh_dim_names=("dp",))
+    return mesh, dp_mesh
+
+
+def _group_along(ranks: torch.Tensor, dims: tuple[int, ...]) -> dist.ProcessGroup:
+    """This rank's group among the groups that vary over mesh ``dims`` (in mesh order)."""
+    others = [d for d in range(ranks.ndim) if d not in dims]
+    size = 1
+    for d in dims:
+        size *= ranks.shape[d]
+    rows = ranks.permute(*others, *dims).reshape(-1, size).tolist()
+    me, mine = dist.get_rank(), None
+    for row in rows:
+        group = dist.new_group(row, sort_ranks=False)
+        if me in row:
+            mine = group
+    return mine
 
 
 def _describe(sizes: dict) -> str:
