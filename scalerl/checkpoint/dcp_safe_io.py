@@ -38,11 +38,9 @@ loads real DDP, FSDP2 and TP checkpoints), to be reviewed and added here.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import pickle
-from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Any, BinaryIO, ClassVar
 

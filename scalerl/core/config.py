@@ -276,6 +276,8 @@ class TrainerSection(_Section):
     device: str = opt("auto", "auto | cpu | cuda")
     init_from: str | None = opt(None, "model directory to start from (e.g. the SFT output)")
     balance_batch: bool = opt(True, "redistribute rollouts over DP ranks so each gets a near-equal token count")
+    cpu_threads: int = opt(0, "CPU only: torch threads; 0 = follow the cores other processes leave free, "
+                              "re-checked during the run")
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -289,6 +291,7 @@ class TrainerSection(_Section):
             _check_choice(p, f"trainer.logger[{i}]", logger, LOGGERS)
         _check_choice(p, "trainer.precision", self.precision, PRECISIONS)
         _check_choice(p, "trainer.device", self.device, DEVICES)
+        _check(p, self.cpu_threads >= 0, "trainer.cpu_threads", ">= 0 (0 = follow the free cores)", self.cpu_threads)
         return p
 
 

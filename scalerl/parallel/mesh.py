@@ -120,7 +120,3 @@ def _group_along(ranks: torch.Tensor, dims: tuple[int, ...]) -> dist.ProcessGrou
 
 def _describe(sizes: dict) -> str:
     return ", ".join(f"{d}={v}" for d, v in sizes.items())
-
-
-def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,6 +21,7 @@ from scalerl.algorithms.advantages import gae_advantages, grpo_advantages
 from scalerl.core.config import Config, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
+from scalerl.core.threads import cpu_thread_governor
 from scalerl.data.prompts import encode_prompts
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
 from scalerl.models.load import load_model_and_tokenizer
@@ -100,6 +101,7 @@ class RLTrainer:
         )
         self.update_generator = torch.Generator().manual_seed(t.seed + 1)
         self.timer = StepTimer(self.device)
+        self.threads = cpu_thread_governor(t.cpu_threads, self.device)
         self.step = 0
         self.checkpoint_root = self.output_dir / "checkpoints"
         resume_from = checkpoint.resolve_resume(t.resume, self.checkpoint_root)
@@ -201,7 +203,9 @@ class RLTrainer:
         cfg, timer, a = self.cfg, self.timer, self.cfg.actor
         temperature, micro = cfg.rollout.temperature or 1.0, a.ppo_micro_batch_size
         step_start = time.perf_counter()
+        threads = self.threads.update()
         batch, metrics = self._rollout()
+        metrics["perf/cpu_threads"] = float(threads)
         # The engine's log-probs equal an fp32 training forward where it says so; otherwise (autocast,
         # another engine) the numerics differ and they are recomputed.
         reuse_logprobs = self.engine.logprobs_match_training_forward and cfg.trainer.precision == "fp32"

@@ -18,6 +18,7 @@ from scalerl import checkpoint
 from scalerl.core.config import Config, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
+from scalerl.core.threads import cpu_thread_governor
 from scalerl.data.prompts import encode_demonstration
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
 from scalerl.models.load import load_model_and_tokenizer
@@ -77,6 +78,7 @@ class SFTTrainer:
         )
         self.engine = BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=self.dist.all_finished)
         self.reward = reward_from_config(cfg.data)
+        self.threads = cpu_thread_governor(t.cpu_threads, self.device)
         self.step = 0
         self.checkpoint_root = self.output_dir / "checkpoints"
         resume_from = checkpoint.resolve_resume(t.resume, self.checkpoint_root)
@@ -104,8 +106,10 @@ class SFTTrainer:
         batch = RolloutBatch.from_demonstrations(
             [self.examples[i][0] for i in rows], [self.examples[i][1] for i in rows], self.tokenizer.pad_token_id
         ).to(self.device)
+        threads = self.threads.update()
         metrics = run_update(self.policy, self.optimizer_step, batch, self.objective, self.update_plan, None,
                              self.dist, self.autocast)
+        metrics["perf/cpu_threads"] = float(threads)
         update_time = time.perf_counter() - start
         metrics["sft/lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()

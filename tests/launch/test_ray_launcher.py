@@ -19,7 +19,13 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 
 from scalerl.core.config import ConfigError  # noqa: E402
 from scalerl.launch.ray_launcher import (  # noqa: E402
-    PlacementError, RankFailure, create_rank_group, launch_ray, placement_problems, rank_bundles, run_on_ranks,
+    PlacementError,
+    RankFailure,
+    create_rank_group,
+    launch_ray,
+    placement_problems,
+    rank_bundles,
+    run_on_ranks,
 )
 
 OBJECT_STORE_BYTES = 128 * 2**20
