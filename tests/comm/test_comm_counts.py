@@ -9,14 +9,10 @@ model's module tree in torch 2.13); the mesh built in node order ([0, 2, 1, 3]) 
 order and counts the same bytes.
 """
 
-import os
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from scalerl.core.net import free_port
+from tests.spawned_group import run_in_group
 
 # The model: vocab 64, hidden 32, MLP 64, 2 layers, 4 heads of 8, 2 kv heads, q/k/v bias, untied head.
 V, H, FF, L, KV = 64, 32, 64, 2, 16
@@ -84,9 +80,7 @@ def expected(world: int, name: str, rank: int) -> dict[str, float]:
     return layouts[name]
 
 
-def _worker(rank, world, port, results):
-    os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
+def _count_every_layout(rank, world):
     import torch.distributed as dist
     from collections import Counter
 
@@ -117,7 +111,6 @@ def _worker(rank, world, port, results):
     from scalerl.rollout.batch import RolloutBatch
     from scalerl.trainer.rollout_rebalance import rebalance_batch
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     counter = process_counter()
     cfg = ModelConfig(vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=4,
                       num_key_value_heads=2, tie_word_embeddings=False)
@@ -178,21 +171,11 @@ def _worker(rank, world, port, results):
             rebalance_batch(batch, ctx, local_groups=2)
             out["rebalance"] = counts()[0]
         dist.barrier()
-    results[rank] = out
-    dist.destroy_process_group()
+    return out
 
 
 def _run(world: int) -> dict:
-    results = mp.Manager().dict()
-    workers = mp.start_processes(_worker, args=(world, free_port(), results), nprocs=world, start_method="spawn",
-                                 join=False)
-    deadline = time.monotonic() + 240
-    while not workers.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            raise AssertionError(f"the world-{world} counting group did not finish within 240 s")
-    return dict(results)
+    return dict(enumerate(run_in_group(_count_every_layout, world, world, timeout_s=240)))
 
 
 def _check_layouts(world: int, results: dict) -> None:
