@@ -5,9 +5,10 @@ layout, and under torch's `CommDebugMode` (the alternative for tensor parallelis
 
 Two gloo ranks on loopback. For each layout (DDP, FSDP, TP) the same model is laid out twice, once with the
 process's `CommCounter` and once without (DDP then runs its built-in C++ all-reduce, FSDP its default
-comms, TP no hooks); the two are timed alternately (median of ``--iters`` each, the slower rank's time),
-so machine noise hits both alike. TP is also timed under `CommDebugMode` (entered per forward + backward:
-in torch 2.13 one context spanning a backward and a second forward fails in its module tracker).
+comms, TP no hooks); the variants are timed alternately (median of ``--iters`` each, the slower rank's
+time), so machine noise hits them alike. DDP is also timed with torch's own Python ``allreduce_hook`` (what
+any Python comm hook costs, counting aside); TP under `CommDebugMode`, entered per forward + backward (in
+torch 2.13 one context spanning a backward and a second forward fails in its module tracker).
 Printed ratios are counted / uncounted; 1.00 means free.
 """
 
@@ -62,6 +63,9 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
             parts.train()
         if name == "tp":
             variants["CommDebugMode"] = variants["uncounted"]
+        if name == "ddp":  # torch's own Python all-reduce hook, uncounted: what a Python hook costs by itself
+            variants["torch allreduce_hook"] = _uncounted(build_model(cfg, seed=0), ctx, name, python_hook=True)
+            variants["torch allreduce_hook"].train()
         times = {v: [] for v in variants}
         for _ in range(args.iters + 2):  # the first two are warm-up
             for v, parts in variants.items():
@@ -81,14 +85,18 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
     dist.destroy_process_group()
 
 
-def _uncounted(model, ctx, layout: str):
-    """The same layout built without a counter: DDP's built-in all-reduce, FSDP's default comms, no TP hooks."""
+def _uncounted(model, ctx, layout: str, python_hook: bool = False):
+    """The same layout built without a counter: DDP's built-in all-reduce (or torch's Python
+    ``allreduce_hook``), FSDP's default comms, no TP hooks."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     from scalerl.parallel.data_parallel import apply_ddp, apply_fsdp
     from scalerl.parallel.parallelize import ModuleParts
     from scalerl.parallel.tensor_parallel import apply_tensor_parallel
 
     if layout == "ddp":
-        return ModuleParts(model, apply_ddp(model, ctx.dp_mesh))
+        hook = dict(comm_hook=allreduce_hook, hook_state=ctx.dp_mesh.get_group()) if python_hook else {}
+        return ModuleParts(model, apply_ddp(model, ctx.dp_mesh, **hook))
     if layout == "fsdp":
         return ModuleParts(model, apply_fsdp(model, ctx.fsdp_mesh))
     apply_tensor_parallel(model, ctx.mesh["tp"])
