@@ -32,11 +32,12 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-KINDS = ("grad", "param", "tp", "pp", "rebalance", "weight_sync", "metrics")
+# rollout: prompts to standalone rollout workers and their outputs shared among the trainer's ranks
+KINDS = ("grad", "param", "tp", "pp", "rebalance", "weight_sync", "rollout", "metrics")
 # Kinds whose waiting time can be measured (synchronous calls, FSDP's collectives on gloo, DDP's exposed
 # all-reduce). TP's all-reduces happen inside DTensor dispatch and pipeline sends/receives are waited on
 # inside torch's schedules: their bytes are counted, their time is not.
-TIMED_KINDS = ("grad", "param", "rebalance", "weight_sync", "metrics")
+TIMED_KINDS = ("grad", "param", "rebalance", "weight_sync", "rollout", "metrics")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "all_to_all")
 
 
@@ -78,6 +79,17 @@ def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes of this rank's part of ``t`` (a DTensor's local shard)."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
+
+
+def sharded_over(t) -> int:
+    """Ranks a DTensor is split over: the product of its non-replicated mesh dimensions. Gathering it
+    whole (``full_tensor()``, dimension after dimension) sends (n-1)/n x its full size per rank, the same
+    as one all-gather over all n."""
+    size = 1
+    for dim, placement in enumerate(getattr(t, "placements", ())):
+        if not placement.is_replicate():
+            size *= t.device_mesh.size(dim)
+    return size
 
 
 class CommCounter:

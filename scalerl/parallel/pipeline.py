@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from scalerl.comm.accounting import CommCounter, tensor_bytes
+from scalerl.comm.accounting import CommCounter, sharded_over, tensor_bytes
 from scalerl.models.decoder import CausalLM, attention_mask_4d, position_ids_from_mask
 from scalerl.parallel.distributed import DistContext
 
@@ -190,7 +190,7 @@ class PipelineRunner:
                 if isinstance(p, DTensor) and _is_dp_sharded(p):
                     # full_tensor() all-gathers over the sharded mesh dims (one dim in supported layouts)
                     full = p.full_tensor()
-                    comm.record("weight_sync", "all_gather", tensor_bytes(full), _sharded_size(p), dim="dp_shard")
+                    comm.record("weight_sync", "all_gather", tensor_bytes(full), sharded_over(p), dim="dp_shard")
                     own[n] = full
                 else:
                     own[n] = p
@@ -216,12 +216,3 @@ class PipelineRunner:
 def _is_dp_sharded(p: DTensor) -> bool:
     names = p.device_mesh.mesh_dim_names or ()
     return any(not pl.is_replicate() and n.startswith("dp") for n, pl in zip(names, p.placements))
-
-
-def _sharded_size(p: DTensor) -> int:
-    """Ranks a DTensor is split over (the product of its non-replicated mesh dims)."""
-    size = 1
-    for dim, placement in enumerate(p.placements):
-        if not placement.is_replicate():
-            size *= p.device_mesh.size(dim)
-    return size

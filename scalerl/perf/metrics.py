@@ -34,6 +34,7 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "perf/throughput": "sum",
     "perf/max_memory_gb": "max",
     "comm/weight_sync_bytes": "sum_all_ranks",
+    "rollout/logprob_diff/max": "max",
     "comm/bytes/total": "spread",
     "timing_s/*": "spread",
     "comm/bytes/*": "mean",
@@ -42,6 +43,7 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "sft/*": "mean",
     "val/*": "mean",
     "balance/*": "mean",
+    "rollout/*": "mean",
     "response_length/*": "mean",
     "perf/*": "mean",
 }
