@@ -45,6 +45,8 @@ __all__ = [
 DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("arithmetic", "gsm8k", "math")
 ROLLOUT_ENGINES = ("builtin", "vllm")
+ROLLOUT_PLACEMENTS = ("colocated", "standalone")
+ROLLOUT_DTYPES = ("float32", "bfloat16")
 LR_SCHEDULES = ("constant", "cosine")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -142,6 +144,14 @@ class RolloutSection(_Section):
     top_k: int = opt(0, "keep the k most likely tokens; 0 = off")
     max_new_tokens: int = opt(16, "response length limit in tokens")
     val_temperature: float = opt(0.0, "sampling temperature for evaluation; 0 = greedy", at_least=0)
+    placement: str = opt("colocated", "colocated (the trainer's ranks generate with the trained weights) | "
+                                      "standalone (rollout.workers extra ranks with their own copy)")
+    workers: int = opt(1, "standalone: rollout worker ranks, the last ranks of the world")
+    dtype: str = opt("float32", "standalone: the workers' weight dtype: float32 | bfloat16")
+    staleness: int = opt(0, "standalone: 0 = generate with the latest weights; 1 = generate step k+1 with "
+                            "step k's weights while the trainer updates (one-step asynchronous)")
+    tis_cap: float = opt(2.0, "truncated importance sampling: cap of exp(old - rollout log-prob) per token, applied "
+                              "when rollout log-probs come from other weights or numerics; 0 = off", at_least=0)
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -149,6 +159,13 @@ class RolloutSection(_Section):
         _check(p, self.n >= 1, "rollout.n", ">= 1", self.n)
         _check(p, self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
         _check(p, self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
+        _check_choice(p, "rollout.placement", self.placement, ROLLOUT_PLACEMENTS)
+        _check(p, self.workers >= 1, "rollout.workers", ">= 1", self.workers)
+        _check_choice(p, "rollout.dtype", self.dtype, ROLLOUT_DTYPES)
+        _check(p, self.staleness in (0, 1), "rollout.staleness", "0 or 1", self.staleness)
+        if self.placement == "colocated" and (self.staleness or self.dtype != "float32"):
+            p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only "
+                     f"(got staleness={self.staleness}, dtype={self.dtype} with placement=colocated)")
         return p
 
 
@@ -310,6 +327,9 @@ class ParallelSection(_Section):
     pp: int = opt(1, "pipeline-parallel stages (layers must divide by it)")
     pp_schedule: str = opt("1f1b", "pipeline schedule: " + " | ".join(PP_SCHEDULES))
     microbatches: int = opt(4, "pipeline micro-batches per mini-batch")
+    reorder_ranks_by_node: bool = opt(True, "when the launcher numbered ranks across nodes in turn, build the "
+                                            "device mesh with each node's ranks contiguous (rings cross nodes "
+                                            "less; RANK numbers are kept)")
 
     def problems(self) -> list[str]:
         p: list[str] = []

@@ -14,7 +14,7 @@ from typing import Callable, TypeVar
 
 from scalerl.checkpoint import list_checkpoints
 from scalerl.core.errors import RunFailure, UserError
-from scalerl.parallel.distributed import describe_failure, stop_heartbeat
+from scalerl.parallel.process_group import describe_failure, stop_heartbeat
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ import pytest
 
 from scalerl.core.net import free_port
 from scalerl.core.rank_env import RankEnvError
-from scalerl.parallel.distributed import enable_nccl_flight_recorder
+from scalerl.parallel.process_group import enable_nccl_flight_recorder
 from scalerl.parallel.rendezvous import RendezvousError, rendezvous_store
 
 
