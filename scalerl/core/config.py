@@ -35,7 +35,7 @@ from scalerl.core.config_tree import (  # re-exported: `scalerl.core.config` is 
 
 __all__ = [
     "ActorSection", "AlgorithmSection", "Config", "ConfigError", "CriticSection", "DataSection", "ModelSection",
-    "ParallelSection", "RolloutSection", "SFTSection", "TrainerSection", "apply_override", "config_from_dict",
+    "ParallelSection", "RolloutSection", "SFTSection", "TrainerSection", "WeightSyncSection", "apply_override", "config_from_dict",
     "config_to_dict", "config_to_yaml", "describe_keys", "format_config", "load_config", "opt", "save_config",
     "split_config_args",
 ]
@@ -53,6 +53,8 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_REWARDS = ("auto", "gsm8k", "math")
+ROLLOUT_DTYPES = ("bf16", "fp32")
+WEIGHT_SYNC_MODES = ("full", "delta")
 
 
 @dataclass
@@ -131,16 +133,47 @@ class RolloutSection(_Section):
     top_k: int = opt(0, "keep the k most likely tokens; 0 = off")
     max_new_tokens: int = opt(16, "response length limit in tokens")
     val_temperature: float = opt(0.0, "sampling temperature for evaluation; 0 = greedy")
+    dtype: str = opt("bf16", "weights of a rollout engine with its own copy, and what weight sync sends: "
+                     + " | ".join(ROLLOUT_DTYPES))
 
     def problems(self) -> list[str]:
         p: list[str] = []
         _check_choice(p, "rollout.engine", self.engine, ROLLOUT_ENGINES)
+        _check_choice(p, "rollout.dtype", self.dtype, ROLLOUT_DTYPES)
         _check(p, self.n >= 1, "rollout.n", ">= 1", self.n)
         _check(p, self.temperature >= 0, "rollout.temperature", ">= 0", self.temperature)
         _check(p, 0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(p, self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
         _check(p, self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
         _check(p, self.val_temperature >= 0, "rollout.val_temperature", ">= 0", self.val_temperature)
+        return p
+
+
+@dataclass
+class WeightSyncSection(_Section):
+    """Pushing the trainer's weights to rollout engines that hold their own copy (scalerl/comm/weight_sync.py)."""
+
+    name = "weight_sync"
+    mode: str = opt("delta", "full (dense push every sync) | delta (only elements whose rollout.dtype bits "
+                    "changed; lossless, verified by checksums)")
+    bucket_mb: float = opt(64.0, "bucket size in MiB of rollout.dtype elements: tensors are gathered and sent one "
+                           "bucket at a time, bounding the extra memory")
+    static_every: int = opt(0, "lossy option: defer a tensor whose largest change since its last push is below "
+                            "static_threshold for up to this many syncs; 0 = off (lossless)")
+    static_threshold: float = opt(0.0, "lossy option: largest absolute change a deferred tensor may carry")
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check_choice(p, "weight_sync.mode", self.mode, WEIGHT_SYNC_MODES)
+        _check(p, self.bucket_mb > 0, "weight_sync.bucket_mb", "> 0", self.bucket_mb)
+        _check(p, self.static_every >= 0, "weight_sync.static_every", ">= 0 (0 = off)", self.static_every)
+        _check(p, self.static_threshold >= 0, "weight_sync.static_threshold", ">= 0", self.static_threshold)
+        if self.static_every > 0 and self.mode != "delta":
+            p.append(f"weight_sync.static_every={self.static_every} defers tensors between delta syncs; "
+                     f"it needs weight_sync.mode=delta, got {self.mode!r}")
+        if self.static_every > 0 and self.static_threshold <= 0:
+            p.append("weight_sync.static_every > 0 needs weight_sync.static_threshold > 0 "
+                     "(the largest change a deferred tensor may carry)")
         return p
 
 
@@ -331,6 +364,7 @@ class Config(_Section):
     sft: SFTSection = field(default_factory=SFTSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
 
     def problems(self) -> list[str]:
         p = [msg for f in dataclasses.fields(self) for msg in getattr(self, f.name).problems()]

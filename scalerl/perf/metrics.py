@@ -31,6 +31,11 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "comm/weight_sync_bytes": "sum_all_ranks",
     "timing_s/*": "spread",
     "comm/bytes/*": "sum_all_ranks",
+    # Weight sync (scalerl/comm/weight_sync.py): the source rank holds the values, the other trainer ranks
+    # report 0, so the max over ranks is the source's figure. bytes/full_bytes/changed_fraction/
+    # static_tensors/dynamic_tensors/resyncs/full_push/peak_bucket_bytes, and the lossy mode's
+    # deferred_tensors/max_deviation/max_staleness.
+    "weight_sync/*": "max",
     "actor/*": "mean",
     "critic/*": "mean",
     "sft/*": "mean",
