@@ -24,8 +24,13 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-ZLIB_LEVEL = 6  # level 9 saved under 1% more on GRPO deltas here, at a multiple of the time
+ZLIB_LEVEL = 6  # on GRPO deltas here: 10-30% smaller streams than level 1; level 9 gained under 1% more
 MIN_COMPRESS_BYTES = 64  # shorter streams are not worth a zlib header
+# zlib level 6 ran at ~10-15 MB/s on barely compressible streams on this (shared, 2-core) CPU, slower than
+# the 25 MB/s of a 200 Mbit link: a large stream is compressed only when a level-1 probe of its first
+# PROBE_BYTES saves at least MIN_SAVING (fp32 differences probed at ~12% and saved 9%: not worth 50+ ms).
+PROBE_BYTES = 64 * 1024
+MIN_SAVING = 0.25
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 NUMPY_INT = {torch.int16: np.int16, torch.int32: np.int32}
 
@@ -83,37 +88,40 @@ def varint_encode(values: np.ndarray) -> bytes:
     v = np.ascontiguousarray(values, dtype=np.uint64)
     if v.size == 0:
         return b""
-    lengths = np.ones(v.size, dtype=np.int64)
-    for j in range(1, 10):
-        lengths += v >= np.uint64(1 << (7 * j))
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    out = np.empty(int(ends[-1]), dtype=np.uint8)
-    for j in range(int(lengths.max())):
-        has = lengths > j
-        byte = ((v[has] >> np.uint64(7 * j)) & np.uint64(0x7F)).astype(np.uint8)
-        byte |= np.where(lengths[has] > j + 1, 0x80, 0).astype(np.uint8)
-        out[starts[has] + j] = byte
-    return out.tobytes()
+    lengths = np.ones(v.size, dtype=np.uint8)
+    largest = int(v.max())
+    width = 1
+    while width < 10 and largest >= 1 << (7 * width):
+        lengths += v >= np.uint64(1 << (7 * width))
+        width += 1
+    if width == 1:
+        return v.astype(np.uint8).tobytes()  # every value < 128: one byte each, as is
+    # Row i holds value i's `width` candidate bytes; the mask keeps its first lengths[i] (row-major order).
+    table = np.empty((v.size, width), dtype=np.uint8)
+    for j in range(width):
+        table[:, j] = ((v >> np.uint64(7 * j)) & np.uint64(0x7F)).astype(np.uint8)
+        table[:, j] |= (lengths > j + 1).astype(np.uint8) << 7
+    return table[np.arange(width) < lengths[:, None]].tobytes()
 
 
 def varint_decode(data: bytes, count: int) -> np.ndarray:
     """Exactly ``count`` varints from ``data`` (nothing left over) as uint64."""
     raw = np.frombuffer(data, dtype=np.uint8)
-    ends = np.flatnonzero(raw < 0x80)  # the last byte of each value
-    if ends.size != count or (count and ends[-1] != raw.size - 1) or (not count and raw.size):
-        raise DecodeError(f"expected {count} varints in {raw.size} bytes, found {ends.size}")
+    last = raw < 0x80  # the last byte of each value
+    found = int(np.count_nonzero(last))
+    if found != count or (count and not last[-1]) or (not count and raw.size):
+        raise DecodeError(f"expected {count} varints in {raw.size} bytes, found {found}")
     if count == 0:
         return np.zeros(0, dtype=np.uint64)
-    starts = np.concatenate(([0], ends[:-1] + 1))
-    lengths = ends - starts + 1
-    if lengths.max() > 10:
+    if found == raw.size:
+        return raw.astype(np.uint64)  # all one-byte values
+    starts = np.concatenate(([0], np.flatnonzero(last)[:-1] + 1))
+    value_of_byte = np.repeat(np.arange(count), np.diff(np.append(starts, raw.size)))
+    position = np.arange(raw.size) - starts[value_of_byte]
+    if position.max() > 9:
         raise DecodeError("a varint longer than 10 bytes")
-    out = np.zeros(count, dtype=np.uint64)
-    for j in range(int(lengths.max())):
-        has = lengths > j
-        out[has] |= (raw[starts[has] + j] & np.uint8(0x7F)).astype(np.uint64) << np.uint64(7 * j)
-    return out
+    parts = (raw & np.uint8(0x7F)).astype(np.uint64) << (7 * position).astype(np.uint64)
+    return np.bitwise_or.reduceat(parts, starts)
 
 
 def _zigzag(d: np.ndarray) -> np.ndarray:
@@ -138,6 +146,8 @@ def _wrapping_diff(new: np.ndarray, old: np.ndarray) -> np.ndarray:
 def _smaller_stream(data: bytes) -> tuple[bytes, bool]:
     """``data`` or its zlib compression, whichever is shorter, and whether it is compressed."""
     if len(data) < MIN_COMPRESS_BYTES:
+        return data, False
+    if len(data) > 2 * PROBE_BYTES and len(zlib.compress(data[:PROBE_BYTES], 1)) > (1 - MIN_SAVING) * PROBE_BYTES:
         return data, False
     packed = zlib.compress(data, ZLIB_LEVEL)
     return (packed, True) if len(packed) < len(data) else (data, False)
@@ -179,6 +189,9 @@ def candidate_encodings(old: torch.Tensor, new: torch.Tensor) -> list[EncodedBuc
         return [EncodedBucket(Positions.GAPS, Values.DIFF, False, False, 0, 0, b"")]
     dense_values, dense_zipped = _smaller_stream(new_np.tobytes())
     dense = EncodedBucket(Positions.ALL, Values.RAW, False, dense_zipped, k, 0, dense_values)
+    if k == n:  # every element changed: positions carry nothing
+        all_diffs, zipped = _smaller_stream(varint_encode(_zigzag(_wrapping_diff(new_np, old_np))))
+        return [dense, EncodedBucket(Positions.ALL, Values.DIFF, False, zipped, k, 0, all_diffs)]
     new_changed = new_np[idx]
     diffs = varint_encode(_zigzag(_wrapping_diff(new_changed, old_np[idx])))
     values = min(
