@@ -24,6 +24,8 @@ from enum import IntEnum
 import numpy as np
 import torch
 
+from scalerl.comm.varints import CHUNK, DecodeError, apply_diff_varints, diff_varints, varint_chunks, varint_encode
+
 ZLIB_LEVEL = 6  # on GRPO deltas here: 10-30% smaller streams than level 1; level 9 gained under 1% more
 MIN_COMPRESS_BYTES = 64  # shorter streams are not worth a zlib header
 # zlib level 6 ran at ~10-15 MB/s on barely compressible streams on this (shared, 2-core) CPU, slower than
@@ -46,10 +48,6 @@ class Values(IntEnum):
     DIFF = 1
 
 
-class DecodeError(ValueError):
-    """An encoded bucket that does not decode to the expected number of elements."""
-
-
 @dataclass
 class EncodedBucket:
     """One bucket's change. ``payload`` = positions stream (``positions_nbytes`` bytes) + values stream."""
@@ -60,7 +58,7 @@ class EncodedBucket:
     values_zlib: bool
     changed: int  # elements whose bit pattern changed (all of them for a dense push)
     positions_nbytes: int
-    payload: bytes
+    payload: bytes | memoryview
 
     @property
     def nbytes(self) -> int:
@@ -80,66 +78,6 @@ def int_view_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype not in INT_VIEW:
         raise ValueError(f"weight sync supports bfloat16, float16 and float32 rollout weights, not {dtype}")
     return INT_VIEW[dtype]
-
-
-# ------------------------------------------------------------------------------------------------ varints
-def varint_encode(values: np.ndarray) -> bytes:
-    """LEB128: 7 bits per byte, high bit set on every byte but a value's last. ``values`` >= 0."""
-    v = np.ascontiguousarray(values, dtype=np.uint64)
-    if v.size == 0:
-        return b""
-    lengths = np.ones(v.size, dtype=np.uint8)
-    largest = int(v.max())
-    width = 1
-    while width < 10 and largest >= 1 << (7 * width):
-        lengths += v >= np.uint64(1 << (7 * width))
-        width += 1
-    if width == 1:
-        return v.astype(np.uint8).tobytes()  # every value < 128: one byte each, as is
-    # Row i holds value i's `width` candidate bytes; the mask keeps its first lengths[i] (row-major order).
-    table = np.empty((v.size, width), dtype=np.uint8)
-    for j in range(width):
-        table[:, j] = ((v >> np.uint64(7 * j)) & np.uint64(0x7F)).astype(np.uint8)
-        table[:, j] |= (lengths > j + 1).astype(np.uint8) << 7
-    return table[np.arange(width) < lengths[:, None]].tobytes()
-
-
-def varint_decode(data: bytes, count: int) -> np.ndarray:
-    """Exactly ``count`` varints from ``data`` (nothing left over) as uint64."""
-    raw = np.frombuffer(data, dtype=np.uint8)
-    last = raw < 0x80  # the last byte of each value
-    found = int(np.count_nonzero(last))
-    if found != count or (count and not last[-1]) or (not count and raw.size):
-        raise DecodeError(f"expected {count} varints in {raw.size} bytes, found {found}")
-    if count == 0:
-        return np.zeros(0, dtype=np.uint64)
-    if found == raw.size:
-        return raw.astype(np.uint64)  # all one-byte values
-    starts = np.concatenate(([0], np.flatnonzero(last)[:-1] + 1))
-    value_of_byte = np.repeat(np.arange(count), np.diff(np.append(starts, raw.size)))
-    position = np.arange(raw.size) - starts[value_of_byte]
-    if position.max() > 9:
-        raise DecodeError("a varint longer than 10 bytes")
-    parts = (raw & np.uint8(0x7F)).astype(np.uint64) << (7 * position).astype(np.uint64)
-    return np.bitwise_or.reduceat(parts, starts)
-
-
-def _zigzag(d: np.ndarray) -> np.ndarray:
-    d = d.astype(np.int64)
-    return ((d << 1) ^ (d >> 63)).astype(np.uint64)
-
-
-def _unzigzag(z: np.ndarray) -> np.ndarray:
-    z = z.astype(np.uint64)
-    return ((z >> np.uint64(1)).astype(np.int64)) ^ -((z & np.uint64(1)).astype(np.int64))
-
-
-def _wrapping_diff(new: np.ndarray, old: np.ndarray) -> np.ndarray:
-    """new - old of the bit patterns, wrapped into the signed range of their width (so it always fits)."""
-    bits = new.dtype.itemsize * 8
-    d = new.astype(np.int64) - old.astype(np.int64)
-    half = 1 << (bits - 1)
-    return ((d + half) & ((1 << bits) - 1)) - half
 
 
 # --------------------------------------------------------------------------------------------- streams
@@ -166,52 +104,56 @@ def _inflate(data: bytes, limit: int) -> bytes:
 
 
 def encode_dense(new: torch.Tensor) -> EncodedBucket:
-    """The whole bucket, raw: what a full push sends."""
-    data = new.numpy().tobytes()
-    return EncodedBucket(Positions.ALL, Values.RAW, False, False, new.numel(), 0, data)
+    """The whole bucket, raw: what a full push sends (a view of ``new``'s memory, not a copy)."""
+    return EncodedBucket(Positions.ALL, Values.RAW, False, False, new.numel(), 0, memoryview(new.numpy()).cast("B"))
 
 
-def encode_bucket(old: torch.Tensor, new: torch.Tensor) -> EncodedBucket:
-    """The smallest lossless encoding of ``old -> new`` (1-D CPU integer bit views of equal length)."""
-    return min(candidate_encodings(old, new), key=lambda c: c.nbytes)
+def encode_bucket(old: torch.Tensor, new: torch.Tensor, changed: np.ndarray | None = None) -> EncodedBucket:
+    """The smallest lossless encoding of ``old -> new`` (1-D CPU integer bit views of equal length);
+    ``changed``: ``old != new`` if the caller has it already."""
+    return min(candidate_encodings(old, new, changed), key=lambda c: c.nbytes)
 
 
-def candidate_encodings(old: torch.Tensor, new: torch.Tensor) -> list[EncodedBucket]:
-    """Every encoding `encode_bucket` weighs: the dense bucket (zlib'd if that is smaller); positions (gaps or bitmask, whichever is
-    smaller) + values (raw or differences, whichever is smaller); and, when at least 1/8 of the elements
-    changed, a difference for every element. An unchanged bucket has one, empty, encoding."""
+def candidate_encodings(old: torch.Tensor, new: torch.Tensor, changed: np.ndarray | None = None) -> list[EncodedBucket]:
+    """Every encoding `encode_bucket` weighs: the dense bucket (zlib'd if that pays); positions (gaps or
+    bitmask, whichever is smaller) + values (raw or differences, whichever is smaller); and, when at least
+    1/8 of the elements changed, a difference for every element. An unchanged bucket has one, empty,
+    encoding. Streams are built `CHUNK` elements at a time, bounding the int64 temporaries."""
     n = new.numel()
     old_np, new_np = old.numpy(), new.numpy()
-    changed_mask = old_np != new_np
-    idx = np.flatnonzero(changed_mask)
-    k = idx.size
+    changed_mask = old_np != new_np if changed is None else changed
+    k = int(np.count_nonzero(changed_mask))
     if k == 0:
         return [EncodedBucket(Positions.GAPS, Values.DIFF, False, False, 0, 0, b"")]
-    dense_values, dense_zipped = _smaller_stream(new_np.tobytes())
-    dense = EncodedBucket(Positions.ALL, Values.RAW, False, dense_zipped, k, 0, dense_values)
-    if k == n:  # every element changed: positions carry nothing
-        all_diffs, zipped = _smaller_stream(varint_encode(_zigzag(_wrapping_diff(new_np, old_np))))
-        return [dense, EncodedBucket(Positions.ALL, Values.DIFF, False, zipped, k, 0, all_diffs)]
-    new_changed = new_np[idx]
-    diffs = varint_encode(_zigzag(_wrapping_diff(new_changed, old_np[idx])))
-    values = min(
-        [(*_smaller_stream(diffs), Values.DIFF), (*_smaller_stream(new_changed.tobytes()), Values.RAW)],
-        key=lambda c: len(c[0]),
-    )
-    gaps = varint_encode(np.diff(idx, prepend=-1) - 1)
-    bitmask = np.packbits(changed_mask, bitorder="little").tobytes()
-    positions = min([(*_smaller_stream(gaps), Positions.GAPS), (*_smaller_stream(bitmask), Positions.BITMASK)],
-                    key=lambda c: len(c[0]))
-    candidates = [dense, EncodedBucket(positions[2], values[2], positions[1], values[1], k, len(positions[0]),
-                                       positions[0] + values[0])]
+    dense_values, dense_zipped = _smaller_stream(memoryview(new_np).cast("B"))
+    candidates = [EncodedBucket(Positions.ALL, Values.RAW, False, dense_zipped, k, 0, dense_values)]
     if k * 8 >= n:  # most elements moved (e.g. fp32 weights): a difference for every element, no positions
-        all_diffs, zipped = _smaller_stream(varint_encode(_zigzag(_wrapping_diff(new_np, old_np))))
+        all_diffs, zipped = _smaller_stream(diff_varints(new_np, old_np))
         candidates.append(EncodedBucket(Positions.ALL, Values.DIFF, False, zipped, k, 0, all_diffs))
+    if k == n:  # positions would carry nothing
+        return candidates
+    gaps, diffs, raws, previous = [], [], [], -1
+    for s in range(0, n, CHUNK):
+        local = np.flatnonzero(changed_mask[s : s + CHUNK])
+        if local.size:
+            gaps.append(varint_encode(np.diff(local + s, prepend=previous) - 1))
+            previous = int(local[-1]) + s
+            changed_new, changed_old = new_np[s : s + CHUNK][local], old_np[s : s + CHUNK][local]
+            diffs.append(diff_varints(changed_new, changed_old))
+            raws.append(changed_new.tobytes())
+    values = min([(*_smaller_stream(b"".join(diffs)), Values.DIFF), (*_smaller_stream(b"".join(raws)), Values.RAW)],
+                 key=lambda c: len(c[0]))
+    bitmask = np.packbits(changed_mask, bitorder="little").tobytes()
+    positions = min([(*_smaller_stream(b"".join(gaps)), Positions.GAPS), (*_smaller_stream(bitmask), Positions.BITMASK)],
+                    key=lambda c: len(c[0]))
+    candidates.append(EncodedBucket(positions[2], values[2], positions[1], values[1], k, len(positions[0]),
+                                    positions[0] + values[0]))
     return candidates
 
 
-def decode_bucket(current: torch.Tensor, enc: EncodedBucket) -> torch.Tensor:
-    """The bucket after applying ``enc`` to ``current`` (a 1-D CPU integer bit view; not modified)."""
+def decode_bucket(current: torch.Tensor, enc: EncodedBucket, in_place: bool = False) -> torch.Tensor:
+    """The bucket after applying ``enc`` to ``current`` (a 1-D CPU integer bit view), written into
+    ``current`` itself when ``in_place`` (it is then partly updated if decoding fails)."""
     n = current.numel()
     width = current.element_size()
     np_dtype = NUMPY_INT[current.dtype]
@@ -222,20 +164,24 @@ def decode_bucket(current: torch.Tensor, enc: EncodedBucket) -> torch.Tensor:
         pos_data = _inflate(pos_data, 10 * n + 16)
     if enc.values_zlib:
         val_data = _inflate(val_data, 10 * n + 16)
-    out = current.numpy().copy()
+    out = current.numpy() if in_place else current.numpy().copy()
     if enc.positions == Positions.ALL:
         idx = None
     elif enc.positions == Positions.GAPS:
         if not 0 <= enc.changed <= n:
             raise DecodeError(f"{enc.changed} changed elements in a bucket of {n}")
-        idx = np.cumsum(varint_decode(pos_data, enc.changed).astype(np.int64) + 1) - 1
-        if idx.size and idx[-1] >= n:
+        idx = np.empty(enc.changed, dtype=np.int64)
+        start, previous = 0, -1
+        for gaps in varint_chunks(pos_data, enc.changed):
+            positions = previous + np.cumsum(gaps.astype(np.int64) + 1)
+            idx[start : start + gaps.size] = positions
+            start, previous = start + gaps.size, int(positions[-1])
+        if idx.size and (idx[-1] >= n or previous >= n):
             raise DecodeError(f"changed position {idx[-1]} outside a bucket of {n} elements")
     elif enc.positions == Positions.BITMASK:
         if len(pos_data) != (n + 7) // 8:
             raise DecodeError(f"bitmask of {len(pos_data)} bytes for a bucket of {n} elements")
-        bits = np.unpackbits(np.frombuffer(pos_data, dtype=np.uint8), count=n, bitorder="little")
-        idx = np.flatnonzero(bits)
+        idx = np.flatnonzero(np.unpackbits(np.frombuffer(pos_data, dtype=np.uint8), count=n, bitorder="little"))
     else:
         raise DecodeError(f"unknown positions kind {enc.positions}")
     count = n if idx is None else idx.size
@@ -244,9 +190,10 @@ def decode_bucket(current: torch.Tensor, enc: EncodedBucket) -> torch.Tensor:
             raise DecodeError(f"{len(val_data)} value bytes for {count} elements of {width} bytes")
         new_values = np.frombuffer(val_data, dtype=np_dtype)
     elif enc.values == Values.DIFF:
-        base = out if idx is None else out[idx]
-        diffs = _unzigzag(varint_decode(val_data, count))
-        new_values = (base.astype(np.int64) + diffs).astype(np_dtype)  # wraps like the encoder's difference
+        if idx is None:
+            apply_diff_varints(out, val_data, out=out)
+            return torch.from_numpy(out)
+        new_values = apply_diff_varints(out[idx], val_data)
     else:
         raise DecodeError(f"unknown values kind {enc.values}")
     if idx is None:
@@ -257,22 +204,31 @@ def decode_bucket(current: torch.Tensor, enc: EncodedBucket) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------- checksum
-CHECKSUM_CHUNK = 1 << 20
+CHECKSUM_CHUNK = 1 << 18  # elements per pass: ~8 MiB of int64 temporaries
 _MULT = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit constant (golden ratio), as a signed int64
 
 
-def bucket_checksum(bits: torch.Tensor) -> int:
-    """``sum(bits_i * (2 * (i * M) + 1))`` over int64 with wrap-around: one weight per position.
+def bucket_checksum(bits: torch.Tensor, offset: int = 0) -> int:
+    """``sum(bits_i * (2 * ((offset + i) * M) + 1))`` over int64 with wrap-around: one weight per position.
 
     Every weight is odd, so invertible modulo 2^64: a single changed element (any bit pattern, any
     position) always changes the sum, and a swap of two unequal elements changes it unless their weight
-    difference happens to annihilate it. Computed in chunks to bound the temporary int64 memory.
+    difference happens to annihilate it. Sums over pieces add up (``offset`` = where a piece starts in its
+    bucket), so a receiver checks what it holds without gathering the bucket first.
     """
     flat = bits.reshape(-1)
     total = torch.zeros((), dtype=torch.int64)
     for start in range(0, flat.numel(), CHECKSUM_CHUNK):
         chunk = flat[start : start + CHECKSUM_CHUNK].to(device="cpu", dtype=torch.int64)
-        pos = torch.arange(start, start + chunk.numel(), dtype=torch.int64)
-        weights = (pos * _MULT) * 2 + 1
-        total += (chunk * weights).sum()
-    return int(total)
+        pos = torch.arange(offset + start, offset + start + chunk.numel(), dtype=torch.int64)
+        total += (chunk * ((pos * _MULT) * 2 + 1)).sum()
+    return _wrap64(int(total))
+
+
+def _wrap64(value: int) -> int:
+    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def combine_checksums(parts: list[int]) -> int:
+    """The checksum of a bucket from the checksums of its pieces (each taken at its bucket offset)."""
+    return _wrap64(sum(parts))

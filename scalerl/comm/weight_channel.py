@@ -56,7 +56,7 @@ class Message:
     plan_hash: int = 0
     checksum: int = 0
     encoded: EncodedBucket | None = None  # BUCKET only
-    payload: bytes = b""  # PLAN: the plan's JSON; BUCKET: the encoded bucket
+    payload: bytes | memoryview = b""  # PLAN: the plan's JSON; BUCKET: the encoded bucket
 
     def header(self) -> torch.Tensor:
         e = self.encoded
@@ -72,7 +72,7 @@ class Message:
         return HEADER_LEN * 8 + len(self.payload)
 
     @classmethod
-    def from_wire(cls, header: torch.Tensor, payload: bytes) -> "Message":
+    def from_wire(cls, header: torch.Tensor, payload: bytes | memoryview) -> "Message":
         h = [int(x) for x in header.tolist()]
         kind = Kind(h[0])
         encoded = None
@@ -171,7 +171,7 @@ def serve_broadcast(handle: Callable[[Message], Ack], group, src: int, device: t
             buf = torch.empty(size, dtype=torch.uint8, device=device)
             _wait(dist.broadcast(buf, src=src, group=group, async_op=True), timeout,
                   f"a {size}-byte weight-sync payload from rank {src}")
-            payload = buf.cpu().numpy().tobytes()
+            payload = memoryview(buf.cpu().numpy()).cast("B")
         message = Message.from_wire(header.cpu(), payload)
         if message.kind == Kind.ABORT:
             raise WeightSyncError(f"weight sync aborted by the sender (rank {src}), bucket {message.bucket}")
@@ -185,7 +185,9 @@ def _send(message: Message, group, src: int, device: torch.device, timeout: time
     _wait(dist.broadcast(message.header().to(device), src=src, group=group, async_op=True), timeout,
           f"the receivers to take a {message.kind.name} header")
     if message.payload:
-        buf = torch.frombuffer(bytearray(message.payload), dtype=torch.uint8).to(device)
+        payload = message.payload
+        writable = isinstance(payload, memoryview) and not payload.readonly  # a bucket's own memory: no copy
+        buf = torch.frombuffer(payload if writable else bytearray(payload), dtype=torch.uint8).to(device)
         _wait(dist.broadcast(buf, src=src, group=group, async_op=True), timeout,
               f"the receivers to take a {len(message.payload)}-byte payload")
 

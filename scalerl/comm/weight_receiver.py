@@ -15,7 +15,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from scalerl.comm.delta_encoding import DecodeError, bucket_checksum, decode_bucket, int_view_dtype
+from scalerl.comm.delta_encoding import (DecodeError, bucket_checksum, combine_checksums, decode_bucket,
+                                         int_view_dtype)
 from scalerl.comm.weight_channel import Ack, Kind, Message, Status
 from scalerl.comm.weight_plan import Segment, WeightPlan
 
@@ -127,9 +128,10 @@ class WeightReceiver:
             return self._fail(Status.DECODE_FAILED, f"bucket {message.bucket} outside the plan")
         segments = plan.segments(message.bucket)
         views = self._views(segments)
-        current = torch.cat([v.cpu() for v in views]) if views else torch.zeros(0, dtype=int_view_dtype(plan.dtype))
+        # One bucket-sized copy of what is held (the delta's base), decoded in place.
+        new = torch.cat([v.cpu() for v in views]) if views else torch.zeros(0, dtype=int_view_dtype(plan.dtype))
         try:
-            new = decode_bucket(current, message.encoded)
+            decode_bucket(new, message.encoded, in_place=True)
         except (DecodeError, ValueError) as err:
             return self._fail(Status.DECODE_FAILED, f"bucket {message.bucket}: {err}")
         if bucket_checksum(new) != message.checksum:
@@ -138,9 +140,9 @@ class WeightReceiver:
         try:
             complete = []
             for seg, view in zip(segments, views):
-                piece = new[seg.bucket_offset : seg.bucket_offset + seg.numel]
-                if not torch.equal(piece, current[seg.bucket_offset : seg.bucket_offset + seg.numel]):
-                    view.copy_(piece.to(view.device))
+                piece = new[seg.bucket_offset : seg.bucket_offset + seg.numel].to(view.device)
+                if not torch.equal(piece, view):
+                    view.copy_(piece)
                     self._dirty.add(seg.entry.name)
                 if seg.completes_tensor and seg.entry.name in self._dirty:
                     complete.append(seg.entry.name)
@@ -150,8 +152,8 @@ class WeightReceiver:
         except Exception as err:  # noqa: BLE001 - any failure to apply is answered; the sender resends dense
             self._dirty.update(s.entry.name for s in segments)
             return self._fail(Status.APPLY_FAILED, f"bucket {message.bucket}: {type(err).__name__}: {err}")
-        held = torch.cat([v.cpu() for v in self._views(segments)]) if segments else new
-        checksum = bucket_checksum(held)
-        if checksum != message.checksum:
-            return Ack(Status.CHECKSUM_MISMATCH, checksum, self.version, self.plan_hash)
-        return Ack(Status.OK, checksum, self.version, self.plan_hash)
+        del new
+        # What the store holds now, piece by piece (no second bucket-sized copy).
+        checksum = combine_checksums([bucket_checksum(v, s.bucket_offset) for s, v in zip(segments, self._views(segments))])
+        status = Status.OK if checksum == message.checksum else Status.CHECKSUM_MISMATCH
+        return Ack(status, checksum, self.version, self.plan_hash)

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -162,15 +163,16 @@ class WeightSender:
             lo, hi = plan.bucket_range(b)
             new = walker.bucket(b)
             old = self.snapshot[lo:hi]
-            changed = new != old if had_snapshot else torch.ones_like(new, dtype=torch.bool)
-            report.changed_elements += int(changed.sum())
+            changed = old.numpy() != new.numpy() if had_snapshot else np.ones(new.numel(), dtype=bool)
+            report.changed_elements += int(np.count_nonzero(changed))
             for seg in plan.segments(b):
-                if bool(changed[seg.bucket_offset : seg.bucket_offset + seg.numel].any()):
+                if changed[seg.bucket_offset : seg.bucket_offset + seg.numel].any():
                     dynamic.add(seg.entry.name)
-            encoded = encode_dense(new) if full else encode_bucket(old, new)
+            encoded = encode_dense(new) if full else encode_bucket(old, new, changed)
             report.encodings[encoded.name] = report.encodings.get(encoded.name, 0) + 1
+            payload_copy = 0 if isinstance(encoded.payload, memoryview) else encoded.nbytes  # dense: a view of `new`
             report.peak_bucket_bytes = max(report.peak_bucket_bytes, walker.held_bytes + new.numel() * new.element_size()
-                                           + changed.numel() + encoded.nbytes)
+                                           + changed.size + payload_copy)
             self._send_verified(b, new, encoded, h, report)
             old.copy_(new)  # every receiver confirmed this bucket: the snapshot moves on
         self._counter += 1

@@ -15,9 +15,8 @@ from scalerl.comm.delta_encoding import (
     decode_bucket,
     encode_bucket,
     encode_dense,
-    varint_decode,
-    varint_encode,
 )
+from scalerl.comm.varints import CHUNK, varint_decode, varint_encode
 from scalerl.comm.weight_plan import WeightPlan
 
 
@@ -164,3 +163,23 @@ def test_plan_cuts_big_tensors_across_buckets_and_packs_tiny_ones():
             WeightPlan.from_json(bad)
     with pytest.raises(ValueError):
         WeightPlan([("a", (2,)), ("a", (3,))], torch.bfloat16, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_buckets_larger_than_the_arithmetic_chunk_round_trip(dtype):
+    """Streams are built and decoded CHUNK elements at a time: gaps, differences and varints must carry
+    across chunk boundaries (changes placed right at them)."""
+    g = torch.Generator().manual_seed(3)
+    n = 2 * CHUNK + 1234
+    before = torch.randn(n, generator=g)
+    for fraction in (0.001, 0.3, 1.0):
+        after = before.clone()
+        pick = torch.randperm(n, generator=g)[: int(n * fraction)]
+        after[pick] += 0.05 * torch.randn(pick.numel(), generator=g)
+        for edge in (CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, n - 1):
+            after[edge] += 1.0
+        old, new = _bits(before, dtype), _bits(after, dtype)
+        for enc in candidate_encodings(old, new):
+            assert torch.equal(decode_bucket(old, enc), new), (fraction, enc.name)
+    big = np.arange(3 * CHUNK, dtype=np.uint64) * 977
+    assert np.array_equal(varint_decode(varint_encode(big), big.size), big)
