@@ -104,7 +104,7 @@ class WeightReceiver:
     def _set_plan(self, message: Message) -> Ack:
         self.version, self.plan, self.plan_hash = 0, None, 0
         try:
-            plan = WeightPlan.from_json(message.payload.decode("utf-8"))
+            plan = WeightPlan.from_json(bytes(message.payload).decode("utf-8"))
             int_view_dtype(plan.dtype)
             self.store.prepare(plan)
             check_store_fits(self.store, plan)
