@@ -17,7 +17,8 @@
    namespaces, a ``--rate-mbit`` tbf-shaped link; root + iproute2) over gloo broadcast: time per sync,
    full vs delta, same run.
 4. ``--memory``: extra resident memory of one delta sync of a synthetic 48M-element model (192 fp32
-   tensors of 1 MiB) for several bucket sizes, each in a fresh process (VmHWM after resetting it).
+   tensors of 1 MiB, bf16 rollout, sender and an in-process receiver together) for several bucket sizes,
+   each in a fresh process (VmHWM after resetting it, glibc told to unmap every buffer over 128 KiB).
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def replay_rank(states: Path, result: Path, rounds: int) -> None:
     dist.init_process_group("gloo", init_method="env://")
     files = sorted(states.glob("*.safetensors"))
     times: dict[str, list[float]] = {"full": [], "delta": []}
+    prepare: dict[str, list[float]] = {"full": [], "delta": []}
     sizes: dict[str, list[int]] = {"full": [], "delta": []}
     for _ in range(rounds):
         for mode in ("full", "delta"):
@@ -168,9 +170,10 @@ def replay_rank(states: Path, result: Path, rounds: int) -> None:
                 report = sender.sync(state.items())
                 if i:  # after the first (full) sync
                     times[mode].append(time.perf_counter() - start)
+                    prepare[mode].append(report.prepare_seconds)
                     sizes[mode].append(report.bytes)
     if dist.get_rank() == 0:
-        result.write_text(json.dumps({"times": times, "bytes": sizes}))
+        result.write_text(json.dumps({"times": times, "prepare": prepare, "bytes": sizes}))
     dist.destroy_process_group()
 
 
@@ -186,10 +189,13 @@ def network_timing(states: Path, rate_mbit: float, rounds: int) -> dict:
         raise RuntimeError("network replay failed: " + " | ".join(f"rank {r.rank}: {r.describe()} {r.output}" for r in ranks))
     data = json.loads(result.read_text())
     full, delta = statistics.median(data["times"]["full"]), statistics.median(data["times"]["delta"])
-    row = {"rate_mbit": rate_mbit, "full_s": full, "delta_s": delta, "speedup": full / delta,
+    row = {"states": str(states), "rate_mbit": rate_mbit, "full_s": full, "delta_s": delta, "speedup": full / delta,
+           "full_prepare_s": statistics.median(data["prepare"]["full"]),
+           "delta_prepare_s": statistics.median(data["prepare"]["delta"]),
            "full_bytes": statistics.mean(data["bytes"]["full"]), "delta_bytes": statistics.mean(data["bytes"]["delta"])}
-    print(f"{rate_mbit:g} Mbit link: median sync full {full * 1e3:.1f} ms ({row['full_bytes']:.0f} B), delta "
-          f"{delta * 1e3:.1f} ms ({row['delta_bytes']:.0f} B): {row['speedup']:.1f}x faster", flush=True)
+    print(f"{states.name}, {rate_mbit:g} Mbit link: median sync full {full * 1e3:.1f} ms ({row['full_bytes']:.0f} B, "
+          f"{row['full_prepare_s'] * 1e3:.1f} ms preparing), delta {delta * 1e3:.1f} ms ({row['delta_bytes']:.0f} B, "
+          f"{row['delta_prepare_s'] * 1e3:.1f} ms preparing): {row['speedup']:.2f}x", flush=True)
     return row
 
 
@@ -223,7 +229,10 @@ def memory_table(bucket_sizes: list[float]) -> list[dict]:
     for mb in bucket_sizes:
         done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--memory-rank", str(mb)],
                               capture_output=True, text=True, timeout=600, check=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+                              # Every buffer over 128 KiB its own mapping, unmapped when freed: the high-water
+                              # mark then counts buffers alive at once, not what glibc's heap kept for reuse.
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+                                   "MALLOC_MMAP_THRESHOLD_": "131072"})
         row = json.loads(done.stdout.strip().splitlines()[-1])
         row["extra_per_bucket"] = row["extra_bytes"] / (mb * MiB)
         rows.append(row)

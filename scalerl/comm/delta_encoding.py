@@ -81,7 +81,16 @@ def int_view_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------------------------- streams
-def _smaller_stream(data: bytes) -> tuple[bytes, bool]:
+def _estimate(data: bytes | memoryview) -> int:
+    """About what `_smaller_stream` would make of ``data``, from a cheap level-1 compression."""
+    if len(data) < MIN_COMPRESS_BYTES:
+        return len(data)
+    if len(data) > 2 * PROBE_BYTES and len(zlib.compress(data[:PROBE_BYTES], 1)) > (1 - MIN_SAVING) * PROBE_BYTES:
+        return len(data)
+    return min(len(data), len(zlib.compress(data, 1)))
+
+
+def _smaller_stream(data: bytes | memoryview) -> tuple[bytes | memoryview, bool]:
     """``data`` or its zlib compression, whichever is shorter, and whether it is compressed."""
     if len(data) < MIN_COMPRESS_BYTES:
         return data, False
@@ -89,6 +98,13 @@ def _smaller_stream(data: bytes) -> tuple[bytes, bool]:
         return data, False
     packed = zlib.compress(data, ZLIB_LEVEL)
     return (packed, True) if len(packed) < len(data) else (data, False)
+
+
+def _best_stream(options: list[tuple[bytes, IntEnum]]) -> tuple[bytes | memoryview, bool, IntEnum]:
+    """Of alternative streams for one role, the one that compresses smallest (judged at zlib level 1,
+    so only the winner pays for level `ZLIB_LEVEL`)."""
+    data, kind = min(options, key=lambda o: _estimate(o[0])) if len(options) > 1 else options[0]
+    return (*_smaller_stream(data), kind)
 
 
 def _inflate(data: bytes, limit: int) -> bytes:
@@ -116,7 +132,7 @@ def encode_bucket(old: torch.Tensor, new: torch.Tensor, changed: np.ndarray | No
 
 def candidate_encodings(old: torch.Tensor, new: torch.Tensor, changed: np.ndarray | None = None) -> list[EncodedBucket]:
     """Every encoding `encode_bucket` weighs: the dense bucket (zlib'd if that pays); positions (gaps or
-    bitmask, whichever is smaller) + values (raw or differences, whichever is smaller); and, when at least
+    bitmask, whichever compresses smaller) + values (raw or differences, likewise); and, when at least
     1/8 of the elements changed, a difference for every element. An unchanged bucket has one, empty,
     encoding. Streams are built `CHUNK` elements at a time, bounding the int64 temporaries."""
     n = new.numel()
@@ -141,11 +157,9 @@ def candidate_encodings(old: torch.Tensor, new: torch.Tensor, changed: np.ndarra
             changed_new, changed_old = new_np[s : s + CHUNK][local], old_np[s : s + CHUNK][local]
             diffs.append(diff_varints(changed_new, changed_old))
             raws.append(changed_new.tobytes())
-    values = min([(*_smaller_stream(b"".join(diffs)), Values.DIFF), (*_smaller_stream(b"".join(raws)), Values.RAW)],
-                 key=lambda c: len(c[0]))
+    values = _best_stream([(b"".join(diffs), Values.DIFF), (b"".join(raws), Values.RAW)])
     bitmask = np.packbits(changed_mask, bitorder="little").tobytes()
-    positions = min([(*_smaller_stream(b"".join(gaps)), Positions.GAPS), (*_smaller_stream(bitmask), Positions.BITMASK)],
-                    key=lambda c: len(c[0]))
+    positions = _best_stream([(b"".join(gaps), Positions.GAPS), (bitmask, Positions.BITMASK)])
     candidates.append(EncodedBucket(positions[2], values[2], positions[1], values[1], k, len(positions[0]),
                                     positions[0] + values[0]))
     return candidates

@@ -56,7 +56,8 @@ class SyncReport:
     max_staleness: int = 0  # lossy mode: most syncs any tensor has been held back
     buckets: int = 0
     encodings: dict[str, int] = field(default_factory=dict)  # bucket encoding name -> count
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole sync on the source
+    prepare_seconds: float = 0.0  # of which gathering, converting, comparing and encoding (not the channel)
 
     @property
     def changed_fraction(self) -> float:
@@ -161,6 +162,7 @@ class WeightSender:
         dynamic: set[str] = set()
         for b in range(plan.num_buckets):
             lo, hi = plan.bucket_range(b)
+            prepare_start = time.perf_counter()
             new = walker.bucket(b)
             old = self.snapshot[lo:hi]
             changed = old.numpy() != new.numpy() if had_snapshot else np.ones(new.numel(), dtype=bool)
@@ -173,7 +175,9 @@ class WeightSender:
             payload_copy = 0 if isinstance(encoded.payload, memoryview) else encoded.nbytes  # dense: a view of `new`
             report.peak_bucket_bytes = max(report.peak_bucket_bytes, walker.held_bytes + new.numel() * new.element_size()
                                            + changed.size + payload_copy)
-            self._send_verified(b, new, encoded, h, report)
+            checksum = bucket_checksum(new)
+            report.prepare_seconds += time.perf_counter() - prepare_start
+            self._send_verified(b, new, checksum, encoded, h, report)
             old.copy_(new)  # every receiver confirmed this bucket: the snapshot moves on
         self._counter += 1
         version = (self._session << 32) | self._counter
@@ -187,10 +191,10 @@ class WeightSender:
         report.max_staleness = max(self.staleness.values(), default=0)
         return report
 
-    def _send_verified(self, b: int, new: torch.Tensor, encoded, plan_hash: int, report: SyncReport) -> None:
+    def _send_verified(self, b: int, new: torch.Tensor, checksum: int, encoded, plan_hash: int,
+                       report: SyncReport) -> None:
         """Send bucket ``b`` until every receiver holds bits hashing to ``new``'s checksum: first as
         ``encoded``, then dense; after ``max_resends`` dense attempts, abort the sync."""
-        checksum = bucket_checksum(new)
         message = Message(Kind.BUCKET, b, self.version, plan_hash, checksum, encoded, encoded.payload)
         for attempt in range(self.max_resends + 1):
             acks = self._exchange(message, report)
