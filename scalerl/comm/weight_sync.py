@@ -128,8 +128,8 @@ class WeightSender:
             self.plan = WeightPlan.for_bucket_bytes(shapes, self.dtype, self.bucket_bytes)
             self.snapshot, self._snapshot_valid, self.version, self.staleness = None, False, 0, {}
         if not self.is_source:
-            for _, t in tensors:  # join the source's gathers, in the same order
-                if isinstance(t, DTensor):
+            for _, t in tensors:  # join the source's gathers, in the same order (an empty tensor has no bucket)
+                if isinstance(t, DTensor) and t.numel():
                     t.full_tensor()
             return SyncReport()
         report = self._sync_source(tensors)
@@ -183,6 +183,7 @@ class WeightSender:
         version = (self._session << 32) | self._counter
         acks = self._exchange(Message(Kind.END, version=version, plan_hash=h), report)
         if any(a.status != Status.OK or a.version != version for a in acks):
+            self.version = 0
             raise WeightSyncError(f"weight sync: receivers did not confirm version {version}: {acks}")
         self.version, self._snapshot_valid = version, True
         report.dynamic_tensors = len(dynamic)

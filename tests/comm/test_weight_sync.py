@@ -5,7 +5,7 @@ drifting; the lossy mode's staleness is bounded; engines receive through the rol
 import pytest
 import torch
 
-from scalerl.comm.weight_channel import InProcessChannel, WeightSyncError
+from scalerl.comm.weight_channel import InProcessChannel, Kind, Message, WeightSyncError
 from scalerl.comm.weight_receiver import TensorDictStore, WeightReceiver
 from scalerl.comm.weight_sync import WeightSender
 from scalerl.core.config import ConfigError, load_config
@@ -137,6 +137,35 @@ def test_weights_that_drift_on_the_receiver_are_caught_and_repaired():
     assert report.changed_elements == 0
     assert report.resyncs == 1  # ...but the bucket holding the flip does not verify and is resent dense
     assert _holds_exactly(stores[0].tensors, model, torch.bfloat16)
+
+
+def test_a_payload_corrupted_in_transit_is_refused_and_resent():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    store = TensorDictStore()
+
+    class CorruptingChannel(InProcessChannel):
+        corrupt_next = False
+
+        def exchange(self, message):
+            if self.corrupt_next and message.kind == Kind.BUCKET and message.payload:
+                self.corrupt_next = False
+                damaged = bytearray(message.payload)
+                damaged[len(damaged) // 2] ^= 0x40
+                message = Message(message.kind, message.bucket, message.version, message.plan_hash, message.checksum,
+                                  message.encoded, bytes(damaged))
+                message.encoded = Message.from_wire(message.header(), message.payload).encoded
+            return super().exchange(message)
+
+    channel = CorruptingChannel([WeightReceiver(store)])
+    sender = WeightSender(torch.bfloat16, 1 << 20, channel)
+    sender.sync(model.named_parameters())
+    for step in range(3):
+        _train(model, optimizer, 1, seed=step)
+        channel.corrupt_next = True
+        report = sender.sync(model.named_parameters())
+        assert report.resyncs == 1 and not report.full_push
+        assert _holds_exactly(store.tensors, model, torch.bfloat16)
 
 
 def test_a_restarted_receiver_or_sender_gets_a_full_push():
