@@ -12,7 +12,7 @@ An encoded bucket is up to two byte streams, each stored raw or zlib-compressed,
   run of them compresses to a few bits).
 
 ``encode_bucket`` builds the candidates and keeps the smallest, the dense bucket (``ALL`` + ``RAW``)
-included. Measured on the demo's GRPO updates the mix matters: see docs/weight-sync.md.
+included; which one wins depends on how many elements changed (docs/weight-sync.md has the measurements).
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ import torch
 
 from scalerl.comm.varints import CHUNK, DecodeError, apply_diff_varints, diff_varints, varint_chunks, varint_encode
 
-ZLIB_LEVEL = 6  # on GRPO deltas here: 10-30% smaller streams than level 1; level 9 gained under 1% more
+# zlib level 1: on the demo's GRPO deltas level 6 made streams 5-15% smaller at 10-40x the time (tens of
+# ms per 100 KiB on this CPU, more than sending the difference over a 200 Mbit link takes).
+ZLIB_LEVEL = 1
 MIN_COMPRESS_BYTES = 64  # shorter streams are not worth a zlib header
-# zlib level 6 ran at ~10-15 MB/s on barely compressible streams on this (shared, 2-core) CPU, slower than
-# the 25 MB/s of a 200 Mbit link: a large stream is compressed only when a level-1 probe of its first
-# PROBE_BYTES saves at least MIN_SAVING (fp32 differences probed at ~12% and saved 9%: not worth 50+ ms).
+# zlib runs at ~10-40 MB/s on barely compressible streams on this (shared, 2-core) CPU, slower than the
+# 25 MB/s of a 200 Mbit link: a large stream is compressed only when a probe of its first PROBE_BYTES
+# saves at least MIN_SAVING (fp32 differences probed at ~12% and saved 9%: not worth it).
 PROBE_BYTES = 64 * 1024
 MIN_SAVING = 0.25
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -81,30 +83,19 @@ def int_view_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------------------------- streams
-def _estimate(data: bytes | memoryview) -> int:
-    """About what `_smaller_stream` would make of ``data``, from a cheap level-1 compression."""
-    if len(data) < MIN_COMPRESS_BYTES:
-        return len(data)
-    if len(data) > 2 * PROBE_BYTES and len(zlib.compress(data[:PROBE_BYTES], 1)) > (1 - MIN_SAVING) * PROBE_BYTES:
-        return len(data)
-    return min(len(data), len(zlib.compress(data, 1)))
-
-
 def _smaller_stream(data: bytes | memoryview) -> tuple[bytes | memoryview, bool]:
     """``data`` or its zlib compression, whichever is shorter, and whether it is compressed."""
     if len(data) < MIN_COMPRESS_BYTES:
         return data, False
-    if len(data) > 2 * PROBE_BYTES and len(zlib.compress(data[:PROBE_BYTES], 1)) > (1 - MIN_SAVING) * PROBE_BYTES:
+    if len(data) > 2 * PROBE_BYTES and len(zlib.compress(data[:PROBE_BYTES], ZLIB_LEVEL)) > (1 - MIN_SAVING) * PROBE_BYTES:
         return data, False
     packed = zlib.compress(data, ZLIB_LEVEL)
     return (packed, True) if len(packed) < len(data) else (data, False)
 
 
 def _best_stream(options: list[tuple[bytes, IntEnum]]) -> tuple[bytes | memoryview, bool, IntEnum]:
-    """Of alternative streams for one role, the one that compresses smallest (judged at zlib level 1,
-    so only the winner pays for level `ZLIB_LEVEL`)."""
-    data, kind = min(options, key=lambda o: _estimate(o[0])) if len(options) > 1 else options[0]
-    return (*_smaller_stream(data), kind)
+    """Of alternative streams for one role, the one that ends up smallest (raw or compressed)."""
+    return min(((*_smaller_stream(data), kind) for data, kind in options), key=lambda c: len(c[0]))
 
 
 def _inflate(data: bytes, limit: int) -> bytes:
@@ -132,9 +123,10 @@ def encode_bucket(old: torch.Tensor, new: torch.Tensor, changed: np.ndarray | No
 
 def candidate_encodings(old: torch.Tensor, new: torch.Tensor, changed: np.ndarray | None = None) -> list[EncodedBucket]:
     """Every encoding `encode_bucket` weighs: the dense bucket (zlib'd if that pays); positions (gaps or
-    bitmask, whichever compresses smaller) + values (raw or differences, likewise); and, when at least
-    1/8 of the elements changed, a difference for every element. An unchanged bucket has one, empty,
-    encoding. Streams are built `CHUNK` elements at a time, bounding the int64 temporaries."""
+    bitmask, whichever ends up smaller) + values (raw or differences, likewise) unless at least 7/8 of
+    the elements changed; and, when at least 3/4 changed, a difference for every element. An unchanged
+    bucket has one, empty, encoding. Streams are built `CHUNK` elements at a time, bounding the int64
+    temporaries."""
     n = new.numel()
     old_np, new_np = old.numpy(), new.numpy()
     changed_mask = old_np != new_np if changed is None else changed
@@ -143,10 +135,12 @@ def candidate_encodings(old: torch.Tensor, new: torch.Tensor, changed: np.ndarra
         return [EncodedBucket(Positions.GAPS, Values.DIFF, False, False, 0, 0, b"")]
     dense_values, dense_zipped = _smaller_stream(memoryview(new_np).cast("B"))
     candidates = [EncodedBucket(Positions.ALL, Values.RAW, False, dense_zipped, k, 0, dense_values)]
-    if k * 8 >= n:  # most elements moved (e.g. fp32 weights): a difference for every element, no positions
+    # Which candidates are worth building (each costs a pass over the bucket): measured on GRPO deltas,
+    # positions + values won up to at least 56% changed elements, differences for all at fp32's ~100%.
+    if 4 * k >= 3 * n:  # most elements moved: a difference for every element, no positions
         all_diffs, zipped = _smaller_stream(diff_varints(new_np, old_np))
         candidates.append(EncodedBucket(Positions.ALL, Values.DIFF, False, zipped, k, 0, all_diffs))
-    if k == n:  # positions would carry nothing
+    if 8 * k >= 7 * n:  # positions would carry next to nothing
         return candidates
     gaps, diffs, raws, previous = [], [], [], -1
     for s in range(0, n, CHUNK):
