@@ -1,7 +1,7 @@
 """Weight sync on real GRPO updates: bytes per sync, delta vs a full push measured in the same run.
 
     python benchmarks/weight_sync.py [--sft-steps 400] [--grpo-steps 8] [--lrs 1e-6 3e-5] [--dtypes bf16 fp32]
-                                     [--network] [--rate-mbit 200] [--memory] [--json FILE]
+                                     [--network [--rate-mbit 200] [--rounds 3] [--skip-grpo]] [--memory] [--json FILE]
 
 1. Warm start: the demo's SFT phase (weak-teacher demonstrations, `scalerl/configs/demo.yaml`),
    ``--sft-steps`` steps, cached in ``<out>/sft`` for later runs with the same step count.
@@ -12,10 +12,11 @@
    receiver. Every delta sync is checked bit-exact against the trainer's weights in that dtype. Printed:
    changed fraction, bytes of each, their ratio, the encodings chosen; the average saving after the first
    sync (the first is a full push either way).
-3. ``--network``: the trainer weight states saved by step 2 (every sync, each learning rate) replayed in
-   bf16 between two emulated nodes (network
-   namespaces, a ``--rate-mbit`` tbf-shaped link; root + iproute2) over gloo broadcast: time per sync,
-   full vs delta, same run.
+3. ``--network``: the trainer weight states saved by step 2 (every sync, each learning rate), then a
+   synthetic 12M-parameter model changing ~2% of its bf16 elements per step (4 MiB buckets), replayed in
+   bf16 from one emulated node to another (network namespaces, a ``--rate-mbit`` tbf-shaped link; root +
+   iproute2) over gloo broadcast: median time per sync after the first, full vs delta, same run, and
+   how much of it the sender spent preparing (gathering, comparing, encoding).
 4. ``--memory``: extra resident memory of one delta sync of a synthetic 48M-element model (192 fp32
    tensors of 1 MiB, bf16 rollout, sender and an in-process receiver together) for several bucket sizes,
    each in a fresh process (VmHWM after resetting it, glibc told to unmap every buffer over 128 KiB).
@@ -144,7 +145,27 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------ emulated network
-def replay_rank(states: Path, result: Path, rounds: int) -> None:
+def synthetic_states(out: Path, syncs: int = 6, tensors: int = 48, elems: int = 256 * 1024,
+                     fraction: float = 0.02) -> Path:
+    """Weight states of a synthetic 12M-parameter model whose every step moves ~``fraction`` of its bf16
+    elements by about one ulp (the pattern of the demo's GRPO steps at lr 1e-6), large enough that a full
+    bf16 push (24 MiB) takes about a second on a 200 Mbit link."""
+    from safetensors.torch import save_file
+
+    folder = out / "states" / "synthetic"
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(elems, generator=g) * 0.02 for i in range(tensors)}
+    for step in range(syncs):
+        if step:
+            for t in state.values():
+                pick = torch.rand(elems, generator=g) < fraction
+                t[pick] *= 1 + 2.0 ** -7 * torch.randn(int(pick.sum()), generator=g).sign()
+        save_file(state, str(folder / f"{step:03d}.safetensors"))
+    return folder
+
+
+def replay_rank(states: Path, result: Path, rounds: int, bucket_mb: float) -> None:
     """One rank of the network replay (launched by `network_timing` inside an emulated node)."""
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -163,7 +184,8 @@ def replay_rank(states: Path, result: Path, rounds: int) -> None:
                 for _ in files:
                     serve_broadcast(receiver.handle, None, src=0, timeout_s=300)
                 continue
-            sender = WeightSender(torch.bfloat16, 64 * MiB, BroadcastChannel(None, src=0, timeout_s=300), mode=mode)
+            sender = WeightSender(torch.bfloat16, int(bucket_mb * MiB), BroadcastChannel(None, src=0, timeout_s=300),
+                                  mode=mode)
             for i, path in enumerate(files):
                 state = load_file(str(path))
                 start = time.perf_counter()
@@ -177,12 +199,13 @@ def replay_rank(states: Path, result: Path, rounds: int) -> None:
     dist.destroy_process_group()
 
 
-def network_timing(states: Path, rate_mbit: float, rounds: int) -> dict:
+def network_timing(states: Path, rate_mbit: float, rounds: int, bucket_mb: float) -> dict:
     from scalerl.launch.emulated_cluster import EmulatedCluster
 
     result = states.parent / "network_result.json"
     result.unlink(missing_ok=True)
-    argv = [sys.executable, str(Path(__file__).resolve()), "--replay", str(states), str(result), str(rounds)]
+    argv = [sys.executable, str(Path(__file__).resolve()), "--replay", str(states), str(result), str(rounds),
+            str(bucket_mb)]
     with EmulatedCluster(nodes=2, rate_mbit=rate_mbit) as cluster:
         ranks = cluster.run_ranks(argv, ranks_per_node=1, env={"PYTHONPATH": str(ROOT)}, timeout_s=600)
     if any(r.returncode for r in ranks):
@@ -244,7 +267,7 @@ def memory_table(bucket_sizes: list[float]) -> list[dict]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--replay":
-        return replay_rank(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
+        return replay_rank(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
     if len(sys.argv) > 1 and sys.argv[1] == "--memory-rank":
         return memory_rank(float(sys.argv[2]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -259,17 +282,20 @@ def main() -> None:
     parser.add_argument("--rate-mbit", type=float, default=200)
     parser.add_argument("--rounds", type=int, default=3, help="network: full and delta passes each")
     parser.add_argument("--memory", action="store_true", help="extra RSS of a delta sync per bucket size")
+    parser.add_argument("--skip-grpo", action="store_true", help="reuse the states of an earlier run (network only)")
     parser.add_argument("--json", help="write every row here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     result: dict = {}
-    if args.lrs:
+    if args.lrs and not args.skip_grpo:
         sft_dir = warm_start(out, args.sft_steps)
         rows = [row for lr in args.lrs for row in grpo_bytes(sft_dir, out, lr, args)]
         result["syncs"], result["summary"] = rows, summarize(rows)
     if args.network:
-        result["network"] = [network_timing(out / "states" / f"lr{lr:g}", args.rate_mbit, args.rounds) for lr in args.lrs]
+        result["network"] = [network_timing(out / "states" / f"lr{lr:g}", args.rate_mbit, args.rounds, args.bucket_mb)
+                             for lr in args.lrs]
+        result["network"].append(network_timing(synthetic_states(out), args.rate_mbit, args.rounds, 4))
     if args.memory:
         result["memory"] = memory_table([1, 4, 16, 64])
     if args.json:

@@ -212,24 +212,23 @@ def decode_bucket(current: torch.Tensor, enc: EncodedBucket, in_place: bool = Fa
 
 
 # -------------------------------------------------------------------------------------------- checksum
-CHECKSUM_CHUNK = 1 << 18  # elements per pass: ~8 MiB of int64 temporaries
-_MULT = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit constant (golden ratio), as a signed int64
+CHECKSUM_CHUNK = 1 << 18  # elements per pass: ~4 MiB of int64 temporaries
 
 
 def bucket_checksum(bits: torch.Tensor, offset: int = 0) -> int:
-    """``sum(bits_i * (2 * ((offset + i) * M) + 1))`` over int64 with wrap-around: one weight per position.
+    """``sum(bits_i * (2 * (offset + i) + 1))`` over int64 with wrap-around: one odd weight per position.
 
-    Every weight is odd, so invertible modulo 2^64: a single changed element (any bit pattern, any
-    position) always changes the sum, and a swap of two unequal elements changes it unless their weight
-    difference happens to annihilate it. Sums over pieces add up (``offset`` = where a piece starts in its
-    bucket), so a receiver checks what it holds without gathering the bucket first.
+    An odd weight is invertible modulo 2^64, so a single changed element (any bit pattern, any position)
+    always changes the sum; a swap of two unequal elements at i != j changes it by 2 (a - b)(i - j), which
+    vanishes only if that is a multiple of 2^64. Sums over pieces add up (``offset`` = where a piece starts
+    in its bucket), so a receiver checks what it holds without gathering the bucket first.
     """
     flat = bits.reshape(-1)
     total = torch.zeros((), dtype=torch.int64)
     for start in range(0, flat.numel(), CHECKSUM_CHUNK):
         chunk = flat[start : start + CHECKSUM_CHUNK].to(device="cpu", dtype=torch.int64)
-        pos = torch.arange(offset + start, offset + start + chunk.numel(), dtype=torch.int64)
-        total += (chunk * ((pos * _MULT) * 2 + 1)).sum()
+        first = 2 * (offset + start) + 1
+        total += (chunk * torch.arange(first, first + 2 * chunk.numel(), 2, dtype=torch.int64)).sum()
     return _wrap64(int(total))
 
 

@@ -1,12 +1,11 @@
 """The receiving end of a weight sync: apply each bucket to the weights it holds and prove it did.
 
 The receiver reads the bucket's current bits from its `WeightStore`, decodes the sender's change
-against them, and checks the result against the sender's checksum *before* writing (a delta applied to
-weights that drifted would not match). It then writes the bucket back, tells the store which tensors
-are complete and changed (an engine that keeps its own copy loads them then), and answers with the
-checksum of what the store holds after the write, so the sender compares against what is really there.
-Any failure is answered, not raised: the sender resends that bucket dense, and its snapshot does not
-move on until a receiver confirms.
+against them, writes the pieces that changed back, tells the store which tensors are complete and
+changed (an engine that keeps its own copy loads them then), and answers with the checksum of what the
+store holds after the write, so the sender compares against what is really there (a delta applied to
+weights that drifted does not match). Any failure is answered, not raised: the sender resends that
+bucket dense, and its snapshot does not move on until every receiver confirms.
 """
 
 from __future__ import annotations
@@ -134,9 +133,6 @@ class WeightReceiver:
             decode_bucket(new, message.encoded, in_place=True)
         except (DecodeError, ValueError) as err:
             return self._fail(Status.DECODE_FAILED, f"bucket {message.bucket}: {err}")
-        if bucket_checksum(new) != message.checksum:
-            return self._fail(Status.CHECKSUM_MISMATCH, f"bucket {message.bucket}: decoded bits do not hash to "
-                                                        "the sender's snapshot (the held weights drifted)")
         try:
             complete = []
             for seg, view in zip(segments, views):
@@ -155,5 +151,8 @@ class WeightReceiver:
         del new
         # What the store holds now, piece by piece (no second bucket-sized copy).
         checksum = combine_checksums([bucket_checksum(v, s.bucket_offset) for s, v in zip(segments, self._views(segments))])
-        status = Status.OK if checksum == message.checksum else Status.CHECKSUM_MISMATCH
-        return Ack(status, checksum, self.version, self.plan_hash)
+        if checksum != message.checksum:
+            self._dirty.update(s.entry.name for s in segments)  # reloaded when the dense resend lands
+            return self._fail(Status.CHECKSUM_MISMATCH, f"bucket {message.bucket}: held bits do not hash to the "
+                                                        "sender's snapshot (a delta applied to weights that drifted?)")
+        return Ack(Status.OK, checksum, self.version, self.plan_hash)
