@@ -38,9 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scalerl.comm.weight_channel import InProcessChannel  # noqa: E402
-from scalerl.comm.weight_receiver import TensorDictStore, WeightReceiver  # noqa: E402
-from scalerl.comm.weight_sync import ROLLOUT_DTYPES, WeightSender  # noqa: E402
+from scalerl.comm.weight_channel import InProcessChannel
+from scalerl.comm.weight_receiver import TensorDictStore, WeightReceiver
+from scalerl.comm.weight_sync import ROLLOUT_DTYPES, WeightSender
 
 DEMO = ROOT / "scalerl" / "configs" / "demo.yaml"
 MiB = 1 << 20

@@ -8,7 +8,7 @@ stay a few MiB whatever the bucket size.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

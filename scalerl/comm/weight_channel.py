@@ -14,10 +14,11 @@ in one all_gather). Each wait on the group has a timeout and says what it waited
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,7 @@ class Message:
         return HEADER_LEN * 8 + len(self.payload)
 
     @classmethod
-    def from_wire(cls, header: torch.Tensor, payload: bytes | memoryview) -> "Message":
+    def from_wire(cls, header: torch.Tensor, payload: bytes | memoryview) -> Message:
         h = [int(x) for x in header.tolist()]
         kind = Kind(h[0])
         encoded = None
@@ -93,7 +94,7 @@ class Ack:
         return torch.tensor([int(self.status), self.checksum, self.version, self.plan_hash], dtype=torch.int64)
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "Ack":
+    def from_tensor(cls, t: torch.Tensor) -> Ack:
         s, c, v, p = (int(x) for x in t.tolist())
         return cls(Status(s) if s in Status._value2member_map_ else Status.APPLY_FAILED, c, v, p)
 

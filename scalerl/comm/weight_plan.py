@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -73,7 +73,7 @@ class WeightPlan:
 
     @classmethod
     def for_bucket_bytes(cls, shapes: Sequence[tuple[str, Sequence[int]]], dtype: torch.dtype,
-                         bucket_bytes: int) -> "WeightPlan":
+                         bucket_bytes: int) -> WeightPlan:
         element = torch.empty((), dtype=dtype).element_size()
         return cls(shapes, dtype, max(1, bucket_bytes // element))
 
@@ -124,7 +124,7 @@ class WeightPlan:
                            "tensors": [[e.name, list(e.shape)] for e in self.entries]}, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> "WeightPlan":
+    def from_json(cls, text: str) -> WeightPlan:
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("dtype") not in DTYPE_NAMES:
             raise ValueError("not a weight plan (missing or unknown dtype)")

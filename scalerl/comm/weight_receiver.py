@@ -10,12 +10,12 @@ bucket dense, and its snapshot does not move on until every receiver confirms.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from scalerl.comm.delta_encoding import (DecodeError, bucket_checksum, combine_checksums, decode_bucket,
-                                         int_view_dtype)
+from scalerl.comm.delta_encoding import DecodeError, bucket_checksum, combine_checksums, decode_bucket, int_view_dtype
 from scalerl.comm.weight_channel import Ack, Kind, Message, Status
 from scalerl.comm.weight_plan import Segment, WeightPlan
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -110,7 +110,7 @@ class WeightSender:
         self.version = 0  # 0 = nothing confirmed yet
 
     @classmethod
-    def from_config(cls, weight_sync, rollout_dtype: str, channel: SenderChannel | None) -> "WeightSender":
+    def from_config(cls, weight_sync, rollout_dtype: str, channel: SenderChannel | None) -> WeightSender:
         """From the ``weight_sync`` config section and ``rollout.dtype``."""
         return cls(ROLLOUT_DTYPES[rollout_dtype], int(weight_sync.bucket_mb * MiB), channel, weight_sync.mode,
                    weight_sync.static_every, weight_sync.static_threshold)
@@ -246,7 +246,7 @@ class _TensorWalker:
         if index == self.index:
             return self.bits
         self.bits = None  # drop the previous tensor before materialising the next
-        name, param = self.tensors[index]
+        param = self.tensors[index][1]
         full = _materialise(param)
         bits = full.to(dtype=self.plan.dtype).reshape(-1).to("cpu").view(self.view)
         # Bytes this tensor holds beyond the parameter itself: a gathered copy and/or a converted one.

@@ -19,7 +19,8 @@ vLLM's own ``model.load_weights`` and no ``named_weights``; it is GPU-only and n
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 

@@ -40,7 +40,7 @@ def test_varints_round_trip_every_width():
 def _cases(dtype):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(20_000, generator=g) * 0.05
-    one_ulp = lambda x: x + x.abs() * 2.0 ** -7 * (torch.rand(x.shape, generator=g) < 1)  # noqa: E731
+    one_ulp = lambda x: x + x.abs() * 2.0 ** -7 * (torch.rand(x.shape, generator=g) < 1)
     sparse = w.clone()
     pick = torch.randperm(w.numel(), generator=g)[:200]
     sparse[pick] = one_ulp(w[pick])
@@ -73,7 +73,7 @@ def test_each_encoding_is_chosen_where_it_is_smallest():
     element; fp32 weights all nudged -> differences for all; new random values -> the dense bucket; sparse
     random jumps -> raw values; about half of the elements changed at random -> a bitmask."""
     bf16, fp32 = _cases(torch.bfloat16), _cases(torch.float32)
-    chosen = lambda cases, key, dtype: encode_bucket(*(_bits(t, dtype) for t in cases[key]))  # noqa: E731
+    chosen = lambda cases, key, dtype: encode_bucket(*(_bits(t, dtype) for t in cases[key]))
     sparse = chosen(bf16, "sparse", torch.bfloat16)
     assert (sparse.positions, sparse.values) == (Positions.GAPS, Values.DIFF)
     assert chosen(fp32, "dense_small_steps", torch.float32).positions == Positions.ALL
@@ -157,8 +157,8 @@ def test_plan_cuts_big_tensors_across_buckets_and_packs_tiny_ones():
     same = WeightPlan.from_json(plan.to_json())
     assert same.hash64() == plan.hash64() and same.to_json() == plan.to_json()
     assert WeightPlan(shapes, torch.float32, 32).hash64() != plan.hash64()
-    for bad in ('{"dtype": "int8", "bucket_elems": 4, "tensors": []}', '{"dtype": "bfloat16", "bucket_elems": 4, '
-                '"tensors": [["a", [-1]]]}', '[1, 2]'):
+    for bad in ('{"dtype": "int8", "bucket_elems": 4, "tensors": []}',
+                '{"dtype": "bfloat16", "bucket_elems": 4, "tensors": [["a", [-1]]]}', '[1, 2]'):
         with pytest.raises(ValueError):
             WeightPlan.from_json(bad)
     with pytest.raises(ValueError):
