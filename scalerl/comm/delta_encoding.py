@@ -26,8 +26,8 @@ import torch
 
 from scalerl.comm.varints import CHUNK, DecodeError, apply_diff_varints, diff_varints, varint_chunks, varint_encode
 
-# zlib level 1: on the demo's GRPO deltas level 6 made streams 5-15% smaller at 10-40x the time (tens of
-# ms per 100 KiB on this CPU, more than sending the difference over a 200 Mbit link takes).
+# zlib level 1: on the demo's GRPO deltas level 6 made streams 1-33% smaller (mostly 10-15%) at 10-40x the
+# time (tens of ms per 100 KiB on this CPU, more than sending the difference over a 200 Mbit link takes).
 ZLIB_LEVEL = 1
 MIN_COMPRESS_BYTES = 64  # shorter streams are not worth a zlib header
 # zlib runs at ~10-40 MB/s on barely compressible streams on this (shared, 2-core) CPU, slower than the
