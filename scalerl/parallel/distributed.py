@@ -36,6 +36,7 @@ class DistContext:
     device: torch.device = torch.device("cpu")
     group: dist.ProcessGroup | None = None  # the trainer's ranks; None: the whole world (no rollout workers)
     rollout_ranks: tuple[int, ...] = ()  # global ranks of standalone rollout workers
+    rollout_group: dist.ProcessGroup | None = None  # the trainer's rank 0 and the workers (weight sync)
     comm: CommCounter = field(default_factory=process_counter)  # this process's byte accounting
     cluster: ClusterTopology | None = None  # every rank's node and network, gathered once at start
     placement: RankPlacement | None = None  # which global rank of the trainer sits at each mesh position
@@ -150,5 +151,7 @@ def init_distributed(parallel_cfg, device: torch.device, rollout_workers: int = 
     if not rollout_workers:
         return DistContext(dims, mesh, dp_mesh, **context)
     group = dist.new_group(list(range(trainer_world)))
-    return DistContext(dims, mesh, dp_mesh, group=group, rollout_ranks=tuple(range(trainer_world, world_size)),
-                       **context)
+    workers = tuple(range(trainer_world, world_size))
+    # The trainer's rank 0 and the workers: the group weight sync broadcasts over (created by every rank).
+    sync_group = dist.new_group([0, *workers])
+    return DistContext(dims, mesh, dp_mesh, group=group, rollout_ranks=workers, rollout_group=sync_group, **context)

@@ -83,8 +83,8 @@ class RLTrainer:
         self.stream = PromptStream(self.train_rows, t.batch_size, t.seed, cfg.data.shuffle)
         self.engine = self._build_engine()  # generates when colocated, evaluates always
         if r.placement == "standalone":
-            self.rollouts = StandaloneRollouts(self.policy, self.dist, self.tokenizer.pad_token_id,
-                                               getattr(torch, r.dtype), r.staleness)
+            self.rollouts = StandaloneRollouts(self.policy, self.dist, self.tokenizer.pad_token_id, r,
+                                               cfg.weight_sync)
         else:
             self.rollouts = ColocatedRollouts(self.engine, self.policy, self.dist)
         self.prefetched: StepPrompts | None = None
@@ -262,7 +262,7 @@ class RLTrainer:
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         with timer("update_weights"):
-            metrics["comm/weight_sync_bytes"] = float(self.rollouts.sync_weights())
+            metrics.update(self.rollouts.sync_weights())
         step_time = time.perf_counter() - step_start
         metrics.update(self.timer.pop())
         metrics["timing_s/step"] = step_time
@@ -364,6 +364,6 @@ def train(cfg: Config) -> dict[str, Any]:
     device = resolve_device(cfg.trainer.device)
     ctx = init_distributed(cfg.parallel, device, rollout_worker_count(cfg))
     if not ctx.is_trainer:
-        RolloutWorker(cfg, device).serve()
+        RolloutWorker(cfg, device, ctx.rollout_group).serve()
         return {}
     return RLTrainer(cfg, ctx).fit()
