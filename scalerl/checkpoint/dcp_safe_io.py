@@ -228,8 +228,9 @@ def dcp_load_safely(state_dict: dict[str, Any], checkpoint_dir: str | os.PathLik
     Raises `CheckpointIntegrityError` itself rather than DCP's wrappers around it.
     """
     reader = SafeFileSystemReader(checkpoint_dir)
+    no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner())
+        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
         ours = _integrity_errors(error)
         if reader.refusal is not None or ours:

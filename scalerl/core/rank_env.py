@@ -250,6 +250,23 @@ def _in_slurm_step(environ: Mapping[str, str]) -> bool:
     return step is not None and step != "batch"
 
 
+# Set in every worker by the launcher that restarted the job: torchrun (--max-restarts) and `scalerl launch
+# ray --max-restarts`. 0 or absent: the first attempt.
+RESTART_COUNT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "SCALERL_RESTART_COUNT")
+
+
+def launcher_restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How many times the launcher has restarted this job (0 on the first attempt)."""
+    environ = os.environ if environ is None else environ
+    for name in RESTART_COUNT_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value:
+            if not value.isdigit():
+                raise RankEnvError(f"{name}={value!r} is not a restart count")
+            return int(value)
+    return 0
+
+
 def apply_rank_env(env: RankEnv, environ: MutableMapping[str, str] | None = None) -> None:
     """Export the torch.distributed names (`env://` rendezvous) for `env` into `environ` (os.environ)."""
     environ = os.environ if environ is None else environ

@@ -51,3 +51,14 @@ def test_resumed_run_matches_uninterrupted(runs, layout):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     meta = json.loads(next((runs / f"{layout}-resumed" / "checkpoints").glob("step_*/meta.json")).read_text())
     assert meta["distributed"]["world_size"] == 2 and any(Path(f).name.endswith(".distcp") for f in meta["files"])
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "pp"])
+def test_distributed_checkpoint_exports_to_transformers(runs, layout, tmp_path):
+    """`scalerl export` of a sharded and of a pipeline checkpoint equals the model the run exported itself."""
+    pytest.importorskip("transformers")
+    from scalerl.cli import main
+    from tests.checkpoint.hf_compare import assert_loads_in_transformers
+
+    assert main(["export", str(runs / f"{layout}-resumed"), str(tmp_path / "hf")]) == 0
+    assert_loads_in_transformers(tmp_path / "hf", runs / f"{layout}-resumed" / "final")
