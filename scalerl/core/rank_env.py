@@ -267,6 +267,23 @@ def launcher_restart_count(environ: Mapping[str, str] | None = None) -> int:
     return 0
 
 
+def launcher_job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """What stays the same across the restarts of one launcher job, and differs between jobs: the Ray
+    launcher's ``SCALERL_JOB_ID``, torchrun's ``--rdzv-id`` (unless the default "none"), else, under
+    torchrun, its agent process on this host (workers are restarted by the same agent). None elsewhere."""
+    environ = os.environ if environ is None else environ
+    if environ.get("SCALERL_JOB_ID"):
+        return f"scalerl:{environ['SCALERL_JOB_ID']}"
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return f"torchrun:{run_id}"
+    if "TORCHELASTIC_RESTART_COUNT" in environ:
+        import socket
+
+        return f"torchrun-agent:{socket.gethostname()}:{os.getppid()}"
+    return None
+
+
 def apply_rank_env(env: RankEnv, environ: MutableMapping[str, str] | None = None) -> None:
     """Export the torch.distributed names (`env://` rendezvous) for `env` into `environ` (os.environ)."""
     environ = os.environ if environ is None else environ

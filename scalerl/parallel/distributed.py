@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from scalerl.core.rank_env import apply_rank_env, detect_rank_env
+from scalerl.core.rank_env import apply_rank_env, detect_rank_env, launcher_restart_count
 from scalerl.parallel.mesh import ParallelDims
 
 
@@ -73,6 +73,14 @@ class DistContext:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
 
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank: a decision only rank 0 can make (from a file it alone reads)."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.broadcast(t, src=0)
+        return bool(t.item())
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
@@ -80,6 +88,18 @@ class DistContext:
 
 def single_process_context() -> DistContext:
     return DistContext(ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=1), mesh=None)
+
+
+def _rendezvous() -> dict:
+    """``init_process_group`` arguments: ``env://``, with a key prefix per launcher restart. torchrun's static
+    rendezvous hands every restart the same store, which still holds the previous attempt's gloo/NCCL
+    addresses: a restarted rank could read its peer's dead address before the peer overwrites it
+    ("connection refused" in connectFullMesh, seen in about one restart in two here)."""
+    restarts = launcher_restart_count()
+    if restarts == 0:
+        return {"init_method": "env://"}
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    return {"store": dist.PrefixStore(f"scalerl/restart_{restarts}", store), "rank": rank, "world_size": world_size}
 
 
 def init_distributed(parallel_cfg, device: torch.device) -> DistContext:
@@ -97,6 +117,6 @@ def init_distributed(parallel_cfg, device: torch.device) -> DistContext:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, **_rendezvous())
     mesh, dp_mesh = dims.build_mesh(device.type)
     return DistContext(dims, mesh, dp_mesh, rank=dist.get_rank(), device=device)

@@ -6,7 +6,8 @@ At the start of every RL or SFT run (`prepare_output_dir`, on every rank):
   the exported model, TensorBoard events) is refused, naming what is there and the three ways on:
   ``trainer.resume=auto`` (continue it), ``trainer.overwrite=true`` (delete them first) or another
   ``trainer.output_dir``. A job restarted by its launcher (torchrun ``--max-restarts``, ``scalerl launch
-  ray --max-restarts``) continues its own outputs as with ``resume=auto``.
+  ray --max-restarts``) continues, as with ``resume=auto``, the directory its first attempt claimed
+  (``.scalerl-job.json`` names the job), and nothing else.
 - What interrupted saves left behind (``.tmp-*``, ``.old-*``, ``.del-*`` in the checkpoint root, the
   exported model's staging copies) is put right, and said.
 - ``resume=auto`` names any newer checkpoint it passes over (unreadable meta.json) and the one it takes.
@@ -17,6 +18,7 @@ another layout, re-derives the RNG streams and records the change in the next ch
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from typing import Any
 from scalerl import checkpoint
 from scalerl.core.config import ConfigError
 from scalerl.core.directory_swap import remove_directory
-from scalerl.core.rank_env import launcher_restart_count
+from scalerl.core.rank_env import launcher_job_id, launcher_restart_count
 from scalerl.core.rng_state import reseed_after_reshard
 from scalerl.models.hf_checkpoint import remove_interrupted_saves
 from scalerl.parallel.distributed import DistContext
@@ -32,8 +34,10 @@ from scalerl.parallel.distributed import DistContext
 CHECKPOINTS_DIR = "checkpoints"
 # What a run leaves in its output directory that a new run would overwrite or mix with.
 RUN_OUTPUTS = (CHECKPOINTS_DIR, "metrics.jsonl", "final", "model", "tensorboard")
+# Which launcher job (`launcher_job_id`) started the run in this directory; its restarts continue it.
+CLAIM_FILE = ".scalerl-job.json"
 # Removed along with them by trainer.overwrite=true (a new run rewrites them anyway).
-RUN_BYPRODUCTS = ("metrics.png", "config.yaml")
+RUN_BYPRODUCTS = ("metrics.png", "config.yaml", CLAIM_FILE)
 
 
 class OutputDirectoryInUse(ConfigError):
@@ -62,11 +66,14 @@ def prepare_output_dir(output_dir: Path, *, resume: str, overwrite: bool, export
     None. Raises `OutputDirectoryInUse` before anything is touched."""
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"trainer.output_dir {output_dir} exists and is not a directory")
-    restarts = launcher_restart_count()
+    restarts, job = launcher_restart_count(), launcher_job_id()
     if str(resume).strip() == "never" and restarts > 0:
-        say(ctx, f"restart {restarts} of this job by its launcher: continuing from the latest checkpoint "
-                 f"in {output_dir} (as trainer.resume=auto)")
-        resume = "auto"
+        # Only a directory this very job claimed on its first attempt: a first attempt that was refused
+        # must not become, on its restart, a run that continues someone else's outputs.
+        if ctx.agree(ctx.is_main and job is not None and _claimed_by(output_dir) == job):
+            say(ctx, f"restart {restarts} of this job by its launcher: continuing from the latest checkpoint "
+                     f"in {output_dir} (as trainer.resume=auto)")
+            resume = "auto"
     found = existing_outputs(output_dir) if str(resume).strip() == "never" else []
     if found and not overwrite:
         raise OutputDirectoryInUse(
@@ -79,6 +86,9 @@ def prepare_output_dir(output_dir: Path, *, resume: str, overwrite: bool, export
         if found:
             _remove_outputs(output_dir)
             say(ctx, f"trainer.overwrite=true: deleted the previous run's {', '.join(found)} in {output_dir}")
+        if job is not None:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / CLAIM_FILE).write_text(json.dumps({"job": job}) + "\n")
         root = output_dir / CHECKPOINTS_DIR
         repaired = checkpoint.remove_interrupted_saves(root) + remove_interrupted_saves(export_dir)
         if repaired:
@@ -89,6 +99,13 @@ def prepare_output_dir(output_dir: Path, *, resume: str, overwrite: bool, export
     if chosen is None and str(resume).strip() == "auto":
         say(ctx, f"trainer.resume=auto: no checkpoint in {output_dir / CHECKPOINTS_DIR}, starting at step 0")
     return chosen
+
+
+def _claimed_by(output_dir: Path) -> str | None:
+    try:
+        return json.loads((output_dir / CLAIM_FILE).read_text()).get("job")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _remove_outputs(output_dir: Path) -> None:

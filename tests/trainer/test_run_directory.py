@@ -99,10 +99,17 @@ def test_leftovers_of_interrupted_saves_are_cleaned_at_the_next_start(run, tiny_
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
 
 
-def test_a_launcher_restart_continues_its_own_run(run, tiny_config, monkeypatch, capsys):
+def test_a_launcher_restart_continues_only_the_run_its_first_attempt_started(run, tiny_config, tmp_path,
+                                                                             monkeypatch, capsys):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # as torchrun sets it in a restarted worker
+    with pytest.raises(OutputDirectoryInUse):  # `run` was not started by this job: still refused
+        RLTrainer(tiny_config("trainer.total_steps=3"))
+    job = f"trainer.output_dir={tmp_path / 'job'}"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # the job's first attempt claims its directory
+    RLTrainer(tiny_config("trainer.total_steps=1", job)).fit()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    trainer = RLTrainer(tiny_config("trainer.total_steps=3"))  # resume=never, as the job was started
-    assert trainer.step == 2
+    trainer = RLTrainer(tiny_config("trainer.total_steps=3", job))  # resume=never, as the job was started
+    assert trainer.step == 1
     assert "restart 1 of this job" in capsys.readouterr().out
 
 
