@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from scalerl.core.directory_swap import (
-    TEMP_PREFIXES, fsync_dir, recover_leftovers, remove_directory, replace_directory,
+    TEMP_PREFIXES,
+    fsync_dir,
+    recover_leftovers,
+    remove_directory,
+    replace_directory,
 )
 from scalerl.core.file_modes import apply_file_modes
 

@@ -10,12 +10,22 @@ from typing import Any
 
 import torch
 
-from scalerl.checkpoint.layout import SHARDS_DIR, CheckpointError, latest_checkpoint, read_meta, verify_files
+from scalerl.checkpoint.layout import (
+    SHARDS_DIR,
+    CheckpointError,
+    latest_checkpoint,
+    read_meta,
+    verify_files,
+)
 from scalerl.checkpoint.reshard import read_full_model
 from scalerl.core.config import ModelSection, config_from_dict
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import CausalLM
-from scalerl.models.hf_checkpoint import load_model_config, model_config_from_hf, save_pretrained
+from scalerl.models.hf_checkpoint import (
+    load_model_config,
+    model_config_from_hf,
+    save_pretrained,
+)
 from scalerl.models.load import builtin_model_config, tokenizer_source
 from scalerl.models.tokenizer import CharTokenizer, load_tokenizer
 from scalerl.parallel.distributed import DistContext
@@ -28,7 +38,10 @@ def export_hf_model(model: CausalLM, tokenizer: Any, path: str | Path, ctx: Dist
     path = Path(path)
     if ctx is None or ctx.world_size == 1:
         return save_pretrained(model, path, tokenizer=tokenizer)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if ctx.is_main:

@@ -19,9 +19,10 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import Any, Callable
+from typing import Any
 
 from scalerl.checkpoint.atomic import sha256_of
 
@@ -187,5 +188,5 @@ def load_torch_state(file: Path) -> Any:
 
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any failure here means the file cannot be trusted
+    except Exception as error:
         raise CheckpointError(f"{file} cannot be loaded safely: {error}") from error

@@ -27,21 +27,33 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
 )
 
 from scalerl.checkpoint.config_match import check_config
 from scalerl.checkpoint.dcp_safe_io import SafeFileSystemReader, dcp_load_safely
 from scalerl.checkpoint.layout import (
-    GRAD_SCALER_FILE, MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, SHARDS_DIR, TRAINER_STATE_FILE, CheckpointError,
-    LoadedCheckpoint, load_torch_state, require_file, verify_files,
+    GRAD_SCALER_FILE,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    SCHEDULER_FILE,
+    SHARDS_DIR,
+    TRAINER_STATE_FILE,
+    CheckpointError,
+    LoadedCheckpoint,
+    load_torch_state,
+    require_file,
+    verify_files,
 )
 
 SINGLE_PROCESS = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 TEMP_PREFIXES = (".tmp-", ".old-", ".del-")  # hidden names used only while staging, replacing or deleting
 
@@ -66,7 +66,7 @@ def original_name(leftover: str) -> str | None:
     """``step_00000004`` for ``.old-step_00000004-123``; None for names this module did not make."""
     for prefix in TEMP_PREFIXES:
         if leftover.startswith(prefix):
-            stem, sep, pid = leftover[len(prefix):].rpartition("-")
+            stem, sep, _pid = leftover[len(prefix):].rpartition("-")
             return stem if sep and stem else None
     return None
 

@@ -15,7 +15,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from scalerl.core.directory_swap import recover_leftovers, replace_directory, staging_dir
+from scalerl.core.directory_swap import (
+    recover_leftovers,
+    replace_directory,
+    staging_dir,
+)
 from scalerl.core.file_modes import apply_file_modes
 from scalerl.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from scalerl.models.decoder import CausalLM

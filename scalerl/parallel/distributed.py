@@ -13,7 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from scalerl.core.rank_env import apply_rank_env, detect_rank_env, launcher_restart_count
+from scalerl.core.rank_env import (
+    apply_rank_env,
+    detect_rank_env,
+    launcher_restart_count,
+)
 from scalerl.parallel.mesh import ParallelDims
 
 

@@ -67,13 +67,14 @@ def prepare_output_dir(output_dir: Path, *, resume: str, overwrite: bool, export
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"trainer.output_dir {output_dir} exists and is not a directory")
     restarts, job = launcher_restart_count(), launcher_job_id()
-    if str(resume).strip() == "never" and restarts > 0:
-        # Only a directory this very job claimed on its first attempt: a first attempt that was refused
-        # must not become, on its restart, a run that continues someone else's outputs.
-        if ctx.agree(ctx.is_main and job is not None and _claimed_by(output_dir) == job):
-            say(ctx, f"restart {restarts} of this job by its launcher: continuing from the latest checkpoint "
-                     f"in {output_dir} (as trainer.resume=auto)")
-            resume = "auto"
+    # A restart continues only a directory this very job claimed on its first attempt: a first attempt that
+    # was refused must not become, on its restart, a run that continues someone else's outputs.
+    # (Every rank sees the same resume and restart count, so every rank takes part in `agree` or none does.)
+    if (str(resume).strip() == "never" and restarts > 0
+            and ctx.agree(ctx.is_main and job is not None and _claimed_by(output_dir) == job)):
+        say(ctx, f"restart {restarts} of this job by its launcher: continuing from the latest checkpoint "
+                 f"in {output_dir} (as trainer.resume=auto)")
+        resume = "auto"
     found = existing_outputs(output_dir) if str(resume).strip() == "never" else []
     if found and not overwrite:
         raise OutputDirectoryInUse(

@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from scalerl.checkpoint import CheckpointError
 from scalerl.core.net import free_port
 
 STEPS = 1
@@ -82,10 +83,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             _resume_and_dump(out, "single-as-dp2tp2", "dp2tp2", "single")
         else:
             trainer = _resume_and_dump(out, "fsdp4-as-fsdp2", "fsdp2", "fsdp4", f"trainer.total_steps={STEPS + 1}")
-            trainer.fit()  # trains on from the resharded state and saves step 3
+            trainer.fit()  # trains on from the resharded state and saves step STEPS + 1
             try:
                 _resume_and_dump(out, "fsdp4-as-pp2", "pp2", "fsdp4")
-            except Exception as error:  # noqa: BLE001 - the refusal is the result
+            except CheckpointError as error:  # the refusal is the result
                 (out / f"pp2-refusal-{rank}.txt").write_text(str(error))
     finally:
         torch.distributed.destroy_process_group()

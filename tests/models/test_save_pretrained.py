@@ -11,11 +11,15 @@ import torch
 from scalerl.core.file_modes import dir_mode, file_mode
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
-from scalerl.models.hf_checkpoint import from_pretrained, remove_interrupted_saves, save_pretrained
+from scalerl.models.hf_checkpoint import (
+    from_pretrained,
+    remove_interrupted_saves,
+    save_pretrained,
+)
 from scalerl.models.tokenizer import CharTokenizer
 
 transformers = pytest.importorskip("transformers")
-CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=112, tie_word_embeddings=False)
+CFG = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 112, "tie_word_embeddings": False}
 SHARD_BYTES = 40_000  # splits this model into several shards
 
 

@@ -28,8 +28,8 @@ def steps(run: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """A finished 2-step RL run with checkpoints at steps 1 and 2 (each test works on a copy)."""
-    from tests.trainer.conftest import TINY
     from scalerl.core.config import load_config
+    from tests.trainer.conftest import TINY
 
     run = tmp_path_factory.mktemp("finished") / "run"
     RLTrainer(load_config(None, [*TINY, "trainer.total_steps=2", "trainer.save_every=1", "trainer.keep_last=3",
@@ -135,10 +135,9 @@ def test_a_directory_without_run_outputs_is_fine(tiny_config, tmp_path):
 def test_everything_a_run_writes_follows_the_umask(tiny_config, tmp_path, umask):
     """One policy for weights, optimizer state, meta.json (with the config), metrics and the exported model:
     the umask's (docs/reliability.md, "File permissions")."""
+    import importlib.util
     import os
     import stat
-
-    import importlib.util
 
     loggers = "[jsonl,tensorboard]" if importlib.util.find_spec("tensorboard") else "[jsonl]"
     previous = os.umask(umask)
