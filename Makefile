@@ -21,7 +21,9 @@ demo: setup
 	$(VENV)/bin/scalerl demo
 
 # pytest exits 5 when it collects no test; that is reported, not hidden, and is not a crash.
+# scripts/install_test_packages.sh installs Slurm/iproute2 for their tests when root (else says what skips).
 test: setup
+	scripts/install_test_packages.sh
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 

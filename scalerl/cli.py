@@ -199,6 +199,7 @@ def add_launch_parser(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser; each subcommand sets `func`."""
+    from scalerl.verify import describe_layouts  # cheap: no torch
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog="scalerl", formatter_class=formatter, epilog=MAIN_EPILOG,
@@ -251,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = add("verify", cmd_verify, "check that distributed layouts reproduce the single-process run",
                  "Runs K GRPO and SFT steps single-process and under each layout (gloo on CPU, fixed seed, identical\n"
                  "global batches) and compares per-step losses and final weights (relative tolerance 1e-4).\n"
-                 "layouts: world 2: ddp, fsdp, tp; world 4: ddp, hsdp, dp2xtp2, fsdp2xtp2\n"
+                 f"layouts:\n{describe_layouts()}\n"
                  "examples:\n  scalerl verify distributed-vs-single\n"
                  "  scalerl verify distributed-vs-single --world 2 --layout fsdp --steps 5\n")
     verify.add_argument("check", choices=["distributed-vs-single"], help="what to verify")
@@ -274,7 +275,7 @@ USER_ERRORS = {
     "scalerl.data.errors.DataError", "scalerl.checkpoint.layout.CheckpointError",
     "scalerl.models.hf_checkpoint.CheckpointFormatError", "scalerl.parallel.mesh.LayoutError",
     "scalerl.data.rewards.RewardFunctionError", "scalerl.core.rank_env.RankEnvError", "scalerl.launch.slurm.SlurmError",
-    "scalerl.launch.ray_launcher.PlacementError", "scalerl.rollout.vllm_engine.VLLMNotAvailable",
+    "scalerl.launch.ray_placement.PlacementError", "scalerl.rollout.vllm_engine.VLLMNotAvailable",
 }
 
 

@@ -14,10 +14,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-
 from scalerl.core.net import free_port
+
+# torch and safetensors are imported where used: `scalerl verify --help` lists LAYOUTS without them.
 
 # Layouts checked at each world size (the single-process run is the reference for all of them).
 LAYOUTS: dict[int, dict[str, dict[str, int]]] = {
@@ -105,8 +104,10 @@ def _worker(rank: int, world: int, port: int, layouts: dict, overrides: list[str
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
     })
-    torch.set_num_threads(1)
+    import torch
     import torch.distributed as dist
+
+    torch.set_num_threads(1)
 
     dist.init_process_group("gloo", init_method="env://")
     try:
@@ -175,6 +176,8 @@ def max_abs_weight_diff(reference_dir: Path, other_dir: Path) -> float:
 
 
 def _load_pair(reference_dir: Path, other_dir: Path):
+    from safetensors.torch import load_file
+
     ref = load_file(str(reference_dir / "model.safetensors"))
     other = load_file(str(other_dir / "model.safetensors"))
     return (ref, other) if ref.keys() == other.keys() else (None, None)
@@ -216,6 +219,11 @@ def run_verification(
                     max_abs_weight_diff(reference[kind], model_dir),
                 ))
     return rows
+
+
+def describe_layouts() -> str:
+    """One line per world size naming its layouts (for `scalerl verify --help`)."""
+    return "\n".join(f"  world {world}: {', '.join(layouts)}" for world, layouts in LAYOUTS.items())
 
 
 def format_rows(rows: list[VerificationRow]) -> str:

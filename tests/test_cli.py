@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from scalerl.cli import main
-from scalerl.core.config import split_config_args
-from scalerl.core.config import Config, ConfigError
+from scalerl.core.config import Config, ConfigError, split_config_args
 
 
 def fake_module(monkeypatch, name: str, **functions) -> None:

@@ -41,8 +41,8 @@ def test_training_moved_the_weights_beyond_the_tolerance(verification, tmp_path_
     # Guard against a vacuous pass: the single-process GRPO run must change its weights by much more than
     # the tolerance, so matching to 1e-4 is a real statement. (Initial weights: same seed, step 0.)
     from scalerl.core.config import load_config
-    from scalerl.verify import verification_overrides
     from scalerl.models.load import load_model_and_tokenizer
+    from scalerl.verify import verification_overrides
 
     cfg = load_config(None, verification_overrides(2))
     model, _ = load_model_and_tokenizer(cfg.model, None, torch.device("cpu"), cfg.trainer.seed)

@@ -52,7 +52,7 @@ def load(path: str | Path, *, ctx: DistContext | None = None, **state: Any) -> L
     meta = read_meta(path)
     current = current_layout(ctx)
     if saved_layout(meta) != current:
-        return load_resharded(path, meta, current, **state)
+        return load_resharded(path, meta, current, ctx=ctx, **state)
     if ctx is None or ctx.world_size == 1:
         return load_checkpoint(path, **state)
     return load_distributed_checkpoint(path, ctx=ctx, **state)

@@ -38,11 +38,9 @@ loads real DDP, FSDP2 and TP checkpoints), to be reviewed and added here.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import pickle
-from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Any, BinaryIO, ClassVar
 
@@ -221,16 +219,17 @@ class SafeFileSystemReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
-def dcp_load_safely(state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike) -> None:
+def dcp_load_safely(state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike, process_group=None) -> None:
     """``dcp.load`` into ``state_dict`` (in place) with `SafeFileSystemReader` and `SafeLoadPlanner`.
 
     Collective when a process group is initialized (every rank calls it); works without one (world 1).
     Raises `CheckpointIntegrityError` itself rather than DCP's wrappers around it.
     """
     reader = SafeFileSystemReader(checkpoint_dir)
-    no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())  # no warning
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
+        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
+                 no_dist=no_dist)
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
         ours = _integrity_errors(error)
         if reader.refusal is not None or ours:

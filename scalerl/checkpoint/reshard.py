@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -55,6 +54,7 @@ from scalerl.checkpoint.layout import (
     require_file,
     verify_files,
 )
+from scalerl.parallel.distributed import DistContext
 
 SINGLE_PROCESS = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
 EXACT = ["model weights", "optimizer state", "lr scheduler", "grad scaler", "data position", "step"]
@@ -68,7 +68,7 @@ def saved_layout(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_resharded(
-    path: Path, meta: dict[str, Any], current: dict[str, Any], *, model: nn.Module,
+    path: Path, meta: dict[str, Any], current: dict[str, Any], *, ctx: DistContext | None, model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
     grad_scaler: torch.amp.GradScaler | None = None, expected_config: dict[str, Any] | None = None,
     strict_config_keys: list[str] | None = None, **_ignored: Any,
@@ -88,9 +88,9 @@ def load_resharded(
     distributed = "distributed" in meta
     verify_files(path, meta["files"], closed_dirs=(SHARDS_DIR,) if distributed else ())
     if distributed:
-        _load_dcp(path, model, optimizer)
+        _load_dcp(path, model, optimizer, ctx.group if ctx is not None else None)
     else:
-        _load_single(path, model, optimizer, current["world_size"])
+        _load_single(path, model, optimizer, ctx)
     if scheduler is not None:
         scheduler.load_state_dict(load_torch_state(require_file(path, SCHEDULER_FILE)))
     if grad_scaler is not None:
@@ -117,7 +117,7 @@ def saved_dcp_keys(shards: Path) -> set[str]:
 OPTIM_KEY = "optim_pp0"  # non-pipeline layouts keep one optimizer entry (see distributed._optim_key)
 
 
-def _load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def _load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, group: Any = None) -> None:
     shards = path / SHARDS_DIR
     if optimizer is not None:
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -126,7 +126,7 @@ def _load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | N
         model_state = get_model_state_dict(model)
         request = {"model": model_state}
     _check_model_keys(path, {f"model.{k}" for k in model_state}, saved_dcp_keys(shards))
-    dcp_load_safely(request, shards)
+    dcp_load_safely(request, shards, process_group=group)
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=request["model"], optim_state_dict=request[OPTIM_KEY])
     else:
@@ -156,25 +156,25 @@ def single_model_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _load_single(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, world_size: int) -> None:
+def _load_single(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: DistContext) -> None:
     """A whole-model checkpoint into a sharded model, through the DCP path: rank 0 rewrites it as a DCP
     checkpoint beside it (``.tmp-<name>-reshard-w<N>``, removed after, or by the next start if killed),
     then every rank reads its shards. (``set_state_dict(full_state_dict=True)`` does this in memory but
     mismatches its collectives on a DP x TP mesh under gloo in torch 2.13.)"""
-    scratch = path.parent / f".tmp-{path.name}-reshard-w{world_size}"
-    if dist.get_rank() == 0:
+    scratch = path.parent / f".tmp-{path.name}-reshard-w{ctx.world_size}"
+    if ctx.is_main:
         shutil.rmtree(scratch, ignore_errors=True)
         tensors = single_model_tensors(path)
         state: dict[str, Any] = {"model": tensors}
         if optimizer is not None:
             state[OPTIM_KEY] = _optimizer_by_name(load_torch_state(require_file(path, OPTIMIZER_FILE)))
         dcp.save(state, storage_writer=FileSystemWriter(str(scratch / SHARDS_DIR)), no_dist=True)
-    dist.barrier()
+    ctx.barrier()
     try:
-        _load_dcp(scratch, model, optimizer)
+        _load_dcp(scratch, model, optimizer, ctx.group)
     finally:
-        dist.barrier()  # every rank has read before the copy goes
-        if dist.get_rank() == 0:
+        ctx.barrier()  # every rank has read before the copy goes
+        if ctx.is_main:
             shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -45,6 +45,8 @@ __all__ = [
 DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("arithmetic", "gsm8k", "math")
 ROLLOUT_ENGINES = ("builtin", "vllm")
+ROLLOUT_PLACEMENTS = ("colocated", "standalone")
+ROLLOUT_DTYPES = ("float32", "bfloat16")
 LR_SCHEDULES = ("constant", "cosine")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -131,6 +133,14 @@ class RolloutSection(_Section):
     top_k: int = opt(0, "keep the k most likely tokens; 0 = off")
     max_new_tokens: int = opt(16, "response length limit in tokens")
     val_temperature: float = opt(0.0, "sampling temperature for evaluation; 0 = greedy")
+    placement: str = opt("colocated", "colocated (the trainer's ranks generate with the trained weights) | "
+                                      "standalone (rollout.workers extra ranks with their own copy)")
+    workers: int = opt(1, "standalone: rollout worker ranks, the last ranks of the world")
+    dtype: str = opt("float32", "standalone: the workers' weight dtype: float32 | bfloat16")
+    staleness: int = opt(0, "standalone: 0 = generate with the latest weights; 1 = generate step k+1 with "
+                            "step k's weights while the trainer updates (one-step asynchronous)")
+    tis_cap: float = opt(2.0, "truncated importance sampling: cap of exp(old - rollout log-prob) per token, applied "
+                              "when rollout log-probs come from other weights or numerics; 0 = off")
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -141,6 +151,14 @@ class RolloutSection(_Section):
         _check(p, self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
         _check(p, self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
         _check(p, self.val_temperature >= 0, "rollout.val_temperature", ">= 0", self.val_temperature)
+        _check_choice(p, "rollout.placement", self.placement, ROLLOUT_PLACEMENTS)
+        _check(p, self.workers >= 1, "rollout.workers", ">= 1", self.workers)
+        _check_choice(p, "rollout.dtype", self.dtype, ROLLOUT_DTYPES)
+        _check(p, self.staleness in (0, 1), "rollout.staleness", "0 or 1", self.staleness)
+        _check(p, self.tis_cap >= 0, "rollout.tis_cap", ">= 0 (0 = off)", self.tis_cap)
+        if self.placement == "colocated" and (self.staleness or self.dtype != "float32"):
+            p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only "
+                     f"(got staleness={self.staleness}, dtype={self.dtype} with placement=colocated)")
         return p
 
 
@@ -279,6 +297,8 @@ class TrainerSection(_Section):
     device: str = opt("auto", "auto | cpu | cuda")
     init_from: str | None = opt(None, "model directory to start from (e.g. the SFT output)")
     balance_batch: bool = opt(True, "redistribute rollouts over DP ranks so each gets a near-equal token count")
+    cpu_threads: int = opt(0, "CPU only: torch threads; 0 = follow the cores other processes leave free, "
+                              "re-checked during the run")
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -292,6 +312,7 @@ class TrainerSection(_Section):
             _check_choice(p, f"trainer.logger[{i}]", logger, LOGGERS)
         _check_choice(p, "trainer.precision", self.precision, PRECISIONS)
         _check_choice(p, "trainer.device", self.device, DEVICES)
+        _check(p, self.cpu_threads >= 0, "trainer.cpu_threads", ">= 0 (0 = follow the free cores)", self.cpu_threads)
         return p
 
 

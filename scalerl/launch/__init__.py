@@ -3,7 +3,8 @@
 
 - `slurm`: `slurm_job_script()` (SPMD or Ray-on-Slurm sbatch scripts), `submit()`, `wait_for_job()`.
 - `cli`: `add_launch_parser()` for `scalerl launch slurm|ray`.
-- `ray_launcher`: `launch_ray()` runs the ranks as Ray actors.
+- `ray_launcher`: `launch_ray()` runs the ranks as Ray actors (placement in `ray_placement`, the rank actors
+  in `ray_ranks`).
 - `emulated_cluster`: `EmulatedCluster` (network namespaces as nodes, tc-shaped links; root + iproute2)
   runs ranks as if on several nodes; `python -m scalerl.launch.emulated_cluster`. Rank processes in
   `emulated_ranks`. Not imported here, so `python -m` runs it without a double-import warning.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {
@@ -45,8 +45,3 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("extra")
-        return d

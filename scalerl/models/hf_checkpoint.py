@@ -165,11 +165,6 @@ def _weight_files(path: Path) -> list[Path]:
     )
 
 
-def load_generation_config(path: str | os.PathLike) -> dict[str, Any]:
-    gen = Path(path) / GENERATION_CONFIG_FILE
-    return json.loads(gen.read_text()) if gen.is_file() else {}
-
-
 def from_pretrained(
     path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
 ) -> CausalLM:

@@ -1,7 +1,9 @@
 """The process group and mesh a run uses, and the few collectives the trainer needs on the DP dimension.
 
 A single process gets the same object with sizes of 1 and no-op collectives, so the trainer has one code
-path for every layout.
+path for every layout. With standalone rollout workers the world holds the trainer's ranks first and the
+workers' ranks last; the mesh and `group` span the trainer's ranks only, and every collective here runs
+on `group`, never on the whole world.
 """
 
 from __future__ import annotations
@@ -13,12 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from scalerl.core.rank_env import (
-    apply_rank_env,
-    detect_rank_env,
-    launcher_restart_count,
-)
-from scalerl.parallel.mesh import ParallelDims
+from scalerl.core.rank_env import apply_rank_env, detect_rank_env, launcher_restart_count
+from scalerl.parallel.mesh import LayoutError, ParallelDims
 
 
 @dataclass
@@ -28,6 +26,12 @@ class DistContext:
     dp_mesh: DeviceMesh | None = None
     rank: int = 0
     device: torch.device = torch.device("cpu")
+    group: dist.ProcessGroup | None = None  # the trainer's ranks; None: the whole world (no rollout workers)
+    rollout_ranks: tuple[int, ...] = ()  # global ranks of standalone rollout workers
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.rank not in self.rollout_ranks
 
     @property
     def world_size(self) -> int:
@@ -74,20 +78,21 @@ class DistContext:
         if self.world_size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
     def agree(self, flag: bool) -> bool:
-        """Rank 0's ``flag`` on every rank: a decision only rank 0 can make (from a file it alone reads)."""
+        """Rank 0's ``flag`` on every trainer rank: a decision only rank 0 can make (from a file it alone reads)."""
         if self.world_size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.broadcast(t, src=0)
+        dist.broadcast(t, src=0, group=self.group)  # global rank 0 is the trainer's first rank
         return bool(t.item())
 
     def barrier(self) -> None:
+        """All trainer ranks meet here."""
         if self.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
 
 def single_process_context() -> DistContext:
@@ -106,21 +111,34 @@ def _rendezvous() -> dict:
     return {"store": dist.PrefixStore(f"scalerl/restart_{restarts}", store), "rank": rank, "world_size": world_size}
 
 
-def init_distributed(parallel_cfg, device: torch.device) -> DistContext:
+def init_distributed(parallel_cfg, device: torch.device, rollout_workers: int = 0) -> DistContext:
     """Join the process group described by the launcher's environment (torchrun, Slurm, MPI, Ray all end
-    with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) and build the named mesh."""
+    with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) and build the named mesh over the trainer's ranks.
+
+    ``rollout_workers``: the last ranks of the world that run standalone rollout workers instead of training
+    (every rank calls this, the workers too: group creation is collective)."""
     env = detect_rank_env()
     if env is not None:
         apply_rank_env(env)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer_world = world_size - rollout_workers
+    if trainer_world < 1:
+        raise LayoutError(f"rollout.workers={rollout_workers} leaves no trainer rank in a world of {world_size}; "
+                          "start rollout.workers more ranks than the training layout needs")
     if world_size == 1:
         ParallelDims.from_config(parallel_cfg, 1)  # a layout asking for more ranks fails here, by name
         return single_process_context()
-    dims = ParallelDims.from_config(parallel_cfg, world_size)
+    dims = ParallelDims.from_config(parallel_cfg, trainer_world)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, **_rendezvous())
-    mesh, dp_mesh = dims.build_mesh(device.type)
-    return DistContext(dims, mesh, dp_mesh, rank=dist.get_rank(), device=device)
+    if not rollout_workers:
+        mesh, dp_mesh = dims.build_mesh(device.type)
+        return DistContext(dims, mesh, dp_mesh, rank=dist.get_rank(), device=device)
+    trainer_ranks = list(range(trainer_world))
+    mesh, dp_mesh = dims.build_mesh(device.type, trainer_ranks)
+    group = dist.new_group(trainer_ranks)
+    return DistContext(dims, mesh, dp_mesh, rank=dist.get_rank(), device=device, group=group,
+                       rollout_ranks=tuple(range(trainer_world, world_size)))

@@ -69,16 +69,20 @@ class ParallelDims:
         if problems:
             raise LayoutError("; ".join(problems))
 
-    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    def build_mesh(self, device_type: str, ranks: list[int] | None = None) -> tuple[DeviceMesh, DeviceMesh]:
         """One 4-D mesh named ``(pp, dp_replicate, dp_shard, tp)``, and its ``(dp_replicate, dp_shard)``
-        dimensions flattened into the 1-D ``dp`` mesh that data loading and loss counts reduce over."""
-        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        dimensions flattened into the 1-D ``dp`` mesh that data loading and loss counts reduce over.
+
+        ``ranks``: the global ranks the mesh spans, in mesh order (default: all of them). Every rank of the
+        world calls this, those outside the mesh (standalone rollout workers) too: creating its process
+        groups is collective over the world."""
+        shape = tuple(getattr(self, d) for d in MESH_DIMS)
+        if ranks is None:
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        else:
+            mesh = DeviceMesh(device_type, torch.tensor(ranks).view(shape), mesh_dim_names=MESH_DIMS)
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
 
 def _describe(sizes: dict) -> str:
     return ", ".join(f"{d}={v}" for d, v in sizes.items())
-
-
-def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -20,6 +20,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from scalerl.parallel.activation_checkpointing import apply_activation_checkpointing, set_activation_checkpointing
 from scalerl.parallel.data_parallel import apply_ddp, apply_fsdp
@@ -95,6 +97,9 @@ class ModuleParts:
         """The model generates with the trained parameters themselves: nothing to copy."""
         return 0
 
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return full_parameters(self.model)
+
 
 class PipelineParts:
     """This rank's pipeline stages (trained) and a full replica of the model (generates, log-probs)."""
@@ -148,8 +153,21 @@ class PipelineParts:
         """Copy the stages' weights into the full replica on every pipeline rank; returns bytes received."""
         return self.runner.refresh_replica()
 
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return full_parameters(self.model)  # the replica, refreshed after every update
+
 
 ModelParts = ModuleParts | PipelineParts
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters unsharded, by name (a tied weight once). Collective when the model is sharded
+    or tensor-parallel: every rank of its mesh calls it, and only global rank 0 gets the tensors (on CPU)."""
+    names = [name for name, _ in model.named_parameters()]
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return {name: p.detach() for name, p in model.named_parameters()}
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: full[name] for name in names if name in full}
 
 
 def parallelize(

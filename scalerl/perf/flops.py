@@ -139,6 +139,7 @@ def _probe_size(device: torch.device, dtype: torch.dtype) -> int:
     size = 256
     while size < 1024:
         a = torch.randn(size, size, device=device).to(dtype)
+        torch.mm(a, a)  # the first call pays one-time costs (thread pool, kernel choice)
         start = time.perf_counter()
         torch.mm(a, a)
         if time.perf_counter() - start > 0.02:

@@ -29,6 +29,7 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "perf/throughput": "sum",
     "perf/max_memory_gb": "max",
     "comm/weight_sync_bytes": "sum_all_ranks",
+    "rollout/logprob_diff/max": "max",
     "timing_s/*": "spread",
     "comm/bytes/*": "sum_all_ranks",
     "actor/*": "mean",
@@ -36,6 +37,7 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "sft/*": "mean",
     "val/*": "mean",
     "balance/*": "mean",
+    "rollout/*": "mean",
     "response_length/*": "mean",
     "perf/*": "mean",
 }

@@ -9,6 +9,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
     """Multiplier of the base lr at ``step``: linear warm-up over ``warmup_steps``, then constant or cosine
     decay to ``min_lr_ratio`` at ``total_steps``: ``min + (1 - min) * (1 + cos(pi * progress)) / 2``."""
@@ -16,8 +19,8 @@ def lr_lambda(step: int, warmup_steps: int, total_steps: int, schedule: str, min
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
-    if schedule != "cosine":
-        raise ValueError(f"unknown lr schedule {schedule!r}; expected 'constant' or 'cosine'")
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r}; expected one of {LR_SCHEDULES}")
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 

@@ -18,6 +18,7 @@ from scalerl import checkpoint
 from scalerl.core.config import Config, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
+from scalerl.core.threads import cpu_thread_governor
 from scalerl.data.prompts import encode_demonstration
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
 from scalerl.models.hf_checkpoint import model_config_to_hf
@@ -81,6 +82,7 @@ class SFTTrainer:
         )
         self.engine = BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=self.dist.all_finished)
         self.reward = reward_from_config(cfg.data)
+        self.threads = cpu_thread_governor(t.cpu_threads, self.device)
         self.step = 0
         self.checkpoint_root = self.output_dir / CHECKPOINTS_DIR
         self.reshard_history: list[dict[str, Any]] = []
@@ -107,8 +109,10 @@ class SFTTrainer:
         batch = RolloutBatch.from_demonstrations(
             [self.examples[i][0] for i in rows], [self.examples[i][1] for i in rows], self.tokenizer.pad_token_id
         ).to(self.device)
+        threads = self.threads.update()
         metrics = run_update(self.policy, self.optimizer_step, batch, self.objective, self.update_plan, None,
                              self.dist, self.autocast)
+        metrics["perf/cpu_threads"] = float(threads)
         update_time = time.perf_counter() - start
         metrics["sft/lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()

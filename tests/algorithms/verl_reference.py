@@ -17,7 +17,6 @@ from collections import defaultdict
 
 import torch
 
-
 # --- verl/utils/torch_functional.py ---------------------------------------------------------
 
 

@@ -11,13 +11,11 @@ import pickle
 import re
 import shutil
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -25,10 +23,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from scalerl.checkpoint.dcp_safe_io import (
-    ALLOWED_METADATA_GLOBALS, CheckpointIntegrityError, SafeFileSystemReader, dcp_load_safely,
+    ALLOWED_METADATA_GLOBALS,
+    CheckpointIntegrityError,
+    SafeFileSystemReader,
+    dcp_load_safely,
 )
 from scalerl.checkpoint.layout import CheckpointError, verify_files
-from scalerl.core.net import free_port
+from tests.spawned_group import run_in_group
 
 
 def verify_checkpoint_files(path, manifest, closed_dirs=("dcp",)):
@@ -264,7 +265,11 @@ def test_allowed_globals_are_constructors_and_constants_only():
 
 def _wrap(layout: str, model: nn.Module, mesh):
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
     from torch.nn.parallel import DistributedDataParallel
 
     if layout == "ddp":
@@ -309,7 +314,10 @@ def _resign(ckpt: Path) -> None:
 
 def _distributed_loads(out: Path, rank: int) -> dict[str, str]:
     """`load_distributed_checkpoint` (DDP layout) on a good checkpoint and on damaged or crafted copies."""
-    from scalerl.checkpoint.distributed import load_distributed_checkpoint, save_distributed_checkpoint
+    from scalerl.checkpoint.distributed import (
+        load_distributed_checkpoint,
+        save_distributed_checkpoint,
+    )
     from scalerl.parallel.distributed import DistContext
     from scalerl.parallel.mesh import ParallelDims
 
@@ -370,29 +378,23 @@ def _crafted_item_at_world_2(out: Path) -> str:
     return "loaded"
 
 
-def _worker(rank: int, port: int, out: str, results) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=120))
+def _checks_at_world_2(rank: int, out: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))
     out = Path(out)
-    results[rank] = {
+    return {
         "round_trips": _round_trips(out / "layouts", mesh),
         "distributed_loads": _distributed_loads(out, rank),
         "crafted_item": _crafted_item_at_world_2(out),
     }
-    torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     out = tmp_path_factory.mktemp("dcp_safe_io")
-    results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(free_port(), str(out), results), nprocs=2, start_method="spawn")
-    return dict(results), out
+    results = run_in_group(_checks_at_world_2, 2, str(out), timeout_s=300)
+    return dict(enumerate(results)), out
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp"])

@@ -1,28 +1,22 @@
 """Distributed checkpoints: a run resumed at step 2 ends where an uninterrupted run ends, per layout."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from scalerl.core.net import free_port
+from tests.spawned_group import run_in_group
 
 LAYOUTS = {"ddp": ["parallel.dp_replicate=2"], "fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=2"],
            "pp": ["parallel.dp_replicate=1", "parallel.pp=2"]}
 
 
-def _worker(rank, port, out):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo")
+def _train_straight_and_resumed(rank, out):
     from scalerl.core.config import load_config
-    from scalerl.verify import verification_overrides
     from scalerl.trainer.rl_trainer import train
+    from scalerl.verify import verification_overrides
 
     base = [o for o in verification_overrides(4) if not o.startswith("trainer.total_steps")]
     for name, layout in LAYOUTS.items():
@@ -30,14 +24,12 @@ def _worker(rank, port, out):
         run("straight", "trainer.total_steps=4")
         run("resumed", "trainer.total_steps=2", "trainer.save_every=2")
         run("resumed", "trainer.total_steps=4", "trainer.resume=auto")
-    torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dcp")
-    port = free_port()
-    mp.start_processes(_worker, args=(port, str(out)), nprocs=2, start_method="spawn")
+    run_in_group(_train_straight_and_resumed, 2, str(out))
     return out
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from scalerl.checkpoint import local as checkpoint
 from scalerl.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -19,6 +18,7 @@ from scalerl.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from scalerl.checkpoint import local as checkpoint
 
 VOCAB, HIDDEN = 16, 8
 

@@ -1,12 +1,8 @@
 """ClusterTopology from per-rank records; gather_topology over a real gloo group of two processes."""
 
-import time
-
-import torch.multiprocessing as mp
-
 from scalerl.comm.cluster_topology import ClusterTopology
 from scalerl.comm.topology import NetworkInterface, RankTopology
-from scalerl.parallel.distributed import free_port
+from tests.spawned_group import run_in_group
 
 LO = NetworkInterface("lo", "loopback", None, ("127.0.0.1/8",))
 
@@ -44,34 +40,20 @@ def test_interleaved_ranks_and_unknown_speed():
     assert "NOT contiguous" in cluster.summary() and "unknown" in cluster.summary()
 
 
-def _gather_worker(rank, port, results):
-    import torch.distributed as dist
-
+def _gather(rank):
     from scalerl.comm.cluster_topology import gather_topology
     from scalerl.comm.topology import detect_topology
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     # Rank 1 pretends to be another host with a longer record, so padding and lengths are exercised.
     mine = detect_topology(env={"RANK": str(rank), "LOCAL_RANK": "0"}, detect_gpus=False)
     if rank == 1:
         mine = RankTopology(hostname="other-host", rank=1, local_rank=0,
                             interfaces=mine.interfaces + (eth("ens5", 25000),))
-    results[rank] = gather_topology(record=mine).to_json_records()
-    dist.destroy_process_group()
+    return gather_topology(record=mine).to_json_records()
 
 
-def test_gather_topology_over_gloo(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    results = mp.Manager().dict()
-    workers = mp.start_processes(_gather_worker, args=(free_port(), results), nprocs=2, start_method="spawn",
-                                 join=False)
-    deadline = time.monotonic() + 120
-    while not workers.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            raise AssertionError("gather_topology's two ranks did not finish within 120 s")
+def test_gather_topology_over_gloo():
+    results = run_in_group(_gather, 2, timeout_s=120)
     assert results[0] == results[1]
     cluster = ClusterTopology.from_json_records(results[0])
     assert cluster.ranks_per_node == {cluster.records[0].hostname: [0], "other-host": [1]}

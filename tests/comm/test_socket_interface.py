@@ -4,8 +4,13 @@
 import pytest
 
 from scalerl.comm.cluster_topology import ClusterTopology
-from scalerl.comm.socket_interface import (SocketInterfaceError, check_interface_on_all_nodes,
-                                           choose_socket_interface, read_routes, route_to)
+from scalerl.comm.socket_interface import (
+    SocketInterfaceError,
+    check_interface_on_all_nodes,
+    choose_socket_interface,
+    read_routes,
+    route_to,
+)
 from scalerl.comm.topology import NetworkInterface, RankTopology
 from tests.comm.fake_sysfs import write_routes
 

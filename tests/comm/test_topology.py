@@ -2,8 +2,14 @@
 
 import pytest
 
-from scalerl.comm.topology import (RankTopology, detect_topology, parse_nvlink_status, parse_rate_mbit,
-                                   read_interfaces, read_rdma_ports)
+from scalerl.comm.topology import (
+    RankTopology,
+    detect_topology,
+    parse_nvlink_status,
+    parse_rate_mbit,
+    read_interfaces,
+    read_rdma_ports,
+)
 from tests.comm.fake_sysfs import add_netdev, add_rdma_device
 
 IB_BUS, ROCE_BUS, ETH_BUS = "pci0000:00/0000:3b:00.0", "pci0000:00/0000:5e:00.0", "pci0000:00/0000:03.0"

@@ -16,8 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from scalerl.launch.emulated_cluster import (EmulatedCluster, EmulatedClusterError, cleanup_stale, list_namespaces,
-                                             list_root_links, main, require_root_and_iproute2)
+from scalerl.launch.emulated_cluster import (
+    EmulatedCluster,
+    EmulatedClusterError,
+    cleanup_stale,
+    list_namespaces,
+    list_root_links,
+    main,
+    require_root_and_iproute2,
+)
 from scalerl.launch.emulated_ranks import RankTimeoutError, rank_layout
 
 REPO = Path(__file__).resolve().parents[2]

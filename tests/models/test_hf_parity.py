@@ -9,7 +9,11 @@ transformers = pytest.importorskip("transformers")
 
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
-from scalerl.models.hf_checkpoint import CheckpointFormatError, from_pretrained, save_pretrained
+from scalerl.models.hf_checkpoint import (
+    CheckpointFormatError,
+    from_pretrained,
+    save_pretrained,
+)
 
 VOCAB = 96
 

@@ -6,7 +6,12 @@ import pytest
 import tokenizers
 import torch
 
-from scalerl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from scalerl.models.tokenizer import (
+    CharTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 
 transformers = pytest.importorskip("transformers")
 

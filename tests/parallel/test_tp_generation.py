@@ -1,11 +1,8 @@
 """Tensor-parallel generation: each rank caches only its own kv heads and the tokens match one process."""
 
-import os
-
 import torch
-import torch.multiprocessing as mp
 
-from scalerl.core.net import free_port
+from tests.spawned_group import run_in_group
 
 
 def _cached_kv_heads(model) -> int:
@@ -17,9 +14,7 @@ def _cached_kv_heads(model) -> int:
     return cache.keys.shape[2]
 
 
-def _worker(rank, port, results):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _generate_with_tp(rank):
     from scalerl.core.config import ParallelSection
     from scalerl.models.config import ModelConfig
     from scalerl.models.decoder import build_model
@@ -38,18 +33,15 @@ def _worker(rank, port, results):
     model = build_model(cfg, seed=0).eval()
     parallelize(model, ctx)
     sharded = BuiltinEngine(model, 0).generate(prompts, sampling)
-    results[rank] = {
+    return {
         "same_tokens": torch.equal(single.response_ids, sharded.response_ids),
         "logprob_diff": float((single.logprobs - sharded.logprobs).abs().max()),
         "local_kv_heads": _cached_kv_heads(model),
     }
-    torch.distributed.destroy_process_group()
 
 
 def test_tensor_parallel_generation_matches_single_process():
-    port = free_port()
-    results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(port, results), nprocs=2, start_method="spawn")
+    results = run_in_group(_generate_with_tp, 2)
     for rank in (0, 1):
         assert results[rank]["local_kv_heads"] == 2
         assert results[rank]["same_tokens"]

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from scalerl.models.config import ModelConfig
 from scalerl.perf import flops
 from scalerl.perf.flops import (
     decoder_param_count,
@@ -13,7 +14,6 @@ from scalerl.perf.flops import (
     forward_flops_per_token,
     matmul_param_count,
 )
-from scalerl.models.config import ModelConfig
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
 

@@ -1,11 +1,11 @@
 """`scalerl generate` on a saved model directory with its tokenizer."""
 
+from scalerl.checkpoint.export import export_hf_model as save_policy
 from scalerl.cli import main
 from scalerl.core.config import ModelSection
 from scalerl.models.decoder import build_model
-from scalerl.models.tokenizer import CharTokenizer
-from scalerl.checkpoint.export import export_hf_model as save_policy
 from scalerl.models.load import builtin_model_config
+from scalerl.models.tokenizer import CharTokenizer
 from scalerl.rollout.text import generate_text
 
 

@@ -7,7 +7,11 @@ import torch
 
 from scalerl.rollout.engine import SamplingParams
 from scalerl.rollout.vllm_engine import (
-    VLLMEngine, VLLMNotAvailable, map_vllm_outputs, vllm_prompts, vllm_sampling_kwargs,
+    VLLMEngine,
+    VLLMNotAvailable,
+    map_vllm_outputs,
+    vllm_prompts,
+    vllm_sampling_kwargs,
 )
 
 

@@ -11,7 +11,12 @@ import pytest
 import torch
 import yaml
 
-from scalerl.tracking import ConsoleBackend, JsonlBackend, MetricsLogger, read_metrics_jsonl
+from scalerl.tracking import (
+    ConsoleBackend,
+    JsonlBackend,
+    MetricsLogger,
+    read_metrics_jsonl,
+)
 
 
 def jsonl_steps(path: Path) -> list[int]:

@@ -114,3 +114,15 @@ def test_token_budget_micro_batches_in_the_trainer(tiny_config, length_reward):
     budget.fit()
     for (name, a), (_, b) in zip(fixed.policy.model.state_dict().items(), budget.policy.model.state_dict().items()):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_fp16_checkpoint_keeps_the_loss_scale(tiny_config, length_reward, tmp_path):
+    first = RLTrainer(tiny_config("trainer.precision=fp16", "trainer.total_steps=1", length_reward,
+                                  f"trainer.output_dir={tmp_path}"))
+    first.scaler._init_scale = 1234.0  # a scale no fresh scaler starts from
+    first.fit()
+    assert first.scaler.get_scale() in (1234.0, 617.0)  # kept, or halved after an overflow
+    assert (tmp_path / "checkpoints" / "step_00000001" / "grad_scaler.pt").is_file()
+    resumed = RLTrainer(tiny_config("trainer.precision=fp16", "trainer.total_steps=2", "trainer.resume=auto",
+                                    length_reward, f"trainer.output_dir={tmp_path}"))
+    assert resumed.scaler.get_scale() == first.scaler.get_scale()

@@ -1,12 +1,9 @@
 """Rollouts move between DP ranks so token counts even out, with every row's tensors intact."""
 
-import os
-
 import torch
-import torch.multiprocessing as mp
 
-from scalerl.core.net import free_port
 from scalerl.rollout.batch import RolloutBatch
+from tests.spawned_group import run_in_group
 
 
 def _skewed_batch(rank: int) -> RolloutBatch:
@@ -27,15 +24,14 @@ def _skewed_batch(rank: int) -> RolloutBatch:
     )
 
 
-def _worker(rank, port, results):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+def _rebalance(rank):
     from scalerl.core.config import ParallelSection
     from scalerl.parallel.distributed import init_distributed
     from scalerl.trainer.rollout_rebalance import rebalance_batch
 
     ctx = init_distributed(ParallelSection(dp_replicate=2), torch.device("cpu"))
     batch, metrics = rebalance_batch(_skewed_batch(rank), ctx, local_groups=2)
-    results[rank] = {
+    return {
         "tags": batch.scores.tolist(), "tokens": int(batch.attention_mask.sum()), "metrics": metrics,
         "consistent": all(
             bool((batch.advantages[i] == batch.scores[i] * batch.response_mask[i]).all())
@@ -44,13 +40,10 @@ def _worker(rank, port, results):
         ),
         "groups": batch.group_ids.tolist(),
     }
-    torch.distributed.destroy_process_group()
 
 
 def test_rebalance_evens_tokens_and_keeps_rows_whole():
-    port = free_port()
-    results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(port, results), nprocs=2, start_method="spawn")
+    results = run_in_group(_rebalance, 2)
     tags = sorted(results[0]["tags"] + results[1]["tags"])
     assert tags == [0, 1, 2, 3, 10, 11, 12, 13]  # every row once
     assert len(results[0]["tags"]) == len(results[1]["tags"]) == 4

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 
+from scalerl.data.prompts import encode_demonstration
 from scalerl.models.hf_checkpoint import from_pretrained
 from scalerl.models.tokenizer import CharTokenizer
-from scalerl.data.prompts import encode_demonstration
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.trainer.sft_trainer import train_sft
 
@@ -37,3 +37,23 @@ def test_sft_learns_and_saves_a_loadable_model(tiny_config):
     assert model.config.hidden_size == 32
     ids = torch.tensor([[1, 52, 30]])
     assert torch.isfinite(model(ids)).all()
+
+
+def test_sft_resume_is_bitwise_identical(tiny_config, tmp_path):
+    from scalerl.trainer.sft_trainer import SFTTrainer
+
+    def run(out, *extra):
+        trainer = SFTTrainer(tiny_config(f"trainer.output_dir={tmp_path / out}", *extra))
+        trainer.fit()
+        return trainer
+
+    straight = run("a", "sft.steps=4")
+    run("b", "sft.steps=2", "trainer.save_every=2")
+    resumed = SFTTrainer(tiny_config(f"trainer.output_dir={tmp_path / 'b'}", "sft.steps=4", "trainer.resume=auto"))
+    assert resumed.step == 2
+    resumed.fit()
+    for (name, a), (_, b) in zip(straight.policy.model.state_dict().items(), resumed.policy.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    rows = [json.loads(x) for x in (tmp_path / "b" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+

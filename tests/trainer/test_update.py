@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from scalerl.algorithms.advantages import grpo_advantages
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
-from scalerl.algorithms.advantages import grpo_advantages
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import single_process_context
 from scalerl.parallel.parallelize import parallelize

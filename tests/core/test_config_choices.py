@@ -1,0 +1,45 @@
+"""The config schema (layer 0) repeats choice lists whose truth lives in higher layers: they must agree,
+or a valid config would fail deep in a run (or a real choice be refused)."""
+
+import torch
+
+from scalerl.algorithms.kl import KL_KINDS
+from scalerl.algorithms.losses import AGG_MODES
+from scalerl.core import config
+from scalerl.core.device import AUTOCAST_DTYPES
+from scalerl.data.rewards import BUILTIN_REWARDS
+from scalerl.parallel.pipeline import SCHEDULES
+from scalerl.tracking.metrics_logger import VALID_BACKENDS
+from scalerl.trainer.optim import LR_SCHEDULES
+
+
+def test_loss_aggregation_modes():
+    assert set(config.LOSS_AGG_MODES) == set(AGG_MODES)
+
+
+def test_kl_kinds():
+    assert set(config.KL_LOSS_TYPES) == set(KL_KINDS)
+
+
+def test_metric_backends():
+    assert set(config.LOGGERS) == set(VALID_BACKENDS)
+
+
+def test_pipeline_schedules():
+    assert set(config.PP_SCHEDULES) == set(SCHEDULES)
+
+
+def test_lr_schedules():
+    assert set(config.LR_SCHEDULES) == set(LR_SCHEDULES)
+
+
+def test_precisions():
+    assert set(config.PRECISIONS) == {"fp32", *AUTOCAST_DTYPES}
+
+
+def test_builtin_rewards():
+    assert set(config.BUILTIN_REWARDS) == {"auto", *BUILTIN_REWARDS}
+
+
+def test_parameter_dtypes_are_torch_dtypes():
+    assert all(isinstance(getattr(torch, name), torch.dtype) for name in config.DTYPES)

@@ -1,0 +1,52 @@
+"""One helper for tests that need a multi-process world: spawn ``world_size`` processes on this machine,
+join them into one gloo group on loopback, run a function in each, and hand back what each returned.
+
+Start-up dominates such tests (a spawned torch process costs seconds on 2 cores), so a test module
+spawns one group and does many checks inside it (e.g. through a module-scoped fixture).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from scalerl.core.net import free_port
+
+
+def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable, args: tuple, results) -> None:
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    })
+    torch.set_num_threads(1)  # two threads per process on two cores doubles step time
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout_s))
+    try:
+        results[rank] = fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_in_group(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
+    """``[fn(0, *args), ..., fn(world_size - 1, *args)]``, each run in its own process of one gloo group.
+    ``fn`` must be a module-level function and its result picklable. A rank that fails raises here; ranks
+    still running after ``timeout_s`` are killed and named."""
+    results = mp.Manager().dict()
+    context = mp.start_processes(
+        _rank_main, args=(world_size, free_port(), timeout_s, fn, args, results), nprocs=world_size,
+        start_method="spawn", join=False,
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() > deadline:
+            alive = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
+            for p in context.processes:
+                p.kill()
+            raise TimeoutError(f"ranks {alive} of {fn.__name__} did not finish within {timeout_s:.0f} s")
+    return [results[rank] for rank in range(world_size)]
