@@ -25,7 +25,7 @@ from typing import Any
 
 from scalerl import checkpoint
 from scalerl.core.config import ConfigError
-from scalerl.core.directory_swap import remove_directory
+from scalerl.core.directory_swap import recover_leftovers, remove_directory
 from scalerl.core.rank_env import launcher_job_id, launcher_restart_count
 from scalerl.core.rng_state import reseed_after_reshard
 from scalerl.models.hf_checkpoint import remove_interrupted_saves
@@ -34,6 +34,8 @@ from scalerl.parallel.distributed import DistContext
 CHECKPOINTS_DIR = "checkpoints"
 # What a run leaves in its output directory that a new run would overwrite or mix with.
 RUN_OUTPUTS = (CHECKPOINTS_DIR, "metrics.jsonl", "final", "model", "tensorboard")
+# Output directories trainer.overwrite=true deletes by renaming them aside first (`remove_directory`).
+_DELETED_WHOLE = (CHECKPOINTS_DIR, "tensorboard")
 # Which launcher job (`launcher_job_id`) started the run in this directory; its restarts continue it.
 CLAIM_FILE = ".scalerl-job.json"
 # Removed along with them by trainer.overwrite=true (a new run rewrites them anyway).
@@ -91,7 +93,8 @@ def prepare_output_dir(output_dir: Path, *, resume: str, overwrite: bool, export
             output_dir.mkdir(parents=True, exist_ok=True)
             (output_dir / CLAIM_FILE).write_text(json.dumps({"job": job}) + "\n")
         root = output_dir / CHECKPOINTS_DIR
-        repaired = checkpoint.remove_interrupted_saves(root) + remove_interrupted_saves(export_dir)
+        repaired = (checkpoint.remove_interrupted_saves(root) + remove_interrupted_saves(export_dir)
+                    + recover_leftovers(output_dir, lambda p: False, names=lambda n: n in _DELETED_WHOLE))
         if repaired:
             say(ctx, f"cleaned up after an interrupted save in {output_dir}: {'; '.join(repaired)}")
     ctx.barrier()  # rank 0's repairs (an old checkpoint moved back) are visible before anyone looks

@@ -91,6 +91,7 @@ def test_leftovers_of_interrupted_saves_are_cleaned_at_the_next_start(run, tiny_
     (root / "step_00000002").rename(root / ".old-step_00000002-4242")  # killed between the two renames
     shutil.copytree(run / "final", run / ".tmp-final-4242")  # killed while exporting the model
     shutil.copytree(run / "final", run / ".final.tmp-4242")  # the same, by an earlier scalerl version
+    shutil.copytree(root, run / ".del-checkpoints-4242")  # killed while trainer.overwrite=true deleted a run
     trainer = RLTrainer(tiny_config("trainer.total_steps=3", "trainer.resume=auto"))
     out = capsys.readouterr().out
     assert "cleaned up after an interrupted save" in out and "restored step_00000002" in out
