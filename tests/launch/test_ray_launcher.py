@@ -179,7 +179,8 @@ def test_launch_ray_restarts_the_job_from_the_latest_checkpoint_after_a_rank_is_
     reward = write_reward(tmp_path / "killing.py", kill_after=tmp_path / "killed" / "checkpoints" / "step_00000002")
     assert launch(tmp_path / "killed", reward, 1) == 0
     err = capsys.readouterr().err
-    assert "rank 1 failed" in err and "restarting the job (1/1) from its latest checkpoint" in err
+    # Either the killed rank's death or its peer's broken connection is reported first.
+    assert " failed: " in err and "restarting the job (1/1) from its latest checkpoint" in err
     assert (tmp_path / "killing.killed").is_file()
     assert logged_steps(tmp_path / "killed") == [0, 1, 2, 3, 4]
     assert_same_final_weights(tmp_path / "straight", tmp_path / "killed")
