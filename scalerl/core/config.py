@@ -328,6 +328,9 @@ class ParallelSection(_Section):
     pp: int = opt(1, "pipeline-parallel stages (layers must divide by it)")
     pp_schedule: str = opt("1f1b", "pipeline schedule: " + " | ".join(PP_SCHEDULES))
     microbatches: int = opt(4, "pipeline micro-batches per mini-batch")
+    reorder_ranks_by_node: bool = opt(True, "when the launcher numbered ranks across nodes in turn, build the "
+                                            "device mesh with each node's ranks contiguous (rings cross nodes "
+                                            "less; RANK numbers are kept)")
 
     def problems(self) -> list[str]:
         p: list[str] = []

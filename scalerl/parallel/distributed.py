@@ -8,15 +8,23 @@ on `group`, never on the whole world.
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from scalerl.comm.accounting import CommCounter, process_counter
+from scalerl.comm.cluster_topology import ClusterTopology, gather_topology
+from scalerl.comm.rank_placement import RankPlacement, plan_rank_placement
+from scalerl.comm.socket_interface import apply_socket_interface
+from scalerl.comm.topology import detect_topology
 from scalerl.core.rank_env import apply_rank_env, detect_rank_env, launcher_restart_count
 from scalerl.parallel.mesh import LayoutError, ParallelDims
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,6 +36,9 @@ class DistContext:
     device: torch.device = torch.device("cpu")
     group: dist.ProcessGroup | None = None  # the trainer's ranks; None: the whole world (no rollout workers)
     rollout_ranks: tuple[int, ...] = ()  # global ranks of standalone rollout workers
+    comm: CommCounter = field(default_factory=process_counter)  # this process's byte accounting
+    cluster: ClusterTopology | None = None  # every rank's node and network, gathered once at start
+    placement: RankPlacement | None = None  # which global rank of the trainer sits at each mesh position
 
     @property
     def is_trainer(self) -> bool:
@@ -67,9 +78,11 @@ class DistContext:
         return rows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """In-place reduction over the data-parallel ranks (TP/PP peers hold the same values already)."""
+        """In-place reduction over the data-parallel ranks (TP/PP peers hold the same values already);
+        counted as ``metrics`` traffic (token counts, advantage statistics)."""
         if self.dims.dp > 1:
-            dist.all_reduce(tensor, op=op, group=self.dp_group)
+            with self.comm.collective("metrics", "all_reduce", tensor, self.dp_group, dim="dp"):
+                dist.all_reduce(tensor, op=op, group=self.dp_group)
         return tensor
 
     def all_finished(self, flag: bool) -> bool:
@@ -78,7 +91,8 @@ class DistContext:
         if self.world_size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        with self.comm.collective("metrics", "all_reduce", t, self.group):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
     def agree(self, flag: bool) -> bool:
@@ -86,7 +100,8 @@ class DistContext:
         if self.world_size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.broadcast(t, src=0, group=self.group)  # global rank 0 is the trainer's first rank
+        with self.comm.collective("metrics", "broadcast", t, self.group):
+            dist.broadcast(t, src=0, group=self.group)  # global rank 0 is the trainer's first rank
         return bool(t.item())
 
     def barrier(self) -> None:
@@ -129,16 +144,32 @@ def init_distributed(parallel_cfg, device: torch.device, rollout_workers: int = 
         ParallelDims.from_config(parallel_cfg, 1)  # a layout asking for more ranks fails here, by name
         return single_process_context()
     dims = ParallelDims.from_config(parallel_cfg, trainer_world)
+    record = detect_topology()
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Before the group starts: a virtual / link-local default route would send gloo / NCCL's sockets
+        # the wrong way (a hang at the first collective); a named interface missing here fails now, by name.
+        choice = apply_socket_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"), record, os.environ)
+        (logger.warning if choice.name and choice.variable is None else logger.info)(
+            "socket interface on %s (rank %s): %s", record.hostname, record.rank, choice.reason)
         dist.init_process_group(backend, **_rendezvous())
+    cluster = gather_topology(record=record)  # over the whole world: every rank calls this
+    placement = RankPlacement(tuple(range(trainer_world)))  # the launcher's order
+    if getattr(parallel_cfg, "reorder_ranks_by_node", True):
+        placement = plan_rank_placement(cluster.node_of_rank[:trainer_world], dims.tp)
+    if dist.get_rank() == 0:
+        logger.info("cluster topology:\n%s", cluster.summary())
+        for note in placement.notes:
+            logger.warning("rank placement: %s", note)
+    mesh, dp_mesh = dims.build_mesh(device.type, list(placement.order))
+    counter = process_counter()
+    counter.backend = dist.get_backend()
+    counter.reset()
+    context = dict(rank=dist.get_rank(), device=device, comm=counter, cluster=cluster, placement=placement)
     if not rollout_workers:
-        mesh, dp_mesh = dims.build_mesh(device.type)
-        return DistContext(dims, mesh, dp_mesh, rank=dist.get_rank(), device=device)
-    trainer_ranks = list(range(trainer_world))
-    mesh, dp_mesh = dims.build_mesh(device.type, trainer_ranks)
-    group = dist.new_group(trainer_ranks)
-    return DistContext(dims, mesh, dp_mesh, rank=dist.get_rank(), device=device, group=group,
-                       rollout_ranks=tuple(range(trainer_world, world_size)))
+        return DistContext(dims, mesh, dp_mesh, **context)
+    group = dist.new_group(list(range(trainer_world)))
+    return DistContext(dims, mesh, dp_mesh, group=group, rollout_ranks=tuple(range(trainer_world, world_size)),
+                       **context)

@@ -14,6 +14,7 @@ copy), so they never ask which layout is running:
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -23,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from scalerl.comm.accounting import CommCounter, sharded_over
 from scalerl.parallel.activation_checkpointing import apply_activation_checkpointing, set_activation_checkpointing
 from scalerl.parallel.data_parallel import apply_ddp, apply_fsdp
 from scalerl.parallel.distributed import DistContext
@@ -56,8 +58,8 @@ class ModuleParts:
 
     fixed_shapes = False  # any batch shape may go through `forward_backward`
 
-    def __init__(self, model: nn.Module, trained: nn.Module):
-        self.model, self.trained = model, trained
+    def __init__(self, model: nn.Module, trained: nn.Module, comm: CommCounter | None = None):
+        self.model, self.trained, self.comm = model, trained, comm
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
@@ -78,16 +80,18 @@ class ModuleParts:
         """Accumulate the gradients of ``sum(loss_fn(output, target))`` over ``micros``; returns the number of
         loss calls. DDP all-reduces only on the last backward; FSDP reduce-scatters on every one."""
         for i, micro in enumerate(micros):
-            with autocast or contextlib.nullcontext():
-                output = self.trained(micro.input_ids, attention_mask=micro.attention_mask, logits_to_keep=micro.keep)
-            loss = loss_fn(output, micro.target)
             no_sync = getattr(self.trained, "no_sync", None) if i < len(micros) - 1 else None
+            # DDP decides in its forward whether the backward all-reduces: the forward belongs inside no_sync.
             with no_sync() if no_sync else contextlib.nullcontext():
+                with autocast or contextlib.nullcontext():
+                    output = self.trained(micro.input_ids, attention_mask=micro.attention_mask,
+                                          logits_to_keep=micro.keep)
+                loss = loss_fn(output, micro.target)
                 (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
         return len(micros)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm(trainable_parameters(self.model), max_norm)
+        return clip_grad_norm(trainable_parameters(self.model), max_norm, counter=self.comm)
 
     def share_loss_metrics(self, values: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, float]:
         """The loss's metrics as floats on every rank (here they are computed on every rank already)."""
@@ -98,7 +102,7 @@ class ModuleParts:
         return 0
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return full_parameters(self.model)
+        return full_parameters(self.model, self.comm)
 
 
 class PipelineParts:
@@ -138,7 +142,7 @@ class PipelineParts:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         r = self.runner
-        return clip_grad_norm(r.parameters(), max_norm, r.norm_parameters(), r.pp_group)
+        return clip_grad_norm(r.parameters(), max_norm, r.norm_parameters(), r.pp_group, counter=self.ctx.comm)
 
     def share_loss_metrics(self, values: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, float]:
         """Loss metrics live on the last stage; every pipeline rank gets them (rank 0 logs)."""
@@ -146,7 +150,8 @@ class PipelineParts:
         t = torch.tensor([float(values[k]) if k in values else float("nan") for k in names],
                          dtype=torch.float64, device=self.ctx.device)
         last_owner = dist.get_process_group_ranks(r.pp_group)[r.owner[r.num_stages - 1]]
-        dist.broadcast(t, src=last_owner, group=r.pp_group)
+        with self.ctx.comm.collective("metrics", "broadcast", t, r.pp_group, dim="pp", src=last_owner):
+            dist.broadcast(t, src=last_owner, group=r.pp_group)
         return {k: v for k, v in zip(names, t.tolist()) if v == v}
 
     def refresh_generation_copy(self) -> int:
@@ -154,19 +159,26 @@ class PipelineParts:
         return self.runner.refresh_replica()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return full_parameters(self.model)  # the replica, refreshed after every update
+        return full_parameters(self.model, self.ctx.comm)  # the replica, refreshed after every update
 
 
 ModelParts = ModuleParts | PipelineParts
 
 
-def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_parameters(model: nn.Module, counter: CommCounter | None = None) -> dict[str, torch.Tensor]:
     """The model's parameters unsharded, by name (a tied weight once). Collective when the model is sharded
-    or tensor-parallel: every rank of its mesh calls it, and only global rank 0 gets the tensors (on CPU)."""
+    or tensor-parallel: every rank of its mesh calls it, and only global rank 0 gets the tensors (on CPU).
+    The gathers are counted in ``counter`` as ``weight_sync`` (one all-gather per sharded parameter)."""
     names = [name for name, _ in model.named_parameters()]
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         return {name: p.detach() for name, p in model.named_parameters()}
+    start = time.perf_counter()
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if counter is not None:
+        for p in model.parameters():
+            if isinstance(p, DTensor):
+                counter.record("weight_sync", "all_gather", p.numel() * p.element_size(), sharded_over(p))
+        counter.add_wait("weight_sync", time.perf_counter() - start)
     return {name: full[name] for name in names if name in full}
 
 
@@ -202,14 +214,14 @@ def parallelize(
         # Stages are cut from the unsharded model, before it becomes the replica.
         runner = PipelineRunner(model, ctx, options.schedule, options.microbatches, layout_stage, autocast)
         if dims.tp > 1:
-            apply_tensor_parallel(model, mesh["tp"])
+            apply_tensor_parallel(model, mesh["tp"], ctx.comm)
         return PipelineParts(model, runner, ctx)
     if dims.pp > 1:  # a frozen replica for forward passes only
         if dims.tp > 1:
-            apply_tensor_parallel(model, mesh["tp"])
-        return ModuleParts(model, model)
+            apply_tensor_parallel(model, mesh["tp"], ctx.comm)
+        return ModuleParts(model, model, ctx.comm)
     trained = _apply_layout(model, ctx, activation_checkpointing and trainable, use_ddp=trainable)
-    return ModuleParts(model, trained)
+    return ModuleParts(model, trained, ctx.comm)
 
 
 def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing: bool, use_ddp: bool) -> nn.Module:
@@ -218,12 +230,12 @@ def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing:
     plain replicas suffice."""
     dims, mesh = ctx.dims, ctx.mesh
     if dims.tp > 1:
-        apply_tensor_parallel(getattr(module, "backbone", module), mesh["tp"])  # a value model's backbone
+        apply_tensor_parallel(getattr(module, "backbone", module), mesh["tp"], ctx.comm)  # a value model's backbone
     if activation_checkpointing:
         apply_activation_checkpointing(module)
     if dims.dp > 1:
         if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:
-            return apply_ddp(module, ctx.dp_mesh) if use_ddp else module
-        apply_fsdp(module, ctx.fsdp_mesh)
+            return apply_ddp(module, ctx.dp_mesh, counter=ctx.comm) if use_ddp else module
+        apply_fsdp(module, ctx.fsdp_mesh, counter=ctx.comm)
     return module
 

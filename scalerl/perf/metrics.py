@@ -11,6 +11,11 @@ that says where to declare it.
 - ``max`` / ``min``: over all ranks;
 - ``spread``: timings. The mean over all ranks under the name itself, plus ``<name>/max``,
   ``<name>/min``; for ``timing_s/step`` also ``timing_s/step/slowest_rank``, so a straggler is visible.
+
+``comm/bytes/*`` (bytes each rank sent, `scalerl.comm.accounting`) is the mean per rank, not the sum:
+divided by the step time it is the rate one rank's link must carry, and it stays comparable across world
+sizes (a ring all-reduce sends 2(n-1)/n x S per rank, nearly constant in n; the sum grows with n). The
+job's total is the mean x world size; ``comm/bytes/total`` is a spread, so ``/max`` shows the busiest rank.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "perf/max_memory_gb": "max",
     "comm/weight_sync_bytes": "sum_all_ranks",
     "rollout/logprob_diff/max": "max",
+    "comm/bytes/total": "spread",
     "timing_s/*": "spread",
-    "comm/bytes/*": "sum_all_ranks",
+    "comm/bytes/*": "mean",
     "actor/*": "mean",
     "critic/*": "mean",
     "sft/*": "mean",

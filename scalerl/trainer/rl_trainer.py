@@ -134,6 +134,7 @@ class RLTrainer:
             config=config_to_dict(cfg) if self.dist.is_main else None,
             resume_step=self.step + 1 if resume_from is not None else 0,  # a fresh run starts fresh files
         )
+        self.dist.comm.reset()  # set-up traffic (layouts, resume) is not a step's
 
     def _build_engine(self):
         if self.cfg.rollout.engine == "builtin":
@@ -270,6 +271,8 @@ class RLTrainer:
         metrics.update(self.timer.pop())
         metrics["timing_s/step"] = step_time
         metrics.update(self._performance(work, metrics, step_time))
+        if self.dist.world_size > 1 or self.dist.rollout_ranks:  # bytes and waits since the last step's were
+            metrics.update(self.dist.comm.pop())                 # read (docs/comm-accounting.md)
         return reduce_metrics(metrics, self.dist)
 
     def _importance_weights(self, batch: RolloutBatch) -> dict[str, float]:

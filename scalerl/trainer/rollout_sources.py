@@ -14,6 +14,7 @@ reads the same either way:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -122,15 +123,23 @@ class StandaloneRollouts:
         if not self._driver:
             return sent
         for worker in self.ctx.rollout_ranks:
-            send_tensors(encode_weights_header(len(weights)), worker, device=self.ctx.device)
+            self._send("weight_sync", encode_weights_header(len(weights)), worker)
             for name, tensor in weights.items():
-                sent += send_tensors(encode_named_tensor(name, tensor.to(self.dtype)), worker, device=self.ctx.device)
+                sent += self._send("weight_sync", encode_named_tensor(name, tensor.to(self.dtype)), worker)
+        return sent
+
+    def _send(self, kind: str, tensors: list[torch.Tensor], worker: int) -> int:
+        """`send_tensors`, counted (a point-to-point send of its payload) and timed."""
+        start = time.perf_counter()
+        sent = send_tensors(tensors, worker, device=self.ctx.device)
+        self.ctx.comm.record(kind, "send", sent, 2, dim="rollout_workers")
+        self.ctx.comm.add_wait(kind, time.perf_counter() - start)
         return sent
 
     def close(self) -> None:
         if self._driver:
             for worker in self.ctx.rollout_ranks:
-                send_tensors([torch.tensor([OP_STOP, 0])], worker, device=self.ctx.device)
+                self._send("rollout", [torch.tensor([OP_STOP, 0])], worker)
 
     def _submit(self, batch: StepPrompts) -> None:
         self.pending = batch
@@ -141,7 +150,7 @@ class StandaloneRollouts:
             prompts = batch.prompts[start:stop]
             ids, mask = left_pad(prompts, self.pad_token_id)
             sampling = replace(batch.sampling, row_offset=start, total_rows=len(batch.prompts))
-            send_tensors(encode_request(batch.step, sampling, ids, mask.sum(-1)), worker, device=self.ctx.device)
+            self._send("rollout", encode_request(batch.step, sampling, ids, mask.sum(-1)), worker)
 
     def _collect(self) -> GenerationOutput:
         """The whole batch's output on every trainer rank (rank 0 receives it from the workers)."""
@@ -151,7 +160,15 @@ class StandaloneRollouts:
             message = encode_output(GenerationOutput.concat(parts, self.pad_token_id))
         self.pending = None
         if self.ctx.world_size > 1:
+            start = time.perf_counter()
             message = broadcast_tensors(message, src=0, group=self.ctx.group, device=self.ctx.device)
+            # one broadcast per tensor after the header's length and the header (int64: count, then per
+            # tensor dtype, ndim, sizes): counted as one payload
+            header = 8 * (2 + sum(2 + t.dim() for t in message))
+            payload = header + sum(t.numel() * t.element_size() for t in message)
+            self.ctx.comm.record("rollout", "broadcast", payload, self.ctx.world_size,
+                                 group_rank=self.ctx.rank, root=0)
+            self.ctx.comm.add_wait("rollout", time.perf_counter() - start)
         return decode_output(message)
 
 

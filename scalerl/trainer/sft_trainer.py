@@ -99,6 +99,7 @@ class SFTTrainer:
             config=config_to_dict(cfg) if self.dist.is_main else None,
             resume_step=self.step + 1 if resume_from is not None else 0,
         )
+        self.dist.comm.reset()  # set-up traffic (layouts, resume) is not a step's
 
     def _state_module(self) -> nn.Module:
         return nn.ModuleDict({"actor": self.policy.state_module()})
@@ -128,6 +129,8 @@ class SFTTrainer:
             "timing_s/step": elapsed, "perf/throughput": tokens / elapsed, "perf/mfu": mfu["perf/mfu/update"],
             "perf/max_memory_gb": max_memory_gb(self.device),
         })
+        if self.dist.world_size > 1:  # bytes and waits since the last step's were read (docs/comm-accounting.md)
+            metrics.update(self.dist.comm.pop())
         return reduce_metrics(metrics, self.dist)
 
     def evaluate(self) -> dict[str, float]:

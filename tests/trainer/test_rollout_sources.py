@@ -114,3 +114,13 @@ def test_standalone_resume_is_bitwise_identical(runs):
     straight, resumed = _weights(runs / "sync"), _weights(runs / "resumed")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert [r["step"] for r in _metrics(runs / "resumed")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("run", ["sync", "two_workers"])
+def test_standalone_steps_count_what_the_trainer_sends(runs, run):
+    # scalerl.comm.accounting: prompts out (rollout), weights pushed to every worker (weight_sync, which also
+    # counts each push's small header message, so at least comm/weight_sync_bytes)
+    for row in _metrics(runs / run):
+        assert row["comm/bytes/rollout"] > 0
+        assert row["comm/bytes/weight_sync"] >= row["comm/weight_sync_bytes"] > 0
+        assert row["comm/bytes/total"] >= row["comm/bytes/rollout"] + row["comm/bytes/weight_sync"]
