@@ -12,6 +12,9 @@
   kind and mesh dimension, and time spent waiting; `wire_bytes()` is the per-algorithm formula.
 - `ddp_counting`, `fsdp_counting`, `tp_counting`: how DDP's all-reduce, FSDP2's collectives and tensor
   parallelism's DTensor collectives record themselves into a counter.
+- `weight_sync`: `WeightSender` pushes the trainer's weights to rollout receivers in buckets, as lossless
+  verified deltas (`delta_encoding`, `weight_plan`); `weight_receiver`: `WeightReceiver` applies them to
+  a `WeightStore`; `weight_channel`: the transports (in-process, broadcast over a process group).
 """
 
 from scalerl.comm.accounting import KINDS, CommCounter, process_counter, wire_bytes
@@ -20,8 +23,12 @@ from scalerl.comm.rank_placement import RankPlacement, plan_rank_placement
 from scalerl.comm.socket_interface import (SocketInterfaceChoice, SocketInterfaceError, apply_socket_interface,
                                            check_interface_on_all_nodes, choose_socket_interface)
 from scalerl.comm.topology import NetworkInterface, RankTopology, RdmaPort, detect_topology
+from scalerl.comm.weight_channel import BroadcastChannel, InProcessChannel, WeightSyncError, serve_broadcast
+from scalerl.comm.weight_receiver import TensorDictStore, WeightReceiver, WeightStore
+from scalerl.comm.weight_sync import SyncReport, WeightSender
 
-__all__ = ["KINDS", "ClusterTopology", "CommCounter", "NetworkInterface", "RankPlacement", "RankTopology", "RdmaPort",
-           "SocketInterfaceChoice", "SocketInterfaceError", "apply_socket_interface", "check_interface_on_all_nodes",
-           "choose_socket_interface", "detect_topology", "gather_topology", "plan_rank_placement", "process_counter",
-           "wire_bytes"]
+__all__ = ["KINDS", "BroadcastChannel", "ClusterTopology", "CommCounter", "InProcessChannel", "NetworkInterface",
+           "RankPlacement", "RankTopology", "RdmaPort", "SocketInterfaceChoice", "SocketInterfaceError", "SyncReport",
+           "TensorDictStore", "WeightReceiver", "WeightSender", "WeightStore", "WeightSyncError", "apply_socket_interface",
+           "check_interface_on_all_nodes", "choose_socket_interface", "detect_topology", "gather_topology",
+           "plan_rank_placement", "process_counter", "serve_broadcast", "wire_bytes"]

@@ -35,7 +35,8 @@ from scalerl.core.config_tree import (  # re-exported: `scalerl.core.config` is 
 
 __all__ = [
     "ActorSection", "AlgorithmSection", "Config", "ConfigError", "CriticSection", "DataSection", "ModelSection",
-    "ParallelSection", "RolloutSection", "SFTSection", "TrainerSection", "apply_override", "config_from_dict",
+    "ParallelSection", "RolloutSection", "SFTSection", "TrainerSection", "WeightSyncSection", "apply_override",
+    "config_from_dict",
     "config_to_dict", "config_to_yaml", "describe_keys", "format_config", "load_config", "opt", "save_config",
     "split_config_args",
 ]
@@ -46,7 +47,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("arithmetic", "gsm8k", "math")
 ROLLOUT_ENGINES = ("builtin", "vllm")
 ROLLOUT_PLACEMENTS = ("colocated", "standalone")
-ROLLOUT_DTYPES = ("float32", "bfloat16")
 LR_SCHEDULES = ("constant", "cosine")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -55,6 +55,8 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_REWARDS = ("auto", "gsm8k", "math")
+ROLLOUT_DTYPES = ("bf16", "fp32")
+WEIGHT_SYNC_MODES = ("full", "delta")
 # The built-in model (model.path unset): its context and its vocabulary (the 99 characters of the built-in
 # tokenizer, rounded up for aligned matmuls).
 BUILTIN_MAX_POSITIONS = 512
@@ -147,7 +149,8 @@ class RolloutSection(_Section):
     placement: str = opt("colocated", "colocated (the trainer's ranks generate with the trained weights) | "
                                       "standalone (rollout.workers extra ranks with their own copy)")
     workers: int = opt(1, "standalone: rollout worker ranks, the last ranks of the world")
-    dtype: str = opt("float32", "standalone: the workers' weight dtype: float32 | bfloat16")
+    dtype: str = opt("fp32", "standalone: the workers' weight dtype, and what weight sync sends: "
+                     + " | ".join(ROLLOUT_DTYPES))
     staleness: int = opt(0, "standalone: 0 = generate with the latest weights; 1 = generate step k+1 with "
                             "step k's weights while the trainer updates (one-step asynchronous)")
     tis_cap: float = opt(2.0, "truncated importance sampling: cap of exp(old - rollout log-prob) per token, applied "
@@ -163,9 +166,36 @@ class RolloutSection(_Section):
         _check(p, self.workers >= 1, "rollout.workers", ">= 1", self.workers)
         _check_choice(p, "rollout.dtype", self.dtype, ROLLOUT_DTYPES)
         _check(p, self.staleness in (0, 1), "rollout.staleness", "0 or 1", self.staleness)
-        if self.placement == "colocated" and (self.staleness or self.dtype != "float32"):
+        if self.placement == "colocated" and (self.staleness or self.dtype != "fp32"):
             p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only "
                      f"(got staleness={self.staleness}, dtype={self.dtype} with placement=colocated)")
+        return p
+
+
+@dataclass
+class WeightSyncSection(_Section):
+    """Pushing the trainer's weights to rollout engines that hold their own copy (scalerl/comm/weight_sync.py)."""
+
+    name = "weight_sync"
+    mode: str = opt("delta", "full (dense push every sync) | delta (only elements whose rollout.dtype bits "
+                    "changed; lossless, verified by checksums)")
+    bucket_mb: float = opt(64.0, "bucket size in MiB of rollout.dtype elements: tensors are gathered and sent one "
+                           "bucket at a time, bounding the extra memory", above=0)
+    static_every: int = opt(0, "lossy option: defer a tensor whose largest change since its last push is below "
+                            "static_threshold for up to this many syncs; 0 = off (lossless)")
+    static_threshold: float = opt(0.0, "lossy option: largest absolute change a deferred tensor may carry",
+                                  at_least=0)
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check_choice(p, "weight_sync.mode", self.mode, WEIGHT_SYNC_MODES)
+        _check(p, self.static_every >= 0, "weight_sync.static_every", ">= 0 (0 = off)", self.static_every)
+        if self.static_every > 0 and self.mode != "delta":
+            p.append(f"weight_sync.static_every={self.static_every} defers tensors between delta syncs; "
+                     f"it needs weight_sync.mode=delta, got {self.mode!r}")
+        if self.static_every > 0 and self.static_threshold <= 0:
+            p.append("weight_sync.static_every > 0 needs weight_sync.static_threshold > 0 "
+                     "(the largest change a deferred tensor may carry)")
         return p
 
 
@@ -278,7 +308,10 @@ class TrainerSection(_Section):
     output_dir: str = opt("outputs/run", "checkpoints, metrics and the resolved config go here")
     save_every: int = opt(0, "checkpoint every N steps; 0 = only at the end")
     keep_last: int = opt(2, "checkpoints kept on disk")
-    resume: str = opt("never", "auto (latest in output_dir) | never | <checkpoint dir>")
+    resume: str = opt("never", "auto (latest in output_dir) | never | <checkpoint dir>; never refuses an "
+                      "output_dir holding another run's outputs unless trainer.overwrite=true")
+    overwrite: bool = opt(False, "with resume=never, delete another run's outputs (checkpoints/, metrics.jsonl, "
+                          "final/, model/, tensorboard/) found in output_dir instead of refusing to start")
     eval_every: int = opt(5, "evaluate every N steps; 0 = only before and after training")
     logger: list[str] = opt(help="metric sinks: " + " | ".join(LOGGERS), factory=lambda: ["console", "jsonl"])
     precision: str = opt("fp32", "autocast precision: fp32 | bf16 | fp16 (fp16 uses a grad scaler)")
@@ -357,6 +390,7 @@ class Config(_Section):
     sft: SFTSection = field(default_factory=SFTSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
 
     def problems(self) -> list[str]:
         p = [msg for f in dataclasses.fields(self) for msg in getattr(self, f.name).all_problems()]

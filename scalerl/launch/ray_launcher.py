@@ -10,9 +10,10 @@ under torchrun or Slurm, `train(config)` with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`
 from __future__ import annotations
 
 import sys
+import uuid
 from typing import Any, Callable
 
-from scalerl.core.config import load_config
+from scalerl.core.config import ConfigError, load_config
 from scalerl.core.errors import UserError
 from scalerl.launch.ray_connect import connect_ray
 from scalerl.launch.ray_placement import PlacementError, check_request, placement_problems, rank_bundles
@@ -41,7 +42,8 @@ def _print_summary(summary: dict[str, Any], world_size: int) -> None:
 def launch_ray(config_path: str | None, overrides: list[str], num_nodes: int, gpus_per_node: int,
                cpus_per_rank: float = 1.0, strategy: str = "PACK", address: str | None = None,
                dashboard_host: str = "127.0.0.1", timeout_s: float = 120.0,
-               train_fn: Callable[[Any], dict[str, Any]] | None = None, connect_timeout_s: float = 30.0) -> int:
+               train_fn: Callable[[Any], dict[str, Any]] | None = None, max_restarts: int = 0,
+               connect_timeout_s: float = 30.0) -> int:
     """Run `train_fn(cfg)` (default: GRPO `train`) on `num_nodes` x ranks_per_node Ray actors; exit code.
 
     The config is loaded and validated, and checked against the model and output directories it names,
@@ -51,35 +53,67 @@ def launch_ray(config_path: str | None, overrides: list[str], num_nodes: int, gp
     (`scalerl.launch.ray_connect`). Returns 0 after printing rank 0's final metrics, 1 when a rank fails (its
     error on stderr), 2 when the cluster cannot hold the ranks or a rank refused its input.
     Every node needs scalerl installed (the actors import it); outputs are written on the ranks' nodes.
+
+    Restarts (`max_restarts`): when a rank fails or its process dies, its peers are stuck in collectives
+    with it, so the whole group is torn down and started afresh (new actors, new rendezvous port), up to
+    `max_restarts` times; each attempt carries SCALERL_JOB_ID and SCALERL_RESTART_COUNT, so the trainer
+    continues from the latest checkpoint of the directory this job started in. (Ray's per-actor
+    `max_restarts` would restart one rank alone, which SPMD training cannot use.) A rank that fails on bad
+    input (a UserError, e.g. an output directory in use) is not restarted: it ends with exit code 2.
     """
     check_request(num_nodes, gpus_per_node, cpus_per_rank, strategy)
+    if max_restarts < 0:
+        raise ConfigError(f"max_restarts must be >= 0, got {max_restarts}")
     cfg = load_config(config_path, overrides)
     check_run_inputs(cfg, sft=False, import_reward=False)  # the reward may exist only where ranks run
     started_here = connect_ray(address, dashboard_host, connect_timeout_s)
     import ray
 
+    job = {"SCALERL_JOB_ID": uuid.uuid4().hex}
+    try:
+        for attempt in range(max_restarts + 1):
+            code, summaries = _run_attempt(cfg, train_fn, num_nodes, gpus_per_node, cpus_per_rank, strategy,
+                                           timeout_s, {**job, "SCALERL_RESTART_COUNT": str(attempt)})
+            if code != RESTARTABLE or attempt == max_restarts:
+                break
+            print(f"ray launch: restarting the job ({attempt + 1}/{max_restarts}) from its latest checkpoint",
+                  file=sys.stderr, flush=True)
+    finally:
+        if started_here:
+            ray.shutdown()
+    if code != 0:
+        return 1 if code == RESTARTABLE else code
+    _print_summary(summaries[0], len(summaries))
+    return 0
+
+
+RESTARTABLE = -1  # an attempt's result: a rank failed in a way a restart may get past
+
+
+def _run_attempt(cfg: Any, train_fn: Callable[[Any], dict[str, Any]] | None, num_nodes: int, gpus_per_node: int,
+                 cpus_per_rank: float, strategy: str, timeout_s: float,
+                 env: dict[str, str]) -> tuple[int, list[Any]]:
+    """One start of every rank: (0, summaries), (2, []) when unplaceable or a rank refused its input (a
+    UserError, reported like the CLI does), (RESTARTABLE, []) after any other rank failure. The group is
+    shut down either way."""
     group = None
     try:
         workers = cfg.rollout.workers if cfg.rollout.placement == "standalone" else 0
-        group = create_rank_group(num_nodes, gpus_per_node, cpus_per_rank, strategy, timeout_s,
+        group = create_rank_group(num_nodes, gpus_per_node, cpus_per_rank, strategy, timeout_s, extra_env=env,
                                   rollout_workers=workers)
         print(f"ray launch: {len(group.actors)} rank(s) on {len(set(group.node_ids))} node(s) ({strategy}), "
               f"master {group.env[0]['MASTER_ADDR']}:{group.env[0]['MASTER_PORT']}", flush=True)
-        summaries = run_on_ranks(group.actors, train_fn or _default_train, cfg)
+        return 0, run_on_ranks(group.actors, train_fn or _default_train, cfg)
     except PlacementError as e:
         print(f"ray launch: {e}", file=sys.stderr)
-        return 2
+        return 2, []
     except RankFailure as e:
         cause = getattr(e.error, "cause", None)  # a RayTaskError carries the rank's own exception
-        if isinstance(cause, UserError):  # bad input, reported like the CLI does: no traceback
+        if isinstance(cause, UserError):  # bad input, reported like the CLI does and not restarted
             print(f"error: rank {e.rank}: {cause}", file=sys.stderr)
-            return 2
+            return 2, []
         print(f"ray launch: {e}", file=sys.stderr)
-        return 1
+        return RESTARTABLE, []
     finally:
         if group is not None:
             group.shutdown()
-        if started_here:
-            ray.shutdown()
-    _print_summary(summaries[0], len(summaries))
-    return 0

@@ -39,6 +39,7 @@ class DistContext:
     device: torch.device = torch.device("cpu")
     group: dist.ProcessGroup | None = None  # the trainer's ranks; None: the whole world (no rollout workers)
     rollout_ranks: tuple[int, ...] = ()  # global ranks of standalone rollout workers
+    rollout_group: dist.ProcessGroup | None = None  # the trainer's rank 0 and the workers (weight sync)
     comm: CommCounter = field(default_factory=process_counter)  # this process's byte accounting
     cluster: ClusterTopology | None = None  # every rank's node and network, gathered once at start
     placement: RankPlacement | None = None  # which global rank of the trainer sits at each mesh position
@@ -96,6 +97,15 @@ class DistContext:
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         with self.comm.collective("metrics", "all_reduce", t, self.group):
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every trainer rank: a decision only rank 0 can make (from a file it alone reads)."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        with self.comm.collective("metrics", "broadcast", t, self.group):
+            dist.broadcast(t, src=0, group=self.group)  # global rank 0 is the trainer's first rank
         return bool(t.item())
 
     def barrier(self) -> None:
@@ -159,5 +169,7 @@ def init_distributed(parallel_cfg, device: torch.device, rollout_workers: int = 
     if not rollout_workers:
         return DistContext(dims, mesh, dp_mesh, **context)
     group = dist.new_group(list(range(trainer_world)))
-    return DistContext(dims, mesh, dp_mesh, group=group, rollout_ranks=tuple(range(trainer_world, world_size)),
-                       **context)
+    workers = tuple(range(trainer_world, world_size))
+    # The trainer's rank 0 and the workers: the group weight sync broadcasts over (created by every rank).
+    sync_group = dist.new_group([0, *workers])
+    return DistContext(dims, mesh, dp_mesh, group=group, rollout_ranks=workers, rollout_group=sync_group, **context)

@@ -14,17 +14,14 @@ copy), so they never ask which layout is running:
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 
-from scalerl.comm.accounting import CommCounter, sharded_over
+from scalerl.comm.accounting import CommCounter
 from scalerl.parallel.activation_checkpointing import apply_activation_checkpointing, set_activation_checkpointing
 from scalerl.parallel.data_parallel import apply_ddp, apply_fsdp
 from scalerl.parallel.distributed import DistContext
@@ -101,8 +98,6 @@ class ModuleParts:
         """The model generates with the trained parameters themselves: nothing to copy."""
         return 0
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return full_parameters(self.model, self.comm)
 
 
 class PipelineParts:
@@ -158,28 +153,9 @@ class PipelineParts:
         """Copy the stages' weights into the full replica on every pipeline rank; returns bytes received."""
         return self.runner.refresh_replica()
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return full_parameters(self.model, self.ctx.comm)  # the replica, refreshed after every update
 
 
 ModelParts = ModuleParts | PipelineParts
-
-
-def full_parameters(model: nn.Module, counter: CommCounter | None = None) -> dict[str, torch.Tensor]:
-    """The model's parameters unsharded, by name (a tied weight once). Collective when the model is sharded
-    or tensor-parallel: every rank of its mesh calls it, and only global rank 0 gets the tensors (on CPU).
-    The gathers are counted in ``counter`` as ``weight_sync`` (one all-gather per sharded parameter)."""
-    names = [name for name, _ in model.named_parameters()]
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
-        return {name: p.detach() for name, p in model.named_parameters()}
-    start = time.perf_counter()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if counter is not None:
-        for p in model.parameters():
-            if isinstance(p, DTensor):
-                counter.record("weight_sync", "all_gather", p.numel() * p.element_size(), sharded_over(p))
-        counter.add_wait("weight_sync", time.perf_counter() - start)
-    return {name: full[name] for name in names if name in full}
 
 
 def parallelize(

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from scalerl.core.rank_env import launcher_restart_count
 from scalerl.parallel.collective_failures import describe_collective_failure, is_collective_failure
 from scalerl.parallel.rank_liveness import RankHeartbeat
 from scalerl.parallel.rendezvous import RendezvousError, rendezvous_store
@@ -32,12 +33,20 @@ def join_process_group(rank: int, world_size: int, device: torch.device, dist_ti
     collective (NCCL's watchdog ends the process itself, so no Python error reports it)."""
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
     store = rendezvous_store(addr, port, rank, world_size, rendezvous_timeout_s)
+    group_store: dist.Store = store
+    restarts = launcher_restart_count()
+    if restarts:
+        # A launcher restart (torchrun's static rendezvous) may hand back the same store, still holding the
+        # previous attempt's gloo/NCCL addresses: a restarted rank could read its peer's dead address before the
+        # peer overwrites it ("connection refused" in connectFullMesh: 4 of 6 restarts tried failed so, none of
+        # 5 with a prefix per attempt).
+        group_store = dist.PrefixStore(f"scalerl/restart_{restarts}", store)
     options = {}
     if device.type == "cuda":
         enable_nccl_flight_recorder(trace_dir)
         options["device_id"] = torch.device("cuda", torch.cuda.current_device())  # NCCL joins now, not later
     try:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=group_store, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=dist_timeout_s), **options)
     except (dist.DistError, RuntimeError) as e:
         raise RendezvousError(f"rank {rank} of {world_size} met the others at {addr}:{port} but could not form "

@@ -4,11 +4,13 @@ torch's `env://` rendezvous waits as long as the collective timeout (30 minutes 
 unreachable master, and reports it with C++ stack dumps. Here rank 0 binds the store itself (a busy port is
 an error naming MASTER_PORT at once) and waits `rendezvous_timeout_s` for every rank to join; the others
 first wait, in Python, for the master's port to accept connections, so an unreachable master ends in one
-message naming the address, the world size and the limit.
+message naming the address, the world size and the limit. Under torchrun its agent hosts the store, as
+torch's own `env://` assumes (`TORCHELASTIC_USE_AGENT_STORE`), and rank 0 joins it like the others.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from datetime import timedelta
@@ -31,7 +33,9 @@ def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: 
     """The TCP store of the job: hosted by rank 0, joined by every other rank, all within `timeout_s`."""
     where = f"MASTER_ADDR:MASTER_PORT = {master_addr}:{master_port}"
     limit = f"within trainer.rendezvous_timeout_s={timeout_s:g} s"
-    if rank == 0:
+    # Under torchrun the agent already hosts the store at MASTER_PORT: every rank, 0 too, is a client there.
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if rank == 0 and not agent_hosts_store:
         try:
             return dist.TCPStore(master_addr, master_port, world_size, is_master=True,
                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=True)

@@ -38,6 +38,11 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "comm/bytes/total": "spread",
     "timing_s/*": "spread",
     "comm/bytes/*": "mean",
+    # Weight sync (scalerl/comm/weight_sync.py): the source rank holds the values, the other trainer ranks
+    # report 0, so the max over ranks is the source's figure. bytes/full_bytes/changed_fraction/
+    # static_tensors/dynamic_tensors/resyncs/full_push/peak_bucket_bytes, and the lossy mode's
+    # deferred_tensors/max_deviation/max_staleness.
+    "weight_sync/*": "max",
     "actor/*": "mean",
     "critic/*": "mean",
     "sft/*": "mean",

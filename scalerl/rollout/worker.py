@@ -4,7 +4,8 @@
 The trainer's rank 0 drives every worker with tensor messages (`scalerl.comm.tensor_messages`, no pickle):
 
     GENERATE  -> (sampling, prompts)      reply: the generation output of those rows
-    WEIGHTS   -> (named tensors, ...)      load them into the model
+    WEIGHTS   -> a weight sync             receive it (`scalerl.comm.weight_sync`: buckets broadcast over the
+                                           trainer's rank 0 + workers group, verified, deltas after the first)
     STOP                                   return
 
 Requests are served strictly in the order they arrive, so the trainer alone decides what runs when (sync:
@@ -20,9 +21,12 @@ from typing import Any
 import torch
 
 from scalerl.comm.tensor_messages import recv_tensors, send_tensors
+from scalerl.comm.weight_channel import serve_broadcast
+from scalerl.comm.weight_sync import ROLLOUT_DTYPES
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import GenerationOutput, SamplingParams
+from scalerl.rollout.weight_loading import engine_weight_receiver
 
 OP_GENERATE, OP_WEIGHTS, OP_STOP = 1, 2, 3
 
@@ -59,14 +63,6 @@ def decode_output(message: list[torch.Tensor]) -> GenerationOutput:
                             ["stop" if s else "length" for s in stopped.tolist()])
 
 
-def encode_weights_header(count: int) -> list[torch.Tensor]:
-    return [torch.tensor([OP_WEIGHTS, count])]
-
-
-def encode_named_tensor(name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
-    return [torch.frombuffer(bytearray(name.encode()), dtype=torch.uint8), tensor]
-
-
 @dataclass
 class WorkerStats:
     requests: int = 0
@@ -76,12 +72,13 @@ class WorkerStats:
 class RolloutWorker:
     """Serves generation for the trainer with a model it owns (`serve` returns at STOP)."""
 
-    def __init__(self, cfg: Any, device: torch.device, driver_rank: int = 0):
+    def __init__(self, cfg: Any, device: torch.device, sync_group, driver_rank: int = 0):
         model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.trainer.init_from, device, cfg.trainer.seed)
-        self.model = model.to(getattr(torch, cfg.rollout.dtype)).eval().requires_grad_(False)
+        self.model = model.to(ROLLOUT_DTYPES[cfg.rollout.dtype]).eval().requires_grad_(False)
         self.engine = BuiltinEngine(self.model, tokenizer.pad_token_id)
-        self.device, self.driver = device, driver_rank
-        self.params = dict(self.model.named_parameters())
+        self.device, self.driver, self.sync_group = device, driver_rank, sync_group
+        self.receiver = engine_weight_receiver(self.engine, shadow_device=device)
+        self.timeout_s = float(getattr(cfg.trainer, "dist_timeout_s", 600))
         self.stats = WorkerStats()
 
     def serve(self) -> WorkerStats:
@@ -94,18 +91,9 @@ class RolloutWorker:
                 send_tensors(encode_output(out), self.driver, device=self.device)
                 self.stats.requests += 1
             elif op == OP_WEIGHTS:
-                self._load_weights(int(message[0][1]))
+                serve_broadcast(self.receiver.handle, self.sync_group, self.driver, self.device, self.timeout_s)
+                self.stats.weight_loads += 1
             elif op == OP_STOP:
                 return self.stats
             else:
                 raise RuntimeError(f"rollout worker: unknown request {op} from rank {self.driver}")
-
-    @torch.no_grad()
-    def _load_weights(self, count: int) -> None:
-        for _ in range(count):
-            name_bytes, tensor = recv_tensors(self.driver, device=self.device)
-            name = bytes(name_bytes.tolist()).decode()
-            if name not in self.params:
-                raise RuntimeError(f"rollout worker: the trainer sent weights {name!r}, which this model lacks")
-            self.params[name].copy_(tensor)
-        self.stats.weight_loads += 1

@@ -25,6 +25,7 @@ from scalerl.core.threads import cpu_thread_governor
 from scalerl.data.errors import DataError
 from scalerl.data.prompts import check_prompts, encode_prompts
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
+from scalerl.models.hf_checkpoint import model_config_to_hf
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext, init_distributed
@@ -46,6 +47,7 @@ from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.rollout_rebalance import rebalance_batch
 from scalerl.trainer.rollout_sources import ColocatedRollouts, StandaloneRollouts, StepPrompts
 from scalerl.trainer.run_checks import check_run_inputs
+from scalerl.trainer.run_directory import CHECKPOINTS_DIR, prepare_output_dir, resume_from_checkpoint
 from scalerl.trainer.run_failures import SkippedStepGuard, run_reporting_failures
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
@@ -65,11 +67,13 @@ class RLTrainer:
         t, a, r = cfg.trainer, cfg.actor, cfg.rollout
         seed_everything(t.seed)
         self.device = resolve_device(t.device)
-        self.dist = ctx or init_distributed(cfg.parallel, self.device, rollout_worker_count(cfg),
-                                            dist_timeout_s=t.dist_timeout_s, rendezvous_timeout_s=t.rendezvous_timeout_s,
-                                            trace_dir=Path(t.output_dir) / "nccl_traces")
+        self.dist = ctx or init_distributed(
+            cfg.parallel, self.device, rollout_worker_count(cfg), dist_timeout_s=t.dist_timeout_s,
+            rendezvous_timeout_s=t.rendezvous_timeout_s, trace_dir=Path(t.output_dir) / "nccl_traces")
         check_rl_layout(cfg, self.dist)
         self.output_dir = Path(t.output_dir)
+        resume_from = prepare_output_dir(self.output_dir, resume=t.resume, overwrite=t.overwrite,
+                                         export_dir=self.output_dir / "final", ctx=self.dist)
         model, self.tokenizer = load_model_and_tokenizer(cfg.model, t.init_from, self.device, t.seed)
         self.model_config = model.config
         self.autocast = Autocast(t.precision, self.device)
@@ -92,8 +96,8 @@ class RLTrainer:
         self.stream = PromptStream(self.train_rows, t.batch_size, t.seed, cfg.data.shuffle)
         self.engine = self._build_engine()  # generates when colocated, evaluates always
         if r.placement == "standalone":
-            self.rollouts = StandaloneRollouts(self.policy, self.dist, self.tokenizer.pad_token_id,
-                                               getattr(torch, r.dtype), r.staleness)
+            self.rollouts = StandaloneRollouts(self.policy, self.dist, self.tokenizer.pad_token_id, r,
+                                               cfg.weight_sync)
         else:
             self.rollouts = ColocatedRollouts(self.engine, self.policy, self.dist)
         self.prefetched: StepPrompts | None = None
@@ -121,12 +125,12 @@ class RLTrainer:
         self.timer = StepTimer(self.device)
         self.threads = cpu_thread_governor(t.cpu_threads, self.device)
         self.step = 0
-        self.checkpoint_root = self.output_dir / "checkpoints"
+        self.checkpoint_root = self.output_dir / CHECKPOINTS_DIR
         self.skip_guard = SkippedStepGuard(t.max_skipped_steps, "actor", self.checkpoint_root)
-        resume_from = checkpoint.resolve_resume(t.resume, self.checkpoint_root)
+        self.reshard_history: list[dict[str, Any]] = []
         if resume_from is not None:
-            loaded = checkpoint.load(
-                resume_from, ctx=self.dist, model=self._state_module(), optimizer=self.optimizer,
+            loaded, self.reshard_history = resume_from_checkpoint(
+                resume_from, ctx=self.dist, seed=t.seed, model=self._state_module(), optimizer=self.optimizer,
                 scheduler=self.scheduler, grad_scaler=self.scaler, generators={"update": self.update_generator},
                 expected_config=config_to_dict(cfg), strict_config_keys=RESUME_MUST_MATCH,
             )
@@ -272,7 +276,7 @@ class RLTrainer:
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         with timer("update_weights"):
-            metrics["comm/weight_sync_bytes"] = float(self.rollouts.sync_weights())
+            metrics.update(self.rollouts.sync_weights())
         step_time = time.perf_counter() - step_start
         metrics.update(self.timer.pop())
         metrics["timing_s/step"] = step_time
@@ -333,6 +337,7 @@ class RLTrainer:
             trainer_state={"step": self.step,
                            "data": self.stream_state_before_prefetch if self.prefetched else self.stream.state_dict()},
             config=config_to_dict(self.cfg), keep_last=self.cfg.trainer.keep_last,
+            model_config=model_config_to_hf(self.model_config), reshard_history=self.reshard_history,
         )
 
     def fit(self) -> dict[str, Any]:
@@ -380,8 +385,8 @@ def train(cfg: Config) -> dict[str, Any]:
 
     def run() -> dict[str, Any]:
         if not ctx.is_trainer:
-            RolloutWorker(cfg, device).serve()
+            RolloutWorker(cfg, device, ctx.rollout_group).serve()
             return {}
         return RLTrainer(cfg, ctx).fit()
 
-    return run_reporting_failures(run, Path(t.output_dir) / "checkpoints")
+    return run_reporting_failures(run, Path(t.output_dir) / CHECKPOINTS_DIR)

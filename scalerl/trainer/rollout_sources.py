@@ -23,9 +23,9 @@ from scalerl.comm.tensor_messages import broadcast_tensors, recv_tensors, send_t
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import ModelParts
 from scalerl.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, left_pad
-from scalerl.rollout.worker import (
-    OP_STOP, decode_output, encode_named_tensor, encode_output, encode_request, encode_weights_header,
-)
+from scalerl.comm.weight_channel import BroadcastChannel
+from scalerl.comm.weight_sync import ROLLOUT_DTYPES, WeightSender
+from scalerl.rollout.worker import OP_STOP, OP_WEIGHTS, decode_output, encode_output, encode_request
 
 
 @dataclass
@@ -71,20 +71,22 @@ class ColocatedRollouts:
     def prefetch(self, batch: StepPrompts | None) -> None:
         """Colocated generation uses the latest weights: nothing runs ahead."""
 
-    def sync_weights(self) -> int:
+    def sync_weights(self) -> dict[str, float]:
         moved = self.policy.refresh_generation_copy()
         if not self.engine.shares_trainer_weights:
             moved += self.engine.sync_weights({n: p.detach() for n, p in self.policy.model.named_parameters()})
-        return moved
+        return {"comm/weight_sync_bytes": float(moved)}
 
     def close(self) -> None:
         pass
 
 
 class StandaloneRollouts:
-    def __init__(self, policy: ModelParts, ctx: DistContext, pad_token_id: int, dtype: torch.dtype, staleness: int):
-        self.policy, self.ctx, self.pad_token_id, self.dtype = policy, ctx, pad_token_id, dtype
-        self.staleness = staleness
+    def __init__(self, policy: ModelParts, ctx: DistContext, pad_token_id: int, rollout_cfg, weight_sync_cfg):
+        self.policy, self.ctx, self.pad_token_id = policy, ctx, pad_token_id
+        self.dtype, self.staleness = ROLLOUT_DTYPES[rollout_cfg.dtype], rollout_cfg.staleness
+        channel = BroadcastChannel(ctx.rollout_group, src=0, device=ctx.device) if ctx.rank == 0 else None
+        self.sender = WeightSender.from_config(weight_sync_cfg, rollout_cfg.dtype, channel)
         self.pending: StepPrompts | None = None  # submitted, not collected yet
         self.ready: tuple[int, GenerationOutput] | None = None  # collected ahead of its step
 
@@ -112,21 +114,27 @@ class StandaloneRollouts:
         if self.staleness and batch is not None:
             self._submit(batch)
 
-    def sync_weights(self) -> int:
+    def sync_weights(self) -> dict[str, float]:
         """Collect the prefetched step first (the workers serve requests in order), then push the new
-        weights to every worker; returns the bytes sent."""
+        weights to every worker with the weight sender (lossless deltas, verified per bucket: see
+        `scalerl.comm.weight_sync`); returns the sync's metrics."""
         if self.pending is not None:
             step = self.pending.step
             self.ready = (step, self._collect())
-        sent = self.policy.refresh_generation_copy()  # a pipeline's replica: what full_parameters reads
-        weights = self.policy.full_parameters()  # collective over the trainer's mesh when sharded
-        if not self._driver:
-            return sent
-        for worker in self.ctx.rollout_ranks:
-            self._send("weight_sync", encode_weights_header(len(weights)), worker)
-            for name, tensor in weights.items():
-                sent += self._send("weight_sync", encode_named_tensor(name, tensor.to(self.dtype)), worker)
-        return sent
+        moved = self.policy.refresh_generation_copy()  # a pipeline's replica is what gets sent
+        if self._driver:
+            for worker in self.ctx.rollout_ranks:
+                self._send("weight_sync", [torch.tensor([OP_WEIGHTS, 0])], worker)
+        start = time.perf_counter()
+        report = self.sender.sync(self.policy.model.named_parameters())  # every trainer rank joins the gathers
+        metrics = report.metrics()
+        if self._driver:
+            workers = len(self.ctx.rollout_ranks)
+            self.ctx.comm.record("weight_sync", "broadcast", report.bytes, workers + 1, dim="rollout_workers")
+            self.ctx.comm.add_wait("weight_sync", time.perf_counter() - start)
+            moved += report.bytes * workers
+        metrics["comm/weight_sync_bytes"] = float(moved)
+        return metrics
 
     def _send(self, kind: str, tensors: list[torch.Tensor], worker: int) -> int:
         """`send_tensors`, counted (a point-to-point send of its payload) and timed."""

@@ -21,6 +21,7 @@ from scalerl.core.rng_state import seed_everything
 from scalerl.core.threads import cpu_thread_governor
 from scalerl.data.prompts import encode_demonstrations
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
+from scalerl.models.hf_checkpoint import model_config_to_hf
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.parallel.distributed import init_distributed
 from scalerl.parallel.metric_reduction import reduce_metrics
@@ -35,6 +36,7 @@ from scalerl.trainer.layout_checks import check_sft_layout
 from scalerl.trainer.objectives import SFTObjective
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.run_checks import check_run_inputs
+from scalerl.trainer.run_directory import CHECKPOINTS_DIR, prepare_output_dir, resume_from_checkpoint
 from scalerl.trainer.run_failures import SkippedStepGuard, run_reporting_failures
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
@@ -57,6 +59,8 @@ class SFTTrainer:
                                      trace_dir=sft_output_dir(cfg) / "nccl_traces")
         check_sft_layout(cfg, self.dist)
         self.output_dir = sft_output_dir(cfg)
+        resume_from = prepare_output_dir(self.output_dir, resume=t.resume, overwrite=t.overwrite,
+                                         export_dir=self.output_dir / "model", ctx=self.dist)
         model, self.tokenizer = load_model_and_tokenizer(cfg.model, t.init_from, self.device, t.seed)
         self.model_config = model.config
         self.autocast = Autocast(t.precision, self.device)
@@ -86,12 +90,12 @@ class SFTTrainer:
         self.reward = reward_from_config(cfg.data)
         self.threads = cpu_thread_governor(t.cpu_threads, self.device)
         self.step = 0
-        self.checkpoint_root = self.output_dir / "checkpoints"
+        self.checkpoint_root = self.output_dir / CHECKPOINTS_DIR
         self.skip_guard = SkippedStepGuard(t.max_skipped_steps, "sft", self.checkpoint_root)
-        resume_from = checkpoint.resolve_resume(t.resume, self.checkpoint_root)
+        self.reshard_history: list[dict[str, Any]] = []
         if resume_from is not None:
-            loaded = checkpoint.load(
-                resume_from, ctx=self.dist, model=self._state_module(), optimizer=self.optimizer,
+            loaded, self.reshard_history = resume_from_checkpoint(
+                resume_from, ctx=self.dist, seed=t.seed, model=self._state_module(), optimizer=self.optimizer,
                 scheduler=self.scheduler, grad_scaler=self.scaler, generators={},
                 expected_config=config_to_dict(cfg), strict_config_keys=RESUME_MUST_MATCH,
             )
@@ -151,6 +155,7 @@ class SFTTrainer:
             scheduler=self.scheduler, grad_scaler=self.scaler, generators={},
             trainer_state={"step": self.step, "data": self.stream.state_dict()},
             config=config_to_dict(self.cfg), keep_last=self.cfg.trainer.keep_last,
+            model_config=model_config_to_hf(self.model_config), reshard_history=self.reshard_history,
         )
 
     def fit(self) -> dict[str, Any]:
@@ -179,4 +184,4 @@ def sft_output_dir(cfg: Config) -> Path:
 
 def train_sft(cfg: Config) -> dict[str, Any]:
     """Run SFT as configured by the ``sft`` section (model/data/trainer sections as for RL)."""
-    return run_reporting_failures(lambda: SFTTrainer(cfg).fit(), sft_output_dir(cfg) / "checkpoints")
+    return run_reporting_failures(lambda: SFTTrainer(cfg).fit(), sft_output_dir(cfg) / CHECKPOINTS_DIR)

@@ -143,7 +143,7 @@ def test_cli_ray_calls_launch_ray(monkeypatch):
     assert launch_cli(["launch", "ray", "rollout.n=2", "--num-nodes", "2", "--gpus-per-node", "4",
                        "--strategy", "SPREAD", "--address", "auto"]) == 0
     expected = {"num_nodes": 2, "gpus_per_node": 4, "cpus_per_rank": 1.0, "strategy": "SPREAD", "address": "auto",
-                "dashboard_host": "127.0.0.1", "connect_timeout_s": 30.0}
+                "dashboard_host": "127.0.0.1", "max_restarts": 0, "connect_timeout_s": 30.0}
     assert calls == [(None, ["rollout.n=2"], expected)]
 
 

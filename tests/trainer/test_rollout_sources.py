@@ -55,7 +55,7 @@ def _world2_runs(rank: int, out: str) -> None:
     for name, extra in {
         "sync": ["rollout.placement=standalone", "trainer.total_steps=3"],
         "async": ["rollout.placement=standalone", "rollout.staleness=1", "trainer.total_steps=3"],
-        "bf16": ["rollout.placement=standalone", "rollout.dtype=bfloat16", "trainer.total_steps=3"],
+        "bf16": ["rollout.placement=standalone", "rollout.dtype=bf16", "trainer.total_steps=3"],
         "resumed": ["rollout.placement=standalone", "trainer.total_steps=2", "trainer.save_every=2"],
     }.items():
         _train(f"{out}/{name}", extra)
@@ -104,10 +104,18 @@ def test_asynchronous_rollouts_lag_one_step(runs):
     assert rows[0]["critic/score/mean"] == reference[0]["critic/score/mean"]
 
 
-def test_bf16_workers_send_half_the_bytes_and_reweight_the_loss(runs):
+def test_bf16_workers_hold_half_the_bytes_and_reweight_the_loss(runs):
     bf16, fp32 = _metrics(runs / "bf16"), _metrics(runs / "sync")
-    assert 0.45 < bf16[0]["comm/weight_sync_bytes"] / fp32[0]["comm/weight_sync_bytes"] < 0.6
+    assert bf16[0]["weight_sync/full_bytes"] * 2 == fp32[0]["weight_sync/full_bytes"]
     assert all(0 < r["rollout/logprob_diff/max"] < 0.05 for r in bf16)  # bf16 numerics, same weights
+
+
+@pytest.mark.parametrize("run", ["sync", "bf16", "async", "two_workers"])
+def test_weight_sync_sends_verified_deltas(runs, run):
+    """After the first (full) push at start, every step sends only what changed, and every bucket verified."""
+    rows = _metrics(runs / run)
+    assert all(r["weight_sync/resyncs"] == 0 and r["weight_sync/full_push"] == 0 for r in rows)
+    assert all(0 < r["weight_sync/bytes"] < r["weight_sync/full_bytes"] for r in rows)
 
 
 def test_standalone_resume_is_bitwise_identical(runs):
