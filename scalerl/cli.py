@@ -39,6 +39,7 @@ examples:
   torchrun --nproc-per-node 8 -m scalerl train run.yaml
   scalerl generate --model outputs/run/final --prompt "12+30="
   scalerl version
+  scalerl doctor --distributed-check              # also under torchrun / srun / --ray, on every rank
 """
 
 
@@ -175,6 +176,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if all(r.passed for r in rows) else 1
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from scalerl.doctor.cli import run_doctor
+
+    return run_doctor(args)
+
+
 def add_launch_parser(sub) -> None:
     """`scalerl launch slurm|ray` lives with the launchers; absent pieces only disable that command."""
     try:
@@ -241,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--output-dir", default="outputs/verify", metavar="DIR", help="where runs are written")
 
     add("version", cmd_version, "print versions of scalerl, python, torch, optional packages, CUDA and NCCL")
+    from scalerl.doctor.cli import EPILOG as DOCTOR_EPILOG, add_doctor_arguments  # cheap: no torch
+
+    add_doctor_arguments(add("doctor", cmd_doctor, "diagnose a distributed run: where on the troubleshooting tree "
+                             "its problems are, with evidence and fixes", DOCTOR_EPILOG))
     add_launch_parser(sub)
     return parser
 

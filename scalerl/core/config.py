@@ -278,6 +278,9 @@ class TrainerSection(_Section):
     balance_batch: bool = opt(True, "redistribute rollouts over DP ranks so each gets a near-equal token count")
     cpu_threads: int = opt(0, "CPU only: torch threads; 0 = follow the cores other processes leave free, "
                               "re-checked during the run")
+    monitor_every: int = opt(10, "online health monitor: every N steps run scalerl doctor's rules on the step "
+                                 "metrics (one warning with its fix per crossing; health/* levels to the metric "
+                                 "sinks); 0 = off")
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -292,6 +295,7 @@ class TrainerSection(_Section):
         _check_choice(p, "trainer.precision", self.precision, PRECISIONS)
         _check_choice(p, "trainer.device", self.device, DEVICES)
         _check(p, self.cpu_threads >= 0, "trainer.cpu_threads", ">= 0 (0 = follow the free cores)", self.cpu_threads)
+        _check(p, self.monitor_every >= 0, "trainer.monitor_every", ">= 0 (0 = off)", self.monitor_every)
         return p
 
 

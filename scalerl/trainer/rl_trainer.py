@@ -29,9 +29,10 @@ from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import init_distributed
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.parallel.parallelize import PipelineOptions, parallelize
+from scalerl.perf.health.monitor import HealthMonitor
 from scalerl.perf.memory import max_memory_gb
 from scalerl.perf.mfu import RankShare, StepWork, step_mfu
-from scalerl.perf.timing import StepTimer
+from scalerl.perf.timing import StepTimer, busy_time
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
@@ -119,6 +120,7 @@ class RLTrainer:
             config=config_to_dict(cfg) if self.dist.is_main else None,
             resume_step=self.step + 1 if resume_from is not None else 0,  # a fresh run starts fresh files
         )
+        self.monitor = HealthMonitor.for_run(t.monitor_every, cfg, self.dist.dims, self.device, log=self.dist.is_main)
 
     def _build_engine(self):
         if self.cfg.rollout.engine == "builtin":
@@ -161,9 +163,10 @@ class RLTrainer:
 
     def _rollout(self) -> tuple[RolloutBatch, dict[str, float]]:
         cfg, timer = self.cfg, self.timer
-        rows = self.dist.dp_share(self.stream.next_batch())  # every rank draws the global batch, keeps its part
         n = cfg.rollout.n
-        prompts = [p for p in self._encode(rows) for _ in range(n)]
+        with timer("data"):
+            rows = self.dist.dp_share(self.stream.next_batch())  # every rank draws the global batch, keeps its part
+            prompts = [p for p in self._encode(rows) for _ in range(n)]
         group_ids = torch.arange(len(rows)).repeat_interleave(n)
         self.policy.eval()
         with timer("gen"):
@@ -199,6 +202,11 @@ class RLTrainer:
         )
 
     def train_step(self) -> dict[str, float]:
+        """One step; its metrics combined over ranks."""
+        return reduce_metrics(self.local_step(), self.dist)
+
+    def local_step(self) -> dict[str, float]:
+        """One step; this rank's own metrics, before they are combined over ranks."""
         cfg, timer, a = self.cfg, self.timer, self.cfg.actor
         temperature, micro = cfg.rollout.temperature or 1.0, a.ppo_micro_batch_size
         step_start = time.perf_counter()
@@ -224,6 +232,7 @@ class RLTrainer:
             with timer("balance"):
                 batch, balance_metrics = rebalance_batch(batch, self.dist, cfg.trainer.batch_size // self.dist.dp_size)
             metrics.update(balance_metrics)
+        metrics["perf/update_tokens"] = float(batch.attention_mask.sum())  # after balancing: this rank's share
         if self.critic is not None:
             with timer("update_critic"):
                 metrics.update(run_update(self.critic, self.optimizer_step, batch, self.value_objective,
@@ -239,7 +248,8 @@ class RLTrainer:
         metrics.update(self.timer.pop())
         metrics["timing_s/step"] = step_time
         metrics.update(self._performance(work, metrics, step_time))
-        return reduce_metrics(metrics, self.dist)
+        metrics.update(busy_time(metrics))
+        return metrics
 
     def _sync_engine_weights(self) -> int:
         """Bring the generating weights up to date: the pipeline replica from the stages, and an engine
@@ -299,6 +309,7 @@ class RLTrainer:
             while self.step < t.total_steps:
                 metrics = self.train_step()
                 self.step += 1
+                metrics.update(self.monitor.observe(self.step, metrics))
                 last = self.step == t.total_steps
                 if self.val_rows and (last or (t.eval_every and self.step % t.eval_every == 0)):
                     metrics.update(self.evaluate())
