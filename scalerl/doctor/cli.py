@@ -107,17 +107,8 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(describe_rules())
         return 0
     options = options_from_args(args)
-    if args.ray:
-        from scalerl.doctor.ray_doctor import diagnose_on_ray
 
-        report = diagnose_on_ray(options, args.num_nodes, args.gpus_per_node, args.cpus_per_rank, args.strategy,
-                                 args.address)
-        code = report.exit_code
-    else:
-        from scalerl.doctor.diagnose import diagnose
-
-        code, report = diagnose(options)
-    if report is not None:
+    def publish(report: Any) -> None:
         from scalerl.doctor.render import render
 
         render(report)
@@ -127,5 +118,16 @@ def run_doctor(args: argparse.Namespace) -> int:
                 stem, dot, suffix = path.rpartition(".")
                 path = f"{stem}.rank{report.facts[0]['rank']}.{suffix}" if dot else f"{path}.rank{report.facts[0]['rank']}"
             print(f"report written to {report.write(path)}")
-    sys.stdout.flush()
+        sys.stdout.flush()
+
+    if args.ray:
+        from scalerl.doctor.ray_doctor import diagnose_on_ray
+
+        report = diagnose_on_ray(options, args.num_nodes, args.gpus_per_node, args.cpus_per_rank, args.strategy,
+                                 args.address)
+        publish(report)
+        return report.exit_code
+    from scalerl.doctor.diagnose import diagnose
+
+    code, _ = diagnose(options, on_report=publish)
     return code

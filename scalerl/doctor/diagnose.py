@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -84,8 +84,11 @@ def _join(env, facts: dict[str, Any], options: DoctorOptions, backend: str) -> D
     return join_world(env, facts, options.join_timeout_s, options.timeout_s, backend)
 
 
-def diagnose(options: DoctorOptions, environ: Mapping[str, str] | None = None) -> tuple[int, DoctorReport | None]:
-    """Run the doctor on this rank; (exit code, the report on the main rank or a rank left alone, else None)."""
+def diagnose(options: DoctorOptions, environ: Mapping[str, str] | None = None,
+             on_report: Callable[[DoctorReport], None] | None = None) -> tuple[int, DoctorReport | None]:
+    """Run the doctor on this rank; (exit code, the report on the main rank or a rank left alone, else None).
+    ``on_report`` (printing, writing the JSON) runs on the main rank before any rank returns: launchers
+    kill the remaining ranks as soon as one exits with an error, which a fault's exit code is."""
     environ = os.environ if environ is None else environ
     env = detect_rank_env(environ)
     device = resolve_device(options.device)
@@ -106,16 +109,18 @@ def diagnose(options: DoctorOptions, environ: Mapping[str, str] | None = None) -
         report = DoctorReport(options.modes, run_cluster_rules([facts], {}) + [failed], [facts], {}, {
             "world_size": facts["world_size"], "joined": [facts["rank"]], "missing": [], "launcher": facts["launcher"],
             "nodes": {facts["hostname"]: [facts["rank"]]}, **joined})
+        if on_report is not None:
+            on_report(report)
         return report.exit_code, report
     try:
-        return _run_checks(world, cfg, options, device, backend)
+        return _run_checks(world, cfg, options, device, backend, on_report)
     finally:
         if created_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _run_checks(world: DoctorWorld, cfg: Config, options: DoctorOptions, device: torch.device,
-                backend: str) -> tuple[int, DoctorReport | None]:
+def _run_checks(world: DoctorWorld, cfg: Config, options: DoctorOptions, device: torch.device, backend: str,
+                on_report: Callable[[DoctorReport], None] | None) -> tuple[int, DoctorReport | None]:
     measured: dict[str, Any] = {"rendezvous": {"world_size": world.world_size, "joined": world.joined,
                                                "missing": world.missing, "join_timeout_s": world.join_timeout_s,
                                                "master": world.master}}
@@ -145,6 +150,8 @@ def _run_checks(world: DoctorWorld, cfg: Config, options: DoctorOptions, device:
             "world_size": world.world_size, "joined": world.joined, "missing": world.missing,
             "nodes": nodes(facts), "launcher": facts[0].get("launcher", "single")})
         code = report.exit_code
+        if on_report is not None:
+            on_report(report)
     code = world.broadcast_json("exit", code, timeout)
     world.finish(timeout)
     return code, report

@@ -54,30 +54,39 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class PhaseProfiler(StepTimer):
-    """Drop-in for the trainer's `StepTimer` (``trainer.timer = PhaseProfiler(...)``)."""
+    """Drop-in for the trainer's `StepTimer` (``trainer.timer = PhaseProfiler(...)``). Sections may nest
+    (the optimizer step inside an update): a phase's time excludes its nested phases', and only top-level
+    phases end at a barrier (nested ones run a different number of times per rank under some layouts)."""
 
     def __init__(self, device: torch.device, waits: CollectiveWaits, distributed: bool):
         super().__init__(device)
         self.waits = waits
         self.distributed = distributed
         self.phases: dict[str, PhaseStats] = defaultdict(PhaseStats)
+        self._nested_time: list[float] = []  # per open section: time spent in sections nested in it
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         outer, self.waits.phase = self.waits.phase, name
-        reset_peak_memory(self.device)
+        top_level = not self._nested_time
+        self._nested_time.append(0.0)
+        if top_level:
+            reset_peak_memory(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            if self.distributed:
+            if self.distributed and top_level:
                 self.waits.barrier()
             elapsed = time.perf_counter() - start
-            self.times[f"timing_s/{name}"] += elapsed
+            nested = self._nested_time.pop()
+            if self._nested_time:
+                self._nested_time[-1] += elapsed
+            self.times[f"timing_s/{name}"] += elapsed  # what the trainer reports: inclusive
             stats = self.phases[name]
-            stats.time_s += elapsed
+            stats.time_s += elapsed - nested
             stats.peak_gb = max(stats.peak_gb, peak_memory_gb(self.device))
             self.waits.phase = outer
 
@@ -89,3 +98,18 @@ class PhaseProfiler(StepTimer):
             stats.peer_s += totals.peer_s
             stats.comm_s += totals.comm_s
         return phases
+
+
+class TimedOptimizerStep:
+    """The trainer's `OptimizerStep`, its calls timed as the ``optimizer`` phase (nested in the update), so
+    the profile splits forward + backward from the optimizer."""
+
+    def __init__(self, step, timer: PhaseProfiler):
+        self._step, self._timer = step, timer
+
+    def __getattr__(self, name: str):
+        return getattr(self._step, name)  # optimizer, grad_scaler, max_norm: run_update reads them
+
+    def __call__(self, parts):
+        with self._timer("optimizer"):
+            return self._step(parts)

@@ -21,7 +21,7 @@ from scalerl.core.config import Config
 from scalerl.core.device import compute_dtype
 from scalerl.doctor.bandwidth import MiB, all_reduce_sweep
 from scalerl.doctor.collective_waits import CollectiveWaits
-from scalerl.doctor.phase_profiler import PhaseProfiler, PhaseStats
+from scalerl.doctor.phase_profiler import PhaseProfiler, PhaseStats, TimedOptimizerStep
 from scalerl.doctor.storage import probe_dir, write_speed
 from scalerl.doctor.world import DoctorWorld
 from scalerl.parallel.metric_reduction import reduce_metrics
@@ -84,6 +84,7 @@ def profile_rank(world: DoctorWorld, user_cfg: Config, kind: str, steps: int, wa
     waits = CollectiveWaits()
     timer = PhaseProfiler(device, waits, distributed=ctx.world_size > 1)
     trainer.timer = timer
+    trainer.optimizer_step = TimedOptimizerStep(trainer.optimizer_step, timer)
     per_step: list[dict[str, Any]] = []
     reduced: list[dict[str, float]] = []
     copy_s = None

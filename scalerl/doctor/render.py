@@ -46,7 +46,7 @@ def _nodes_table(report: DoctorReport) -> Table | None:
     if not report.facts:
         return None
     table = Table(title="ranks", title_justify="left", box=None, header_style="bold")
-    for column in ("node", "ranks", "device", "torch", "interface", "launcher"):
+    for column in ("node", "ranks", "device", "torch", "collectives over", "other interfaces", "launcher"):
         table.add_column(column)
     by_rank = {f["rank"]: f for f in report.facts}
     for host, ranks in nodes.items():
@@ -54,10 +54,24 @@ def _nodes_table(report: DoctorReport) -> Table | None:
         s = f.get("socket") or {}
         device = ", ".join(sorted({g["name"] for g in f.get("gpus", [])})) or f.get("device", "")
         iface = f"{s.get('interface') or s.get('value') or '?'} {s.get('address') or ''}".strip()
-        table.add_row(host, ",".join(map(str, ranks)), device, f["versions"].get("torch", ""), iface, f.get("launcher", ""))
+        others = [_interface_text(i) for i in f.get("interfaces", []) if i["name"] != s.get("interface")
+                  and i["kind"] != "loopback"]
+        table.add_row(host, ",".join(map(str, ranks)), device, f["versions"].get("torch", ""), iface,
+                      ", ".join(others) or "-", f.get("launcher", ""))
     for m in report.world.get("missing", []):
-        table.add_row(m.get("expected_host", "?"), str(m["rank"]), "-", "-", "-", "did not join")
+        table.add_row(m.get("expected_host", "?"), str(m["rank"]), "-", "-", "-", "-", "did not join")
     return table
+
+
+def _interface_text(i: dict[str, Any]) -> str:
+    """"eth1 25 Gbit/s", "docker0 (docker)", "eth2 169.254.3.1 (link-local)", "ib0 (down)"."""
+    tags = [i["virtual_kind"]] if i.get("virtual_kind") else []
+    if i.get("ipv4") and all(a.startswith("169.254.") for a in i["ipv4"]):
+        tags.append("link-local")
+    if not i.get("up", True):
+        tags.append("down")
+    speed = f" {i['speed_mbit'] / 1000:g} Gbit/s" if i.get("speed_mbit") else ""
+    return f"{i['name']}{speed}" + (f" ({', '.join(tags)})" if tags else "")
 
 
 def _sweep_table(bandwidth: dict[str, Any]) -> Table | None:

@@ -1,7 +1,8 @@
 """`--distributed-check` at world 4 on gloo, by fault injection: one spawned group of 4 processes runs the
-doctor four times (a fresh rendezvous each time): healthy; rank 1 reporting another torch; rank 2 with
-GLOO_SOCKET_IFNAME naming a missing interface; a world of 5 whose rank 4 never starts. Each run must land
-its fault on its leaf and raise no other fault; the healthy run raises nothing at all."""
+doctor five times (a fresh rendezvous each time): healthy; rank 1 reporting another torch; rank 2 with
+GLOO_SOCKET_IFNAME naming a missing interface; a world of 5 whose rank 4 never starts; and once inside a
+process group that already exists. Each run must land its fault on its leaf and raise no other fault; the
+healthy runs raise nothing at all."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from scalerl.core.net import free_port
 from tests.spawned_group import run_in_group
 
-SCENARIOS = ("healthy", "versions", "socket", "missing")
+SCENARIOS = ("healthy", "versions", "socket", "missing", "existing")
 
 
 def _diagnose(port: int, output_dir: str, join_timeout_s: float = 30, **changes) -> dict:
@@ -40,6 +41,14 @@ def _scenarios(rank: int, ports: list[int], output_dir: str) -> dict:
     out["socket"] = _diagnose(ports[2], output_dir, **({"GLOO_SOCKET_IFNAME": "nosuch0"} if rank == 2 else {}))
     # Rank 4 of a world of 5 is never started: the others must go on without it and name it.
     out["missing"] = _diagnose(ports[3], output_dir, join_timeout_s=5, WORLD_SIZE="5", LOCAL_WORLD_SIZE="5")
+    # Inside a process group someone else started (a training script calling the doctor): used as it is.
+    os.environ["MASTER_PORT"] = str(ports[4])
+    torch.distributed.init_process_group("gloo", init_method="env://")
+    try:
+        out["existing"] = _diagnose(ports[4], output_dir)
+        out["existing"]["still_initialized"] = torch.distributed.is_initialized()
+    finally:
+        torch.distributed.destroy_process_group()
     return out
 
 
@@ -92,6 +101,14 @@ def test_a_missing_socket_interface_is_named_and_the_check_still_runs(runs):
     (f,) = [f for f in findings(report, "communication/topology") if f["status"] == "fault"]
     assert f["ranks"] == [2] and "GLOO_SOCKET_IFNAME=nosuch0" in f["summary"] and "GLOO_SOCKET_IFNAME=" in f["fix"]
     assert report["measurements"]["bandwidth"]["sweeps"]  # the doctor's own group used a working interface
+
+
+def test_inside_an_existing_process_group(runs):
+    ranks = runs["existing"]
+    assert [(r["code"], r["still_initialized"]) for r in ranks] == [(0, True)] * 4
+    report = ranks[0]["report"]
+    assert alarms(report) == {} and report["world"]["joined"] == [0, 1, 2, 3]
+    assert report["measurements"]["bandwidth"]["sweeps"][0]["ranks"] == [0, 1, 2, 3]
 
 
 def test_a_rank_that_never_joins_is_named_with_its_host(runs):

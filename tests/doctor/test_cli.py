@@ -1,0 +1,60 @@
+"""The seed article's commands as written: `python scripts/diagnose.py --distributed-check` under torchrun
+(2 ranks) and `--performance-profiling` in one process, with the tree on stdout and the JSON report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from scalerl.core.net import free_port
+from scalerl.doctor.cli import parse_size
+from scalerl.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "diagnose.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
+TINY = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train=100", "data.num_val=4",
+        "trainer.batch_size=4", "rollout.n=4", "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=16",
+        "actor.ppo_micro_batch_size=4"]
+
+
+def test_distributed_check_under_torchrun(tmp_path):
+    report = tmp_path / "doctor.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(SCRIPT), "--distributed-check", "--max-size", "1MiB", "--iters", "2", "--json", str(report),
+           f"trainer.output_dir={tmp_path / 'run'}"]
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "library version mismatch [ok]" in done.stdout and "insufficient network bandwidth [ok]" in done.stdout
+    assert "exit code 0: no fault" in done.stdout and done.stdout.count("scalerl doctor [") == 1  # rank 0 prints
+    data = json.loads(report.read_text())
+    assert data["schema"] == "scalerl.doctor/1" and data["modes"] == ["distributed-check"]
+    assert data["world"]["joined"] == [0, 1] and data["ranks"][1]["launcher"] == "torchrun"
+    assert data["ranks"][0]["env"]["TORCHELASTIC_USE_AGENT_STORE"] in ("True", "False")
+
+
+def test_performance_profiling_single_process(tmp_path):
+    report = tmp_path / "profile.json"
+    cmd = [sys.executable, str(SCRIPT), "--performance-profiling", *TINY, "--steps", "1", "--warmup", "0",
+           "--scratch-dir", str(tmp_path / "scratch"), "--trace", str(tmp_path / "traces"), "--json", str(report)]
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "per rank and phase" in done.stdout and "data sharding imbalance [ok]" in done.stdout
+    data = json.loads(report.read_text())
+    (record,) = data["measurements"]["profile"]["per_rank"]
+    assert record["phases"]["gen"]["time_s"] > 0 and record["step_s"] > 0
+    trace = json.loads((tmp_path / "traces" / "rank0.json").read_text())
+    assert trace["traceEvents"]
+    assert not (tmp_path / "outputs" / "run").exists()  # the profile wrote only to its scratch directory
+
+
+def test_list_rules_and_bad_arguments(capsys):
+    assert main(["doctor", "--list-rules"]) == 0
+    out = capsys.readouterr().out
+    assert "stragglers  ->  compute/stragglers" in out and "busy_over_median: warning > 1.3x median" in out
+    assert main(["doctor", "--steps", "0"]) == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
+    assert parse_size("256MiB") == 256 * 2**20 and parse_size("1G") == 2**30 and parse_size("4096") == 4096
