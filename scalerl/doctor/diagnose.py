@@ -23,7 +23,8 @@ from scalerl.doctor.report import DoctorReport
 from scalerl.doctor.storage import check_paths
 from scalerl.doctor.transfer import measure_host_device_copy
 from scalerl.doctor.world import DoctorWorld, RendezvousError, existing_world, join_world, single_world
-from scalerl.perf.health.cluster_rules import node_names, nodes, run_cluster_rules
+from scalerl.perf.health.cluster_rules import run_cluster_rules
+from scalerl.perf.health.nodes import node_names, nodes
 from scalerl.perf.health.step_rules import StepView, run_step_rules
 from scalerl.perf.health.tree import NOT_MEASURED, Finding
 

@@ -18,6 +18,10 @@ MARK = {OK: ("ok", "green"), WARNING: ("WARNING", "yellow"), FAULT: ("FAULT", "b
         NOT_MEASURED: ("not measured", "dim")}
 
 
+def rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.1f} MB/s"
+
+
 def _status(status: str) -> Text:
     word, style = MARK[status]
     return Text(f"[{word}]", style=style)
@@ -86,7 +90,7 @@ def _sweep_table(bandwidth: dict[str, Any]) -> Table | None:
         scope = sweep["scope"] + (f" {sweep['node']}" if sweep.get("node") else "")
         for r in sweep["results"]:
             table.add_row(scope, str(len(sweep["ranks"])), f"{r['size'] / 2**20:g} MiB", f"{r['time_s'] * 1e3:.2f} ms",
-                          f"{r['algbw'] / 1e9:.3f} GB/s", f"{r['busbw'] / 1e9:.3f} GB/s")
+                          rate(r["algbw"]), rate(r["busbw"]))
             scope = ""
     return table
 
@@ -95,12 +99,12 @@ def _pairs_table(bandwidth: dict[str, Any]) -> Table | None:
     pairs = bandwidth.get("pairs") or []
     if not pairs:
         return None
-    table = Table(title="node pairs (simultaneous exchange, per direction)", title_justify="left", box=None,
-                  header_style="bold")
-    for column in ("node", "node", "size", "bandwidth"):
+    table = Table(title="node pairs (both send SIZE to each other at once; rate = SIZE / time)", title_justify="left",
+                  box=None, header_style="bold")
+    for column in ("node", "node", "size", "rate"):
         table.add_column(column)
     for p in pairs:
-        table.add_row(p["a"], p["b"], f"{p['size'] / 2**20:g} MiB", f"{p['bytes_per_s'] / 1e6:.1f} MB/s")
+        table.add_row(p["a"], p["b"], f"{p['size'] / 2**20:g} MiB", rate(p["bytes_per_s"]))
     return table
 
 
@@ -137,7 +141,9 @@ def render(report: DoctorReport, stream: TextIO | None = None) -> None:
     for table in (_nodes_table(report), _sweep_table(bandwidth), _pairs_table(bandwidth),
                   _profile_table(report.measurements.get("profile", {}))):
         if table is not None:
+            title, table.title = table.title, None  # on its own line: a title never wraps to a narrow table
             console.print()
+            console.print(Text(str(title), style="bold"))
             console.print(table)
     console.print()
     console.print(f"exit code {report.exit_code}: " + ("a fault would stop or cripple training" if report.exit_code

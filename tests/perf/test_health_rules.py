@@ -3,7 +3,6 @@ and on no other, a healthy record raises nothing, and every threshold carries it
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -315,4 +314,3 @@ def test_threshold_direction():
     assert (b.status(0.9), b.status(0.3), b.status(0.05)) == (OK, WARNING, FAULT)
     with pytest.raises(ValueError, match="unknown leaf"):
         type(RULES["non_finite"])("x", "nowhere", "", "")
-    _ = copy  # deep copies are made by the helpers

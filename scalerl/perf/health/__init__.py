@@ -4,9 +4,13 @@ monitor and `scalerl doctor` share them and tests feed them recorded measurement
 - `tree`: the leaves (communication / compute load / resources / training signal), `Finding`, roll-up,
   exit code, ``health/*`` metrics;
 - `thresholds`: every rule's leaf, thresholds with reasons, and fix, as data (`RULES`);
-- `step_rules`: rules on step metrics (stragglers, token imbalance, communication share, memory, data wait,
-  granularity, checkpoint interval, non-finite values, reward collapse);
-- `cluster_rules`: rules on the distributed check's facts and measurements;
+- `step_rules`: rules on step metrics (a `StepView`, `view`), by branch in `compute_rules` (stragglers,
+  token imbalance, granularity), `comm_rules` (communication share, achieved bandwidth), `resource_rules`
+  (memory, host-device copies, data wait, checkpoint interval), `training_rules` (non-finite values,
+  reward collapse);
+- `cluster_rules`: rules on the distributed check's facts and measurements (communication), with
+  `node_rules` (devices, memory, copies, storage) and `nodes` (which ranks share a node, node names);
+- `wording`: findings built from the rules' data, numbers as text;
 - `monitor`: `HealthMonitor`, the online monitor the trainers run every ``trainer.monitor_every`` steps.
 """
 
