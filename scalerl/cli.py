@@ -272,7 +272,13 @@ def _is_user_error(error: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run the command; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "command", None) == "doctor" and all("=" in e or e.endswith((".yaml", ".yml"))
+                                                                    for e in extra):
+        args.config_args += extra  # `doctor --performance-profiling run.yaml --steps 5 parallel.tp=2`
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except ConfigError as e:  # a user error: one message, no traceback

@@ -1,5 +1,6 @@
-"""The seed article's commands as written: `python scripts/diagnose.py --distributed-check` under torchrun
-(2 ranks) and `--performance-profiling` in one process, with the tree on stdout and the JSON report."""
+"""The seed article's commands as written: `python scripts/diagnose.py --distributed-check
+--performance-profiling` under torchrun (2 ranks), `--performance-profiling` with a trace and the
+distributed check in one process, with the tree on stdout and the JSON report."""
 
 from __future__ import annotations
 
@@ -21,19 +22,31 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train=10
         "actor.ppo_micro_batch_size=4"]
 
 
-def test_distributed_check_under_torchrun(tmp_path):
+def test_both_modes_under_torchrun(tmp_path):
     report = tmp_path / "doctor.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(SCRIPT), "--distributed-check", "--max-size", "1MiB", "--iters", "2", "--json", str(report),
+           "--performance-profiling", *TINY, "--steps", "2", "--warmup", "1", "--scratch-dir", str(tmp_path / "scratch"),
            f"trainer.output_dir={tmp_path / 'run'}"]
-    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "library version mismatch [ok]" in done.stdout and "insufficient network bandwidth [ok]" in done.stdout
     assert "exit code 0: no fault" in done.stdout and done.stdout.count("scalerl doctor [") == 1  # rank 0 prints
     data = json.loads(report.read_text())
-    assert data["schema"] == "scalerl.doctor/1" and data["modes"] == ["distributed-check"]
+    assert data["schema"] == "scalerl.doctor/1" and data["modes"] == ["distributed-check", "performance-profiling"]
     assert data["world"]["joined"] == [0, 1] and data["ranks"][1]["launcher"] == "torchrun"
     assert data["ranks"][0]["env"]["TORCHELASTIC_USE_AGENT_STORE"] in ("True", "False")
+    assert [r["rank"] for r in data["measurements"]["profile"]["per_rank"]] == [0, 1]
+    assert data["status"] == "ok"
+
+
+def test_distributed_check_in_one_process(tmp_path, capsys):
+    assert main(["doctor", "--json", str(tmp_path / "one.json"), f"trainer.output_dir={tmp_path / 'run'}"]) == 0
+    assert "scalerl doctor [ok]" in capsys.readouterr().out
+    data = json.loads((tmp_path / "one.json").read_text())
+    assert data["modes"] == ["distributed-check"] and data["world"]["launcher"] == "single"
+    bandwidth = next(leaf for b in data["tree"] for leaf in b["leaves"] if leaf["id"] == "communication/bandwidth")
+    assert bandwidth["status"] == "not measured" and "one rank" in bandwidth["findings"][0]["summary"]
 
 
 def test_performance_profiling_single_process(tmp_path):

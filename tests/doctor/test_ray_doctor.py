@@ -1,5 +1,5 @@
-"""`scalerl doctor --ray`: the distributed check on Ray rank actors of a two-"node" `ray.cluster_utils.Cluster`
-(one machine), and placement groups explained: one that can never be placed, and the doctor's own request
+"""`scalerl doctor --ray`: the distributed check and the profile on Ray rank actors of a two-"node"
+`ray.cluster_utils.Cluster` (one machine), and placement groups explained: one that can never be placed, and the doctor's own request
 when the cluster cannot hold it. One small cluster for the module (starting Ray is the expensive part)."""
 
 import os
@@ -34,9 +34,14 @@ def cluster():
             nodes.shutdown()
 
 
-def _options(tmp_path):
-    return DoctorOptions(max_size=2**20, iters=2, join_timeout_s=60, timeout_s=120,
-                         overrides=[f"trainer.output_dir={tmp_path / 'run'}"], scratch_dir=str(tmp_path))
+TINY = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train=100", "data.num_val=4",
+        "trainer.batch_size=4", "rollout.n=4", "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=16",
+        "actor.ppo_micro_batch_size=4"]
+
+
+def _options(tmp_path, profile=False):
+    return DoctorOptions(max_size=2**20, iters=2, join_timeout_s=60, timeout_s=120, profile=profile, steps=2,
+                         warmup=1, overrides=[*TINY, f"trainer.output_dir={tmp_path / 'run'}"], scratch_dir=str(tmp_path))
 
 
 def _alarms(report):
@@ -47,7 +52,7 @@ def _alarms(report):
 def test_check_on_rank_actors_explains_a_pending_placement_group(cluster, tmp_path):
     stuck = placement_group([{"CPU": 100.0}], strategy="PACK", name="too-big")  # can never be placed
     try:
-        report = diagnose_on_ray(_options(tmp_path), num_nodes=2, gpus_per_node=0, cpus_per_rank=1.0,
+        report = diagnose_on_ray(_options(tmp_path, profile=True), num_nodes=2, gpus_per_node=0, cpus_per_rank=1.0,
                                  strategy="SPREAD", address=None)
     finally:
         remove_placement_group(stuck)
@@ -56,6 +61,7 @@ def test_check_on_rank_actors_explains_a_pending_placement_group(cluster, tmp_pa
     (f,) = [f for f in report.findings if f.rule == "ray_placement" and f.status == "fault"]
     assert "too-big" in f.summary and "CPU: 1 bundle(s) x 100 = 100 requested, the cluster has 4" in f.summary
     assert report.measurements["bandwidth"]["sweeps"][0]["ranks"] == [0, 1]
+    assert [r["rank"] for r in report.measurements["profile"]["per_rank"]] == [0, 1]  # both modes ran on the actors
     assert pending_placement_groups()["pending"] == []
 
 
