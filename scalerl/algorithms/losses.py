@@ -103,6 +103,7 @@ def policy_loss(
     global_num_seqs: int | torch.Tensor | None = None,
     dp_size: int = 1,
     horizon: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dual-clip PPO policy loss (verl `compute_policy_loss_vanilla`).
 
@@ -114,6 +115,9 @@ def policy_loss(
         pg_clipfrac        fraction where the clipped term is larger: -A clip(r) > -A r
         ppo_kl             mean of (old_logp - logp) after the clamp (approx. KL(old || new))
         pg_clipfrac_lower  fraction with A < 0 and l_clip > -A clip_c (dual clip active)
+    ``token_weights`` (detached), when given, multiply l per token before aggregation: the truncated
+    importance weights min(exp(old_logp - rollout_logp), cap) of verl's TIS, when the rollout was sampled
+    by other weights or other numerics than ``old_logp``'s.
     """
     if clip_c <= 1.0:
         raise ValueError(f"clip_c (dual-clip lower bound of the ratio) must be > 1, got {clip_c}")
@@ -126,6 +130,8 @@ def policy_loss(
     dual_clip_bound = -advantages * clip_c
     negative = advantages < 0
     token_losses = torch.where(negative, torch.minimum(clip_loss, dual_clip_bound), clip_loss)
+    if token_weights is not None:
+        token_losses = token_losses * token_weights
 
     loss = aggregate_loss(token_losses, response_mask, agg, global_num_tokens=global_num_tokens,
                           global_num_seqs=global_num_seqs, dp_size=dp_size, horizon=horizon)

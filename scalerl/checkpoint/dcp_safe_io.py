@@ -219,7 +219,7 @@ class SafeFileSystemReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
-def dcp_load_safely(state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike) -> None:
+def dcp_load_safely(state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike, process_group=None) -> None:
     """``dcp.load`` into ``state_dict`` (in place) with `SafeFileSystemReader` and `SafeLoadPlanner`.
 
     Collective when a process group is initialized (every rank calls it); works without one (world 1).
@@ -227,7 +227,7 @@ def dcp_load_safely(state_dict: dict[str, Any], checkpoint_dir: str | os.PathLik
     """
     reader = SafeFileSystemReader(checkpoint_dir)
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner())
+        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group)
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
         ours = _integrity_errors(error)
         if reader.refusal is not None or ours:

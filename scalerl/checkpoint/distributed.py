@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -69,7 +68,8 @@ def save_distributed_checkpoint(
         temp.mkdir()
     ctx.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, _optim_key(ctx): optim_state}, checkpoint_id=str(temp / SHARDS_DIR))
+    dcp.save({"model": model_state, _optim_key(ctx): optim_state}, checkpoint_id=str(temp / SHARDS_DIR),
+             process_group=ctx.group)
     save_torch_state(capture_rng_state(generators), temp / _rng_file(ctx.rank))
     ctx.barrier()  # every shard and RNG file is on disk before rank 0 declares the checkpoint complete
     if ctx.is_main:
@@ -116,12 +116,12 @@ def load_distributed_checkpoint(
     state = {"model": model_state, _optim_key(ctx): optim_state}
     # Checksums before DCP reads a byte, then DCP without unrestricted unpickling.
     verify_files(path, meta["files"], closed_dirs=(SHARDS_DIR,))
-    dcp_load_safely(state, path / SHARDS_DIR)
+    dcp_load_safely(state, path / SHARDS_DIR, process_group=ctx.group)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state[_optim_key(ctx)])
     scheduler.load_state_dict(load_torch_state(path / SCHEDULER_FILE))
     if grad_scaler is not None:
         grad_scaler.load_state_dict(load_torch_state(path / GRAD_SCALER_FILE))
     restore_rng_state(load_torch_state(rng_file), generators, restore_global=True)
     trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
-    dist.barrier()
+    ctx.barrier()
     return LoadedCheckpoint(path=path, step=int(meta["step"]), trainer_state=trainer_state, meta=meta)

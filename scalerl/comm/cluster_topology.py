@@ -39,15 +39,25 @@ class ClusterTopology:
         return len(self.records)
 
     @property
+    def node_of_rank(self) -> list[str]:
+        """The node name of every rank, by rank. A node is a hostname and the IPv4 addresses its ranks
+        see: ranks in one network namespace share both. Two namespaces of one host (containers, the
+        emulated cluster) are two nodes, named ``host[first address]``; their traffic crosses a link."""
+        keys = [(r.hostname, _addresses(r)) for r in self.records]
+        hosts_with_many = {h for h in dict.fromkeys(h for h, _ in keys)
+                           if len({k for k in keys if k[0] == h}) > 1}
+        return [f"{h}[{a[0] if a else 'no address'}]" if h in hosts_with_many else h for h, a in keys]
+
+    @property
     def nodes(self) -> list[str]:
-        """Hostnames in the order of their lowest rank."""
-        return list(dict.fromkeys(r.hostname for r in self.records))
+        """Node names (hostnames, see `node_of_rank`) in the order of their lowest rank."""
+        return list(dict.fromkeys(self.node_of_rank))
 
     @property
     def ranks_per_node(self) -> dict[str, list[int]]:
         placement: dict[str, list[int]] = {host: [] for host in self.nodes}
-        for record in self.records:
-            placement[record.hostname].append(record.rank)
+        for record, node in zip(self.records, self.node_of_rank):
+            placement[node].append(record.rank)
         return placement
 
     @property
@@ -57,7 +67,7 @@ class ClusterTopology:
 
     def node_record(self, host: str) -> RankTopology:
         """One record of the node (its lowest rank's): all ranks of a node see the same interfaces."""
-        return next(r for r in self.records if r.hostname == host)
+        return next(r for r, node in zip(self.records, self.node_of_rank) if node == host)
 
     def best_link(self, host: str) -> NetworkInterface | None:
         """The node's fastest interface that can leave the machine; None when no speed is readable."""
@@ -109,6 +119,10 @@ def gather_topology(group=None, record: RankTopology | None = None) -> ClusterTo
     dist.all_gather(gathered, padded, group=group)
     texts = [bytes(g[: int(n.item())].cpu().tolist()).decode() for g, n in zip(gathered, sizes)]
     return ClusterTopology.from_json_records(texts)
+
+
+def _addresses(record: RankTopology) -> tuple[str, ...]:
+    return tuple(sorted(a for i in record.interfaces if i.kind != "loopback" for a in i.ipv4))
 
 
 def _speed(mbit: int | None) -> str:

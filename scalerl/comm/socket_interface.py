@@ -13,7 +13,7 @@ import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 from scalerl.comm.cluster_topology import ClusterTopology
 from scalerl.comm.topology import RankTopology
@@ -114,6 +114,19 @@ def choose_socket_interface(master_addr: str, topology: RankTopology, env: Mappi
     names = ", ".join(i.name for i in real) or "none"
     return SocketInterfaceChoice(None, f"{why}, and no single real interface reaches MASTER_ADDR {master_ip} "
                                        f"(real interfaces: {names}); set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME")
+
+
+def apply_socket_interface(master_addr: str, topology: RankTopology, env: MutableMapping[str, str],
+                           procfs_root: str | Path = "/proc") -> SocketInterfaceChoice:
+    """Before the process group starts: when no *_SOCKET_IFNAME is set and the default route is not a
+    real interface, set both variables in ``env`` to the interface `choose_socket_interface` picks.
+    Returns the choice (its reason is for the log); raises SocketInterfaceError for a set one that is
+    missing here."""
+    choice = choose_socket_interface(master_addr, topology, env, procfs_root)
+    if choice.name is not None and choice.variable is None:
+        for var in SOCKET_IFNAME_VARIABLES:
+            env[var] = choice.name
+    return choice
 
 
 def missing_interfaces(value: str, topology: RankTopology, nccl_syntax: bool = False) -> list[str]:

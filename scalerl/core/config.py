@@ -35,7 +35,8 @@ from scalerl.core.config_tree import (  # re-exported: `scalerl.core.config` is 
 
 __all__ = [
     "ActorSection", "AlgorithmSection", "Config", "ConfigError", "CriticSection", "DataSection", "ModelSection",
-    "ParallelSection", "RolloutSection", "SFTSection", "TrainerSection", "apply_override", "config_from_dict",
+    "ParallelSection", "RolloutSection", "SFTSection", "TrainerSection", "WeightSyncSection", "apply_override",
+    "config_from_dict",
     "config_to_dict", "config_to_yaml", "describe_keys", "format_config", "load_config", "opt", "save_config",
     "split_config_args",
 ]
@@ -45,6 +46,7 @@ __all__ = [
 DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("arithmetic", "gsm8k", "math")
 ROLLOUT_ENGINES = ("builtin", "vllm")
+ROLLOUT_PLACEMENTS = ("colocated", "standalone")
 LR_SCHEDULES = ("constant", "cosine")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -53,6 +55,8 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_REWARDS = ("auto", "gsm8k", "math")
+ROLLOUT_DTYPES = ("bf16", "fp32")
+WEIGHT_SYNC_MODES = ("full", "delta")
 
 
 @dataclass
@@ -131,6 +135,15 @@ class RolloutSection(_Section):
     top_k: int = opt(0, "keep the k most likely tokens; 0 = off")
     max_new_tokens: int = opt(16, "response length limit in tokens")
     val_temperature: float = opt(0.0, "sampling temperature for evaluation; 0 = greedy")
+    placement: str = opt("colocated", "colocated (the trainer's ranks generate with the trained weights) | "
+                                      "standalone (rollout.workers extra ranks with their own copy)")
+    workers: int = opt(1, "standalone: rollout worker ranks, the last ranks of the world")
+    dtype: str = opt("fp32", "standalone: the workers' weight dtype, and what weight sync sends: "
+                     + " | ".join(ROLLOUT_DTYPES))
+    staleness: int = opt(0, "standalone: 0 = generate with the latest weights; 1 = generate step k+1 with "
+                            "step k's weights while the trainer updates (one-step asynchronous)")
+    tis_cap: float = opt(2.0, "truncated importance sampling: cap of exp(old - rollout log-prob) per token, applied "
+                              "when rollout log-probs come from other weights or numerics; 0 = off")
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -141,6 +154,42 @@ class RolloutSection(_Section):
         _check(p, self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
         _check(p, self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
         _check(p, self.val_temperature >= 0, "rollout.val_temperature", ">= 0", self.val_temperature)
+        _check_choice(p, "rollout.placement", self.placement, ROLLOUT_PLACEMENTS)
+        _check(p, self.workers >= 1, "rollout.workers", ">= 1", self.workers)
+        _check_choice(p, "rollout.dtype", self.dtype, ROLLOUT_DTYPES)
+        _check(p, self.staleness in (0, 1), "rollout.staleness", "0 or 1", self.staleness)
+        _check(p, self.tis_cap >= 0, "rollout.tis_cap", ">= 0 (0 = off)", self.tis_cap)
+        if self.placement == "colocated" and (self.staleness or self.dtype != "fp32"):
+            p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only "
+                     f"(got staleness={self.staleness}, dtype={self.dtype} with placement=colocated)")
+        return p
+
+
+@dataclass
+class WeightSyncSection(_Section):
+    """Pushing the trainer's weights to rollout engines that hold their own copy (scalerl/comm/weight_sync.py)."""
+
+    name = "weight_sync"
+    mode: str = opt("delta", "full (dense push every sync) | delta (only elements whose rollout.dtype bits "
+                    "changed; lossless, verified by checksums)")
+    bucket_mb: float = opt(64.0, "bucket size in MiB of rollout.dtype elements: tensors are gathered and sent one "
+                           "bucket at a time, bounding the extra memory")
+    static_every: int = opt(0, "lossy option: defer a tensor whose largest change since its last push is below "
+                            "static_threshold for up to this many syncs; 0 = off (lossless)")
+    static_threshold: float = opt(0.0, "lossy option: largest absolute change a deferred tensor may carry")
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check_choice(p, "weight_sync.mode", self.mode, WEIGHT_SYNC_MODES)
+        _check(p, self.bucket_mb > 0, "weight_sync.bucket_mb", "> 0", self.bucket_mb)
+        _check(p, self.static_every >= 0, "weight_sync.static_every", ">= 0 (0 = off)", self.static_every)
+        _check(p, self.static_threshold >= 0, "weight_sync.static_threshold", ">= 0", self.static_threshold)
+        if self.static_every > 0 and self.mode != "delta":
+            p.append(f"weight_sync.static_every={self.static_every} defers tensors between delta syncs; "
+                     f"it needs weight_sync.mode=delta, got {self.mode!r}")
+        if self.static_every > 0 and self.static_threshold <= 0:
+            p.append("weight_sync.static_every > 0 needs weight_sync.static_threshold > 0 "
+                     "(the largest change a deferred tensor may carry)")
         return p
 
 
@@ -311,6 +360,9 @@ class ParallelSection(_Section):
     pp: int = opt(1, "pipeline-parallel stages (layers must divide by it)")
     pp_schedule: str = opt("1f1b", "pipeline schedule: " + " | ".join(PP_SCHEDULES))
     microbatches: int = opt(4, "pipeline micro-batches per mini-batch")
+    reorder_ranks_by_node: bool = opt(True, "when the launcher numbered ranks across nodes in turn, build the "
+                                            "device mesh with each node's ranks contiguous (rings cross nodes "
+                                            "less; RANK numbers are kept)")
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -338,6 +390,7 @@ class Config(_Section):
     sft: SFTSection = field(default_factory=SFTSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
 
     def problems(self) -> list[str]:
         p = [msg for f in dataclasses.fields(self) for msg in getattr(self, f.name).problems()]

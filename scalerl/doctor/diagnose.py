@@ -182,6 +182,9 @@ def _profile(world: DoctorWorld, cfg: Config, options: DoctorOptions,
     context.update(checkpoint_context(cfg, records, len(nodes(world.facts)), context.get("dp_replicate", 1),
                                       min(largest, 256 * MiB)))
     metrics = mean_metrics(result["reduced"])
+    # DDP's gradient buckets run below Python: comm accounting's exposed wait for them, added to the time
+    # the doctor saw in collectives itself.
+    context["comm_wait_s"] = sum(r["comm_s"] for r in records) / len(records) + metrics.get("timing_s/comm/grad", 0.0)
     view = StepView(metrics, records, context)
     findings = run_step_rules(view, reward_history=result["reduced"])
     return findings, {"per_rank": records, "metrics": metrics, "context": context, "steps": options.steps,

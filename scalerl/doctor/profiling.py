@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from scalerl.core.config import Config
+from scalerl.core.config import Config, ConfigError
 from scalerl.core.device import compute_dtype
 from scalerl.doctor.bandwidth import MiB, all_reduce_sweep
 from scalerl.doctor.collective_waits import CollectiveWaits
@@ -31,6 +31,9 @@ from scalerl.perf.memory import memory_capacity_gb
 
 def profile_config(cfg: Config, scratch: Path, steps: int, warmup: int) -> Config:
     """The config the profile runs: the user's, writing under ``scratch``, for warmup + steps steps."""
+    if getattr(cfg.rollout, "placement", "colocated") == "standalone":
+        raise ConfigError("--performance-profiling runs colocated rollouts only so far; profile the layout with "
+                          "rollout.placement=colocated (standalone workers' ranks serve generation, not steps)")
     cfg = copy.deepcopy(cfg)
     cfg.trainer.output_dir = str(scratch / "profile")
     cfg.sft.output_dir = str(scratch / "profile" / "sft")

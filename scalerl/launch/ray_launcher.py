@@ -64,7 +64,9 @@ def launch_ray(config_path: str | None, overrides: list[str], num_nodes: int, gp
             ray.init(address=address)
     group = None
     try:
-        group = create_rank_group(num_nodes, gpus_per_node, cpus_per_rank, strategy, timeout_s)
+        workers = cfg.rollout.workers if cfg.rollout.placement == "standalone" else 0
+        group = create_rank_group(num_nodes, gpus_per_node, cpus_per_rank, strategy, timeout_s,
+                                  rollout_workers=workers)
         print(f"ray launch: {len(group.actors)} rank(s) on {len(set(group.node_ids))} node(s) ({strategy}), "
               f"master {group.env[0]['MASTER_ADDR']}:{group.env[0]['MASTER_PORT']}", flush=True)
         summaries = run_on_ranks(group.actors, train_fn or _default_train, cfg)

@@ -51,12 +51,14 @@ class RankWorker:
 
 @dataclass
 class RankGroup:
-    """Rank actors (index = rank) living in one placement group; `shutdown()` frees both."""
+    """Rank actors (index = rank) living in their placement groups (the trainer's, and the standalone
+    rollout workers' own); `shutdown()` frees them all."""
 
     placement_group: Any
     actors: list[Any]
     node_ids: list[str]  # per rank
     env: list[dict[str, str]] = field(default_factory=list)  # what each rank was given
+    worker_placement_group: Any = None
 
     def shutdown(self) -> None:
         import ray
@@ -64,7 +66,9 @@ class RankGroup:
 
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        remove_placement_group(self.placement_group)
+        for group in (self.placement_group, self.worker_placement_group):
+            if group is not None:
+                remove_placement_group(group)
 
     def __enter__(self) -> RankGroup:
         return self
@@ -114,7 +118,8 @@ def _rank_env(infos: list[dict[str, Any]], master_addr: str, master_port: int, c
 
 
 def create_rank_group(num_nodes: int, gpus_per_node: int, cpus_per_rank: float = 1.0, strategy: str = "PACK",
-                      timeout_s: float = 120.0, extra_env: dict[str, str] | None = None) -> RankGroup:
+                      timeout_s: float = 120.0, extra_env: dict[str, str] | None = None,
+                      rollout_workers: int = 0) -> RankGroup:
     """Reserve one bundle per node and start one `RankWorker` per rank, ready for `env://` rendezvous.
 
     Ray must already be initialized. Each actor gets `cpus_per_rank` CPUs and one GPU (none when
@@ -122,7 +127,8 @@ def create_rank_group(num_nodes: int, gpus_per_node: int, cpus_per_rank: float =
     GROUP_RANK / MASTER_ADDR (rank 0's node) / MASTER_PORT (free on rank 0's node) / OMP_NUM_THREADS
     (+ CUDA_VISIBLE_DEVICES on GPU, GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME from the caller, `extra_env`).
     Raises PlacementError, naming the bundles and the cluster's resources, when the request is impossible
-    (checked before reserving) or not placed within `timeout_s`.
+    (checked before reserving) or not placed within `timeout_s`. ``rollout_workers`` more ranks (the last
+    ones, one CPU set and GPU each) get a placement group of their own, so they may land on other nodes.
     """
     import ray
     from ray.util.placement_group import remove_placement_group
@@ -130,16 +136,23 @@ def create_rank_group(num_nodes: int, gpus_per_node: int, cpus_per_rank: float =
 
     check_request(num_nodes, gpus_per_node, cpus_per_rank, strategy)
     group = reserve(rank_bundles(num_nodes, gpus_per_node, cpus_per_rank), strategy, timeout_s)
+    worker_group = None
     per_node = ranks_per_node(gpus_per_node)
     actors: list[Any] = []
     try:
         worker = ray.remote(RankWorker)
+        options = dict(num_cpus=cpus_per_rank, num_gpus=1 if gpus_per_node else 0)
         for bundle in range(num_nodes):
             placement = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
-            actors += [worker.options(num_cpus=cpus_per_rank, num_gpus=1 if gpus_per_node else 0,
-                                      scheduling_strategy=placement).remote() for _ in range(per_node)]
+            actors += [worker.options(**options, scheduling_strategy=placement).remote() for _ in range(per_node)]
+        if rollout_workers:
+            worker_group = reserve(rank_bundles(rollout_workers, min(gpus_per_node, 1), cpus_per_rank), strategy,
+                                   timeout_s)
+            actors += [worker.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=worker_group, placement_group_bundle_index=b)).remote() for b in range(rollout_workers)]
         infos = ray.get([a.node_info.remote() for a in actors], timeout=timeout_s)
-        order = _rank_order(infos)
+        trainers = len(actors) - rollout_workers  # trainer ranks first, node by node; then the workers
+        order = _rank_order(infos[:trainers]) + [trainers + i for i in _rank_order(infos[trainers:])]
         actors, infos = [actors[i] for i in order], [infos[i] for i in order]
         port = ray.get(actors[0].free_port.remote(), timeout=timeout_s)
         envs = _rank_env(infos, infos[0]["ip"], port, cpus_per_rank, gpus_per_node > 0, extra_env)
@@ -147,9 +160,11 @@ def create_rank_group(num_nodes: int, gpus_per_node: int, cpus_per_rank: float =
     except BaseException:
         for actor in actors:
             ray.kill(actor, no_restart=True)
-        remove_placement_group(group)
+        for reserved in (group, worker_group):
+            if reserved is not None:
+                remove_placement_group(reserved)
         raise
-    return RankGroup(group, actors, [info["node_id"] for info in infos], envs)
+    return RankGroup(group, actors, [info["node_id"] for info in infos], envs, worker_group)
 
 
 def run_on_ranks(actors: Sequence[Any], fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,

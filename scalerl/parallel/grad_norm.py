@@ -8,14 +8,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from scalerl.comm.accounting import CommCounter
 
-def total_grad_norm(grads: list[torch.Tensor], extra_group=None) -> torch.Tensor:
+
+def total_grad_norm(grads: list[torch.Tensor], extra_group=None, counter: CommCounter | None = None) -> torch.Tensor:
     """L2 norm of the logical (unsharded) gradients, the same on every rank.
 
     Squares of local shards are summed per (mesh, sharded dims) and all-reduced once per such group over
     the dims they are sharded on; replicated dims are counted once. One collective per group, not per
-    parameter.
+    parameter; each a scalar, counted as ``metrics`` traffic in ``counter``.
     """
+    counted = (counter if counter is not None else CommCounter()).collective  # a scratch one: counts dropped
     groups: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
     meshes = {}
     for g in grads:
@@ -31,12 +34,15 @@ def total_grad_norm(grads: list[torch.Tensor], extra_group=None) -> torch.Tensor
     total = None
     for (mesh_id, sharded), value in groups.items():
         for dim in sharded:
-            dist.all_reduce(value, group=meshes[(mesh_id, sharded)].get_group(dim))
+            group = meshes[(mesh_id, sharded)].get_group(dim)
+            with counted("metrics", "all_reduce", value, group):
+                dist.all_reduce(value, group=group)
         total = value if total is None else total + value.to(total.device)
     if total is None:
         total = torch.zeros(())
     if extra_group is not None:  # e.g. the pipeline group: each rank holds different parameters
-        dist.all_reduce(total, group=extra_group)
+        with counted("metrics", "all_reduce", total, extra_group, dim="pp"):
+            dist.all_reduce(total, group=extra_group)
     return total.sqrt()
 
 
@@ -52,6 +58,7 @@ def clip_grad_norm(
     max_norm: float,
     norm_params: list[torch.nn.Parameter] | None = None,
     extra_group=None,
+    counter: CommCounter | None = None,
 ) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most ``max_norm`` (``<= 0``: measure only).
     The norm is taken over ``norm_params`` (default ``params``; a pipeline leaves out a tied copy) and
@@ -62,7 +69,7 @@ def clip_grad_norm(
         return torch.zeros(())
     if extra_group is None and not any(isinstance(g, DTensor) for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    total = total_grad_norm(norm_grads, extra_group)
+    total = total_grad_norm(norm_grads, extra_group, counter)
     if max_norm > 0:
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -68,11 +71,58 @@ class ParallelDims:
         if problems:
             raise LayoutError("; ".join(problems))
 
-    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in MESH_DIMS)
+
+    def build_mesh(self, device_type: str,
+                   ranks: Sequence[int] | None = None) -> tuple[DeviceMesh | None, DeviceMesh | None]:
         """One 4-D mesh named ``(pp, dp_replicate, dp_shard, tp)``, and its ``(dp_replicate, dp_shard)``
-        dimensions flattened into the 1-D ``dp`` mesh that data loading and loss counts reduce over."""
-        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
-        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        dimensions flattened into the 1-D ``dp`` mesh that data loading and loss counts reduce over.
+
+        ``ranks[i]``: the global rank at mesh position i (default: all ranks in the launcher's order). A
+        subset of the world (standalone rollout workers hold the rest) or another order (ranks grouped by
+        node, `scalerl.comm.rank_placement`) keeps that order in every group. Every rank of the world calls
+        this, those outside the mesh too (they get ``(None, None)``): creating process groups is collective
+        over the world."""
+        launcher_order = list(range(dist.get_world_size()))
+        if ranks is None or list(ranks) == launcher_order:
+            mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+            return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return _mesh_in_order(device_type, torch.tensor(list(ranks), dtype=torch.int).view(self.shape))
+
+
+def _mesh_in_order(device_type: str, ranks: torch.Tensor) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """The mesh over ``ranks`` (a 4-D tensor of global ranks) from groups that keep its order.
+
+    ``DeviceMesh(ranks)`` would have the right members in each group, but creates them with ``new_group``,
+    which sorts members by global rank (and uses the default group for a dimension spanning the world):
+    a ring then runs in the launcher's order again. Here every group is made with ``sort_ranks=False``
+    (every rank creates every group, as ``new_group`` requires) and the mesh is assembled from them."""
+    groups = [_group_along(ranks, (d,)) for d in range(ranks.ndim)]
+    dp_dims = (MESH_DIMS.index("dp_replicate"), MESH_DIMS.index("dp_shard"))
+    dp_group = _group_along(ranks, dp_dims)
+    if dp_group is None:  # not in the mesh (a rollout worker): it only took part in creating the groups
+        return None, None
+    mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=MESH_DIMS)
+    dp_mesh = DeviceMesh.from_group(dp_group, device_type, mesh=dist.get_process_group_ranks(dp_group),
+                                    mesh_dim_names=("dp",))
+    return mesh, dp_mesh
+
+
+def _group_along(ranks: torch.Tensor, dims: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """This rank's group among the groups that vary over mesh ``dims`` (in mesh order); None outside."""
+    others = [d for d in range(ranks.ndim) if d not in dims]
+    size = 1
+    for d in dims:
+        size *= ranks.shape[d]
+    rows = ranks.permute(*others, *dims).reshape(-1, size).tolist()
+    me, mine = dist.get_rank(), None
+    for row in rows:
+        group = dist.new_group(row, sort_ranks=False)
+        if me in row:
+            mine = group
+    return mine
 
 
 def _describe(sizes: dict) -> str:

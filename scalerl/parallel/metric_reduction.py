@@ -23,7 +23,9 @@ def reduce_metrics(metrics: dict[str, float], ctx: DistContext) -> dict[str, flo
         return out
     local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=ctx.device)
     gathered = torch.empty(ctx.world_size * len(keys), dtype=torch.float64, device=ctx.device)
-    dist.all_gather_into_tensor(gathered, local)
+    # Counted in the next step's metrics (this step's were read before this gather).
+    with ctx.comm.collective("metrics", "all_gather", gathered, ctx.group):
+        dist.all_gather_into_tensor(gathered, local, group=ctx.group)
     gathered = gathered.view(ctx.world_size, len(keys))
     # Tensor/pipeline peers of a DP rank hold copies of its values: a sum over all ranks counts each DP
     # rank's value world/dp times.

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scalerl.comm.accounting import CommCounter
 from scalerl.parallel.activation_checkpointing import apply_activation_checkpointing, set_activation_checkpointing
 from scalerl.parallel.data_parallel import apply_ddp, apply_fsdp
 from scalerl.parallel.distributed import DistContext
@@ -54,8 +55,8 @@ class ModuleParts:
 
     fixed_shapes = False  # any batch shape may go through `forward_backward`
 
-    def __init__(self, model: nn.Module, trained: nn.Module):
-        self.model, self.trained = model, trained
+    def __init__(self, model: nn.Module, trained: nn.Module, comm: CommCounter | None = None):
+        self.model, self.trained, self.comm = model, trained, comm
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
@@ -76,16 +77,18 @@ class ModuleParts:
         """Accumulate the gradients of ``sum(loss_fn(output, target))`` over ``micros``; returns the number of
         loss calls. DDP all-reduces only on the last backward; FSDP reduce-scatters on every one."""
         for i, micro in enumerate(micros):
-            with autocast or contextlib.nullcontext():
-                output = self.trained(micro.input_ids, attention_mask=micro.attention_mask, logits_to_keep=micro.keep)
-            loss = loss_fn(output, micro.target)
             no_sync = getattr(self.trained, "no_sync", None) if i < len(micros) - 1 else None
+            # DDP decides in its forward whether the backward all-reduces: the forward belongs inside no_sync.
             with no_sync() if no_sync else contextlib.nullcontext():
+                with autocast or contextlib.nullcontext():
+                    output = self.trained(micro.input_ids, attention_mask=micro.attention_mask,
+                                          logits_to_keep=micro.keep)
+                loss = loss_fn(output, micro.target)
                 (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
         return len(micros)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm(trainable_parameters(self.model), max_norm)
+        return clip_grad_norm(trainable_parameters(self.model), max_norm, counter=self.comm)
 
     def share_loss_metrics(self, values: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, float]:
         """The loss's metrics as floats on every rank (here they are computed on every rank already)."""
@@ -94,6 +97,7 @@ class ModuleParts:
     def refresh_generation_copy(self) -> int:
         """The model generates with the trained parameters themselves: nothing to copy."""
         return 0
+
 
 
 class PipelineParts:
@@ -133,7 +137,7 @@ class PipelineParts:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         r = self.runner
-        return clip_grad_norm(r.parameters(), max_norm, r.norm_parameters(), r.pp_group)
+        return clip_grad_norm(r.parameters(), max_norm, r.norm_parameters(), r.pp_group, counter=self.ctx.comm)
 
     def share_loss_metrics(self, values: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, float]:
         """Loss metrics live on the last stage; every pipeline rank gets them (rank 0 logs)."""
@@ -141,12 +145,14 @@ class PipelineParts:
         t = torch.tensor([float(values[k]) if k in values else float("nan") for k in names],
                          dtype=torch.float64, device=self.ctx.device)
         last_owner = dist.get_process_group_ranks(r.pp_group)[r.owner[r.num_stages - 1]]
-        dist.broadcast(t, src=last_owner, group=r.pp_group)
+        with self.ctx.comm.collective("metrics", "broadcast", t, r.pp_group, dim="pp", src=last_owner):
+            dist.broadcast(t, src=last_owner, group=r.pp_group)
         return {k: v for k, v in zip(names, t.tolist()) if v == v}
 
     def refresh_generation_copy(self) -> int:
         """Copy the stages' weights into the full replica on every pipeline rank; returns bytes received."""
         return self.runner.refresh_replica()
+
 
 
 ModelParts = ModuleParts | PipelineParts
@@ -184,14 +190,14 @@ def parallelize(
         # Stages are cut from the unsharded model, before it becomes the replica.
         runner = PipelineRunner(model, ctx, options.schedule, options.microbatches, layout_stage, autocast)
         if dims.tp > 1:
-            apply_tensor_parallel(model, mesh["tp"])
+            apply_tensor_parallel(model, mesh["tp"], ctx.comm)
         return PipelineParts(model, runner, ctx)
     if dims.pp > 1:  # a frozen replica for forward passes only
         if dims.tp > 1:
-            apply_tensor_parallel(model, mesh["tp"])
-        return ModuleParts(model, model)
+            apply_tensor_parallel(model, mesh["tp"], ctx.comm)
+        return ModuleParts(model, model, ctx.comm)
     trained = _apply_layout(model, ctx, activation_checkpointing and trainable, use_ddp=trainable)
-    return ModuleParts(model, trained)
+    return ModuleParts(model, trained, ctx.comm)
 
 
 def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing: bool, use_ddp: bool) -> nn.Module:
@@ -200,12 +206,12 @@ def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing:
     plain replicas suffice."""
     dims, mesh = ctx.dims, ctx.mesh
     if dims.tp > 1:
-        apply_tensor_parallel(getattr(module, "backbone", module), mesh["tp"])  # a value model's backbone
+        apply_tensor_parallel(getattr(module, "backbone", module), mesh["tp"], ctx.comm)  # a value model's backbone
     if activation_checkpointing:
         apply_activation_checkpointing(module)
     if dims.dp > 1:
         if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:
-            return apply_ddp(module, ctx.dp_mesh) if use_ddp else module
-        apply_fsdp(module, ctx.fsdp_mesh)
+            return apply_ddp(module, ctx.dp_mesh, counter=ctx.comm) if use_ddp else module
+        apply_fsdp(module, ctx.fsdp_mesh, counter=ctx.comm)
     return module
 

@@ -22,10 +22,33 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
+from scalerl.comm.accounting import CommCounter, sharded_over, tensor_bytes
 from scalerl.models.decoder import CausalLM, attention_mask_4d, position_ids_from_mask
 from scalerl.parallel.distributed import DistContext
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class CountedPipelineStage(PipelineStage):
+    """A `PipelineStage` that counts what it sends (kind ``pp``): activations to the next stage in forward,
+    input gradients to the previous one in backward, one point-to-point send per tensor and micro-batch.
+    The schedules wait for these sends inside torch, so their time is not measured; the shape-inference
+    messages of the first step are not counted."""
+
+    def __init__(self, *args, counter: CommCounter, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.counter = counter
+
+    def _count(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        for op in ops:
+            self.counter.record("pp", "send", tensor_bytes(op.tensor), 2, dim="pp")
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count(super().get_bwd_send_ops(bwd_chunk_id))
 
 
 def stage_layer_ids(num_layers: int, num_stages: int) -> list[list[int]]:
@@ -94,7 +117,8 @@ class PipelineRunner:
             module = DecoderStage(model, layer_ids[s], first=s == 0, last=s == self.num_stages - 1, autocast=autocast)
             layout_stage(module)
             self.modules.append(module)
-            stages.append(PipelineStage(module, s, self.num_stages, ctx.device, group=self.pp_group))
+            stages.append(CountedPipelineStage(module, s, self.num_stages, ctx.device, group=self.pp_group,
+                                               counter=ctx.comm))
         self.owner = {s: s % pp for s in range(self.num_stages)}
         self.layer_ids = layer_ids
         self.tied = model.config.tie_word_embeddings
@@ -143,7 +167,8 @@ class PipelineRunner:
         total = torch.zeros_like(local(pieces[0])) if pieces else torch.zeros_like(shape_source)
         for g in pieces:
             total += local(g)
-        dist.all_reduce(total, group=self.pp_group)
+        with self.ctx.comm.collective("grad", "all_reduce", total, self.pp_group, dim="pp"):
+            dist.all_reduce(total, group=self.pp_group)
         for g in pieces:
             local(g).copy_(total)
 
@@ -157,11 +182,18 @@ class PipelineRunner:
 
     @torch.no_grad()
     def refresh_replica(self) -> int:
-        """Copy every stage's weights into the full replica on all pipeline ranks; returns bytes received."""
-        own = {}
+        """Copy every stage's weights into the full replica on all pipeline ranks; returns bytes received.
+        Counted as ``weight_sync``: the all-gathers of data-parallel shards and the broadcasts."""
+        own, comm = {}, self.ctx.comm
         for m in self.modules:
             for n, p in m.named_parameters():
-                own[n] = p.full_tensor() if isinstance(p, DTensor) and _is_dp_sharded(p) else p
+                if isinstance(p, DTensor) and _is_dp_sharded(p):
+                    # full_tensor() all-gathers over the sharded mesh dims (one dim in supported layouts)
+                    full = p.full_tensor()
+                    comm.record("weight_sync", "all_gather", tensor_bytes(full), sharded_over(p), dim="dp_shard")
+                    own[n] = full
+                else:
+                    own[n] = p
         received = 0
         pp_ranks = dist.get_process_group_ranks(self.pp_group)
         for name, target in self.replica.named_parameters():
@@ -173,7 +205,9 @@ class PipelineRunner:
             else:
                 received += dest.numel() * dest.element_size()
             buf = dest.contiguous()
-            dist.broadcast(buf, src=pp_ranks[self.owner[stage]], group=self.pp_group)
+            src = pp_ranks[self.owner[stage]]
+            with comm.collective("weight_sync", "broadcast", buf, self.pp_group, dim="pp", src=src):
+                dist.broadcast(buf, src=src, group=self.pp_group)
             if buf.data_ptr() != dest.data_ptr():
                 dest.copy_(buf)
         return received

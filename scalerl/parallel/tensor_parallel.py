@@ -11,13 +11,23 @@ from __future__ import annotations
 
 from torch import nn
 
+from scalerl.comm.accounting import CommCounter
+from scalerl.comm.tp_counting import count_tensor_parallel_style
 from scalerl.models.decoder import decoder_layers
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, counter: CommCounter | None = None) -> None:
+    """Apply the plan; with a ``counter``, each planned module's collectives are counted (kind ``tp``)."""
+
+    def apply(module: nn.Module, plan: dict) -> None:
+        parallelize_module(module, tp_mesh, plan)
+        if counter is not None:
+            for name, style in plan.items():
+                count_tensor_parallel_style(module.get_submodule(name), style, counter, tp_mesh.size())
+
     if not model.config.tie_word_embeddings:
         plan = {
             "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
@@ -26,7 +36,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         # A pipeline stage may hold neither (middle stages) or one of them.
         plan = {name: style for name, style in plan.items() if getattr(model, name, None) is not None}
         if plan:
-            parallelize_module(model, tp_mesh, plan)
+            apply(model, plan)
     plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -37,4 +47,4 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         "mlp.down_proj": RowwiseParallel(),
     }
     for layer in decoder_layers(model):
-        parallelize_module(layer, tp_mesh, plan)
+        apply(layer, plan)

@@ -17,6 +17,11 @@ that says where to declare it.
 
 ``health/*`` (the online monitor's level per leaf of the doctor's tree, `scalerl.perf.health`) is computed
 from already-reduced metrics, the same on every rank.
+
+``comm/bytes/*`` (bytes each rank sent, `scalerl.comm.accounting`) is the mean per rank, not the sum:
+divided by the step time it is the rate one rank's link must carry, and it stays comparable across world
+sizes (a ring all-reduce sends 2(n-1)/n x S per rank, nearly constant in n; the sum grows with n). The
+job's total is the mean x world size; ``comm/bytes/total`` is a spread, so ``/max`` shows the busiest rank.
 """
 
 from __future__ import annotations
@@ -37,13 +42,21 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "comm/weight_sync_bytes": "sum_all_ranks",
     "perf/update_tokens": "spread",
     "health/*": "max",
+    "rollout/logprob_diff/max": "max",
+    "comm/bytes/total": "spread",
     "timing_s/*": "spread",
-    "comm/bytes/*": "sum_all_ranks",
+    "comm/bytes/*": "mean",
+    # Weight sync (scalerl/comm/weight_sync.py): the source rank holds the values, the other trainer ranks
+    # report 0, so the max over ranks is the source's figure. bytes/full_bytes/changed_fraction/
+    # static_tensors/dynamic_tensors/resyncs/full_push/peak_bucket_bytes, and the lossy mode's
+    # deferred_tensors/max_deviation/max_staleness.
+    "weight_sync/*": "max",
     "actor/*": "mean",
     "critic/*": "mean",
     "sft/*": "mean",
     "val/*": "mean",
     "balance/*": "mean",
+    "rollout/*": "mean",
     "response_length/*": "mean",
     "perf/*": "mean",
 }

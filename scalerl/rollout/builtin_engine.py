@@ -7,7 +7,7 @@ these sizes); which tokens count is worked out once after the loop, from the fir
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -44,15 +44,25 @@ class BuiltinEngine:
     def sync_weights(self, named_tensors: dict[str, torch.Tensor] | None = None) -> int:
         """Colocated: the engine reads the trainer's parameters directly. With tensors given (a standalone
         engine), copy them in place and return the bytes copied."""
-        if not named_tensors:
-            return 0
+        return self.load_weights(named_tensors.items()) if named_tensors else 0
+
+    # The receiving interface of weight sync (scalerl/rollout/weight_loading.py).
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy whole tensors into the model's parameters by name (converting dtype); returns bytes given."""
         params = dict(self.model.named_parameters())
         copied = 0
         with torch.no_grad():
-            for name, tensor in named_tensors.items():
-                params[name].copy_(tensor)
+            for name, tensor in named_tensors:
+                if name not in params:
+                    raise KeyError(f"the built-in engine's model has no parameter {name!r}")
+                if params[name].data_ptr() != tensor.data_ptr():
+                    params[name].copy_(tensor)
                 copied += tensor.numel() * tensor.element_size()
         return copied
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The model's parameters, detached (same storage): weight sync decodes buckets into them in place."""
+        return {name: p.detach() for name, p in self.model.named_parameters()}
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         # inference_mode is ~15% faster here than no_grad (no version counters or view tracking), but FSDP2

@@ -57,6 +57,37 @@ class GenerationOutput:
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1)
 
+    def rows(self, start: int, stop: int) -> "GenerationOutput":
+        """Rows ``start:stop``, with columns that no kept row uses trimmed (prompts on the left, responses on
+        the right), as if these rows had been generated alone."""
+        prompt_mask, response_mask = self.prompt_mask[start:stop], self.response_mask[start:stop]
+        left = int(prompt_mask.bool().any(0).int().argmax())
+        used = response_mask.bool().any(0)
+        width = int(used.nonzero().max()) + 1 if used.any() else 1
+        return GenerationOutput(
+            self.prompt_ids[start:stop, left:], prompt_mask[:, left:], self.response_ids[start:stop, :width],
+            response_mask[:, :width], self.logprobs[start:stop, :width], self.finish_reasons[start:stop],
+        )
+
+    @staticmethod
+    def concat(parts: Sequence["GenerationOutput"], pad_token_id: int) -> "GenerationOutput":
+        """Rows of several outputs in order: prompts left-padded, responses right-padded to common widths."""
+        prompt_width = max(p.prompt_ids.shape[1] for p in parts)
+        response_width = max(p.response_ids.shape[1] for p in parts)
+
+        def pad(t: torch.Tensor, width: int, left: bool, value: float) -> torch.Tensor:
+            extra = width - t.shape[1]
+            return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
+
+        return GenerationOutput(
+            torch.cat([pad(p.prompt_ids, prompt_width, True, pad_token_id) for p in parts]),
+            torch.cat([pad(p.prompt_mask, prompt_width, True, 0) for p in parts]),
+            torch.cat([pad(p.response_ids, response_width, False, pad_token_id) for p in parts]),
+            torch.cat([pad(p.response_mask, response_width, False, 0) for p in parts]),
+            torch.cat([pad(p.logprobs, response_width, False, 0.0) for p in parts]),
+            [r for p in parts for r in p.finish_reasons],
+        )
+
 
 class RolloutEngine(Protocol):
     # Whether its log-probs equal an fp32 training forward (the trainer then skips recomputing them).

@@ -6,7 +6,7 @@ objects shaped like vLLM's (``RequestOutput.outputs[0].token_ids / .logprobs / .
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -90,9 +90,20 @@ class VLLMEngine:
         return map_vllm_outputs(outputs, prompts, self.pad_token_id)
 
     def sync_weights(self, named_tensors: dict[str, torch.Tensor] | None = None) -> int:
-        if not named_tensors:
-            return 0
-        # vLLM expects Hugging Face names; our flat names gain the `model.` prefix.
-        hf_named = [(n if n.startswith("lm_head.") else f"model.{n}", t) for n, t in named_tensors.items()]
+        return self.load_weights(named_tensors.items()) if named_tensors else 0
+
+    # The receiving interface of weight sync (scalerl/rollout/weight_loading.py). GPU-only, not tested here.
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Hand whole tensors to vLLM's ``model.load_weights`` (which fuses q/k/v and gate/up itself)."""
+        hf_named = hf_weight_names(named_tensors)
         self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(hf_named)
         return sum(t.numel() * t.element_size() for _, t in hf_named)
+
+    def named_weights(self) -> None:
+        """vLLM's parameters are fused under other names: weight sync keeps a shadow copy instead."""
+        return None
+
+
+def hf_weight_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Our flat decoder names as Hugging Face's (what vLLM's loaders expect): ``model.`` prefix except the head."""
+    return [(n if n.startswith("lm_head.") else f"model.{n}", t) for n, t in named_tensors]

@@ -71,7 +71,7 @@ class MicroBatchObjective:
 
 class PolicyObjective(MicroBatchObjective):
     """Dual-clip PPO with an optional entropy bonus and KL penalty to a reference policy.
-    ``target[..., :]`` = (response ids, mask, old log-prob, advantage, reference log-prob)."""
+    ``target[..., :]`` = (response ids, mask, old log-prob, advantage, reference log-prob, importance weight)."""
 
     metric_names = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl",
                     "actor/pg_clipfrac_lower")
@@ -83,19 +83,20 @@ class PolicyObjective(MicroBatchObjective):
     @staticmethod
     def target(batch: RolloutBatch) -> torch.Tensor:
         ref = batch.ref_logprobs if batch.ref_logprobs is not None else torch.zeros_like(batch.old_logprobs)
+        weights = batch.is_weights if batch.is_weights is not None else torch.ones_like(batch.old_logprobs)
         return torch.stack([batch.response_ids.float(), batch.response_mask, batch.old_logprobs,
-                            batch.advantages, ref], dim=-1)
+                            batch.advantages, ref, weights], dim=-1)
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         logits = self.response_outputs(logits, target)
         if self.temperature != 1.0:
             logits = logits / self.temperature  # log-probs of what the sampler drew at this temperature
-        ids, mask, old, adv, ref = target[..., 0].long(), *target[..., 1:].unbind(-1)
+        ids, mask, old, adv, ref, weights = target[..., 0].long(), *target[..., 1:].unbind(-1)
         logp = logprobs_from_logits(logits, ids)
         pg_loss, pg_metrics = policy_loss(
             old, logp, adv, mask, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
-            clip_c=cfg.clip_ratio_c, agg=cfg.loss_agg_mode, **self.agg,
+            clip_c=cfg.clip_ratio_c, agg=cfg.loss_agg_mode, **self.agg, token_weights=weights,
         )
         loss = pg_loss
         if cfg.entropy_coeff:

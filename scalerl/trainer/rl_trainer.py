@@ -26,7 +26,7 @@ from scalerl.data.prompts import encode_prompts
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.value_model import ValueModel
-from scalerl.parallel.distributed import init_distributed
+from scalerl.parallel.distributed import DistContext, init_distributed
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.parallel.parallelize import PipelineOptions, parallelize
 from scalerl.perf.health.monitor import HealthMonitor
@@ -36,6 +36,7 @@ from scalerl.perf.timing import StepTimer, busy_time
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.worker import RolloutWorker
 from scalerl.tracking import MetricsLogger, plot_metrics
 from scalerl.trainer.evaluation import evaluate
 from scalerl.trainer.forward_passes import response_logprobs, response_values
@@ -43,6 +44,7 @@ from scalerl.trainer.layout_checks import check_rl_layout
 from scalerl.trainer.objectives import PolicyObjective, ValueObjective
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.rollout_rebalance import rebalance_batch
+from scalerl.trainer.rollout_sources import ColocatedRollouts, StandaloneRollouts, StepPrompts
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
 # Config keys a resumed run must share with the checkpoint it resumes (others, e.g. total_steps, may change).
@@ -53,13 +55,13 @@ RESUME_MUST_MATCH = [
 
 
 class RLTrainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, ctx: DistContext | None = None):
         cfg.validate()
         self.cfg = cfg
         t, a, r = cfg.trainer, cfg.actor, cfg.rollout
         seed_everything(t.seed)
         self.device = resolve_device(t.device)
-        self.dist = init_distributed(cfg.parallel, self.device)
+        self.dist = ctx or init_distributed(cfg.parallel, self.device, rollout_worker_count(cfg))
         check_rl_layout(cfg, self.dist)
         self.output_dir = Path(t.output_dir)
         model, self.tokenizer = load_model_and_tokenizer(cfg.model, t.init_from, self.device, t.seed)
@@ -80,7 +82,14 @@ class RLTrainer:
         self.val_rows = self.dist.dp_share(rows_from_config(cfg.data, "test", t.seed))
         self.reward = reward_from_config(cfg.data)
         self.stream = PromptStream(self.train_rows, t.batch_size, t.seed, cfg.data.shuffle)
-        self.engine = self._build_engine()
+        self.engine = self._build_engine()  # generates when colocated, evaluates always
+        if r.placement == "standalone":
+            self.rollouts = StandaloneRollouts(self.policy, self.dist, self.tokenizer.pad_token_id, r,
+                                               cfg.weight_sync)
+        else:
+            self.rollouts = ColocatedRollouts(self.engine, self.policy, self.dist)
+        self.prefetched: StepPrompts | None = None
+        self.stream_state_before_prefetch: dict | None = None
 
         # One optimizer for the policy and the critic; each update zeroes all gradients first, so a step
         # only moves the parameters that got gradients.
@@ -114,13 +123,16 @@ class RLTrainer:
             )
             self.step = loaded.step
             self.stream.load_state_dict(loaded.trainer_state["data"])
-            self.policy.refresh_generation_copy()  # rollouts must start from the restored weights
+        # Rollouts start from the current weights: a restored pipeline replica, standalone workers' copies.
+        if resume_from is not None or r.placement == "standalone":
+            self.rollouts.sync_weights()
         self.logger = MetricsLogger(
             self.output_dir, backends=t.logger if self.dist.is_main else [], total_steps=t.total_steps,
             config=config_to_dict(cfg) if self.dist.is_main else None,
             resume_step=self.step + 1 if resume_from is not None else 0,  # a fresh run starts fresh files
         )
         self.monitor = HealthMonitor.for_run(t.monitor_every, cfg, self.dist.dims, self.device, log=self.dist.is_main)
+        self.dist.comm.reset()  # set-up traffic (layouts, resume) is not a step's
 
     def _build_engine(self):
         if self.cfg.rollout.engine == "builtin":
@@ -140,15 +152,21 @@ class RLTrainer:
         return modules
 
     # ------------------------------------------------------------------------------------------ one step
-    def _sampling(self) -> SamplingParams:
+    def _prompts_for(self, step: int) -> StepPrompts:
+        """The whole batch of ``step`` (every rank draws it and keeps its share later)."""
+        if self.prefetched is not None and self.prefetched.step == step:
+            batch, self.prefetched = self.prefetched, None
+            return batch
         r = self.cfg.rollout
+        rows = self.stream.next_batch()
+        prompts = [p for p in self._encode(rows) for _ in range(r.n)]
         # The seed is a function of the step, so a resumed run samples exactly what the original did.
-        return SamplingParams(
+        sampling = SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            stop_token_ids=self.tokenizer.stop_token_ids, seed=self.cfg.trainer.seed * 1_000_003 + self.step,
-            row_offset=self.dist.dp_rank * self.cfg.trainer.batch_size // self.dist.dp_size * r.n,
-            total_rows=self.cfg.trainer.batch_size * r.n,
+            stop_token_ids=self.tokenizer.stop_token_ids, seed=self.cfg.trainer.seed * 1_000_003 + step,
+            total_rows=len(prompts),
         )
+        return StepPrompts(step, prompts, sampling, rows)
 
     def _encode(self, rows: list[dict]) -> list[list[int]]:
         prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows], self.cfg.data.chat_template)
@@ -161,19 +179,27 @@ class RLTrainer:
                 )
         return prompts
 
+    def _prefetch_next(self) -> None:
+        """One-step asynchronous rollouts: the next step's prompts go to the workers before this update."""
+        if self.cfg.rollout.staleness and self.step + 1 < self.cfg.trainer.total_steps:
+            self.stream_state_before_prefetch = self.stream.state_dict()
+            self.prefetched = self._prompts_for(self.step + 1)
+            self.rollouts.prefetch(self.prefetched)
+
     def _rollout(self) -> tuple[RolloutBatch, dict[str, float]]:
         cfg, timer = self.cfg, self.timer
         n = cfg.rollout.n
         with timer("data"):
-            rows = self.dist.dp_share(self.stream.next_batch())  # every rank draws the global batch, keeps its part
-            prompts = [p for p in self._encode(rows) for _ in range(n)]
+            step_prompts = self._prompts_for(self.step)
+            rows = self.dist.dp_share(step_prompts.rows)  # this DP rank's share of the global batch
         group_ids = torch.arange(len(rows)).repeat_interleave(n)
         self.policy.eval()
         with timer("gen"):
-            out = self.engine.generate(prompts, self._sampling())
+            out = self.rollouts.generate(step_prompts)
+        self._prefetch_next()
         with timer("reward"):
             texts = self.tokenizer.batch_decode(out.response_ids.tolist())
-            scores, failures = self.reward.compute(texts, [rows[i // n] for i in range(len(prompts))])
+            scores, failures = self.reward.compute(texts, [rows[i // n] for i in range(len(rows) * n)])
         batch = RolloutBatch.from_generation(out, group_ids, torch.tensor(scores, dtype=torch.float32))
         lengths = out.response_lengths.float()
         metrics = {  # per rank here; `reduce_metrics` combines them over ranks
@@ -183,7 +209,7 @@ class RLTrainer:
             "reward/num_failures": float(failures),
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": sum(r == "length" for r in out.finish_reasons) / len(prompts),
+            "response_length/clip_ratio": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
         }
         return batch, metrics
 
@@ -213,14 +239,16 @@ class RLTrainer:
         threads = self.threads.update()
         batch, metrics = self._rollout()
         metrics["perf/cpu_threads"] = float(threads)
-        # The engine's log-probs equal an fp32 training forward where it says so; otherwise (autocast,
-        # another engine) the numerics differ and they are recomputed.
-        reuse_logprobs = self.engine.logprobs_match_training_forward and cfg.trainer.precision == "fp32"
+        # The rollout's log-probs equal an fp32 training forward where its source says so; otherwise (autocast,
+        # bf16 workers, one-step-stale weights, another engine) they are recomputed, and the rollout's own
+        # log-probs weigh the loss by truncated importance sampling.
+        reuse_logprobs = self.rollouts.logprobs_match_training_forward and cfg.trainer.precision == "fp32"
         with timer("old_log_prob"):
             if reuse_logprobs:
                 batch.old_logprobs = batch.rollout_logprobs
             else:
                 batch.old_logprobs = response_logprobs(self.policy.model, batch, temperature, micro, self.autocast)
+                metrics.update(self._importance_weights(batch))
         if self.reference is not None:
             with timer("ref"):
                 batch.ref_logprobs = response_logprobs(self.reference.model, batch, temperature, micro, self.autocast)
@@ -243,21 +271,27 @@ class RLTrainer:
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         with timer("update_weights"):
-            metrics["comm/weight_sync_bytes"] = float(self._sync_engine_weights())
+            metrics.update(self.rollouts.sync_weights())
         step_time = time.perf_counter() - step_start
         metrics.update(self.timer.pop())
         metrics["timing_s/step"] = step_time
         metrics.update(self._performance(work, metrics, step_time))
-        metrics.update(busy_time(metrics))
+        if self.dist.world_size > 1 or self.dist.rollout_ranks:  # bytes and waits since the last step's were
+            metrics.update(self.dist.comm.pop())                 # read (docs/comm-accounting.md)
+        metrics.update(busy_time(metrics))  # needs the waits just read
         return metrics
 
-    def _sync_engine_weights(self) -> int:
-        """Bring the generating weights up to date: the pipeline replica from the stages, and an engine
-        with its own copy of the weights from the policy. Returns the bytes moved."""
-        moved = self.policy.refresh_generation_copy()
-        if not self.engine.shares_trainer_weights:
-            moved += self.engine.sync_weights({n: p.detach() for n, p in self.policy.model.named_parameters()})
-        return moved
+    def _importance_weights(self, batch: RolloutBatch) -> dict[str, float]:
+        """``rollout/logprob_diff`` between the rollout's and the recomputed log-probs, and (``rollout.tis_cap``)
+        the truncated importance weights min(exp(old - rollout), cap) the policy loss applies per token."""
+        mask = batch.response_mask.bool()
+        diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
+        cap = self.cfg.rollout.tis_cap
+        if cap:
+            ratio = torch.exp((batch.old_logprobs - batch.rollout_logprobs).clamp(max=20.0))
+            batch.is_weights = ratio.clamp(max=cap) * batch.response_mask
+        return {"rollout/logprob_diff/mean": float(diff.mean()) if diff.numel() else 0.0,
+                "rollout/logprob_diff/max": float(diff.max()) if diff.numel() else 0.0}
 
     def _work(self, batch: RolloutBatch, forward_passes: int) -> StepWork:
         response_tokens = int(batch.response_mask.sum())
@@ -295,7 +329,9 @@ class RLTrainer:
         return checkpoint.save(
             self.checkpoint_root, self.step, ctx=self.dist, model=self._state_module(), optimizer=self.optimizer,
             scheduler=self.scheduler, grad_scaler=self.scaler, generators={"update": self.update_generator},
-            trainer_state={"step": self.step, "data": self.stream.state_dict()},
+            # A prefetched step is generated again after a resume: save the stream from before its draw.
+            trainer_state={"step": self.step,
+                           "data": self.stream_state_before_prefetch if self.prefetched else self.stream.state_dict()},
             config=config_to_dict(self.cfg), keep_last=self.cfg.trainer.keep_last,
         )
 
@@ -323,10 +359,22 @@ class RLTrainer:
             if "jsonl" in t.logger and self.dist.is_main:
                 summary["plot"] = str(plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "metrics.png"))
         finally:
+            self.rollouts.close()
             self.logger.close()
         return summary
 
 
+def rollout_worker_count(cfg: Config) -> int:
+    return cfg.rollout.workers if cfg.rollout.placement == "standalone" else 0
+
+
 def train(cfg: Config) -> dict[str, Any]:
-    """Run RL training as configured; returns initial/last metrics and output paths."""
-    return RLTrainer(cfg).fit()
+    """Run RL training as configured; returns initial/last metrics and output paths. With standalone
+    rollout workers, the world's last ``rollout.workers`` ranks serve generation instead (and return {})."""
+    cfg.validate()
+    device = resolve_device(cfg.trainer.device)
+    ctx = init_distributed(cfg.parallel, device, rollout_worker_count(cfg))
+    if not ctx.is_trainer:
+        RolloutWorker(cfg, device, ctx.rollout_group).serve()
+        return {}
+    return RLTrainer(cfg, ctx).fit()

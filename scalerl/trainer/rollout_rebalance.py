@@ -20,7 +20,8 @@ from scalerl.rollout.batch import RolloutBatch
 
 def _gather(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     out = torch.empty((ctx.dp_size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t.contiguous(), group=ctx.dp_group)
+    with ctx.comm.collective("rebalance", "all_gather", out, ctx.dp_group, dim="dp"):
+        dist.all_gather_into_tensor(out, t.contiguous(), group=ctx.dp_group)
     return out
 
 
@@ -32,7 +33,8 @@ def rebalance_batch(batch: RolloutBatch, ctx: DistContext, local_groups: int) ->
     partitions = balance_across_ranks(lengths, ctx.dp_size, equal_size=True)
     after = token_imbalance(lengths, partitions)
     widths = torch.tensor([batch.prompt_len, batch.response_ids.shape[1]], device=batch.input_ids.device)
-    dist.all_reduce(widths, op=dist.ReduceOp.MAX, group=ctx.dp_group)
+    with ctx.comm.collective("rebalance", "all_reduce", widths, ctx.dp_group, dim="dp"):
+        dist.all_reduce(widths, op=dist.ReduceOp.MAX, group=ctx.dp_group)
     padded = batch.padded_to(int(widths[0]), int(widths[1]))
     padded = replace(padded, group_ids=padded.group_ids + ctx.dp_rank * local_groups)
     mine = torch.tensor(partitions[ctx.dp_rank], device=batch.input_ids.device)

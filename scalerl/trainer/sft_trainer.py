@@ -99,6 +99,7 @@ class SFTTrainer:
             resume_step=self.step + 1 if resume_from is not None else 0,
         )
         self.monitor = HealthMonitor.for_run(t.monitor_every, cfg, self.dist.dims, self.device, log=self.dist.is_main)
+        self.dist.comm.reset()  # set-up traffic (layouts, resume) is not a step's
 
     def _state_module(self) -> nn.Module:
         return nn.ModuleDict({"actor": self.policy.state_module()})
@@ -136,7 +137,9 @@ class SFTTrainer:
             "timing_s/step": elapsed, "perf/throughput": tokens / elapsed, "perf/mfu": mfu["perf/mfu/update"],
             "perf/max_memory_gb": max_memory_gb(self.device),
         })
-        metrics.update(busy_time(metrics))
+        if self.dist.world_size > 1:  # bytes and waits since the last step's were read (docs/comm-accounting.md)
+            metrics.update(self.dist.comm.pop())
+        metrics.update(busy_time(metrics))  # needs the waits just read
         return metrics
 
     def evaluate(self) -> dict[str, float]:

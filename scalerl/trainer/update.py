@@ -78,7 +78,8 @@ def token_budget_batches(batch: RolloutBatch, max_tokens: int, ctx: DistContext)
     groups = token_budget_micro_batches(lengths, max_tokens)
     if ctx.world_size > 1:
         count = torch.tensor([len(groups)], device=ctx.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        with ctx.comm.collective("metrics", "all_reduce", count, ctx.group):
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ctx.group)
         groups = token_budget_micro_batches(lengths, max_tokens, same_count_across=int(count))
     device = batch.input_ids.device
     return [batch.select(torch.tensor(sorted(g), device=device)) for g in groups]

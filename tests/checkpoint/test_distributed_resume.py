@@ -43,3 +43,20 @@ def test_resumed_run_matches_uninterrupted(runs, layout):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     meta = json.loads(next((runs / f"{layout}-resumed" / "checkpoints").glob("step_*/meta.json")).read_text())
     assert meta["distributed"]["world_size"] == 2 and any(Path(f).name.endswith(".distcp") for f in meta["files"])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_steps_report_their_communication(runs, layout):
+    # The trainer's step metrics carry the per-rank byte accounting (scalerl.comm.accounting).
+    rows = [json.loads(x) for x in (runs / f"{layout}-straight" / "metrics.jsonl").read_text().splitlines()]
+    step = rows[2]
+    assert step["step"] == 2
+    sent = {kind: step[f"comm/bytes/{kind}"] for kind in ("grad", "param", "tp", "pp", "rebalance", "weight_sync",
+                                                          "metrics")}
+    assert sent["grad"] > 0 and sent["metrics"] > 0 and sent["tp"] == 0  # tied embeddings: PP sums their grads
+    assert (sent["param"] > 0) == (layout == "fsdp")  # all-gathers: FSDP only
+    assert (sent["pp"] > 0) == (sent["weight_sync"] > 0) == (layout == "pp")
+    assert (sent["rebalance"] > 0) == (layout != "pp")  # rollouts move between DP ranks
+    assert step["comm/bytes/total"] == pytest.approx(sum(sent.values()))
+    assert step["comm/bytes/total/max"] >= step["comm/bytes/total/min"] > 0
+    assert step["timing_s/comm/grad"] > 0

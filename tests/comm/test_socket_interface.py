@@ -6,6 +6,7 @@ import pytest
 from scalerl.comm.cluster_topology import ClusterTopology
 from scalerl.comm.socket_interface import (
     SocketInterfaceError,
+    apply_socket_interface,
     check_interface_on_all_nodes,
     choose_socket_interface,
     read_routes,
@@ -88,3 +89,22 @@ def test_interface_missing_on_another_node():
                                             node(ETH, IB, LO, host="gpu3", rank=2)])
     assert check_interface_on_all_nodes("ib0", cluster) == ["gpu2"]
     assert check_interface_on_all_nodes("ens5", cluster) == []
+
+
+def test_apply_sets_both_variables_only_when_it_picks_one(tmp_path):
+    # What init_distributed does before the process group starts.
+    write_routes(tmp_path, [("docker0", "0.0.0.0", "172.17.0.254", "0.0.0.0")])
+    env = {}
+    choice = apply_socket_interface("10.1.2.9", node(DOCKER, ETH, LO), env, procfs_root=tmp_path)
+    assert env == {"GLOO_SOCKET_IFNAME": "ens5", "NCCL_SOCKET_IFNAME": "ens5"} and "docker0" in choice.reason
+    write_routes(tmp_path, [("ens5", "0.0.0.0", "10.1.2.254", "0.0.0.0")])
+    env = {}
+    assert apply_socket_interface("10.1.2.9", node(ETH, LO), env, procfs_root=tmp_path).name is None
+    assert env == {}  # a real default route: gloo / NCCL choose themselves
+    env = {"GLOO_SOCKET_IFNAME": "ens5"}
+    assert apply_socket_interface("10.1.2.9", node(ETH, LO), env, procfs_root=tmp_path).variable == "GLOO_SOCKET_IFNAME"
+    assert env == {"GLOO_SOCKET_IFNAME": "ens5"}  # the user's choice stands, nothing added
+    with pytest.raises(SocketInterfaceError, match=r"NCCL_SOCKET_IFNAME=ib0: interface ib0 does not exist on "
+                                                   r"node gpu7 \(rank 3\)"):
+        apply_socket_interface("10.1.2.9", node(ETH, LO, host="gpu7", rank=3), {"NCCL_SOCKET_IFNAME": "ib0"},
+                               procfs_root=tmp_path)

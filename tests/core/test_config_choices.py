@@ -43,3 +43,10 @@ def test_builtin_rewards():
 
 def test_parameter_dtypes_are_torch_dtypes():
     assert all(isinstance(getattr(torch, name), torch.dtype) for name in config.DTYPES)
+
+
+def test_weight_sync_choices():
+    from scalerl.comm.weight_sync import MODES, ROLLOUT_DTYPES
+
+    assert set(config.ROLLOUT_DTYPES) == set(ROLLOUT_DTYPES)
+    assert set(config.WEIGHT_SYNC_MODES) == set(MODES)

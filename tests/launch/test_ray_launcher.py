@@ -145,6 +145,17 @@ def test_launch_ray_trains_at_world_two_across_nodes(idle_cluster, tmp_path, cap
     assert ray.is_initialized()  # the caller's connection is left alone
 
 
+def test_launch_ray_with_a_standalone_rollout_worker(idle_cluster, tmp_path, capsys):
+    """One trainer rank and one rollout worker actor in its own placement group (the cluster's other node)."""
+    code = launch_ray(None, [*TINY, "rollout.placement=standalone", f"trainer.output_dir={tmp_path}"], num_nodes=1,
+                      gpus_per_node=0, strategy="SPREAD", address=idle_cluster.address, timeout_s=30)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "2 rank(s) on 2 node(s)" in out  # the worker landed on the other node
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and rows[-1]["comm/weight_sync_bytes"] > 0
+
+
 def test_launch_ray_reports_the_failing_rank_without_waiting_for_the_others(idle_cluster, capsys):
     started = time.monotonic()
     code = launch_ray(None, TINY, num_nodes=2, gpus_per_node=0, strategy="PACK", timeout_s=30,

@@ -253,6 +253,22 @@ def test_two_node_job_ranks_and_training(slurm_cluster, tmp_path, monkeypatch):
     assert len(steps) == len(set(steps)), f"metrics written by more than one rank: {steps}"
 
 
+def test_two_node_job_with_a_standalone_rollout_worker(slurm_cluster, tmp_path, monkeypatch):
+    """`--nodes=2 --ntasks-per-node=1` with rollout.placement=standalone: the trainer on n1, the rollout
+    worker (the last rank) on n2, weights pushed across nodes every step."""
+    out_dir = tmp_path / "train"
+    script = slurm_job_script(None, [*TINY_TRAIN, "rollout.placement=standalone", f"trainer.output_dir={out_dir}"],
+                              nodes=2, gpus_per_node=0, time="00:05:00", output=str(tmp_path / "job-%j.out"),
+                              error=str(tmp_path / "job-%j.err"), python=sys.executable,
+                              env={**TEST_JOB_ENV, "MASTER_PORT": str(free_port_pair())},
+                              master_addr="127.0.0.1", job_name="scalerl-test")
+    state, logs = run_job(script, tmp_path, monkeypatch)
+    assert state == "COMPLETED", logs
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2], logs
+    assert rows[-1]["comm/weight_sync_bytes"] > 0
+
+
 def test_ray_on_slurm_job(slurm_cluster, tmp_path, monkeypatch):
     """Ray head on n1, a worker on n2, then the `scalerl launch ray` driver trains 2 steps, one rank on each."""
     if importlib.util.find_spec("ray") is None:

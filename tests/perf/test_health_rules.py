@@ -314,3 +314,23 @@ def test_threshold_direction():
     assert (b.status(0.9), b.status(0.3), b.status(0.05)) == (OK, WARNING, FAULT)
     with pytest.raises(ValueError, match="unknown leaf"):
         type(RULES["non_finite"])("x", "nowhere", "", "")
+
+
+def test_online_straggler_must_be_slowest_step_after_step():
+    metrics = {"timing_s/step": 2.0, "timing_s/busy": 1.0, "timing_s/busy/max": 1.8, "timing_s/busy/min": 0.7,
+               "timing_s/busy/slowest_rank": 3.0}
+    steady = [{"timing_s/busy/slowest_rank": 3.0}] * 8 + [{"timing_s/busy/slowest_rank": 1.0}] * 2
+    varying = [{"timing_s/busy/slowest_rank": float(r % 4)} for r in range(10)]
+    context = {"world_size": 4, "dp_size": 4}
+    assert alarms(run_step_rules(StepView(metrics, None, context, steady))) == {"compute/stragglers": WARNING}
+    assert alarms(run_step_rules(StepView(metrics, None, context, varying))) == {}
+
+
+def test_achieved_bandwidth_is_judged_only_when_collectives_take_real_time():
+    _, records, context = healthy_profile()
+    slow = dict(healthy_profile()[0], **{"comm/bytes/total": 50e6})
+    findings = run_step_rules(StepView(slow, records, dict(context, comm_wait_s=1.0)))  # 50 MB/s of 5 GB/s
+    assert alarms(findings) == {"communication/bandwidth": WARNING}
+    assert the_finding(findings, "communication/bandwidth").rule == "achieved_bandwidth"
+    latency_bound = run_step_rules(StepView(slow, records, dict(context, comm_wait_s=0.05)))
+    assert alarms(latency_bound) == {}

@@ -37,7 +37,13 @@ def stragglers(view: StepView) -> list[Finding]:
     ratio = busy[slowest] / median if median > 0 else math.inf
     evidence = {"busy_s_by_rank": {str(k): round(v, 4) for k, v in busy.items()}, f"{basis}_busy_s": round(median, 4),
                 "slowest_rank": slowest, "ratio": round(ratio, 3), "step_s": round(step, 4)}
-    steady = _slowest_share(view.per_rank, slowest) if view.per_rank else None
+    if view.per_rank:
+        steady = _slowest_share(view.per_rank, slowest)
+    elif view.history:  # online: how often this rank was the slowest in the last steps
+        ranked = [h["timing_s/busy/slowest_rank"] for h in view.history if "timing_s/busy/slowest_rank" in h]
+        steady = ranked.count(slowest) / len(ranked) if ranked else None
+    else:
+        steady = None
     if steady is not None:
         evidence["slowest_in_steps"] = round(steady, 3)
     noise = excess < max(excess_t.warning, 0.05 * step) or \

@@ -18,6 +18,8 @@ from scalerl.perf.memory import memory_capacity_gb
 logger = logging.getLogger("scalerl.health")
 REWARD_KEYS = ("critic/score/mean", "critic/score/max", "critic/score/min")
 HISTORY_STEPS = 200  # reward history kept for the collapse rule (its windows are a few steps)
+RECENT_STEPS = 10  # steps whose slowest rank the straggler rule compares (a straggler is slow step after step)
+RECENT_KEYS = ("timing_s/busy/slowest_rank", "timing_s/busy/max", "timing_s/busy")
 
 
 class HealthMonitor:
@@ -28,6 +30,7 @@ class HealthMonitor:
         self.context = context
         self.emit = emit if emit is not None else logger.warning
         self.reward_history: list[dict[str, float]] = []
+        self.recent: list[dict[str, float]] = []
         self._alerting: dict[tuple, str] = {}  # finding key -> status last reported
 
     @classmethod
@@ -49,9 +52,10 @@ class HealthMonitor:
             return {}
         if all(k in metrics for k in REWARD_KEYS):
             self.reward_history = (self.reward_history + [{k: metrics[k] for k in REWARD_KEYS}])[-HISTORY_STEPS:]
+        self.recent = (self.recent + [{k: metrics[k] for k in RECENT_KEYS if k in metrics}])[-RECENT_STEPS:]
         if step % self.every:
             return {}
-        findings = run_step_rules(StepView(dict(metrics), None, self.context), self.reward_history)
+        findings = run_step_rules(StepView(dict(metrics), None, self.context, self.recent), self.reward_history)
         self._report_crossings(step, findings)
         return health_metrics(findings)
 

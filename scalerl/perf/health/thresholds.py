@@ -125,10 +125,15 @@ _RULES = (
          "overlap or shrink the gradient traffic: parallel.dp_replicate=<nodes> parallel.dp_shard=<GPUs per "
          "node> (HSDP keeps sharded traffic inside nodes); measure the links: scalerl doctor "
          "--distributed-check",
-         thresholds={"achieved_vs_link": Threshold(
-             0.4, None, False, "x measured link",
-             "the trainer's collectives should reach most of what a plain all-reduce reaches on the same "
-             "links; far less means many small messages or contention")}),
+         thresholds={
+             "achieved_vs_link": Threshold(0.4, None, False, "x measured link",
+                                           "the trainer's collectives should reach most of what a plain "
+                                           "all-reduce reaches on the same links; far less means many small "
+                                           "messages or contention"),
+             "min_s": Threshold(0.25, None, True, " s",
+                                "under a quarter second per step in collectives, their time is latency of small "
+                                "messages, not bandwidth: a rate computed from it says nothing about the links"),
+         }),
     Rule("comm_share", "communication/bandwidth",
          "exposed communication (time blocked in collectives, not overlapped) as a share of the step",
          "parallel.dp_replicate=<nodes> parallel.dp_shard=<GPUs per node> (HSDP), a larger "

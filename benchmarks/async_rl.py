@@ -1,0 +1,101 @@
+"""Synchronous vs one-step asynchronous RL with one standalone rollout worker: step time and the
+reward / held-out accuracy curve, same seed.
+
+    python benchmarks/async_rl.py [--steps 40] [--sft-steps 400] [--json FILE]
+
+The demo's configuration (built-in model and task): an SFT warm start on the weak teacher's data (cached in
+outputs/bench_async_rl/sft), then GRPO with one trainer rank and one rollout worker rank (world 2, gloo on
+loopback, one thread each), `rollout.staleness=0` and `=1`. Each run reports the median step time (after
+the first two steps), the final held-out accuracy and the score curve. The ratio printed is the
+synchronous median step time over the asynchronous one (target >= 1.3x where generation and update take
+similar time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.spawned_group import run_in_group  # noqa: E402
+
+OUT = ROOT / "outputs" / "bench_async_rl"
+
+
+def _demo_config(extra: list[str]):
+    from scalerl.core.config import load_config
+
+    return load_config(ROOT / "scalerl" / "configs" / "demo.yaml", ["trainer.logger=[jsonl]", *extra])
+
+
+def warm_start(sft_steps: int) -> Path:
+    """The demo's SFT phase on the weak teacher's demonstrations (reused when already there)."""
+    model = OUT / f"sft{sft_steps}" / "model"
+    if (model / "model.safetensors").is_file():
+        return model
+    from scalerl.data.arithmetic import make_arithmetic_rows
+    from scalerl.demo import TEACHER_ERROR_RATE, weak_teacher_rows
+    from scalerl.trainer.sft_trainer import train_sft
+
+    cfg = _demo_config([f"sft.steps={sft_steps}", f"trainer.output_dir={OUT}", f"sft.output_dir={model.parent}"])
+    rows = weak_teacher_rows(make_arithmetic_rows("train", cfg.data.num_train, list(cfg.data.difficulty), 0),
+                             TEACHER_ERROR_RATE, 0)
+    data = OUT / "teacher.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg.data.train_files = [str(data)]
+    return Path(train_sft(cfg)["model_dir"])
+
+
+def _grpo(rank: int, sft_model: str, steps: int, staleness: int) -> None:
+    from scalerl.trainer.rl_trainer import train
+
+    train(_demo_config([
+        f"trainer.init_from={sft_model}", f"trainer.total_steps={steps}", "trainer.eval_every=10",
+        "rollout.placement=standalone", f"rollout.staleness={staleness}",
+        f"trainer.output_dir={OUT}/staleness{staleness}",
+    ]))
+
+
+def summarize(run: Path) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    times = [r["timing_s/step"] for r in steps[2:]]
+    return {
+        "median_step_s": statistics.median(times),
+        "final_accuracy": next(r["val/accuracy"] for r in reversed(rows) if "val/accuracy" in r),
+        "initial_accuracy": rows[0].get("val/accuracy"),
+        "score_curve": [round(r["critic/score/mean"], 4) for r in steps],
+        "median_gen_s": statistics.median(r["timing_s/gen"] for r in steps[2:]),
+        "median_update_s": statistics.median(r["timing_s/update_actor"] for r in steps[2:]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    sft_model = warm_start(args.sft_steps)
+    results = {}
+    for staleness in (0, 1):
+        run_in_group(_grpo, 2, str(sft_model), args.steps, staleness, timeout_s=3600)
+        results[f"staleness={staleness}"] = summarize(OUT / f"staleness{staleness}")
+    for name, r in results.items():
+        print(f"{name}: median step {r['median_step_s']:.3f} s (gen {r['median_gen_s']:.3f} s, update "
+              f"{r['median_update_s']:.3f} s), held-out accuracy {r['initial_accuracy']:.3f} -> "
+              f"{r['final_accuracy']:.3f}")
+    ratio = results["staleness=0"]["median_step_s"] / results["staleness=1"]["median_step_s"]
+    print(f"step time, synchronous / one-step asynchronous: {ratio:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Messages of tensors between two ranks (prompts to a rollout worker, rollouts back), without pickle.
+
+A message is a list of tensors of any shapes and dtypes. It goes as the length of its int64 header, the
+header (the count, then per tensor its dtype code, rank and sizes), then each tensor's bytes, so the
+receiver allocates exactly what arrives and nothing is ever unpickled. Every call names its peer and has
+the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# A fixed table, the same on every rank: dtype <-> code.
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool)
+_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
+_HEADER_LIMIT = 1024  # int64 slots: ample for a few dozen tensors of up to 8 dims
+
+
+def _header(tensors: list[torch.Tensor]) -> torch.Tensor:
+    values = [len(tensors)]
+    for t in tensors:
+        if t.dtype not in _CODE:
+            raise TypeError(f"tensor message cannot carry dtype {t.dtype}; supported: {DTYPES}")
+        values += [_CODE[t.dtype], t.dim(), *t.shape]
+    if len(values) > _HEADER_LIMIT:
+        raise ValueError(f"tensor message header of {len(values)} values exceeds {_HEADER_LIMIT}")
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _layout(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    values = header.tolist()
+    count, pos, out = values[0], 1, []
+    for _ in range(count):
+        dtype, ndim = DTYPES[values[pos]], values[pos + 1]
+        out.append((dtype, tuple(values[pos + 2 : pos + 2 + ndim])))
+        pos += 2 + ndim
+    return out
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    # gloo has no bool/bfloat16 point-to-point for every build: move raw bytes where needed.
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.dtype in (torch.bool, torch.bfloat16) else t
+
+
+def send_tensors(tensors: list[torch.Tensor], dst: int, group=None, device: torch.device | None = None) -> int:
+    """Send ``tensors`` to global rank ``dst``; returns the payload bytes sent (header included)."""
+    device = device or torch.device("cpu")
+    header = _header(tensors).to(device)
+    dist.send(torch.tensor([header.numel()], device=device), dst=dst, group=group)
+    dist.send(header, dst=dst, group=group)
+    sent = (header.numel() + 1) * header.element_size()
+    for t in tensors:
+        wire = _wire(t.to(device))
+        dist.send(wire, dst=dst, group=group)
+        sent += wire.numel() * wire.element_size()
+    return sent
+
+
+def recv_tensors(src: int, group=None, device: torch.device | None = None) -> list[torch.Tensor]:
+    """Receive a message sent by `send_tensors` from global rank ``src``."""
+    device = device or torch.device("cpu")
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(length, src=src, group=group)
+    if not 0 < int(length) <= _HEADER_LIMIT:
+        raise RuntimeError(f"rank {src} sent a tensor message header of {int(length)} values; expected 1-{_HEADER_LIMIT}")
+    header = torch.empty(int(length), dtype=torch.int64, device=device)
+    dist.recv(header, src=src, group=group)
+    out = []
+    for dtype, shape in _layout(header.cpu()):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        wire = _wire(t)
+        dist.recv(wire, src=src, group=group)
+        out.append(t)
+    return out
+
+
+def broadcast_tensors(tensors: list[torch.Tensor] | None, src: int, group=None,
+                      device: torch.device | None = None) -> list[torch.Tensor]:
+    """Rank ``src`` (global) gives ``tensors``; every rank of ``group`` returns them."""
+    device = device or torch.device("cpu")
+    is_src = dist.get_rank() == src
+    header = _header(tensors).to(device) if is_src else None
+    length = torch.tensor([header.numel() if is_src else 0], device=device)
+    dist.broadcast(length, src=src, group=group)
+    if not is_src:
+        header = torch.empty(int(length), dtype=torch.int64, device=device)
+    dist.broadcast(header, src=src, group=group)
+    out = []
+    for i, (dtype, shape) in enumerate(_layout(header.cpu())):
+        t = tensors[i].to(device).contiguous() if is_src else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(_wire(t), src=src, group=group)
+        out.append(t)
+    return out
