@@ -29,7 +29,7 @@ examples:
   python scripts/diagnose.py --distributed-check
 """
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.I)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:

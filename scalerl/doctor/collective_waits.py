@@ -15,8 +15,9 @@ import inspect
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -54,7 +55,7 @@ class CollectiveWaits:
         with self._lock:
             self.totals[self.phase].peer_s += time.perf_counter() - start
 
-    def __enter__(self) -> CollectiveWaits:
+    def __enter__(self) -> CollectiveWaits:  # noqa: PYI034 (typing.Self needs Python 3.11)
         self._originals["barrier"] = dist.barrier
         for name in COLLECTIVES + TIMED_ONLY:
             original = self._originals.get(name) or getattr(dist, name)
@@ -62,7 +63,7 @@ class CollectiveWaits:
             setattr(dist, name, self._wrap(name, original))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for name, original in self._originals.items():
             setattr(dist, name, original)
         self._originals.clear()

@@ -6,9 +6,10 @@ turns everything into a report on the tree. Every rank returns the same exit cod
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,13 @@ from scalerl.doctor.profiling import checkpoint_context, mean_metrics, profile_r
 from scalerl.doctor.report import DoctorReport
 from scalerl.doctor.storage import check_paths
 from scalerl.doctor.transfer import measure_host_device_copy
-from scalerl.doctor.world import DoctorWorld, RendezvousError, existing_world, join_world, single_world
+from scalerl.doctor.world import (
+    DoctorWorld,
+    RendezvousError,
+    existing_world,
+    join_world,
+    single_world,
+)
 from scalerl.perf.health.cluster_rules import run_cluster_rules
 from scalerl.perf.health.nodes import node_names, nodes
 from scalerl.perf.health.step_rules import StepView, run_step_rules

@@ -12,22 +12,29 @@ import re
 import shutil
 import socket
 import subprocess
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from scalerl import __version__
-from scalerl.comm.socket_interface import (SOCKET_IFNAME_VARIABLES, choose_socket_interface, missing_interfaces,
-                                           read_routes, resolve_ipv4, route_to)
+from scalerl.comm.socket_interface import (
+    SOCKET_IFNAME_VARIABLES,
+    choose_socket_interface,
+    missing_interfaces,
+    read_routes,
+    resolve_ipv4,
+    route_to,
+)
 from scalerl.comm.topology import RankTopology, detect_gpus_and_nvlink, detect_topology
 from scalerl.core.rank_env import RankEnv
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "TORCH_", "TORCHELASTIC_", "SLURM_", "RAY_", "OMPI_COMM_WORLD_", "PMI_",
                 "CUDA_", "OMP_")
 ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NVIDIA_VISIBLE_DEVICES")
-SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|KEY|CREDENTIAL", re.I)  # values never leave the rank
+SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|KEY|CREDENTIAL", re.IGNORECASE)  # values never leave the rank
 NVIDIA_SMI_TIMEOUT_S = 10.0
 
 

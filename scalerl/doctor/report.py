@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from scalerl import __version__
-from scalerl.perf.health.tree import LEAVES, NOT_MEASURED, TREE, Finding, exit_code, roll_up, worst
+from scalerl.perf.health.tree import (
+    LEAVES,
+    NOT_MEASURED,
+    TREE,
+    Finding,
+    exit_code,
+    roll_up,
+    worst,
+)
 
 SCHEMA = "scalerl.doctor/1"
 MODES = ("distributed-check", "performance-profiling")

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from scalerl.launch.emulated_cluster import EmulatedCluster, EmulatedClusterError, require_root_and_iproute2, run_tool
+from scalerl.launch.emulated_cluster import (
+    EmulatedCluster,
+    EmulatedClusterError,
+    require_root_and_iproute2,
+    run_tool,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FAST_MBIT, SLOW_MBIT = 200, 25

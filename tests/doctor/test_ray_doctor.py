@@ -9,11 +9,11 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group, remove_placement_group
 
-from scalerl.doctor.diagnose import DoctorOptions  # noqa: E402
-from scalerl.doctor.ray_doctor import diagnose_on_ray, pending_placement_groups  # noqa: E402
+from scalerl.doctor.diagnose import DoctorOptions
+from scalerl.doctor.ray_doctor import diagnose_on_ray, pending_placement_groups
 
 OBJECT_STORE_BYTES = 128 * 2**20
 

@@ -7,11 +7,29 @@ import math
 
 import pytest
 
-from scalerl.perf.health import (FAULT, LEAVES, NOT_MEASURED, OK, RULES, TREE, WARNING, StepView, describe_rules,
-                                 exit_code, health_metrics, roll_up, run_cluster_rules, run_step_rules)
+from scalerl.perf.health import (
+    FAULT,
+    LEAVES,
+    NOT_MEASURED,
+    OK,
+    RULES,
+    TREE,
+    WARNING,
+    StepView,
+    describe_rules,
+    exit_code,
+    health_metrics,
+    roll_up,
+    run_cluster_rules,
+    run_step_rules,
+)
 from scalerl.perf.health.step_rules import reward_collapse
-from tests.perf.recorded_measurements import (healthy_cluster_measurements, healthy_facts, healthy_profile,
-                                              rank_profile)
+from tests.perf.recorded_measurements import (
+    healthy_cluster_measurements,
+    healthy_facts,
+    healthy_profile,
+    rank_profile,
+)
 
 
 def alarms(findings) -> dict[str, str]:

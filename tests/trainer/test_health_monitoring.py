@@ -69,7 +69,7 @@ def _train_twice(rank: int, output_dir: str, slow_rank: int) -> dict[str, list[s
         if name == "slowed" and rank == slow_rank:
             compute = RewardComputer.compute
 
-            def slow_compute(self, *args, **kwargs):
+            def slow_compute(self, *args, compute=compute, **kwargs):
                 time.sleep(0.6)
                 return compute(self, *args, **kwargs)
 

@@ -17,9 +17,27 @@ monitor and `scalerl doctor` share them and tests feed them recorded measurement
 from scalerl.perf.health.cluster_rules import run_cluster_rules
 from scalerl.perf.health.monitor import HealthMonitor
 from scalerl.perf.health.step_rules import StepView, run_step_rules
-from scalerl.perf.health.thresholds import RULES, Rule, Severity, Threshold, describe_rules
-from scalerl.perf.health.tree import (FAULT, LEAVES, NOT_MEASURED, OK, STATUSES, TREE, WARNING, Finding, LeafResult,
-                                      exit_code, health_metrics, roll_up)
+from scalerl.perf.health.thresholds import (
+                                      RULES,
+                                      Rule,
+                                      Severity,
+                                      Threshold,
+                                      describe_rules,
+)
+from scalerl.perf.health.tree import (
+                                      FAULT,
+                                      LEAVES,
+                                      NOT_MEASURED,
+                                      OK,
+                                      STATUSES,
+                                      TREE,
+                                      WARNING,
+                                      Finding,
+                                      LeafResult,
+                                      exit_code,
+                                      health_metrics,
+                                      roll_up,
+)
 
 __all__ = ["FAULT", "LEAVES", "NOT_MEASURED", "OK", "RULES", "STATUSES", "TREE", "WARNING", "Finding", "HealthMonitor",
            "LeafResult", "Rule", "Severity", "StepView", "Threshold", "describe_rules", "exit_code", "health_metrics",

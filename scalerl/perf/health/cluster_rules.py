@@ -14,7 +14,12 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from scalerl.perf.health.node_rules import device_memory, device_models, host_device_copy, storage
+from scalerl.perf.health.node_rules import (
+    device_memory,
+    device_models,
+    host_device_copy,
+    storage,
+)
 from scalerl.perf.health.nodes import node_names, nodes
 from scalerl.perf.health.thresholds import RULES
 from scalerl.perf.health.tree import FAULT, NOT_MEASURED, OK, Finding, worst

@@ -7,7 +7,8 @@ import statistics
 from scalerl.perf.health.thresholds import RULES
 from scalerl.perf.health.tree import NOT_MEASURED, OK, Finding
 from scalerl.perf.health.view import PROFILE_HINT, StepView
-from scalerl.perf.health.wording import finding, fix_text, rate as rate_text, ratio_text
+from scalerl.perf.health.wording import finding, fix_text, ratio_text
+from scalerl.perf.health.wording import rate as rate_text
 
 
 def comm_share(view: StepView) -> list[Finding]:

@@ -8,11 +8,20 @@ branch in `compute_rules`, `comm_rules`, `resource_rules` and `training_rules`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from scalerl.perf.health.comm_rules import achieved_bandwidth, comm_share
-from scalerl.perf.health.compute_rules import parallel_granularity, stragglers, token_imbalance
-from scalerl.perf.health.resource_rules import checkpoint_interval, data_wait, host_device_share, memory_peak
+from scalerl.perf.health.compute_rules import (
+    parallel_granularity,
+    stragglers,
+    token_imbalance,
+)
+from scalerl.perf.health.resource_rules import (
+    checkpoint_interval,
+    data_wait,
+    host_device_share,
+    memory_peak,
+)
 from scalerl.perf.health.training_rules import non_finite, reward_collapse
 from scalerl.perf.health.tree import Finding
 from scalerl.perf.health.view import StepView

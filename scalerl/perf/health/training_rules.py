@@ -10,7 +10,6 @@ from scalerl.perf.health.tree import FAULT, NOT_MEASURED, OK, WARNING, Finding
 from scalerl.perf.health.view import StepView
 from scalerl.perf.health.wording import finding, fix_text
 
-
 SKIPPED_STEP_METRICS = ("actor/skipped_steps", "critic/skipped_steps", "sft/skipped_steps")
 
 

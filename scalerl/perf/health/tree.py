@@ -7,8 +7,9 @@ findings; a leaf no check measured says "not measured", with why.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 OK, WARNING, FAULT, NOT_MEASURED = "ok", "warning", "fault", "not measured"
 STATUSES = (OK, WARNING, FAULT, NOT_MEASURED)
