@@ -57,7 +57,7 @@ def _grpo(rank: int, sft_model: str, steps: int, staleness: int) -> None:
 
     train(_demo_config([
         f"trainer.init_from={sft_model}", f"trainer.total_steps={steps}", "trainer.eval_every=10",
-        "rollout.placement=standalone", f"rollout.staleness={staleness}",
+        "rollout.placement=standalone", f"rollout.staleness={staleness}", "trainer.overwrite=true",
         f"trainer.output_dir={OUT}/staleness{staleness}",
     ]))
 

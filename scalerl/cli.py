@@ -38,6 +38,7 @@ examples:
   scalerl sft run.yaml sft.steps=500
   torchrun --nproc-per-node 8 -m scalerl train run.yaml
   scalerl generate --model outputs/run/final --prompt "12+30="
+  scalerl export outputs/run/checkpoints/step_00000100 exported/
   scalerl version
   scalerl doctor --distributed-check              # also under torchrun / srun / --ray, on every rank
 """
@@ -121,6 +122,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for i, (prompt, completion) in enumerate(zip(args.prompt, completions)):
         print(f"--- sample {i} ---")
         print(f"{prompt}{completion}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    target = Path(args.hf_dir)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"HF_DIR {target} exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not args.overwrite:
+        raise ConfigError(f"HF_DIR {target} is not empty: pass --overwrite to replace it, or choose another directory")
+    checkpoint = _run_target("scalerl.checkpoint.export", "find_checkpoint")(args.checkpoint)
+    _run_target("scalerl.checkpoint.export", "export_checkpoint")(checkpoint, target)
+    print(f"exported {checkpoint} to {target}")
     return 0
 
 
@@ -231,6 +244,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
     gen.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens; 0 = off")
     gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+
+    export = add("export", cmd_export, "write a checkpoint's model as a Hugging Face directory",
+                 "CHECKPOINT is a checkpoint directory (step_*), a checkpoints/ folder or a run's output directory\n"
+                 "(the latest complete checkpoint in it); single-process or distributed, any layout, RL or SFT.\n"
+                 "Every file is checked against the checkpoint's meta.json before it is read. HF_DIR loads with\n"
+                 "transformers' AutoModelForCausalLM.from_pretrained and with scalerl (model.path=HF_DIR).\n"
+                 "examples:\n  scalerl export outputs/run/checkpoints/step_00000100 exported/\n"
+                 "  scalerl export outputs/run exported/ --overwrite\n")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint, checkpoints/ folder or run directory")
+    export.add_argument("hf_dir", metavar="HF_DIR", help="where to write the Hugging Face directory")
+    export.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it is not empty")
 
     verify = add("verify", cmd_verify, "check that distributed layouts reproduce the single-process run",
                  "Runs K GRPO and SFT steps single-process and under each layout (gloo on CPU, fixed seed, identical\n"

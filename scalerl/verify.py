@@ -73,7 +73,8 @@ def run_kind(kind: str, overrides: list[str], output_dir: Path) -> Path:
     from scalerl.core.config import load_config
 
     extra = ["algorithm.adv_estimator=gae", "algorithm.lam=0.95"] if kind == "ppo" else []
-    cfg = load_config(None, [*overrides, *extra, f"trainer.output_dir={output_dir}"])
+    # Verification runs are scratch: a rerun replaces the previous one's outputs.
+    cfg = load_config(None, [*overrides, *extra, f"trainer.output_dir={output_dir}", "trainer.overwrite=true"])
     if kind in ("grpo", "ppo"):
         from scalerl.trainer.rl_trainer import train
 

@@ -1,21 +1,35 @@
 """Files that are either complete or absent: durable writes, checksums, publish-by-rename and pruning.
 
-Everything of a checkpoint is written into ``root/.tmp-step_00000012-<pid>/``, fsynced, and only then
-renamed to its final name. A crash mid-save leaves at most a hidden temporary directory, which the next
-save removes. One process writes to a checkpoint root at a time (rank 0 publishes distributed ones).
+Everything of a checkpoint is written into ``root/.tmp-step_00000012-<pid>/``, fsynced, given the run's
+file modes (`scalerl.core.file_modes`), and only then renamed to its final name
+(`scalerl.core.directory_swap`). A crash mid-save leaves at most a hidden temporary directory, which the
+next start (or save) removes. One process writes to a checkpoint root at a time (rank 0 publishes
+distributed ones).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-TEMP_PREFIXES = (".tmp-", ".old-", ".del-")  # hidden names used only while saving or pruning
+from scalerl.core.directory_swap import (
+    TEMP_PREFIXES,
+    fsync_dir,
+    recover_leftovers,
+    remove_directory,
+    replace_directory,
+)
+from scalerl.core.file_modes import apply_file_modes
+
+__all__ = [
+    "TEMP_PREFIXES", "fsync_dir", "fsync_file", "prune", "publish", "remove_stale_temporaries",
+    "save_torch_state", "sha256_of", "write_durably",
+]
 
 
 def write_durably(file: Path, data: bytes) -> None:
@@ -38,17 +52,6 @@ def fsync_file(file: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def fsync_dir(directory: Path) -> None:
-    """Make renames and new entries in ``directory`` durable (a no-op where directories can't be opened)."""
-    if not hasattr(os, "O_DIRECTORY"):
-        return
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def sha256_of(file: Path) -> str:
     digest = hashlib.sha256()
     with open(file, "rb") as handle:
@@ -58,18 +61,10 @@ def sha256_of(file: Path) -> str:
 
 
 def publish(temp: Path, final: Path) -> Path:
-    """Rename the finished temporary directory to its final name, replacing an older copy."""
-    old = None
-    if final.exists():
-        # A directory cannot be renamed over a non-empty one: move the old copy aside first. If we die
-        # between the two renames, `remove_stale_temporaries` moves the old copy back.
-        old = final.with_name(f".old-{final.name}-{os.getpid()}")
-        os.rename(final, old)
-    os.rename(temp, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    """Give the finished temporary directory the run's file modes and rename it to its final name,
+    replacing an older copy."""
+    apply_file_modes(temp)
+    return replace_directory(temp, final)
 
 
 def prune(complete: list[Path], keep_last: int | None, just_written: Path) -> None:
@@ -78,20 +73,10 @@ def prune(complete: list[Path], keep_last: int | None, just_written: Path) -> No
         return
     others = [p for p in complete if p != just_written]
     for path in others[: max(len(others) - (keep_last - 1), 0)]:
-        # Rename first: a half-deleted directory must never still look like a checkpoint.
-        doomed = path.with_name(f".del-{path.name}-{os.getpid()}")
-        os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_directory(path)
 
 
-def remove_stale_temporaries(root: Path, keep: Path, is_complete: Callable[[Path], bool]) -> None:
-    """Delete what an interrupted save or prune left behind (one writer per root, so none is live)."""
-    for path in root.iterdir():
-        if path == keep or not path.name.startswith(TEMP_PREFIXES) or not path.is_dir():
-            continue
-        if path.name.startswith(".old-"):
-            original = root / path.name[len(".old-") :].rsplit("-", 1)[0]
-            if not original.exists() and is_complete(path):
-                os.rename(path, original)  # died between "move old away" and "move new in"
-                continue
-        shutil.rmtree(path, ignore_errors=True)
+def remove_stale_temporaries(root: Path, keep: Path | None, is_complete: Callable[[Path], bool]) -> list[str]:
+    """Put right what an interrupted save or prune left behind (one writer per root, so none is live);
+    returns what was done."""
+    return recover_leftovers(root, is_complete, keep=keep)

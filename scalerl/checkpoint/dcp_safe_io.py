@@ -41,6 +41,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 from pathlib import Path, PurePath
 from typing import Any, BinaryIO, ClassVar
 
@@ -227,7 +228,9 @@ def dcp_load_safely(state_dict: dict[str, Any], checkpoint_dir: str | os.PathLik
     """
     reader = SafeFileSystemReader(checkpoint_dir)
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group)
+        with warnings.catch_warnings():  # one process reading (scalerl export) is intended, not a slip
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group)
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
         ours = _integrity_errors(error)
         if reader.refusal is not None or ours:

@@ -3,8 +3,9 @@ same directory layout and with the same atomic publish, pruning and `resume=auto
 
 Every rank writes its own shards (FSDP/TP DTensors, pipeline stages) and its own RNG state; rank 0 writes
 the scheduler, trainer state and `meta.json` last, then renames the finished temporary directory into place.
-A checkpoint saved under one layout loads only under the same layout (DCP can reshard model weights, but
-the RNG streams and stage split are per rank), which `meta.json` records and checks. Loading checks every
+`meta.json` records the layout; under the same layout a load restores everything bitwise, RNG streams
+included; under another one `scalerl.checkpoint.reshard` takes over (the RNG streams are per rank and
+cannot follow). Loading checks every
 file against the sizes and sha256s in `meta.json` first and never unpickles without restriction
 (`scalerl.checkpoint.dcp_safe_io`).
 """
@@ -27,14 +28,12 @@ import scalerl
 from scalerl.checkpoint.atomic import prune, publish, save_torch_state, write_durably
 from scalerl.checkpoint.config_match import canonical_json, check_config
 from scalerl.checkpoint.layout import (
-    FORMAT_VERSION, GRAD_SCALER_FILE, META_FILE, SCHEDULER_FILE, TRAINER_STATE_FILE, CheckpointError,
+    FORMAT_VERSION, GRAD_SCALER_FILE, META_FILE, SCHEDULER_FILE, SHARDS_DIR, TRAINER_STATE_FILE, CheckpointError,
     LoadedCheckpoint, file_manifest, list_checkpoints, load_torch_state, read_meta, step_dir_name, verify_files,
 )
 from scalerl.checkpoint.dcp_safe_io import dcp_load_safely
 from scalerl.core.rng_state import capture_rng_state, restore_rng_state
 from scalerl.parallel.distributed import DistContext
-
-SHARDS_DIR = "dcp"
 
 
 def _rng_file(rank: int) -> str:
@@ -53,10 +52,18 @@ def _layout(ctx: DistContext) -> dict[str, int]:
     return {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp}
 
 
+def current_layout(ctx: DistContext | None) -> dict[str, Any]:
+    """``{"world_size", "layout"}`` of this run, as meta.json records it (one process: all sizes 1)."""
+    if ctx is None or ctx.world_size == 1:
+        return {"world_size": 1, "layout": {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}}
+    return {"world_size": ctx.world_size, "layout": _layout(ctx)}
+
+
 def save_distributed_checkpoint(
     root: str | os.PathLike, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
     generators: dict[str, torch.Generator], trainer_state: dict[str, Any], config: dict[str, Any],
     keep_last: int, ctx: DistContext, grad_scaler: torch.amp.GradScaler | None = None,
+    model_config: dict[str, Any] | None = None, reshard_history: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Collective: every rank calls it. ``model`` holds this rank's trainable modules (unwrapped)."""
     root = Path(root)
@@ -83,7 +90,7 @@ def save_distributed_checkpoint(
             "format_version": FORMAT_VERSION, "scalerl_version": scalerl.__version__,
             "torch_version": torch.__version__, "step": step, "saved_unix_time": time.time(),
             "config": json.loads(config_json), "distributed": {"world_size": ctx.world_size, "layout": _layout(ctx)},
-            "files": files,
+            "model_config": model_config, "reshard_history": list(reshard_history or []), "files": files,
         }
         write_durably(temp / META_FILE, json.dumps(meta, indent=2).encode())  # last: marks it complete
         publish(temp, final)

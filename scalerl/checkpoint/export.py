@@ -1,4 +1,7 @@
-"""The trained model as a Hugging Face directory (weights, config, tokenizer), from any layout."""
+"""The trained model as a Hugging Face directory (weights, config, tokenizer): from a live run of any layout
+(`export_hf_model`), or from any checkpoint on disk (`export_checkpoint`, behind ``scalerl export``).
+
+Both write through `save_pretrained`, which builds the directory aside and swaps it in whole."""
 
 from __future__ import annotations
 
@@ -7,8 +10,24 @@ from typing import Any
 
 import torch
 
+from scalerl.checkpoint.layout import (
+    SHARDS_DIR,
+    CheckpointError,
+    latest_checkpoint,
+    read_meta,
+    verify_files,
+)
+from scalerl.checkpoint.reshard import read_full_model
+from scalerl.core.config import ModelSection, config_from_dict
+from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import CausalLM
-from scalerl.models.hf_checkpoint import save_pretrained
+from scalerl.models.hf_checkpoint import (
+    load_model_config,
+    model_config_from_hf,
+    save_pretrained,
+)
+from scalerl.models.load import builtin_model_config, tokenizer_source
+from scalerl.models.tokenizer import CharTokenizer, load_tokenizer
 from scalerl.parallel.distributed import DistContext
 
 
@@ -18,10 +37,11 @@ def export_hf_model(model: CausalLM, tokenizer: Any, path: str | Path, ctx: Dist
     Distributed: every rank takes part in gathering the full (unsharded) weights; rank 0 writes them."""
     path = Path(path)
     if ctx is None or ctx.world_size == 1:
-        path = save_pretrained(model, path)
-        tokenizer.save_pretrained(path)
-        return path
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return save_pretrained(model, path, tokenizer=tokenizer)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if ctx.is_main:
@@ -29,7 +49,51 @@ def export_hf_model(model: CausalLM, tokenizer: Any, path: str | Path, ctx: Dist
         plain.load_state_dict(full, strict=False)
         if model.config.tie_word_embeddings:
             plain.lm_head.weight = plain.embed_tokens.weight
-        save_pretrained(plain.to(getattr(torch, model.config.torch_dtype)), path)
-        tokenizer.save_pretrained(path)
+        save_pretrained(plain.to(getattr(torch, model.config.torch_dtype)), path, tokenizer=tokenizer)
     ctx.barrier()
     return path
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """``path`` itself when it is a checkpoint (holds meta.json); else the latest complete checkpoint in it,
+    or in its ``checkpoints/`` (a run's output directory)."""
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found
+    raise CheckpointError(f"{path} is not a checkpoint and holds no complete one (nor does {path / 'checkpoints'})")
+
+
+def export_checkpoint(checkpoint: str | Path, hf_dir: str | Path) -> Path:
+    """Write the policy of ``checkpoint`` (single-process or distributed, any layout, RL or SFT) as an HF
+    directory at ``hf_dir``. One process; every file is checked against meta.json before it is read."""
+    path = find_checkpoint(checkpoint)
+    meta = read_meta(path)
+    verify_files(path, meta["files"], closed_dirs=(SHARDS_DIR,) if "distributed" in meta else ())
+    saved = meta.get("config") or {}
+    model_section = config_from_dict(ModelSection, saved.get("model"))
+    source = (saved.get("trainer") or {}).get("init_from") or model_section.path
+    if source and not Path(source).is_dir() and not model_section.tokenizer:
+        raise CheckpointError(f"the checkpoint's model came from {source}, which no longer exists: its tokenizer "
+                              "cannot be exported")
+    tokenizer = load_tokenizer(tokenizer_source(model_section, source))
+    config = _model_config(path, meta, model_section, source)
+    config.torch_dtype = model_section.dtype  # what the run trained in, and so what the checkpoint holds
+    model = CausalLM(config).to(getattr(torch, model_section.dtype))
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    read_full_model(path, meta, model.state_dict(), prefix="actor.")  # detached views: filled in place
+    return save_pretrained(model, Path(hf_dir), tokenizer=tokenizer)
+
+
+def _model_config(path: Path, meta: dict[str, Any], model_section: ModelSection, source: str | None) -> ModelConfig:
+    """The architecture: meta.json's copy, else rebuilt as the trainer built it (the source's config.json,
+    or the built-in model sized by the ``model`` section)."""
+    if meta.get("model_config"):
+        return model_config_from_hf(meta["model_config"], f"{path / 'meta.json'} (model_config)")
+    if source:
+        return load_model_config(source)
+    return builtin_model_config(model_section, CharTokenizer())

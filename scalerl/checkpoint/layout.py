@@ -16,8 +16,10 @@ Layout of one checkpoint (``root/step_00000012/``)::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
@@ -32,8 +34,10 @@ GRAD_SCALER_FILE = "grad_scaler.pt"
 RNG_FILE = "rng.pt"
 TRAINER_STATE_FILE = "trainer_state.json"
 META_FILE = "meta.json"
+SHARDS_DIR = "dcp"  # per-rank DCP shards of a distributed checkpoint
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_log = logging.getLogger("scalerl.checkpoint")
 
 
 class CheckpointError(ValueError):
@@ -48,6 +52,7 @@ class LoadedCheckpoint:
     step: int
     trainer_state: dict[str, Any]  # as saved, including "step"
     meta: dict[str, Any]
+    resharded_from: dict[str, Any] | None = None  # the saving run's {"world_size", "layout"} when it differs
 
 
 def step_dir_name(step: int) -> str:
@@ -114,19 +119,33 @@ def require_file(path: Path, name: str) -> Path:
     return file
 
 
-def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under ``root`` (a ``step_*`` directory with a valid meta.json), oldest first."""
+def scan_checkpoints(root: str | os.PathLike) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """Complete checkpoints under ``root`` (a ``step_*`` directory with a valid meta.json of its step), oldest
+    first, and the ``step_*`` directories that are not, each with the reason."""
     root = Path(root)
     if not root.is_dir():
-        return []
-    found = []
+        return [], []
+    found, rejected = [], []
     for path in root.iterdir():
         match = _STEP_DIR.match(path.name)
-        if match and path.is_dir():
-            meta = read_meta_or_none(path)
-            if meta is not None and meta.get("step") == int(match.group(1)):
-                found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
+        if not match or not path.is_dir():
+            continue
+        step = int(match.group(1))
+        try:
+            meta = read_meta(path)
+        except CheckpointError as error:
+            rejected.append((step, path, str(error)))
+            continue
+        if meta.get("step") != step:
+            rejected.append((step, path, f"{path / META_FILE} says step {meta.get('step')!r}"))
+        else:
+            found.append((step, path))
+    return [path for _, path in sorted(found)], [(path, why) for _, path, why in sorted(rejected)]
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``root`` (a ``step_*`` directory with a valid meta.json), oldest first."""
+    return scan_checkpoints(root)[0]
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -135,16 +154,27 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def resolve_resume(resume: str | os.PathLike | None, root: str | os.PathLike) -> Path | None:
+def resolve_resume(
+    resume: str | os.PathLike | None, root: str | os.PathLike, report: Callable[[str], None] | None = None
+) -> Path | None:
     """Turn a ``resume`` setting into a checkpoint path.
 
-    ``"auto"``: the latest checkpoint under ``root``, or None when there is none;
-    ``"never"``, ``""`` or None: None; anything else: that checkpoint directory (must be complete).
+    ``"auto"``: the latest complete checkpoint under ``root``, or None when there is none; a newer
+    ``step_*`` directory that is not complete (unreadable meta.json) is passed over and ``report``ed
+    (default: a logged warning). ``"never"``, ``""`` or None: None; anything else: that checkpoint
+    directory (must be complete).
     """
     if resume is None or str(resume).strip() in ("", "never"):
         return None
     if str(resume).strip() == "auto":
-        return latest_checkpoint(root)
+        complete, rejected = scan_checkpoints(root)
+        chosen = complete[-1] if complete else None
+        report = report or _log.warning
+        for path, why in rejected:
+            if chosen is None or path.name > chosen.name:
+                fallback = f"falling back to {chosen.name}" if chosen else "no older complete checkpoint: starting fresh"
+                report(f"resume=auto passes over {path}: {why}; {fallback}")
+        return chosen
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"resume checkpoint {str(path)!r} does not exist or is not a directory")
@@ -158,5 +188,5 @@ def load_torch_state(file: Path) -> Any:
 
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any failure here means the file cannot be trusted
+    except Exception as error:
         raise CheckpointError(f"{file} cannot be loaded safely: {error}") from error

@@ -44,11 +44,15 @@ def save_checkpoint(
     trainer_state: dict[str, Any] | None = None,
     config: dict[str, Any] | None = None,
     keep_last: int | None = 3,
+    model_config: dict[str, Any] | None = None,
+    reshard_history: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Write checkpoint ``root/step_<step>`` atomically and return its path.
 
     An existing checkpoint of the same step is replaced. Afterwards only the newest ``keep_last``
     complete checkpoints are kept (the one just written always stays; ``None`` keeps all).
+    ``model_config`` (the HF config.json of the trained model) lets `export` rebuild it from the
+    checkpoint alone; ``reshard_history`` records resumes under another layout (`reshard`).
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -92,6 +96,8 @@ def save_checkpoint(
             "saved_unix_time": time.time(),
             "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest() if config_json else None,
             "config": json.loads(config_json) if config_json else None,
+            "model_config": model_config,
+            "reshard_history": list(reshard_history or []),
             "files": files,
         }
         write_durably(temp / META_FILE, json.dumps(meta, indent=2).encode())  # last: marks it complete

@@ -318,7 +318,10 @@ class TrainerSection(_Section):
     output_dir: str = opt("outputs/run", "checkpoints, metrics and the resolved config go here")
     save_every: int = opt(0, "checkpoint every N steps; 0 = only at the end")
     keep_last: int = opt(2, "checkpoints kept on disk")
-    resume: str = opt("never", "auto (latest in output_dir) | never | <checkpoint dir>")
+    resume: str = opt("never", "auto (latest in output_dir) | never | <checkpoint dir>; never refuses an "
+                      "output_dir holding another run's outputs unless trainer.overwrite=true")
+    overwrite: bool = opt(False, "with resume=never, delete another run's outputs (checkpoints/, metrics.jsonl, "
+                          "final/, model/, tensorboard/) found in output_dir instead of refusing to start")
     eval_every: int = opt(5, "evaluate every N steps; 0 = only before and after training")
     logger: list[str] = opt(help="metric sinks: " + " | ".join(LOGGERS), factory=lambda: ["console", "jsonl"])
     precision: str = opt("fp32", "autocast precision: fp32 | bf16 | fp16 (fp16 uses a grad scaler)")

@@ -250,6 +250,40 @@ def _in_slurm_step(environ: Mapping[str, str]) -> bool:
     return step is not None and step != "batch"
 
 
+# Set in every worker by the launcher that restarted the job: torchrun (--max-restarts) and `scalerl launch
+# ray --max-restarts`. 0 or absent: the first attempt.
+RESTART_COUNT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "SCALERL_RESTART_COUNT")
+
+
+def launcher_restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How many times the launcher has restarted this job (0 on the first attempt)."""
+    environ = os.environ if environ is None else environ
+    for name in RESTART_COUNT_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value:
+            if not value.isdigit():
+                raise RankEnvError(f"{name}={value!r} is not a restart count")
+            return int(value)
+    return 0
+
+
+def launcher_job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """What stays the same across the restarts of one launcher job, and differs between jobs: the Ray
+    launcher's ``SCALERL_JOB_ID``, torchrun's ``--rdzv-id`` (unless the default "none"), else, under
+    torchrun, its agent process on this host (workers are restarted by the same agent). None elsewhere."""
+    environ = os.environ if environ is None else environ
+    if environ.get("SCALERL_JOB_ID"):
+        return f"scalerl:{environ['SCALERL_JOB_ID']}"
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return f"torchrun:{run_id}"
+    if "TORCHELASTIC_RESTART_COUNT" in environ:
+        import socket
+
+        return f"torchrun-agent:{socket.gethostname()}:{os.getppid()}"
+    return None
+
+
 def apply_rank_env(env: RankEnv, environ: MutableMapping[str, str] | None = None) -> None:
     """Export the torch.distributed names (`env://` rendezvous) for `env` into `environ` (os.environ)."""
     environ = os.environ if environ is None else environ

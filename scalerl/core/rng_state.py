@@ -20,6 +20,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def reseed_after_reshard(seed: int, step: int, rank: int, generators: dict[str, torch.Generator]) -> None:
+    """Seed the global generators and ``generators`` from ``(seed, step, rank)``: a run resumed under another
+    layout has no saved stream for its rank, so it starts deterministic ones of its own."""
+    derived = ((seed * 1_000_003 + step) * 65_537 + rank) % 2**63
+    seed_everything(derived)
+    for offset, name in enumerate(sorted(generators), start=1):
+        generators[name].manual_seed((derived + offset) % 2**63)
+
+
 def capture_rng_state(generators: dict[str, torch.Generator]) -> dict[str, Any]:
     kind, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     return {

@@ -31,10 +31,13 @@ what it does:
   Connects to a Ray cluster (--address auto or HOST:PORT; none starts a local one), reserves one
   placement-group bundle per rank (--gpus-per-node GPUs and --cpus-per-rank CPUs each) with the chosen
   strategy, and runs `train(config)` in every rank with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set.
+  --max-restarts N: when a rank fails or dies, all ranks are stopped and started again (up to N times),
+  continuing from the latest checkpoint in trainer.output_dir (checkpoint with trainer.save_every).
 
 examples:
   scalerl launch ray run.yaml --num-nodes 2 --gpus-per-node 8 --address auto
   scalerl launch ray run.yaml trainer.total_steps=10 --num-nodes 1 --gpus-per-node 0 --cpus-per-rank 1
+  scalerl launch ray run.yaml trainer.save_every=50 --num-nodes 2 --gpus-per-node 8 --max-restarts 3
 """
 
 
@@ -91,6 +94,9 @@ def add_launch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                      help="Ray cluster to join; omit to start a local one")
     ray.add_argument("--dashboard-host", default="127.0.0.1", metavar="HOST",
                      help="dashboard bind address of a locally started Ray (default 127.0.0.1)")
+    ray.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                     help="restart the whole job up to N times when a rank fails or dies; each restart "
+                          "continues from the latest checkpoint (default 0)")
     ray.set_defaults(func=cmd_launch_ray)
     return launch
 
@@ -160,8 +166,8 @@ def cmd_launch_ray(args: argparse.Namespace) -> int:
     from scalerl.core.config import ConfigError, split_config_args
 
     config_path, overrides = split_config_args(args.config_args)
-    if args.num_nodes < 1 or args.gpus_per_node < 0 or args.cpus_per_rank <= 0:
-        raise ConfigError("--num-nodes must be >= 1, --gpus-per-node >= 0 and --cpus-per-rank > 0")
+    if args.num_nodes < 1 or args.gpus_per_node < 0 or args.cpus_per_rank <= 0 or args.max_restarts < 0:
+        raise ConfigError("--num-nodes must be >= 1, --gpus-per-node >= 0, --cpus-per-rank > 0 and --max-restarts >= 0")
     try:
         from scalerl.launch.ray_launcher import launch_ray
     except ModuleNotFoundError as e:
@@ -170,4 +176,4 @@ def cmd_launch_ray(args: argparse.Namespace) -> int:
         raise
     return launch_ray(config_path, overrides, num_nodes=args.num_nodes, gpus_per_node=args.gpus_per_node,
                       cpus_per_rank=args.cpus_per_rank, strategy=args.strategy, address=args.address,
-                      dashboard_host=args.dashboard_host)
+                      dashboard_host=args.dashboard_host, max_restarts=args.max_restarts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from typing import Any, Callable
 
 from scalerl.core.config import ConfigError, load_config
@@ -39,7 +40,7 @@ def _print_summary(summary: dict[str, Any], world_size: int) -> None:
 def launch_ray(config_path: str | None, overrides: list[str], num_nodes: int, gpus_per_node: int,
                cpus_per_rank: float = 1.0, strategy: str = "PACK", address: str | None = None,
                dashboard_host: str = "127.0.0.1", timeout_s: float = 120.0,
-               train_fn: Callable[[Any], dict[str, Any]] | None = None) -> int:
+               train_fn: Callable[[Any], dict[str, Any]] | None = None, max_restarts: int = 0) -> int:
     """Run `train_fn(cfg)` (default: GRPO `train`) on `num_nodes` x ranks_per_node Ray actors; exit code.
 
     The config is loaded and validated before Ray is touched (ConfigError propagates). Connects to
@@ -47,8 +48,17 @@ def launch_ray(config_path: str | None, overrides: list[str], num_nodes: int, gp
     Ray whose dashboard (if installed) binds to `dashboard_host`. Returns 0 after printing rank 0's final
     metrics, 1 when a rank fails (its error on stderr), 2 when the cluster cannot hold the ranks.
     Every node needs scalerl installed (the actors import it); outputs are written on the ranks' nodes.
+
+    Restarts (`max_restarts`): when a rank fails or its process dies, its peers are stuck in collectives
+    with it, so the whole group is torn down and started afresh (new actors, new rendezvous port), up to
+    `max_restarts` times; each attempt carries SCALERL_JOB_ID and SCALERL_RESTART_COUNT, so the trainer
+    continues from the latest checkpoint of the directory this job started in. (Ray's per-actor
+    `max_restarts` would restart one rank alone, which SPMD training cannot use.) A rank that fails on bad
+    input (a ConfigError, e.g. an output directory in use) is not restarted.
     """
     check_request(num_nodes, gpus_per_node, cpus_per_rank, strategy)
+    if max_restarts < 0:
+        raise ConfigError(f"max_restarts must be >= 0, got {max_restarts}")
     cfg = load_config(config_path, overrides)
     try:
         import ray
@@ -62,24 +72,46 @@ def launch_ray(config_path: str | None, overrides: list[str], num_nodes: int, gp
             ray.init(dashboard_host=dashboard_host)
         else:  # an existing cluster's dashboard is already bound; passing a host there is an error
             ray.init(address=address)
+    job = {"SCALERL_JOB_ID": uuid.uuid4().hex}
+    try:
+        for attempt in range(max_restarts + 1):
+            code, summaries = _run_attempt(cfg, train_fn, num_nodes, gpus_per_node, cpus_per_rank, strategy,
+                                           timeout_s, {**job, "SCALERL_RESTART_COUNT": str(attempt)})
+            if code != RESTARTABLE or attempt == max_restarts:
+                break
+            print(f"ray launch: restarting the job ({attempt + 1}/{max_restarts}) from its latest checkpoint",
+                  file=sys.stderr, flush=True)
+    finally:
+        if started_here:
+            ray.shutdown()
+    if code != 0:
+        return 1 if code == RESTARTABLE else code
+    _print_summary(summaries[0], len(summaries))
+    return 0
+
+
+RESTARTABLE = -1  # an attempt's result: a rank failed in a way a restart may get past
+
+
+def _run_attempt(cfg: Any, train_fn: Callable[[Any], dict[str, Any]] | None, num_nodes: int, gpus_per_node: int,
+                 cpus_per_rank: float, strategy: str, timeout_s: float,
+                 env: dict[str, str]) -> tuple[int, list[Any]]:
+    """One start of every rank: (0, summaries), (2, []) when unplaceable, (1, []) after a rank failed on bad
+    input, (RESTARTABLE, []) after any other rank failure. The group is shut down either way."""
     group = None
     try:
         workers = cfg.rollout.workers if cfg.rollout.placement == "standalone" else 0
-        group = create_rank_group(num_nodes, gpus_per_node, cpus_per_rank, strategy, timeout_s,
+        group = create_rank_group(num_nodes, gpus_per_node, cpus_per_rank, strategy, timeout_s, extra_env=env,
                                   rollout_workers=workers)
         print(f"ray launch: {len(group.actors)} rank(s) on {len(set(group.node_ids))} node(s) ({strategy}), "
               f"master {group.env[0]['MASTER_ADDR']}:{group.env[0]['MASTER_PORT']}", flush=True)
-        summaries = run_on_ranks(group.actors, train_fn or _default_train, cfg)
+        return 0, run_on_ranks(group.actors, train_fn or _default_train, cfg)
     except PlacementError as e:
         print(f"ray launch: {e}", file=sys.stderr)
-        return 2
+        return 2, []
     except RankFailure as e:
         print(f"ray launch: {e}", file=sys.stderr)
-        return 1
+        return (1 if isinstance(getattr(e.error, "cause", None), ConfigError) else RESTARTABLE), []
     finally:
         if group is not None:
             group.shutdown()
-        if started_here:
-            ray.shutdown()
-    _print_summary(summaries[0], len(summaries))
-    return 0

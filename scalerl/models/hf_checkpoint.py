@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from scalerl.core.directory_swap import (
+    recover_leftovers,
+    replace_directory,
+    staging_dir,
+)
+from scalerl.core.file_modes import apply_file_modes
 from scalerl.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from scalerl.models.decoder import CausalLM
 
@@ -209,16 +216,33 @@ def save_pretrained(
     path: str | os.PathLike,
     max_shard_bytes: int = 4 * 1024**3,
     generation_config: dict[str, Any] | None = None,
+    tokenizer: Any | None = None,
 ) -> Path:
-    """Write ``config.json``, ``model.safetensors`` (or shards + index) and ``generation_config.json``.
+    """Write ``config.json``, ``model.safetensors`` (or shards + index), ``generation_config.json`` and, when
+    given, the ``tokenizer``'s files: a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
-    The directory loads with ``transformers.AutoModelForCausalLM.from_pretrained``. Files are written to a
-    temporary directory first and renamed into place, so an interrupted save never corrupts an old one.
+    Everything is written into a fresh hidden sibling directory, given the run's file modes, and swapped in
+    for ``path`` as a whole: an interrupted save leaves the old directory intact, and no file of an older
+    save survives (a stale ``model.safetensors`` or index from another sharding would be loaded instead).
     """
     path = Path(path)
+    staged = staging_dir(path)
+    try:
+        _write_model_files(model, staged, max_shard_bytes, generation_config)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staged)
+        apply_file_modes(staged)
+        replace_directory(staged, path)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return path
+
+
+def _write_model_files(
+    model: CausalLM, directory: Path, max_shard_bytes: int, generation_config: dict[str, Any] | None
+) -> None:
     cfg = model.config
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
     state = {_hf_name(n): t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -233,41 +257,42 @@ def save_pretrained(
         size += nbytes
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], str(tmp / SINGLE_WEIGHTS_FILE), metadata=metadata)
+        save_file(shards[0], str(directory / SINGLE_WEIGHTS_FILE), metadata=metadata)
     else:
         weight_map = {}
         for i, shard in enumerate(shards, start=1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / fname), metadata=metadata)
+            save_file(shard, str(directory / fname), metadata=metadata)
             weight_map.update({k: fname for k in shard})
         total = sum(t.numel() * t.element_size() for t in state.values())
-        (tmp / WEIGHTS_INDEX_FILE).write_text(
+        (directory / WEIGHTS_INDEX_FILE).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
     hf_cfg = model_config_to_hf(cfg)
     hf_cfg["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    (tmp / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2))
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2))
     gen = dict(generation_config or {})
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(cfg, key) is not None:
             gen.setdefault(key, getattr(cfg, key))
     if gen:
-        (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(gen, indent=2))
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        # Keep any files the caller placed there (tokenizer, notes) that this save does not produce.
-        for extra in path.iterdir():
-            if not (tmp / extra.name).exists() and not extra.name.startswith("model-") and extra.is_file():
-                os.replace(extra, tmp / extra.name)
-        os.rename(path, old)
-        os.rename(tmp, path)
-        _remove_tree(old)
-    else:
-        os.rename(tmp, path)
-    return path
+        (directory / GENERATION_CONFIG_FILE).write_text(json.dumps(gen, indent=2))
 
 
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+def remove_interrupted_saves(path: str | os.PathLike) -> list[str]:
+    """Put right what an interrupted `save_pretrained` into ``path`` left beside it (hidden staging or
+    replaced copies, also the ``.<name>.tmp-<pid>`` / ``.<name>.old-<pid>`` of earlier scalerl versions);
+    returns what was done. No save into ``path`` may be running."""
+    path = Path(path)
+    done = recover_leftovers(path.parent, lambda p: (p / CONFIG_FILE).is_file(), names=lambda n: n == path.name)
+    if path.parent.is_dir():
+        for legacy in sorted(path.parent.glob(f".{path.name}.old-*")) + sorted(path.parent.glob(f".{path.name}.tmp-*")):
+            if not legacy.is_dir():
+                continue
+            if ".old-" in legacy.name and not path.exists() and (legacy / CONFIG_FILE).is_file():
+                os.rename(legacy, path)
+                done.append(f"restored {path.name} from {legacy.name}")
+            else:
+                shutil.rmtree(legacy, ignore_errors=True)
+                done.append(f"removed {legacy.name}")
+    return done

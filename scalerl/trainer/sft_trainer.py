@@ -21,6 +21,7 @@ from scalerl.core.rng_state import seed_everything
 from scalerl.core.threads import cpu_thread_governor
 from scalerl.data.prompts import encode_demonstration
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
+from scalerl.models.hf_checkpoint import model_config_to_hf
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.parallel.distributed import init_distributed
 from scalerl.parallel.metric_reduction import reduce_metrics
@@ -36,6 +37,7 @@ from scalerl.trainer.evaluation import evaluate
 from scalerl.trainer.layout_checks import check_sft_layout
 from scalerl.trainer.objectives import SFTObjective
 from scalerl.trainer.optim import build_optimizer
+from scalerl.trainer.run_directory import CHECKPOINTS_DIR, prepare_output_dir, resume_from_checkpoint
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
 RESUME_MUST_MATCH = [
@@ -54,6 +56,8 @@ class SFTTrainer:
         self.dist = init_distributed(cfg.parallel, self.device)
         check_sft_layout(cfg, self.dist)
         self.output_dir = Path(s.output_dir or Path(t.output_dir) / "sft")
+        resume_from = prepare_output_dir(self.output_dir, resume=t.resume, overwrite=t.overwrite,
+                                         export_dir=self.output_dir / "model", ctx=self.dist)
         model, self.tokenizer = load_model_and_tokenizer(cfg.model, t.init_from, self.device, t.seed)
         self.model_config = model.config
         self.autocast = Autocast(t.precision, self.device)
@@ -83,11 +87,11 @@ class SFTTrainer:
         self.threads = cpu_thread_governor(t.cpu_threads, self.device)
         self.timer = StepTimer(self.device)
         self.step = 0
-        self.checkpoint_root = self.output_dir / "checkpoints"
-        resume_from = checkpoint.resolve_resume(t.resume, self.checkpoint_root)
+        self.checkpoint_root = self.output_dir / CHECKPOINTS_DIR
+        self.reshard_history: list[dict[str, Any]] = []
         if resume_from is not None:
-            loaded = checkpoint.load(
-                resume_from, ctx=self.dist, model=self._state_module(), optimizer=self.optimizer,
+            loaded, self.reshard_history = resume_from_checkpoint(
+                resume_from, ctx=self.dist, seed=t.seed, model=self._state_module(), optimizer=self.optimizer,
                 scheduler=self.scheduler, grad_scaler=self.scaler, generators={},
                 expected_config=config_to_dict(cfg), strict_config_keys=RESUME_MUST_MATCH,
             )
@@ -157,6 +161,7 @@ class SFTTrainer:
             scheduler=self.scheduler, grad_scaler=self.scaler, generators={},
             trainer_state={"step": self.step, "data": self.stream.state_dict()},
             config=config_to_dict(self.cfg), keep_last=self.cfg.trainer.keep_last,
+            model_config=model_config_to_hf(self.model_config), reshard_history=self.reshard_history,
         )
 
     def fit(self) -> dict[str, Any]:

@@ -60,3 +60,14 @@ def test_steps_report_their_communication(runs, layout):
     assert step["comm/bytes/total"] == pytest.approx(sum(sent.values()))
     assert step["comm/bytes/total/max"] >= step["comm/bytes/total/min"] > 0
     assert step["timing_s/comm/grad"] > 0
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "pp"])
+def test_distributed_checkpoint_exports_to_transformers(runs, layout, tmp_path):
+    """`scalerl export` of a sharded and of a pipeline checkpoint equals the model the run exported itself."""
+    pytest.importorskip("transformers")
+    from scalerl.cli import main
+    from tests.checkpoint.hf_compare import assert_loads_in_transformers
+
+    assert main(["export", str(runs / f"{layout}-resumed"), str(tmp_path / "hf")]) == 0
+    assert_loads_in_transformers(tmp_path / "hf", runs / f"{layout}-resumed" / "final")

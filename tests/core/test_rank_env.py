@@ -1,5 +1,7 @@
 """detect_rank_env / apply_rank_env with fake environments, one per launcher."""
 
+import os
+
 import pytest
 
 from scalerl.core.rank_env import (
@@ -141,3 +143,18 @@ def test_apply_rank_env_exports_torch_names():
     assert environ == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                        "GROUP_RANK": "1", "MASTER_ADDR": "gpu-07", "MASTER_PORT": "16234"}
     assert detect_rank_env(environ) == RankEnv(3, 4, 1, 2, 1, "gpu-07", 16234, "torchrun")
+
+
+def test_launcher_restart_count_and_job_id():
+    from scalerl.core.rank_env import launcher_job_id, launcher_restart_count
+
+    assert launcher_restart_count({}) == 0 and launcher_job_id({}) is None
+    assert launcher_restart_count({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2
+    assert launcher_restart_count({"SCALERL_RESTART_COUNT": "1"}) == 1
+    with pytest.raises(RankEnvError, match="TORCHELASTIC_RESTART_COUNT='x'"):
+        launcher_restart_count({"TORCHELASTIC_RESTART_COUNT": "x"})
+    assert launcher_job_id({"SCALERL_JOB_ID": "abc", "TORCHELASTIC_RUN_ID": "r"}) == "scalerl:abc"
+    assert launcher_job_id({"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "0"}) == "torchrun:r"
+    # torchrun without --rdzv-id: its agent (the workers' parent, the same across restarts) names the job
+    agent = launcher_job_id({"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert agent.startswith("torchrun-agent:") and agent.endswith(f":{os.getppid()}")

@@ -166,6 +166,36 @@ def test_launch_ray_reports_the_failing_rank_without_waiting_for_the_others(idle
     assert "rank 1 failed" in err and "boom on rank 1" in err
 
 
+def test_launch_ray_restarts_the_job_from_the_latest_checkpoint_after_a_rank_is_killed(idle_cluster, tmp_path, capsys):
+    """Rank 1 SIGKILLs itself after the step-2 checkpoint; with --max-restarts 1 the job restarts, continues
+    from it, and ends with the weights of an uninterrupted run and each step logged exactly once."""
+    from tests.launch.restart_helpers import assert_same_final_weights, logged_steps, write_reward
+
+    run = [*TINY, "trainer.total_steps=4", "trainer.save_every=2", "trainer.eval_every=0"]
+    launch = lambda out, reward, restarts: launch_ray(  # noqa: E731
+        None, [*run, reward, f"trainer.output_dir={out}"], num_nodes=2, gpus_per_node=0, strategy="SPREAD",
+        timeout_s=60, max_restarts=restarts)
+    assert launch(tmp_path / "straight", write_reward(tmp_path / "plain.py"), 0) == 0
+    reward = write_reward(tmp_path / "killing.py", kill_after=tmp_path / "killed" / "checkpoints" / "step_00000002")
+    assert launch(tmp_path / "killed", reward, 1) == 0
+    err = capsys.readouterr().err
+    # Either the killed rank's death or its peer's broken connection is reported first.
+    assert " failed: " in err and "restarting the job (1/1) from its latest checkpoint" in err
+    assert (tmp_path / "killing.killed").is_file()
+    assert logged_steps(tmp_path / "killed") == [0, 1, 2, 3, 4]
+    assert_same_final_weights(tmp_path / "straight", tmp_path / "killed")
+
+
+def test_a_rank_failing_on_bad_input_is_not_restarted(idle_cluster, tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # another run's outputs: refused, not retried
+    code = launch_ray(None, [*TINY, f"trainer.output_dir={tmp_path}"], num_nodes=2, gpus_per_node=0, timeout_s=60,
+                      max_restarts=2)
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "holds another run's outputs" in err and "restarting" not in err
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
 def test_impossible_requests_fail_up_front_naming_bundles_and_cluster(idle_cluster, capsys):
     started = time.monotonic()
     with pytest.raises(PlacementError) as gpus:
