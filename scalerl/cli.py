@@ -42,6 +42,7 @@ examples:
   scalerl generate --model outputs/run/final --prompt "12+30="
   scalerl export outputs/run/checkpoints/step_00000100 exported/
   scalerl version
+  scalerl doctor --distributed-check              # also under torchrun / srun / --ray, on every rank
 """
 
 
@@ -206,6 +207,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if all(r.passed for r in rows) else 1
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from scalerl.doctor.cli import run_doctor
+
+    return run_doctor(args)
+
+
 def add_launch_parser(sub) -> None:
     """`scalerl launch slurm|ray` lives with the launchers; absent pieces only disable that command."""
     try:
@@ -283,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--output-dir", default="outputs/verify", metavar="DIR", help="where runs are written")
 
     add("version", cmd_version, "print versions of scalerl, python, torch, optional packages, CUDA and NCCL")
+    from scalerl.doctor.cli import EPILOG as DOCTOR_EPILOG, add_doctor_arguments  # cheap: no torch
+
+    add_doctor_arguments(add("doctor", cmd_doctor, "diagnose a distributed run: where on the troubleshooting tree "
+                             "its problems are, with evidence and fixes", DOCTOR_EPILOG))
     add_launch_parser(sub)
     return parser
 
@@ -293,7 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     Bad input (`UserError`: config, data, model files, layout, launcher environment) prints `error: ...` and
     returns 2; a run that cannot go on (`RunFailure`: a lost or frozen rank, repeated skipped steps) prints
     `error: ...` and returns 1. Neither shows a traceback: the message names the cause and the fix."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "command", None) == "doctor" and all("=" in e or e.endswith((".yaml", ".yml"))
+                                                                    for e in extra):
+        args.config_args += extra  # `doctor --performance-profiling run.yaml --steps 5 parallel.tp=2`
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except (UserError, RunFailure) as e:

@@ -19,13 +19,17 @@ import torch.multiprocessing as mp
 from scalerl.core.net import free_port
 
 
-def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable, args: tuple, results) -> None:
+def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable, args: tuple, results,
+               init_group: bool = True) -> None:
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
     })
     torch.set_num_threads(1)  # two threads per process on two cores doubles step time
+    if not init_group:  # the function joins the ranks itself (e.g. the doctor's own rendezvous)
+        results[rank] = fn(rank, *args)
+        return
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout_s))
     try:
         results[rank] = fn(rank, *args)
@@ -33,13 +37,15 @@ def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn: Call
         dist.destroy_process_group()
 
 
-def run_in_group(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
+def run_in_group(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600,
+                 init_group: bool = True) -> list[Any]:
     """``[fn(0, *args), ..., fn(world_size - 1, *args)]``, each run in its own process of one gloo group.
     ``fn`` must be a module-level function and its result picklable. A rank that fails raises here; ranks
-    still running after ``timeout_s`` are killed and named."""
+    still running after ``timeout_s`` are killed and named. ``init_group=False`` only sets the rendezvous
+    variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT...) and leaves joining to ``fn``."""
     results = mp.Manager().dict()
     context = mp.start_processes(
-        _rank_main, args=(world_size, free_port(), timeout_s, fn, args, results), nprocs=world_size,
+        _rank_main, args=(world_size, free_port(), timeout_s, fn, args, results, init_group), nprocs=world_size,
         start_method="spawn", join=False,
     )
     deadline = time.monotonic() + timeout_s

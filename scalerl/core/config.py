@@ -326,6 +326,9 @@ class TrainerSection(_Section):
                                 "the run with an error naming the collective and the silent ranks)", above=0)
     rendezvous_timeout_s: float = opt(120.0, "distributed runs: limit for joining the process group at "
                                       "MASTER_ADDR:MASTER_PORT (an unreachable master or a missing rank)", above=0)
+    monitor_every: int = opt(10, "online health monitor: every N steps run scalerl doctor's rules on the step "
+                                 "metrics (one warning with its fix per crossing; health/* levels to the metric "
+                                 "sinks); 0 = off")
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -345,6 +348,7 @@ class TrainerSection(_Section):
         _check_choice(p, "trainer.precision", self.precision, PRECISIONS)
         _check_choice(p, "trainer.device", self.device, DEVICES)
         _check(p, self.cpu_threads >= 0, "trainer.cpu_threads", ">= 0 (0 = follow the free cores)", self.cpu_threads)
+        _check(p, self.monitor_every >= 0, "trainer.monitor_every", ">= 0 (0 = off)", self.monitor_every)
         return p
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from scalerl.parallel.distributed import DistContext
-from scalerl.perf.metrics import reduction_of
+from scalerl.perf.metrics import RANKED, reduction_of
 
 
 def reduce_metrics(metrics: dict[str, float], ctx: DistContext) -> dict[str, float]:
@@ -19,8 +19,7 @@ def reduce_metrics(metrics: dict[str, float], ctx: DistContext) -> dict[str, flo
         for k in keys:
             if kinds[k] == "spread":
                 out[f"{k}/max"] = out[f"{k}/min"] = float(metrics[k])
-        if "timing_s/step" in metrics:
-            out["timing_s/step/slowest_rank"] = 0.0
+        out.update({f"{k}/slowest_rank": 0.0 for k in RANKED if k in metrics})
         return out
     local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=ctx.device)
     gathered = torch.empty(ctx.world_size * len(keys), dtype=torch.float64, device=ctx.device)
@@ -47,6 +46,6 @@ def reduce_metrics(metrics: dict[str, float], ctx: DistContext) -> dict[str, flo
             out[k] = float(column.mean())
         if kind == "spread":
             out[f"{k}/max"], out[f"{k}/min"] = float(column.max()), float(column.min())
-            if k == "timing_s/step":
-                out["timing_s/step/slowest_rank"] = float(column.argmax())
+            if k in RANKED:
+                out[f"{k}/slowest_rank"] = float(column.argmax())
     return out

@@ -1,7 +1,9 @@
-"""Peak memory of this process: accelerator memory on a GPU, resident set size on a CPU."""
+"""Peak memory of this process (accelerator memory on a GPU, resident set size on a CPU), and what the
+device holds in all."""
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
@@ -14,3 +16,17 @@ def max_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 1024**3
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (1024**3 if sys.platform == "darwin" else 1024**2)
+
+
+def memory_capacity_gb(device: torch.device) -> float:
+    """The device's memory in GiB: the GPU's total, or the host's RAM (MemTotal) on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 1024**3
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 1024**2  # kB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3

@@ -10,7 +10,13 @@ that says where to declare it.
 - ``sum_all_ranks``: over every rank, e.g. bytes each rank received;
 - ``max`` / ``min``: over all ranks;
 - ``spread``: timings. The mean over all ranks under the name itself, plus ``<name>/max``,
-  ``<name>/min``; for ``timing_s/step`` also ``timing_s/step/slowest_rank``, so a straggler is visible.
+  ``<name>/min``; for the names in ``RANKED`` also ``<name>/slowest_rank``, so a straggler is visible.
+  ``timing_s/busy`` is a rank's own work (the step minus its time blocked in collectives), which tells a
+  slow rank from the ranks waiting for it; ``perf/update_tokens`` (tokens a rank updates on) spreads the
+  same way, so the token imbalance over data-parallel ranks is ``/max`` over the mean.
+
+``health/*`` (the online monitor's level per leaf of the doctor's tree, `scalerl.perf.health`) is computed
+from already-reduced metrics, the same on every rank.
 
 ``comm/bytes/*`` (bytes each rank sent, `scalerl.comm.accounting`) is the mean per rank, not the sum:
 divided by the step time it is the rate one rank's link must carry, and it stays comparable across world
@@ -34,6 +40,8 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "perf/throughput": "sum",
     "perf/max_memory_gb": "max",
     "comm/weight_sync_bytes": "sum_all_ranks",
+    "perf/update_tokens": "spread",
+    "health/*": "max",
     "rollout/logprob_diff/max": "max",
     "comm/bytes/total": "spread",
     "timing_s/*": "spread",
@@ -52,6 +60,9 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "response_length/*": "mean",
     "perf/*": "mean",
 }
+
+# Spread metrics whose slowest rank is reported as ``<name>/slowest_rank``.
+RANKED = ("timing_s/step", "timing_s/busy")
 
 
 class UndeclaredMetricError(KeyError):

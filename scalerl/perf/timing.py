@@ -1,4 +1,4 @@
-"""Wall time per phase of a training step."""
+"""Wall time per phase of a training step, and a rank's own share of it."""
 
 from __future__ import annotations
 
@@ -30,3 +30,13 @@ class StepTimer:
     def pop(self) -> dict[str, float]:
         times, self.times = dict(self.times), defaultdict(float)
         return times
+
+
+def busy_time(metrics: dict[str, float]) -> dict[str, float]:
+    """``timing_s/busy``: this rank's step time minus its time blocked in collectives (``timing_s/comm/<kind>``,
+    from comm accounting), i.e. its own work. A slow rank works longest; the ranks waiting for it spend that
+    wait in collectives, so their step times alone look alike. Empty when no wait times are measured."""
+    waits = [v for k, v in metrics.items() if k.startswith("timing_s/comm/") and k.count("/") == 2]
+    if not waits or "timing_s/step" not in metrics:
+        return {}
+    return {"timing_s/busy": max(0.0, metrics["timing_s/step"] - sum(waits))}

@@ -31,9 +31,10 @@ from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext, init_distributed
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.parallel.parallelize import PipelineOptions, parallelize
+from scalerl.perf.health.monitor import HealthMonitor
 from scalerl.perf.memory import max_memory_gb
 from scalerl.perf.mfu import RankShare, StepWork, step_mfu
-from scalerl.perf.timing import StepTimer
+from scalerl.perf.timing import StepTimer, busy_time
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
@@ -144,6 +145,7 @@ class RLTrainer:
             config=config_to_dict(cfg) if self.dist.is_main else None,
             resume_step=self.step + 1 if resume_from is not None else 0,  # a fresh run starts fresh files
         )
+        self.monitor = HealthMonitor.for_run(t.monitor_every, cfg, self.dist.dims, self.device, log=self.dist.is_main)
         self.dist.comm.reset()  # set-up traffic (layouts, resume) is not a step's
 
     def _build_engine(self):
@@ -201,8 +203,9 @@ class RLTrainer:
     def _rollout(self) -> tuple[RolloutBatch, dict[str, float]]:
         cfg, timer = self.cfg, self.timer
         n = cfg.rollout.n
-        step_prompts = self._prompts_for(self.step)
-        rows = self.dist.dp_share(step_prompts.rows)  # this DP rank's share of the global batch
+        with timer("data"):
+            step_prompts = self._prompts_for(self.step)
+            rows = self.dist.dp_share(step_prompts.rows)  # this DP rank's share of the global batch
         group_ids = torch.arange(len(rows)).repeat_interleave(n)
         self.policy.eval()
         with timer("gen"):
@@ -239,6 +242,11 @@ class RLTrainer:
         )
 
     def train_step(self) -> dict[str, float]:
+        """One step; its metrics combined over ranks."""
+        return reduce_metrics(self.local_step(), self.dist)
+
+    def local_step(self) -> dict[str, float]:
+        """One step; this rank's own metrics, before they are combined over ranks."""
         cfg, timer, a = self.cfg, self.timer, self.cfg.actor
         temperature, micro = cfg.rollout.temperature or 1.0, a.ppo_micro_batch_size
         step_start = time.perf_counter()
@@ -266,6 +274,7 @@ class RLTrainer:
             with timer("balance"):
                 batch, balance_metrics = rebalance_batch(batch, self.dist, cfg.trainer.batch_size // self.dist.dp_size)
             metrics.update(balance_metrics)
+        metrics["perf/update_tokens"] = float(batch.attention_mask.sum())  # after balancing: this rank's share
         if self.critic is not None:
             with timer("update_critic"):
                 metrics.update(run_update(self.critic, self.optimizer_step, batch, self.value_objective,
@@ -283,7 +292,8 @@ class RLTrainer:
         metrics.update(self._performance(work, metrics, step_time))
         if self.dist.world_size > 1 or self.dist.rollout_ranks:  # bytes and waits since the last step's were
             metrics.update(self.dist.comm.pop())                 # read (docs/comm-accounting.md)
-        return reduce_metrics(metrics, self.dist)
+        metrics.update(busy_time(metrics))  # needs the waits just read
+        return metrics
 
     def _importance_weights(self, batch: RolloutBatch) -> dict[str, float]:
         """``rollout/logprob_diff`` between the rollout's and the recomputed log-probs, and (``rollout.tis_cap``)
@@ -350,6 +360,7 @@ class RLTrainer:
             while self.step < t.total_steps:
                 metrics = self.train_step()
                 self.step += 1
+                metrics.update(self.monitor.observe(self.step, metrics))
                 last = self.step == t.total_steps
                 if self.val_rows and (last or (t.eval_every and self.step % t.eval_every == 0)):
                     metrics.update(self.evaluate())

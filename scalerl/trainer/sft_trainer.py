@@ -26,8 +26,10 @@ from scalerl.models.load import load_model_and_tokenizer
 from scalerl.parallel.distributed import init_distributed
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.parallel.parallelize import PipelineOptions, parallelize
+from scalerl.perf.health.monitor import HealthMonitor
 from scalerl.perf.memory import max_memory_gb
 from scalerl.perf.mfu import RankShare, StepWork, step_mfu
+from scalerl.perf.timing import StepTimer, busy_time
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.tracking import MetricsLogger
@@ -89,6 +91,7 @@ class SFTTrainer:
         self.engine = BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=self.dist.all_finished)
         self.reward = reward_from_config(cfg.data)
         self.threads = cpu_thread_governor(t.cpu_threads, self.device)
+        self.timer = StepTimer(self.device)
         self.step = 0
         self.checkpoint_root = self.output_dir / CHECKPOINTS_DIR
         self.skip_guard = SkippedStepGuard(t.max_skipped_steps, "sft", self.checkpoint_root)
@@ -106,22 +109,30 @@ class SFTTrainer:
             config=config_to_dict(cfg) if self.dist.is_main else None,
             resume_step=self.step + 1 if resume_from is not None else 0,
         )
+        self.monitor = HealthMonitor.for_run(t.monitor_every, cfg, self.dist.dims, self.device, log=self.dist.is_main)
         self.dist.comm.reset()  # set-up traffic (layouts, resume) is not a step's
 
     def _state_module(self) -> nn.Module:
         return nn.ModuleDict({"actor": self.policy.state_module()})
 
     def train_step(self) -> dict[str, float]:
+        """One step; its metrics combined over ranks."""
+        return reduce_metrics(self.local_step(), self.dist)
+
+    def local_step(self) -> dict[str, float]:
+        """One step; this rank's own metrics, before they are combined over ranks."""
         start = time.perf_counter()
-        rows = self.dist.dp_share(self.stream.next_batch())  # each rank draws the global batch, keeps its part
-        batch = RolloutBatch.from_demonstrations(
-            [self.examples[i][0] for i in rows], [self.examples[i][1] for i in rows], self.tokenizer.pad_token_id
-        ).to(self.device)
+        with self.timer("data"):
+            rows = self.dist.dp_share(self.stream.next_batch())  # each rank draws the global batch, keeps its part
+            batch = RolloutBatch.from_demonstrations(
+                [self.examples[i][0] for i in rows], [self.examples[i][1] for i in rows], self.tokenizer.pad_token_id
+            ).to(self.device)
         threads = self.threads.update()
-        metrics = run_update(self.policy, self.optimizer_step, batch, self.objective, self.update_plan, None,
-                             self.dist, self.autocast)
+        with self.timer("update"):
+            metrics = run_update(self.policy, self.optimizer_step, batch, self.objective, self.update_plan, None,
+                                 self.dist, self.autocast)
         metrics["perf/cpu_threads"] = float(threads)
-        update_time = time.perf_counter() - start
+        update_time = self.timer.times["timing_s/update"]
         metrics["sft/lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         elapsed = time.perf_counter() - start
@@ -132,13 +143,15 @@ class SFTTrainer:
         dims = self.dist.dims
         dtype = compute_dtype(self.cfg.trainer.precision, getattr(torch, self.cfg.model.dtype))
         mfu = step_mfu(self.model_config, work, {"update": update_time}, RankShare(dims.tp, dims.pp), self.device, dtype)
+        metrics.update(self.timer.pop())
         metrics.update({
             "timing_s/step": elapsed, "perf/throughput": tokens / elapsed, "perf/mfu": mfu["perf/mfu/update"],
             "perf/max_memory_gb": max_memory_gb(self.device),
         })
         if self.dist.world_size > 1:  # bytes and waits since the last step's were read (docs/comm-accounting.md)
             metrics.update(self.dist.comm.pop())
-        return reduce_metrics(metrics, self.dist)
+        metrics.update(busy_time(metrics))  # needs the waits just read
+        return metrics
 
     def evaluate(self) -> dict[str, float]:
         self.policy.refresh_generation_copy()  # a pipeline's replica reads the stages' latest weights
@@ -165,6 +178,7 @@ class SFTTrainer:
             while self.step < s.steps:
                 metrics = self.train_step()
                 self.step += 1
+                metrics.update(self.monitor.observe(self.step, metrics))
                 if self.step == s.steps:
                     metrics.update(self.evaluate())
                     summary["final"] = metrics

@@ -1,0 +1,216 @@
+"""`--performance-profiling CONFIG`: N steps of a real config on every rank, with the trainer's step timer
+swapped for a `PhaseProfiler` and collectives timed (`CollectiveWaits`), so each rank's time splits into
+its own work, waiting for peers and communication, per phase. Optionally a `torch.profiler` Chrome trace
+per rank; on a GPU the profiler also gives host<->device copy time.
+
+The run writes only under the doctor's scratch directory (trainer.output_dir is redirected there, with no
+metric sinks and no resume), so a profile never touches the run's own outputs or checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scalerl.core.config import Config, ConfigError
+from scalerl.core.device import compute_dtype
+from scalerl.doctor.bandwidth import MiB, all_reduce_sweep
+from scalerl.doctor.collective_waits import CollectiveWaits
+from scalerl.doctor.phase_profiler import PhaseProfiler, PhaseStats, TimedOptimizerStep
+from scalerl.doctor.storage import probe_dir, write_speed
+from scalerl.doctor.world import DoctorWorld
+from scalerl.parallel.metric_reduction import reduce_metrics
+from scalerl.perf.flops import device_peak_flops, matmul_param_count
+from scalerl.perf.memory import memory_capacity_gb
+
+
+def profile_config(cfg: Config, scratch: Path, steps: int, warmup: int) -> Config:
+    """The config the profile runs: the user's, writing under ``scratch``, for warmup + steps steps."""
+    if getattr(cfg.rollout, "placement", "colocated") == "standalone":
+        raise ConfigError("--performance-profiling runs colocated rollouts only so far; profile the layout with "
+                          "rollout.placement=colocated (standalone workers' ranks serve generation, not steps)")
+    cfg = copy.deepcopy(cfg)
+    cfg.trainer.output_dir = str(scratch / "profile")
+    cfg.sft.output_dir = str(scratch / "profile" / "sft")
+    cfg.trainer.logger, cfg.trainer.resume, cfg.trainer.monitor_every = [], "never", 0
+    cfg.trainer.total_steps = max(cfg.trainer.total_steps, warmup + steps)
+    cfg.sft.steps = max(cfg.sft.steps, warmup + steps)
+    cfg.validate()
+    return cfg
+
+
+def _build_trainer(cfg: Config, kind: str):
+    if kind == "sft":
+        from scalerl.trainer.sft_trainer import SFTTrainer
+
+        return SFTTrainer(cfg)
+    from scalerl.trainer.rl_trainer import RLTrainer
+
+    return RLTrainer(cfg)
+
+
+def _state_bytes(trainer) -> int:
+    tensors = list(trainer._state_module().parameters())
+    tensors += [t for state in trainer.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _copy_seconds(prof) -> float:
+    """Device time in host<->device copies recorded by torch.profiler."""
+    total_us = 0.0
+    for event in prof.key_averages():
+        if "Memcpy HtoD" in event.key or "Memcpy DtoH" in event.key:
+            total_us += getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0))
+    return total_us / 1e6
+
+
+def profile_rank(world: DoctorWorld, user_cfg: Config, kind: str, steps: int, warmup: int, scratch: Path,
+                 trace_dir: str | None, link_size: int) -> dict[str, Any]:
+    """Run the profile on this rank; returns its record (per-step means) plus the step metrics reduced over
+    ranks (the same on every rank) under ``reduced``."""
+    cfg = profile_config(user_cfg, scratch, steps, warmup)
+    trainer = _build_trainer(cfg, kind)
+    device, ctx = trainer.device, trainer.dist
+    link_busbw = None
+    if ctx.world_size > 1:
+        sweep = all_reduce_sweep(None, ctx.world_size, [link_size], 3, device)
+        link_busbw = sweep[0]["busbw"]
+    waits = CollectiveWaits()
+    timer = PhaseProfiler(device, waits, distributed=ctx.world_size > 1)
+    trainer.timer = timer
+    trainer.optimizer_step = TimedOptimizerStep(trainer.optimizer_step, timer)
+    per_step: list[dict[str, Any]] = []
+    reduced: list[dict[str, float]] = []
+    copy_s = None
+    with waits:
+        for _ in range(warmup):
+            reduce_metrics(trainer.local_step(), ctx)
+            trainer.step += 1
+        profiler = _profiler(device, trace_dir)
+        with profiler if profiler is not None else _nothing():
+            for _ in range(steps):
+                timer.take_step()
+                local = trainer.local_step()
+                phases = timer.take_step()
+                per_step.append(_step_record(local, phases))
+                reduced.append(reduce_metrics(local, ctx))
+                trainer.step += 1
+        if profiler is not None:
+            if trace_dir:
+                Path(trace_dir).mkdir(parents=True, exist_ok=True)
+                profiler.export_chrome_trace(str(Path(trace_dir) / f"rank{world.rank}.json"))
+            if device.type == "cuda":
+                copy_s = _copy_seconds(profiler) / steps
+    record = _mean_record(per_step)
+    record.update(rank=world.rank, host=next(f["hostname"] for f in world.facts if f["rank"] == world.rank),
+                  capacity_gb=memory_capacity_gb(device) / (int(world.facts[0].get("local_world_size", 1))
+                                                            if device.type == "cpu" else 1),
+                  state_bytes=_state_bytes(trainer))
+    if copy_s is not None:
+        record["copy_s"] = copy_s
+    context = _context(cfg, trainer, link_busbw)
+    trainer.logger.close()
+    return {"record": record, "reduced": reduced, "context": context}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _profiler(device: torch.device, trace_dir: str | None):
+    if trace_dir is None and device.type != "cuda":
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def _step_record(local: dict[str, float], phases: dict[str, PhaseStats]) -> dict[str, Any]:
+    step_s = local["timing_s/step"]
+    named = {k: v for k, v in phases.items() if k != "other"}
+    other = phases.get("other", PhaseStats())
+    other.time_s = max(0.0, step_s - sum(p.time_s for p in named.values()))  # untimed parts of the step
+    phases = {**named, "other": other}
+    return {
+        "step_s": step_s,
+        "peer_s": sum(p.peer_s for p in phases.values()),
+        "comm_s": sum(p.comm_s for p in phases.values()),
+        "update_tokens": local.get("perf/update_tokens"),
+        "phases": {k: {"time_s": p.time_s, "busy_s": p.busy_s, "wait_s": p.peer_s + p.comm_s, "peer_s": p.peer_s,
+                       "comm_s": p.comm_s, "peak_gb": p.peak_gb} for k, p in phases.items()},
+    }
+
+
+def _mean_record(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return statistics.mean(values) if values else None
+
+    record = {k: mean(s[k] for s in steps) for k in ("step_s", "peer_s", "comm_s", "update_tokens")}
+    if record["update_tokens"] is None:
+        del record["update_tokens"]
+    record["busy_by_step"] = [max(0.0, s["step_s"] - s["peer_s"] - s["comm_s"]) for s in steps]
+    record["wait_s"] = record["peer_s"] + record["comm_s"]
+    record["busy_s"] = max(0.0, record["step_s"] - record["wait_s"])
+    names = list(dict.fromkeys(name for s in steps for name in s["phases"]))
+    record["phases"] = {}
+    for name in names:
+        rows = [s["phases"][name] for s in steps if name in s["phases"]]
+        stats = {k: sum(r[k] for r in rows) / len(steps) for k in ("time_s", "busy_s", "wait_s", "peer_s", "comm_s")}
+        stats["peak_gb"] = max(r["peak_gb"] for r in rows)
+        record["phases"][name] = stats
+    return record
+
+
+def _context(cfg: Config, trainer, link_busbw: float | None) -> dict[str, Any]:
+    dims, mc = trainer.dist.dims, trainer.model_config
+    dtype = compute_dtype(cfg.trainer.precision, getattr(torch, cfg.model.dtype))
+    context = {
+        "device": trainer.device.type, "world_size": dims.world_size, "dp_size": dims.dp, "tp": dims.tp,
+        "pp": dims.pp, "dp_replicate": dims.dp_replicate, "microbatches": cfg.parallel.microbatches,
+        "pp_schedule": cfg.parallel.pp_schedule, "balance_batch": cfg.trainer.balance_batch,
+        "hidden_size": mc.hidden_size, "dtype_bytes": dtype.itemsize,
+        "layer_params": (matmul_param_count(mc) - mc.hidden_size * mc.vocab_size) / mc.num_hidden_layers,
+    }
+    if link_busbw:
+        context["link_busbw"] = link_busbw
+    if dims.tp > 1:
+        context["peak_flops"] = device_peak_flops(trainer.device, dtype)
+    return context
+
+
+def checkpoint_context(user_cfg: Config, records: list[dict[str, Any]], nodes: int, dp_replicate: int,
+                       write_bytes: int) -> dict[str, Any]:
+    """The checkpoint rule's inputs, on the main rank: an estimate of the bytes each node writes (the
+    ranks' state divided by its replicas, spread over the nodes) and the write speed at the checkpoint path."""
+    checkpoint_path = Path(user_cfg.trainer.output_dir) / "checkpoints"
+    directory = probe_dir(str(checkpoint_path))
+    per_node = sum(r["state_bytes"] for r in records) / max(1, dp_replicate) / max(1, nodes)
+    context: dict[str, Any] = {"checkpoint_bytes": per_node, "save_every": user_cfg.trainer.save_every,
+                               "keep_last": user_cfg.trainer.keep_last, "checkpoint_path": str(checkpoint_path)}
+    try:
+        context["write_bytes_per_s"] = write_speed(directory, max(MiB, min(write_bytes, int(per_node))))
+        context["free_bytes"] = shutil.disk_usage(directory).free
+    except OSError:
+        pass
+    return context
+
+
+def mean_metrics(reduced: list[dict[str, float]]) -> dict[str, float]:
+    keys = set().union(*reduced) if reduced else set()
+    return {k: statistics.mean(r[k] for r in reduced if k in r) for k in keys}
+

@@ -1,0 +1,150 @@
+"""The report for people: the tree (rich), then the tables behind it (nodes, all-reduce sweeps, node pairs,
+per-rank phases of the profile). Colours on a terminal, plain text otherwise."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from scalerl.doctor.report import DoctorReport
+from scalerl.perf.health.tree import FAULT, NOT_MEASURED, OK, WARNING
+
+MARK = {OK: ("ok", "green"), WARNING: ("WARNING", "yellow"), FAULT: ("FAULT", "bold red"),
+        NOT_MEASURED: ("not measured", "dim")}
+
+
+def rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.1f} MB/s"
+
+
+def _status(status: str) -> Text:
+    word, style = MARK[status]
+    return Text(f"[{word}]", style=style)
+
+
+def build_tree(report: DoctorReport) -> Tree:
+    root = Tree(Text.assemble(("scalerl doctor ", "bold"), _status(report.status)))
+    for branch in report.tree():
+        node = root.add(Text.assemble((branch["title"] + " ", "bold"), _status(branch["status"])))
+        for leaf in branch["leaves"]:
+            line = node.add(Text.assemble(leaf["title"] + " ", _status(leaf["status"])))
+            findings = leaf["findings"]
+            shown = [f for f in findings if f["status"] in (WARNING, FAULT)] or findings[:1]
+            if leaf["status"] == OK:
+                shown = [f for f in findings if f["status"] == OK]
+            for f in shown:
+                style = MARK[f["status"]][1] if f["status"] != OK else ""
+                entry = line.add(Text(f["summary"], style=style))
+                if f.get("fix"):
+                    entry.add(Text("fix: " + f["fix"], style="cyan"))
+    return root
+
+
+def _nodes_table(report: DoctorReport) -> Table | None:
+    nodes = report.world.get("nodes") or {}
+    if not report.facts:
+        return None
+    table = Table(title="ranks", title_justify="left", box=None, header_style="bold")
+    for column in ("node", "ranks", "device", "torch", "collectives over", "other interfaces", "launcher"):
+        table.add_column(column)
+    by_rank = {f["rank"]: f for f in report.facts}
+    for host, ranks in nodes.items():
+        f = by_rank[ranks[0]]
+        s = f.get("socket") or {}
+        device = ", ".join(sorted({g["name"] for g in f.get("gpus", [])})) or f.get("device", "")
+        iface = f"{s.get('interface') or s.get('value') or '?'} {s.get('address') or ''}".strip()
+        others = [_interface_text(i) for i in f.get("interfaces", []) if i["name"] != s.get("interface")
+                  and i["kind"] != "loopback"]
+        table.add_row(host, ",".join(map(str, ranks)), device, f["versions"].get("torch", ""), iface,
+                      ", ".join(others) or "-", f.get("launcher", ""))
+    for m in report.world.get("missing", []):
+        table.add_row(m.get("expected_host", "?"), str(m["rank"]), "-", "-", "-", "-", "did not join")
+    return table
+
+
+def _interface_text(i: dict[str, Any]) -> str:
+    """"eth1 25 Gbit/s", "docker0 (docker)", "eth2 169.254.3.1 (link-local)", "ib0 (down)"."""
+    tags = [i["virtual_kind"]] if i.get("virtual_kind") else []
+    if i.get("ipv4") and all(a.startswith("169.254.") for a in i["ipv4"]):
+        tags.append("link-local")
+    if not i.get("up", True):
+        tags.append("down")
+    speed = f" {i['speed_mbit'] / 1000:g} Gbit/s" if i.get("speed_mbit") else ""
+    return f"{i['name']}{speed}" + (f" ({', '.join(tags)})" if tags else "")
+
+
+def _sweep_table(bandwidth: dict[str, Any]) -> Table | None:
+    sweeps = bandwidth.get("sweeps") or []
+    if not sweeps:
+        return None
+    table = Table(title="all-reduce sweep (busbw = algbw x 2(n-1)/n)", title_justify="left", box=None,
+                  header_style="bold")
+    for column in ("scope", "ranks", "size", "time", "algbw", "busbw"):
+        table.add_column(column, justify="right" if column not in ("scope",) else "left")
+    for sweep in sweeps:
+        scope = sweep["scope"] + (f" {sweep['node']}" if sweep.get("node") else "")
+        for r in sweep["results"]:
+            table.add_row(scope, str(len(sweep["ranks"])), f"{r['size'] / 2**20:g} MiB", f"{r['time_s'] * 1e3:.2f} ms",
+                          rate(r["algbw"]), rate(r["busbw"]))
+            scope = ""
+    return table
+
+
+def _pairs_table(bandwidth: dict[str, Any]) -> Table | None:
+    pairs = bandwidth.get("pairs") or []
+    if not pairs:
+        return None
+    table = Table(title="node pairs (both send SIZE to each other at once; rate = SIZE / time)", title_justify="left",
+                  box=None, header_style="bold")
+    for column in ("node", "node", "size", "rate"):
+        table.add_column(column)
+    for p in pairs:
+        table.add_row(p["a"], p["b"], f"{p['size'] / 2**20:g} MiB", rate(p["bytes_per_s"]))
+    return table
+
+
+def _profile_table(profile: dict[str, Any]) -> Table | None:
+    records = profile.get("per_rank") or []
+    if not records:
+        return None
+    phases = list(dict.fromkeys(p for r in records for p in r["phases"]))
+    table = Table(title="per rank and phase, seconds per step: own work+waiting (for peers and in collectives)",
+                  title_justify="left", box=None, header_style="bold")
+    table.add_column("rank")
+    for phase in phases + ["step"]:
+        table.add_column(phase, justify="right")
+    for r in sorted(records, key=lambda r: r["rank"]):
+        cells = []
+        for phase in phases:
+            p = r["phases"].get(phase)
+            cells.append("-" if p is None else f"{p['busy_s']:.3f}" + (f"+{p['wait_s']:.3f}" if p["wait_s"] >= 0.0005 else ""))
+        cells.append(f"{r['step_s']:.3f}")
+        table.add_row(str(r["rank"]), *cells)
+    return table
+
+
+def render(report: DoctorReport, stream: TextIO | None = None) -> None:
+    stream = stream or sys.stdout
+    console = Console(file=stream, width=160, highlight=False, soft_wrap=False,
+                      force_terminal=stream.isatty() if hasattr(stream, "isatty") else False)
+    world = report.world
+    console.print(f"scalerl doctor: {', '.join(report.modes)}; {len(world.get('joined', []))} of "
+                  f"{world.get('world_size', 1)} rank(s) on {len(world.get('nodes', {}))} node(s) "
+                  f"({world.get('launcher', 'single')})")
+    console.print(build_tree(report))
+    bandwidth = report.measurements.get("bandwidth", {})
+    for table in (_nodes_table(report), _sweep_table(bandwidth), _pairs_table(bandwidth),
+                  _profile_table(report.measurements.get("profile", {}))):
+        if table is not None:
+            title, table.title = table.title, None  # on its own line: a title never wraps to a narrow table
+            console.print()
+            console.print(Text(str(title), style="bold"))
+            console.print(table)
+    console.print()
+    console.print(f"exit code {report.exit_code}: " + ("a fault would stop or cripple training" if report.exit_code
+                                                       else "no fault"))
