@@ -12,6 +12,9 @@ class KVCache:
     The buffers are allocated at the first ``update``, from the keys the model actually produced: their
     head count is the rank's own under tensor parallelism (and full under FSDP, whose sharded weights say
     nothing about it). ``update`` writes the new positions and returns views of the filled prefix.
+
+    A batch may shrink while decoding (``keep_rows``): the kept rows move to the front of the buffers and
+    later updates, carrying fewer rows, use only that front part.
     """
 
     def __init__(self, num_layers: int, batch_size: int, max_len: int):
@@ -31,6 +34,15 @@ class KVCache:
         end = start + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: writing up to position {end} but the cache holds {self.max_len}")
-        self.keys[layer, :, :, start:end] = k
-        self.values[layer, :, :, start:end] = v
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        rows = k.shape[0]
+        self.keys[layer, :rows, :, start:end] = k
+        self.values[layer, :rows, :, start:end] = v
+        return self.keys[layer, :rows, :, :end], self.values[layer, :rows, :, :end]
+
+    def keep_rows(self, rows: torch.Tensor, filled: int) -> None:
+        """Shrink the batch to ``rows`` (indices into the current batch): their first ``filled`` positions,
+        all layers at once, move to the front of the buffers. Copying only the filled part keeps this a
+        fraction of a decode step's memory traffic."""
+        for buffer in (self.keys, self.values):
+            buffer[:, : rows.numel(), :, :filled] = buffer[:, :, :, :filled].index_select(1, rows)
+        self.batch_size = rows.numel()

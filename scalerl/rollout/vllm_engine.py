@@ -75,6 +75,11 @@ def map_vllm_outputs(
 class VLLMEngine:
     """Runs a vLLM ``LLM`` on a model directory; ``sync_weights`` loads trainer tensors into it."""
 
+    # Capabilities the trainer reads: vLLM's kernels give log-probs that differ from a training forward (so
+    # they are recomputed), and it holds its own copy of the weights (so they are synced after each update).
+    logprobs_match_training_forward = False
+    shares_trainer_weights = False
+
     def __init__(self, model_path: str, pad_token_id: int, **llm_kwargs: Any):
         vllm = import_vllm()
         self._vllm = vllm
