@@ -39,10 +39,13 @@ class KVCache:
         self.values[layer, :rows, :, start:end] = v
         return self.keys[layer, :rows, :, :end], self.values[layer, :rows, :, :end]
 
-    def keep_rows(self, rows: torch.Tensor, filled: int) -> None:
-        """Shrink the batch to ``rows`` (indices into the current batch): their first ``filled`` positions,
-        all layers at once, move to the front of the buffers. Copying only the filled part keeps this a
-        fraction of a decode step's memory traffic."""
-        for buffer in (self.keys, self.values):
-            buffer[:, : rows.numel(), :, :filled] = buffer[:, :, :, :filled].index_select(1, rows)
-        self.batch_size = rows.numel()
+    def keep_rows(self, keep: torch.Tensor, filled: int) -> None:
+        """Shrink the batch to ``keep.numel()`` rows, new row ``i`` being current row ``keep[i]``. Only the
+        rows that change place are copied (their first ``filled`` positions, all layers at once), so a
+        ``keep`` that leaves surviving rows where they are costs a copy per finished row, not per kept row."""
+        moved = (keep != torch.arange(keep.numel(), device=keep.device)).nonzero().squeeze(1)
+        if moved.numel():
+            for buffer in (self.keys, self.values):
+                filled_part = buffer[:, :, :, :filled]
+                filled_part.index_copy_(1, moved, filled_part.index_select(1, keep[moved]))
+        self.batch_size = keep.numel()

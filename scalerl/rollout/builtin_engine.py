@@ -60,7 +60,7 @@ class BuiltinEngine:
         pad_token_id: int,
         finish_check_every: int | None = None,
         all_finished: Callable[[bool], bool] | None = None,
-        compact_at: float | None = 0.25,
+        compact_at: float | None = 0.125,
         logits_processor: LogitsProcessor | None = None,
     ):
         self.model = model
@@ -144,7 +144,7 @@ class BuiltinEngine:
                     steps = t + 1
                     break
                 if self._should_compact(len(rows), unfinished):
-                    keep = _rows_to_keep(rows.unfinished)
+                    keep = _rows_to_keep(rows.unfinished, unfinished)
                     rows, tokens = rows.select(keep), tokens[keep]
                     cache.keep_rows(keep, filled=prompt_len + t)
             rows.positions = rows.positions + 1
@@ -205,8 +205,15 @@ def _random_draws(sampling: SamplingParams, batch: int, device: torch.device):
     return generator, uniforms[:, sampling.row_offset : sampling.row_offset + batch]
 
 
-def _rows_to_keep(unfinished: torch.Tensor) -> torch.Tensor:
-    """Indices of the unfinished rows; when none is left (other ranks still decoding), the first row stays
-    as a stand-in so this rank keeps joining the forwards, which are collectives with sharded weights."""
-    keep = unfinished.nonzero().squeeze(1)
-    return keep if keep.numel() else torch.zeros(1, dtype=torch.long, device=unfinished.device)
+def _rows_to_keep(unfinished: torch.Tensor, n: int) -> torch.Tensor:
+    """Which current rows form the compacted batch, in which order: unfinished rows already in its front
+    part stay in place and those behind move into the places of finished ones, so the KV cache copies
+    one row per finished row at most. When no row is left (other ranks still decoding), row 0 stays as a
+    stand-in so this rank keeps joining the forwards, which are collectives with sharded weights.
+    ``n`` is the number of unfinished rows (already read back by the caller)."""
+    if n == 0:
+        return torch.zeros(1, dtype=torch.long, device=unfinished.device)
+    keep = torch.arange(n, device=unfinished.device)
+    holes = (~unfinished[:n]).nonzero().squeeze(1)
+    keep[holes] = unfinished[n:].nonzero().squeeze(1) + n
+    return keep

@@ -141,16 +141,25 @@ def test_waiting_for_other_ranks_keeps_one_row_stepping(model):
     assert votes == [False, False] + [True] * 7
 
 
-def test_kv_cache_keep_rows_moves_rows_to_the_front():
-    cache = KVCache(num_layers=2, batch_size=4, max_len=6)
-    k = torch.arange(4.0).view(4, 1, 1, 1).expand(4, 2, 3, 2).contiguous()
+def test_kv_cache_keep_rows_reorders_the_filled_prefix():
+    cache = KVCache(num_layers=2, batch_size=5, max_len=6)
+    k = torch.arange(5.0).view(5, 1, 1, 1).expand(5, 2, 3, 2).contiguous()
     for layer in range(2):
         cache.update(layer, k, -k, start=0)
-    cache.keep_rows(torch.tensor([1, 3]), filled=3)
-    keys, values = cache.update(0, torch.full((2, 2, 1, 2), 9.0), torch.full((2, 2, 1, 2), -9.0), start=3)
-    assert keys.shape == (2, 2, 4, 2)
-    assert keys[:, 0, :3, 0].tolist() == [[1.0] * 3, [3.0] * 3] and (keys[:, :, 3] == 9).all()
-    assert values[:, 0, :3, 0].tolist() == [[-1.0] * 3, [-3.0] * 3]
+    cache.keep_rows(torch.tensor([0, 4, 2]), filled=3)  # new row i = old row keep[i]
+    keys, values = cache.update(1, torch.full((3, 2, 1, 2), 9.0), torch.full((3, 2, 1, 2), -9.0), start=3)
+    assert keys.shape == (3, 2, 4, 2)
+    assert keys[:, 1, :3, 1].tolist() == [[0.0] * 3, [4.0] * 3, [2.0] * 3] and (keys[:, :, 3] == 9).all()
+    assert values[:, 0, :3, 0].tolist() == [[0.0] * 3, [-4.0] * 3, [-2.0] * 3]
+
+
+def test_compaction_moves_back_rows_into_finished_places():
+    from scalerl.rollout.builtin_engine import _rows_to_keep
+
+    unfinished = torch.tensor([True, False, True, False, True, True])
+    assert _rows_to_keep(unfinished, 4).tolist() == [0, 4, 2, 5]  # rows 0 and 2 stay put: two rows copied
+    assert _rows_to_keep(torch.tensor([False, True, True]), 2).tolist() == [2, 1]
+    assert _rows_to_keep(torch.zeros(3, dtype=torch.bool), 0).tolist() == [0]  # a stand-in row
 
 
 def test_engines_declare_their_capabilities():

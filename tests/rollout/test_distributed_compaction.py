@@ -1,10 +1,14 @@
-"""Sharded weights (FSDP, every forward a collective) with ranks whose rows finish at very different steps:
-the early rank shrinks to one stand-in row but runs as many forwards as the late one, and every rank's
-tokens equal a single process generating the whole batch."""
+"""Compaction with sharded weights, where every forward is a collective.
+
+FSDP: the ranks hold different rows, finishing at very different steps; the early rank shrinks to one
+stand-in row but runs as many forwards as the late one. Tensor parallel: both ranks hold all rows and
+compact alike. Either way every rank's tokens equal a single process generating the whole batch.
+"""
 
 import os
 import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -19,11 +23,12 @@ def _model():
     from scalerl.models.config import ModelConfig
     from scalerl.models.decoder import build_model
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      tie_word_embeddings=False)
     return build_model(cfg, seed=0).eval()
 
 
-def _worker(rank, port, results):
+def _worker(rank, port, layout, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from scalerl.config import ParallelSection
@@ -34,14 +39,15 @@ def _worker(rank, port, results):
 
     sampling = dict(max_new_tokens=16, temperature=1.0, seed=5, stop_token_ids=[1])
     single = BuiltinEngine(_model(), 0, logits_processor=ForcedStops(LENGTHS)).generate(PROMPTS, SamplingParams(**sampling))
-    ctx = init_distributed(ParallelSection(dp_replicate=1, dp_shard=2), torch.device("cpu"))
+    sections = {"fsdp": ParallelSection(dp_replicate=1, dp_shard=2), "tp": ParallelSection(dp_replicate=1, tp=2)}
+    ctx = init_distributed(sections[layout], torch.device("cpu"))
     model = _model()
     parallelize(model, ctx)
-    mine = slice(3 * rank, 3 * rank + 3)
+    mine = slice(3 * rank, 3 * rank + 3) if layout == "fsdp" else slice(0, 6)
     engine = BuiltinEngine(model, 0, finish_check_every=1, compact_at=0.01, all_finished=ctx.all_finished,
                            logits_processor=ForcedStops(LENGTHS[mine]))
     with RowsPerForward(model) as sizes:
-        out = engine.generate(PROMPTS[mine], SamplingParams(**sampling, row_offset=3 * rank, total_rows=6))
+        out = engine.generate(PROMPTS[mine], SamplingParams(**sampling, row_offset=mine.start, total_rows=6))
     width = out.response_ids.shape[1]
     results[rank] = {
         "rows_per_forward": sizes,
@@ -52,20 +58,33 @@ def _worker(rank, port, results):
     torch.distributed.destroy_process_group()
 
 
-def test_sharded_ranks_stay_in_lockstep_while_compacting():
+def _run_two_ranks(layout):
     port = free_port()
     results = mp.Manager().dict()
-    procs = mp.start_processes(_worker, args=(port, results), nprocs=2, start_method="spawn", join=False)
+    procs = mp.start_processes(_worker, args=(port, layout, results), nprocs=2, start_method="spawn", join=False)
     deadline = time.monotonic() + 120  # a rank that stopped joining forwards would hang its peer
     while not procs.join(timeout=1):
         if time.monotonic() > deadline:
             for p in procs.processes:
                 p.terminate()
             raise AssertionError("generation ranks fell out of lockstep (timed out)")
-    early, late = results[0], results[1]
+    return results[0], results[1]
+
+
+@pytest.mark.slow
+def test_fsdp_ranks_stay_in_lockstep_while_compacting():
+    early, late = _run_two_ranks("fsdp")
     assert early["lengths"] == LENGTHS[:3] and late["lengths"] == LENGTHS[3:]
     assert early["same_tokens"] and late["same_tokens"]
     assert early["logprob_diff"] < 1e-5 and late["logprob_diff"] < 1e-5
     # Prefill + 11 decode steps on both ranks (the longest row has 12 tokens).
     assert late["rows_per_forward"] == [3, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1]
     assert early["rows_per_forward"] == [3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_compact_alike():
+    first, second = _run_two_ranks("tp")
+    for rank in (first, second):
+        assert rank["lengths"] == LENGTHS and rank["same_tokens"] and rank["logprob_diff"] < 1e-5
+        assert rank["rows_per_forward"] == [6, 6, 4, 3, 3, 2, 2, 2, 2, 1, 1, 1]
