@@ -41,11 +41,13 @@ class KVCache:
 
     def keep_rows(self, keep: torch.Tensor, filled: int) -> None:
         """Shrink the batch to ``keep.numel()`` rows, new row ``i`` being current row ``keep[i]``. Only the
-        rows that change place are copied (their first ``filled`` positions, all layers at once), so a
-        ``keep`` that leaves surviving rows where they are costs a copy per finished row, not per kept row."""
+        rows that change place are copied (all layers at once), so a ``keep`` that leaves surviving rows
+        where they are costs a copy per finished row, not per kept row."""
         moved = (keep != torch.arange(keep.numel(), device=keep.device)).nonzero().squeeze(1)
         if moved.numel():
             for buffer in (self.keys, self.values):
-                filled_part = buffer[:, :, :, :filled]
-                filled_part.index_copy_(1, moved, filled_part.index_select(1, keep[moved]))
+                # Gathering whole rows takes index_select's contiguous fast path (on CPU ~5x faster than
+                # gathering the strided filled part); only the first `filled` positions are written back.
+                rows = buffer.index_select(1, keep[moved])
+                buffer[:, :, :, :filled].index_copy_(1, moved, rows[:, :, :, :filled])
         self.batch_size = keep.numel()

@@ -36,6 +36,20 @@ class DecodingRows:
     uniforms: torch.Tensor | None  # [max_new, n] the row's pre-drawn sampling uniforms (seeded sampling)
     unfinished: torch.Tensor  # [n] no stop token seen yet (as of the last check)
 
+    @classmethod
+    def start(cls, prompt_mask: torch.Tensor, total_len: int, uniforms: torch.Tensor | None) -> "DecodingRows":
+        """Every row of a left-padded prompt batch, about to decode its first token."""
+        batch, prompt_len = prompt_mask.shape
+        key_mask = torch.ones(batch, total_len, dtype=torch.bool, device=prompt_mask.device)
+        key_mask[:, :prompt_len] = prompt_mask.bool()
+        return cls(
+            index=torch.arange(batch, device=prompt_mask.device),
+            positions=prompt_mask.sum(-1, keepdim=True) - 1,  # position of each prompt's last token
+            key_mask=key_mask,
+            uniforms=uniforms,
+            unfinished=torch.ones(batch, dtype=torch.bool, device=prompt_mask.device),
+        )
+
     def __len__(self) -> int:
         return self.index.numel()
 
@@ -117,15 +131,7 @@ class BuiltinEngine:
         check_every = self.finish_check_every or (4 if device.type == "cpu" else 16)
 
         cache = KVCache.for_model(model, batch, total_len)
-        key_mask = torch.ones(batch, total_len, dtype=torch.bool, device=device)
-        key_mask[:, :prompt_len] = prompt_mask.bool()
-        rows = DecodingRows(
-            index=torch.arange(batch, device=device),
-            positions=prompt_mask.sum(-1, keepdim=True) - 1,  # position of each prompt's last token
-            key_mask=key_mask,
-            uniforms=uniforms,
-            unfinished=torch.ones(batch, dtype=torch.bool, device=device),
-        )
+        rows = DecodingRows.start(prompt_mask, total_len, uniforms)
         # Rows that leave the batch keep these fillers; they lie after the row's stop token, so `_finish` masks them.
         tokens_out = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=device)
         logprobs_out = torch.zeros((batch, max_new), dtype=torch.float32, device=device)
@@ -146,7 +152,7 @@ class BuiltinEngine:
                 if self._should_compact(len(rows), unfinished):
                     keep = _rows_to_keep(rows.unfinished, unfinished)
                     rows, tokens = rows.select(keep), tokens[keep]
-                    cache.keep_rows(keep, filled=prompt_len + t)
+                    cache.keep_rows(keep, filled=prompt_len + t)  # the cache holds positions < prompt_len + t
             rows.positions = rows.positions + 1
             cur = prompt_len + t
             logits = model(
