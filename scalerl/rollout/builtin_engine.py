@@ -37,7 +37,7 @@ class DecodingRows:
     unfinished: torch.Tensor  # [n] no stop token seen yet (as of the last check)
 
     @classmethod
-    def start(cls, prompt_mask: torch.Tensor, total_len: int, uniforms: torch.Tensor | None) -> "DecodingRows":
+    def start(cls, prompt_mask: torch.Tensor, total_len: int, uniforms: torch.Tensor | None) -> DecodingRows:
         """Every row of a left-padded prompt batch, about to decode its first token."""
         batch, prompt_len = prompt_mask.shape
         key_mask = torch.ones(batch, total_len, dtype=torch.bool, device=prompt_mask.device)
@@ -53,7 +53,7 @@ class DecodingRows:
     def __len__(self) -> int:
         return self.index.numel()
 
-    def select(self, keep: torch.Tensor) -> "DecodingRows":
+    def select(self, keep: torch.Tensor) -> DecodingRows:
         return DecodingRows(
             self.index[keep], self.positions[keep], self.key_mask[keep],
             None if self.uniforms is None else self.uniforms[:, keep], self.unfinished[keep],

@@ -162,13 +162,6 @@ def test_compaction_moves_back_rows_into_finished_places():
     assert _rows_to_keep(torch.zeros(3, dtype=torch.bool), 0).tolist() == [0]  # a stand-in row
 
 
-def test_engines_declare_their_capabilities():
-    from scalerl.rollout.vllm_engine import VLLMEngine
-
-    assert BuiltinEngine.logprobs_match_training_forward and BuiltinEngine.shares_trainer_weights
-    assert not VLLMEngine.logprobs_match_training_forward and not VLLMEngine.shares_trainer_weights
-
-
 def test_threshold_decides_when_to_compact(model):
     engine = BuiltinEngine(model, PAD, compact_at=0.25)
     decisions = {(rows, left): engine._should_compact(rows, left) for rows, left in itertools.product((1, 4, 8), range(9))}

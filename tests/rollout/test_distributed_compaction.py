@@ -37,7 +37,7 @@ def _worker(rank, port, layout, results):
     from scalerl.rollout.builtin_engine import BuiltinEngine
     from scalerl.rollout.engine import SamplingParams
 
-    sampling = dict(max_new_tokens=16, temperature=1.0, seed=5, stop_token_ids=[1])
+    sampling = {"max_new_tokens": 16, "temperature": 1.0, "seed": 5, "stop_token_ids": [1]}
     single = BuiltinEngine(_model(), 0, logits_processor=ForcedStops(LENGTHS)).generate(PROMPTS, SamplingParams(**sampling))
     sections = {"fsdp": ParallelSection(dp_replicate=1, dp_shard=2), "tp": ParallelSection(dp_replicate=1, tp=2)}
     ctx = init_distributed(sections[layout], torch.device("cpu"))
