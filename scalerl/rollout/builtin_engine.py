@@ -1,12 +1,17 @@
 """The built-in rollout engine: batched prefill, then a decode loop over a preallocated KV cache.
 
-Each decode step runs one forward for the whole batch and two copies into preallocated outputs; nothing
-in the loop iterates over sequences. Finished sequences keep stepping (cheaper than compacting the batch at
-these sizes); which tokens count is worked out once after the loop, from the first stop token of each row.
+Each decode step runs one forward for the rows still decoding and two copies into preallocated outputs;
+nothing in the loop iterates over sequences. Every few steps the engine reads which rows have emitted a
+stop token; once enough of them have, it compacts the batch (tokens, positions, key mask, random draws and
+KV cache gathered into fewer rows), so finished rows stop costing decode work: a batch whose responses
+stop at very different lengths costs about its total tokens, not rows x longest. A row's random draws are
+tied to its global row (``SamplingParams.row_offset``), so its sample never depends on which other rows
+are still decoding. Which tokens count is worked out once after the loop, from each row's first stop token.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -16,6 +21,43 @@ from scalerl.models.decoder import CausalLM
 from scalerl.models.kv_cache import KVCache
 from scalerl.rollout.engine import GenerationOutput, PromptTooLongError, SamplingParams, left_pad
 from scalerl.rollout.sampling import sample_tokens
+
+# (logits [n, V] of the decoding rows, their rows in the caller's batch [n], decode step) -> logits
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class DecodingRows:
+    """The per-row state of the rows still decoding; ``select`` compacts all of it at once."""
+
+    index: torch.Tensor  # [n] each row's index in the caller's batch (where its outputs go)
+    positions: torch.Tensor  # [n, 1] RoPE position of the row's newest token
+    key_mask: torch.Tensor  # [n, prompt + max_new] real (non-padding) key positions
+    uniforms: torch.Tensor | None  # [max_new, n] the row's pre-drawn sampling uniforms (seeded sampling)
+    unfinished: torch.Tensor  # [n] no stop token seen yet (as of the last check)
+
+    @classmethod
+    def start(cls, prompt_mask: torch.Tensor, total_len: int, uniforms: torch.Tensor | None) -> DecodingRows:
+        """Every row of a left-padded prompt batch, about to decode its first token."""
+        batch, prompt_len = prompt_mask.shape
+        key_mask = torch.ones(batch, total_len, dtype=torch.bool, device=prompt_mask.device)
+        key_mask[:, :prompt_len] = prompt_mask.bool()
+        return cls(
+            index=torch.arange(batch, device=prompt_mask.device),
+            positions=prompt_mask.sum(-1, keepdim=True) - 1,  # position of each prompt's last token
+            key_mask=key_mask,
+            uniforms=uniforms,
+            unfinished=torch.ones(batch, dtype=torch.bool, device=prompt_mask.device),
+        )
+
+    def __len__(self) -> int:
+        return self.index.numel()
+
+    def select(self, keep: torch.Tensor) -> DecodingRows:
+        return DecodingRows(
+            self.index[keep], self.positions[keep], self.key_mask[keep],
+            None if self.uniforms is None else self.uniforms[:, keep], self.unfinished[keep],
+        )
 
 
 class BuiltinEngine:
@@ -31,15 +73,23 @@ class BuiltinEngine:
         pad_token_id: int,
         finish_check_every: int | None = None,
         all_finished: Callable[[bool], bool] | None = None,
+        compact_at: float | None = 0.125,
+        logits_processor: LogitsProcessor | None = None,
     ):
         self.model = model
         self.pad_token_id = pad_token_id
         # With sharded or tensor-parallel weights every forward is a collective, so the ranks agree on when
         # to stop (`DistContext.all_finished`); alone, a rank decides for itself.
         self.all_finished = all_finished or (lambda flag: flag)
-        # "All finished?" reads a flag back from the device and scans the tokens so far; every few steps is
-        # enough (at most that many wasted steps) and on a GPU avoids a sync per token.
+        # "Which rows finished?" reads from the device and scans the tokens since the last check; every few
+        # steps is enough (at most that many wasted steps per row) and on a GPU avoids a sync per token.
         self.finish_check_every = finish_check_every
+        # Compact once this fraction of the decoding rows has finished (None: never). A compaction copies the
+        # kept rows' KV cache, about one step's worth of cache reads; see benchmarks/generation.py.
+        self.compact_at = compact_at
+        # Adjusts each step's logits before sampling (e.g. the benchmark forcing stop lengths); the
+        # returned logits are also those the log-probs are taken from.
+        self.logits_processor = logits_processor
 
     def sync_weights(self, named_tensors: dict[str, torch.Tensor] | None = None) -> int:
         """Colocated: the engine reads the trainer's parameters directly. With tensors given (a standalone
@@ -86,47 +136,60 @@ class BuiltinEngine:
                 f"max_position_embeddings ({model.config.max_position_embeddings}); shorten the prompt or generate "
                 "fewer tokens"
             )
-        generator, uniforms = None, None
-        if sampling.seed is not None and sampling.temperature > 0:
-            generator = torch.Generator(device=device).manual_seed(sampling.seed)
-            total = sampling.total_rows or batch
-            uniforms = torch.rand(max_new, total, device=device, generator=generator)
-            uniforms = uniforms[:, sampling.row_offset : sampling.row_offset + batch]
+        generator, uniforms = _random_draws(sampling, batch, device)
         stop_ids = torch.as_tensor(list(sampling.stop_token_ids), dtype=torch.long, device=device)
         check_every = self.finish_check_every or (4 if device.type == "cpu" else 16)
 
         cache = KVCache.for_model(model, batch, total_len)
-        key_mask = torch.ones(batch, total_len, dtype=torch.bool, device=device)
-        key_mask[:, :prompt_len] = prompt_mask.bool()
-        positions = prompt_mask.sum(-1, keepdim=True) - 1  # position of each prompt's last token
-        tokens_out = torch.empty((batch, max_new), dtype=torch.long, device=device)
-        logprobs_out = torch.empty((batch, max_new), dtype=torch.float32, device=device)
+        rows = DecodingRows.start(prompt_mask, total_len, uniforms)
+        # Rows that leave the batch keep these fillers; they lie after the row's stop token, so `_finish` masks them.
+        tokens_out = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=device)
+        logprobs_out = torch.zeros((batch, max_new), dtype=torch.float32, device=device)
 
         logits = model(prompt_ids, attention_mask=prompt_mask, kv_cache=cache, cache_start=0, logits_to_keep=1)
-        steps = max_new
+        steps, checked = max_new, 0
         for t in range(max_new):
-            tokens, logprobs = sample_tokens(
-                logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p, generator,
-                None if uniforms is None else uniforms[t],
-            )
-            tokens_out[:, t] = tokens
-            logprobs_out[:, t] = logprobs
+            tokens = self._sample(logits[:, -1], rows, t, sampling, generator, tokens_out, logprobs_out)
             if t + 1 == max_new:
                 break
             if stop_ids.numel() and (t + 1) % check_every == 0:
-                if self.all_finished(bool(torch.isin(tokens_out[:, : t + 1], stop_ids).any(-1).all())):
+                rows.unfinished &= ~torch.isin(tokens_out[rows.index, checked : t + 1], stop_ids).any(-1)
+                checked = t + 1
+                unfinished = int(rows.unfinished.sum())
+                if self.all_finished(unfinished == 0):
                     steps = t + 1
                     break
-            positions = positions + 1
+                if self._should_compact(len(rows), unfinished):
+                    keep = _rows_to_keep(rows.unfinished, unfinished)
+                    rows, tokens = rows.select(keep), tokens[keep]
+                    cache.keep_rows(keep, filled=prompt_len + t)  # the cache holds positions < prompt_len + t
+            rows.positions = rows.positions + 1
             cur = prompt_len + t
             logits = model(
-                tokens_out[:, t : t + 1],
-                attention_mask=key_mask[:, : cur + 1],
-                position_ids=positions,
+                tokens.unsqueeze(1),
+                attention_mask=rows.key_mask[:, : cur + 1],
+                position_ids=rows.positions,
                 kv_cache=cache,
                 cache_start=cur,
             )
         return self._finish(prompt_ids, prompt_mask, tokens_out[:, :steps], logprobs_out[:, :steps], stop_ids)
+
+    def _sample(self, logits, rows: DecodingRows, step: int, sampling, generator, tokens_out, logprobs_out):
+        """Sample step ``step`` for the decoding rows and write the tokens and log-probs to their rows."""
+        if self.logits_processor is not None:
+            logits = self.logits_processor(logits, rows.index, step)
+        tokens, logprobs = sample_tokens(
+            logits, sampling.temperature, sampling.top_k, sampling.top_p, generator,
+            None if rows.uniforms is None else rows.uniforms[step],
+        )
+        tokens_out[:, step].index_copy_(0, rows.index, tokens)
+        logprobs_out[:, step].index_copy_(0, rows.index, logprobs)
+        return tokens
+
+    def _should_compact(self, rows: int, unfinished: int) -> bool:
+        """Compact once a ``compact_at`` fraction of the decoding rows has finished (and some row can go)."""
+        finished = rows - unfinished
+        return self.compact_at is not None and rows > 1 and finished > 0 and finished >= self.compact_at * rows
 
     def _finish(self, prompt_ids, prompt_mask, tokens, logprobs, stop_ids) -> GenerationOutput:
         """Cut each row after its first stop token (kept, as generated), pad the rest, and trim columns
@@ -145,3 +208,28 @@ class BuiltinEngine:
             logprobs=logprobs.masked_fill(~response_mask, 0.0)[:, :width],
             finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
         )
+
+
+def _random_draws(sampling: SamplingParams, batch: int, device: torch.device):
+    """``(generator, uniforms [max_new, batch])`` for seeded sampling: draws are made for all
+    ``total_rows`` and sliced to this call's rows, so each row's draws depend only on its global row."""
+    if sampling.seed is None or sampling.temperature == 0:
+        return None, None
+    generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    total = sampling.total_rows or batch
+    uniforms = torch.rand(sampling.max_new_tokens, total, device=device, generator=generator)
+    return generator, uniforms[:, sampling.row_offset : sampling.row_offset + batch]
+
+
+def _rows_to_keep(unfinished: torch.Tensor, n: int) -> torch.Tensor:
+    """Which current rows form the compacted batch, in which order: unfinished rows already in its front
+    part stay in place and those behind move into the places of finished ones, so the KV cache copies
+    one row per finished row at most. When no row is left (other ranks still decoding), row 0 stays as a
+    stand-in so this rank keeps joining the forwards, which are collectives with sharded weights.
+    ``n`` is the number of unfinished rows (already read back by the caller)."""
+    if n == 0:
+        return torch.zeros(1, dtype=torch.long, device=unfinished.device)
+    keep = torch.arange(n, device=unfinished.device)
+    holes = (~unfinished[:n]).nonzero().squeeze(1)
+    keep[holes] = unfinished[n:].nonzero().squeeze(1) + n
+    return keep

@@ -43,7 +43,7 @@ def sample_tokens(
         logprobs = logits.log_softmax(dim=-1)
         tokens = logits.argmax(dim=-1)
     else:
-        scaled = logits / temperature
+        scaled = logits if temperature == 1 else logits / temperature  # x / 1 == x: skip a [B, V] pass
         logprobs = scaled.log_softmax(dim=-1)
         filtered = filter_top_k_top_p(scaled, top_k, top_p)
         tokens = sample_from_logits(filtered, generator, uniform)

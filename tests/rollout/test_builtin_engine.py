@@ -125,3 +125,10 @@ def test_sampling_frequencies_follow_probabilities():
     assert freq[1] == 0  # a zero-probability token is never drawn
     assert (freq - probs).abs().max() < 0.015
     assert torch.allclose(logprobs, probs.log()[tokens])
+
+
+def test_engines_declare_their_capabilities():
+    from scalerl.rollout.vllm_engine import VLLMEngine
+
+    assert BuiltinEngine.logprobs_match_training_forward and BuiltinEngine.shares_trainer_weights
+    assert not VLLMEngine.logprobs_match_training_forward and not VLLMEngine.shares_trainer_weights
