@@ -43,6 +43,7 @@ examples:
   scalerl export outputs/run/checkpoints/step_00000100 exported/
   scalerl version
   scalerl doctor --distributed-check              # also under torchrun / srun / --ray, on every rank
+  scalerl bench --nodes 1,2,4 && scalerl report benchmark_report.json -o performance_analysis.pdf
 """
 
 
@@ -213,6 +214,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return run_doctor(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from scalerl.bench.cli import run_bench_command
+
+    return run_bench_command(args)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from scalerl.report.cli import run_report_command
+
+    return run_report_command(args)
+
+
 def add_launch_parser(sub) -> None:
     """`scalerl launch slurm|ray` lives with the launchers; absent pieces only disable that command."""
     try:
@@ -294,6 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_doctor_arguments(add("doctor", cmd_doctor, "diagnose a distributed run: where on the troubleshooting tree "
                              "its problems are, with evidence and fixes", DOCTOR_EPILOG))
+    from scalerl.bench.cli import EPILOG as BENCH_EPILOG, add_bench_arguments  # cheap: no torch
+
+    add_bench_arguments(add("bench", cmd_bench, "measure a matrix of layouts (throughput, latency, bytes, MFU) into "
+                            "benchmark_report.json; --compare two reports; --project to N nodes", BENCH_EPILOG))
+    from scalerl.report.cli import EPILOG as REPORT_EPILOG, add_report_arguments
+
+    add_report_arguments(add("report", cmd_report, "render a benchmark report as a PDF or self-contained HTML "
+                             "file (findings, recommended configuration, figures)", REPORT_EPILOG))
     add_launch_parser(sub)
     return parser
 

@@ -113,6 +113,16 @@ def _table_peak_flops(device_name: str, dtype: torch.dtype, tf32_allowed: bool) 
     return None
 
 
+def datasheet_peak_flops(device_name: str, dtype: torch.dtype = torch.bfloat16) -> float:
+    """The datasheet peak of a GPU named like ``"H100"`` or ``"NVIDIA A100-SXM4-80GB"`` for ``dtype`` (fp32 as
+    plain fp32, not TF32): what projections to devices nobody measured here use."""
+    peak = _table_peak_flops(device_name.upper(), dtype, tf32_allowed=False)
+    if peak is None:
+        known = ", ".join(name for name, *_ in _CUDA_PEAK_FLOPS)
+        raise KeyError(f"no datasheet peak for {device_name!r}; known: {known}")
+    return peak
+
+
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
     """Best observed FLOP/s of ``size``-square matmuls on ``device`` (one warm-up, then ``repeats`` timed)."""
     a = torch.randn(size, size, device=device).to(dtype)

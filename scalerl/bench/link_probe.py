@@ -1,0 +1,65 @@
+"""Link calibration inside a cell's network: ``python -m scalerl.bench.link_probe SPEC.json`` on every rank.
+
+All-reduce sweeps (the doctor's `all_reduce_sweep`, the slowest rank's time per size) between the first
+ranks of the first two nodes (one stream over the inter-node link) and among the ranks of node 0 (its
+loopback), written by rank 0 as ``probe.json``; the runner fits alpha and beta to them
+(`scalerl.perf.collective_cost.fit_link`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+SIZES = (4 * 2**10, 64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20)
+ITERS = 3
+
+
+def run(spec: dict) -> int:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    from scalerl.doctor.bandwidth import all_reduce_sweep
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=float(spec.get("timeout_s", 300))))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        per_node = int(spec["ranks_per_node"])
+        nodes = world // per_node
+        device = torch.device("cpu")
+        sizes = list(spec.get("sizes") or SIZES)
+        out: dict = {"sizes": sizes, "iters": ITERS}
+        if nodes >= 2:  # every rank creates every group, in the same order
+            pair = [0, per_node]
+            inter = dist.new_group(pair)
+            if rank in pair:
+                out["inter"] = {"p": 2, "results": all_reduce_sweep(inter, 2, sizes, ITERS, device)}
+        if per_node >= 2:
+            local = list(range(per_node))
+            intra = dist.new_group(local)
+            if rank in local:
+                out["intra"] = {"p": per_node, "results": all_reduce_sweep(intra, per_node, sizes, ITERS, device)}
+        dist.barrier()
+        if rank == 0:
+            path = Path(spec["out_dir"]) / "probe.json"
+            path.write_text(json.dumps(out))
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m scalerl.bench.link_probe SPEC.json", file=sys.stderr)
+        return 2
+    return run(json.loads(Path(argv[0]).read_text()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

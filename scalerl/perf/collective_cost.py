@@ -1,0 +1,147 @@
+"""Alpha-beta cost of one collective as scalerl runs it, the links it runs over, and fitting a link to
+measured timings.
+
+A message costs ``alpha + bytes * beta`` on a link (alpha: latency per message step, beta: seconds per
+byte of one stream). With ``p`` ranks and ``n`` payload bytes:
+
+| collective | steps | bytes each rank sends per step, summed | time |
+| --- | --- | --- | --- |
+| ring all-reduce | 2(p-1) | 2(p-1)/p x n | 2(p-1) a + 2(p-1)/p n b |
+| ring all-gather / reduce-scatter (NCCL) | p-1 | (p-1)/p x n | (p-1) a + (p-1)/p n b |
+| reduce-scatter on gloo | as its all-reduce (it reduces the whole tensor, `scalerl.comm.accounting`) | | |
+| broadcast, gloo binomial tree | ceil(log2 p) | n per round | ceil(log2 p) (a + n b) |
+| broadcast, NCCL chain (pipelined) | p-1 | n | (p-1) a + n b |
+| send | 1 | n | a + n b |
+| hierarchical all-reduce (G per node, N nodes) | intra reduce-scatter + inter all-reduce of n/G (G streams share each node's link) + intra all-gather | | |
+
+``share`` is how many streams of the same collective cross one node's link at once (e.g. HSDP's
+replicate groups: one per rank of a node), so each stream gets ``1/share`` of the link. Gradient
+compression is costed by the bytes it actually sends (the payload given).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "all_to_all")
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """One stream's latency and bandwidth over a link, and where the numbers came from."""
+
+    alpha_s: float
+    bytes_per_s: float
+    source: str = ""
+
+    @property
+    def beta_s_per_byte(self) -> float:
+        return 1.0 / self.bytes_per_s
+
+    def to_dict(self) -> dict:
+        return {"alpha_s": self.alpha_s, "bytes_per_s": self.bytes_per_s, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LinkCost:
+        return cls(float(data["alpha_s"]), float(data["bytes_per_s"]), str(data.get("source", "")))
+
+
+# Nominal line rates (the standards' figures) with an assumed per-message latency: a starting point for
+# clusters nobody has measured; `scalerl doctor --distributed-check --json` on the cluster gives the
+# achieved figures (pass it as the calibration instead).
+GBIT = 1e9 / 8
+LINK_PRESETS: dict[str, LinkCost] = {
+    "ib-ndr": LinkCost(5e-6, 400 * GBIT, "nominal InfiniBand NDR 400 Gbit/s, latency 5 us assumed"),
+    "ib-hdr": LinkCost(5e-6, 200 * GBIT, "nominal InfiniBand HDR 200 Gbit/s, latency 5 us assumed"),
+    "100gbe": LinkCost(20e-6, 100 * GBIT, "nominal 100 Gbit Ethernet, latency 20 us assumed"),
+    "25gbe": LinkCost(30e-6, 25 * GBIT, "nominal 25 Gbit Ethernet, latency 30 us assumed"),
+    "nvlink4": LinkCost(3e-6, 450e9, "nominal NVLink 4 (H100) 450 GB/s per direction, latency 3 us assumed"),
+    "nvlink3": LinkCost(3e-6, 300e9, "nominal NVLink 3 (A100) 300 GB/s per direction, latency 3 us assumed"),
+    "pcie4": LinkCost(5e-6, 32e9, "nominal PCIe 4.0 x16 32 GB/s per direction, latency 5 us assumed"),
+    "pcie5": LinkCost(5e-6, 64e9, "nominal PCIe 5.0 x16 64 GB/s per direction, latency 5 us assumed"),
+}
+
+
+def sent_bytes(op: str, payload_bytes: float, p: int, backend: str = "gloo") -> float:
+    """Bytes each rank sends for one collective (the mean over ranks for a broadcast), matching
+    `scalerl.comm.accounting.wire_bytes` (a test keeps the two equal)."""
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}; one of {', '.join(OPS)}")
+    if p <= 1:
+        return 0.0
+    n = float(payload_bytes)
+    if op == "all_reduce" or (op == "reduce_scatter" and backend == "gloo"):
+        return 2 * (p - 1) / p * n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (p - 1) / p * n
+    if op == "broadcast":
+        return (p - 1) / p * n  # every non-root receives n once: (p-1) n sent by the group
+    return n  # send
+
+
+def _steps_and_factor(op: str, p: int, backend: str) -> tuple[float, float]:
+    """(message steps, bytes per unit payload crossing the slowest hop) of ``op`` over ``p`` ranks."""
+    if op == "all_reduce" or (op == "reduce_scatter" and backend == "gloo"):
+        return 2 * (p - 1), 2 * (p - 1) / p
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return p - 1, (p - 1) / p
+    if op == "broadcast":
+        if backend == "gloo":
+            rounds = math.ceil(math.log2(p))
+            return rounds, rounds
+        return p - 1, 1.0
+    return 1, 1.0  # send
+
+
+def collective_time(op: str, payload_bytes: float, p: int, link: LinkCost, backend: str = "gloo",
+                    share: int = 1) -> float:
+    """Seconds for one ``op`` of ``payload_bytes`` over ``p`` ranks on ``link`` (see the module table)."""
+    if p <= 1:
+        return 0.0
+    steps, factor = _steps_and_factor(op, p, backend)
+    return steps * link.alpha_s + factor * payload_bytes * link.beta_s_per_byte * max(1, share)
+
+
+def hierarchical_all_reduce_time(payload_bytes: float, nodes: int, per_node: int, intra: LinkCost,
+                                 inter: LinkCost, backend: str = "gloo") -> float:
+    """Reduce-scatter inside each node, all-reduce of each rank's 1/G part among same-local-rank peers of
+    the other nodes (G such streams share a node's link), all-gather inside the node."""
+    within = 2 * collective_time("all_gather", payload_bytes, per_node, intra, backend)  # RS (NCCL-like) + AG
+    if backend == "gloo":  # gloo's reduce-scatter costs an all-reduce
+        within = (collective_time("all_reduce", payload_bytes, per_node, intra, backend)
+                  + collective_time("all_gather", payload_bytes, per_node, intra, backend))
+    across = collective_time("all_reduce", payload_bytes / per_node, nodes, inter, backend, share=per_node)
+    return within + across
+
+
+def fit_link(sizes: list[float], seconds: list[float], op: str = "all_reduce", p: int = 2,
+             backend: str = "gloo", source: str = "") -> LinkCost:
+    """The link whose alpha-beta cost of ``op`` over ``p`` ranks best fits ``seconds`` at payload ``sizes``:
+    t = A + B n by least squares on the relative error (weights 1/t^2, so small messages, which set the
+    latency, count as much as large ones, which set the bandwidth); alpha = A / steps, beta = B / factor.
+    A negative intercept (noise) is clamped to 0 and the slope refitted through the origin."""
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError("fit_link needs at least two (size, seconds) points")
+    if len(set(sizes)) < 2 or min(seconds) <= 0:
+        raise ValueError("fit_link needs at least two different sizes and positive times")
+    steps, factor = _steps_and_factor(op, p, backend)
+    w = [1.0 / (t * t) for t in seconds]
+    sw = sum(w)
+    mean_x = sum(wi * x for wi, x in zip(w, sizes)) / sw
+    mean_y = sum(wi * y for wi, y in zip(w, seconds)) / sw
+    sxx = sum(wi * (x - mean_x) ** 2 for wi, x in zip(w, sizes))
+    slope = sum(wi * (x - mean_x) * (y - mean_y) for wi, x, y in zip(w, sizes, seconds)) / sxx
+    intercept = mean_y - slope * mean_x
+    if intercept < 0 or slope <= 0:
+        intercept = 0.0
+        slope = sum(wi * x * y for wi, x, y in zip(w, sizes, seconds)) / sum(wi * x * x for wi, x in zip(w, sizes))
+    if slope <= 0:
+        raise ValueError("timings do not grow with size: cannot fit a bandwidth")
+    return LinkCost(intercept / steps, factor / slope, source)
+
+
+def fit_error(link: LinkCost, sizes: list[float], seconds: list[float], op: str = "all_reduce", p: int = 2,
+              backend: str = "gloo") -> float:
+    """Largest relative error of the fitted link's predictions over the points (how well it fits)."""
+    return max(abs(collective_time(op, s, p, link, backend) - t) / t for s, t in zip(sizes, seconds) if t > 0)

@@ -1,0 +1,251 @@
+"""The collectives one RL step issues on each rank, by kind, as scalerl's layouts run them: what the cost
+model times. Bytes follow `scalerl.comm.accounting` (docs/comm-accounting.md), counts follow the code:
+
+- ``grad``: DDP all-reduces the whole gradient once per optimizer step (compression: the bytes it sends);
+  FSDP reduce-scatters each unit (decoder layers + the root) after every micro-batch's backward; HSDP adds
+  an all-reduce of each shard over ``dp_replicate``; a tied embedding split over pipeline stages sums its
+  gradient over ``pp`` once per optimizer step.
+- ``param``: FSDP all-gathers every unit in each forward (training micro-batches, their backward
+  re-gather, forward-only log-prob passes, and every decode step of generation).
+- ``tp``: per decoder layer, 2 all-reduces of the hidden states in forward (o and down projections) and 5
+  in backward (q, k, v, gate, up input gradients); an untied head split by vocabulary all-gathers the logits.
+- ``pp``: each micro-batch's activations forward and their gradients backward at every stage boundary,
+  padded to the fixed widths; ``weight_sync``: the full replica refreshed from the stages once per step
+  (one broadcast per tensor), or, with standalone rollout workers, the weights pushed to them.
+- ``metrics``: small control collectives (metric reduction, token counts per mini-batch, finish votes
+  every 4 decode steps, gradient-norm partial sums); latency-bound.
+
+A group's placement follows `scalerl.parallel.mesh`: ranks node by node, mesh dims (pp, dp_replicate,
+dp_shard, tp) with tp innermost, so a dimension's group lies inside a node, or spans nodes with ``share``
+of its groups crossing each node's link at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from scalerl.models.config import ModelConfig
+from scalerl.perf.collective_cost import sent_bytes
+from scalerl.perf.flops import decoder_param_count
+
+FINISH_CHECK_EVERY = 4  # the built-in engine's finish vote on CPUs (scalerl.rollout.builtin_engine)
+TP_ALL_REDUCES_FORWARD, TP_ALL_REDUCES_BACKWARD = 2, 5
+TENSORS_PER_LAYER = 12  # q/k/v weights + biases, o, gate, up, down, 2 norms (the replica's broadcasts)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The work of one step on one data-parallel rank (sequences it generates and trains on)."""
+
+    rows: int  # sequences per DP rank (prompts x n / dp)
+    prompt_len: float  # padded prompt width during generation
+    response_len: float  # decode steps (the longest response)
+    train_width: float  # padded width of a training micro-batch
+    micro_rows: int  # sequences per micro-batch
+    mini_rows: int  # sequences per optimizer step, this rank's share
+    epochs: int = 1
+    forward_passes: int = 0  # forward-only passes over the batch (recomputed old log-probs, reference)
+    pp_width: int = 0  # pipeline: fixed padded width (max prompt + max new tokens)
+    pp_microbatches: int = 4
+    act_bytes: int = 4  # activation element size (fp32; 2 under bf16 autocast)
+    param_bytes: int = 4  # parameter / gradient element size
+
+    @property
+    def micro_batches(self) -> int:
+        return self.epochs * math.ceil(self.rows / self.micro_rows)
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.epochs * math.ceil(self.rows / self.mini_rows)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ranks are arranged: the mesh sizes and the nodes they sit on."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    ranks_per_node: int = 1
+    backend: str = "gloo"
+    grad_ratio: float = 1.0  # bytes gradient reduction sends / dense (compression)
+    allreduce: str = "flat"  # or "hierarchical" (DDP across nodes)
+    rollout_workers: int = 0  # standalone workers, on a node of their own
+    weight_sync_ratio: float = 1.0  # bytes a sync sends / a full push (delta sync)
+    rollout_param_bytes: int = 4  # rollout.dtype element size
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def nodes(self) -> int:
+        return max(1, math.ceil(self.world / self.ranks_per_node))
+
+    def size_and_stride(self, dim: str) -> tuple[int, int]:
+        order = ("pp", "dp_replicate", "dp_shard", "tp")
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
+                 "dp": self.dp}
+        if dim == "dp":
+            return self.dp, self.tp
+        inner = order[order.index(dim) + 1:]
+        return sizes[dim], math.prod(sizes[d] for d in inner)
+
+    def placement(self, dim: str) -> GroupPlacement:
+        """Where a group of ``dim`` lies: its size, nodes spanned and concurrent groups per node link."""
+        size, stride = self.size_and_stride(dim)
+        rpn = self.ranks_per_node
+        if size <= 1 or stride * size <= rpn:
+            return GroupPlacement(size, nodes=1, share=1)
+        if stride >= rpn:
+            return GroupPlacement(size, nodes=size, share=rpn)  # one member per node, every local rank a group
+        per_node = rpn // stride
+        return GroupPlacement(size, nodes=max(1, size // per_node), share=stride)
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    size: int
+    nodes: int
+    share: int
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.nodes > 1
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``count`` collectives of one kind and op, each of ``payload_bytes``, over a group of ``group`` ranks."""
+
+    kind: str
+    op: str
+    payload_bytes: float
+    count: float
+    group: GroupPlacement
+    backend: str = "gloo"
+    hierarchical: bool = False
+    per_rank_fraction: float = 1.0  # the share of ranks that issue it (a send from one stage of several)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes the mean rank sends for all ``count`` of them."""
+        return self.count * self.per_rank_fraction * sent_bytes(self.op, self.payload_bytes, self.group.size,
+                                                                self.backend)
+
+
+def stage_params(model: ModelConfig, layout: Layout) -> float:
+    """Parameters one rank holds before data-parallel sharding: its pipeline stage, split by TP."""
+    return decoder_param_count(model) / (layout.pp * layout.tp)
+
+
+def step_collectives(model: ModelConfig, step: StepShape, layout: Layout) -> list[Collective]:
+    """Every collective of one step on one (mean) trainer rank."""
+    out: list[Collective] = []
+    be, h, layers = layout.backend, model.hidden_size, model.num_hidden_layers // layout.pp
+    p_bytes = stage_params(model, layout) * step.param_bytes
+    units = layers + 1  # FSDP: each decoder layer, then the root (embedding, norm, head)
+    gen_forwards = step.response_len  # prefill makes the first token, then one forward per decode step
+    train_forwards = step.micro_batches
+    fwd_only = step.forward_passes * math.ceil(step.rows / step.micro_rows)
+    dp_rep, dp_shard = layout.placement("dp_replicate"), layout.placement("dp_shard")
+    if layout.dp_shard > 1:  # FSDP / HSDP
+        unit = p_bytes / units
+        gathers = (2 * train_forwards + fwd_only + gen_forwards) * units
+        out.append(Collective("param", "all_gather", unit, gathers, dp_shard, be))
+        out.append(Collective("grad", "reduce_scatter", unit * layout.grad_ratio, train_forwards * units,
+                              dp_shard, be))
+        if layout.dp_replicate > 1:
+            out.append(Collective("grad", "all_reduce", unit / layout.dp_shard * layout.grad_ratio,
+                                  train_forwards * units, dp_rep, be))
+    elif layout.dp_replicate > 1:  # DDP
+        hierarchical = layout.allreduce == "hierarchical" and dp_rep.crosses_nodes and layout.ranks_per_node > 1
+        out.append(Collective("grad", "all_reduce", p_bytes * layout.grad_ratio, step.optimizer_steps, dp_rep, be,
+                              hierarchical=hierarchical))
+    if layout.tp > 1:
+        out += _tensor_parallel(model, step, layout, layers, gen_forwards, fwd_only)
+    if layout.pp > 1:
+        out += _pipeline(model, step, layout, p_bytes)
+    if layout.rollout_workers:
+        full = decoder_param_count(model) * layout.rollout_param_bytes * layout.weight_sync_ratio
+        # trainer rank 0 pushes to every worker; the metric is the mean over trainer ranks
+        worker_group = GroupPlacement(2, nodes=2, share=1)
+        out.append(Collective("weight_sync", "send", full, layout.rollout_workers, worker_group, be,
+                              per_rank_fraction=1 / layout.world))
+    out += _control(step, layout, gen_forwards)
+    return out
+
+
+def _tensor_parallel(model: ModelConfig, step: StepShape, layout: Layout, layers: int, gen_forwards: float,
+                     fwd_only: int) -> list[Collective]:
+    be, h, tp = layout.backend, model.hidden_size, layout.placement("tp")
+    micro_tokens = step.micro_rows * step.train_width
+    per_layer_train = TP_ALL_REDUCES_FORWARD + TP_ALL_REDUCES_BACKWARD
+    out = [
+        Collective("tp", "all_reduce", micro_tokens * h * step.act_bytes, step.micro_batches * per_layer_train * layers,
+                   tp, be),
+        Collective("tp", "all_reduce", micro_tokens * h * step.act_bytes, fwd_only * TP_ALL_REDUCES_FORWARD * layers,
+                   tp, be),
+        Collective("tp", "all_reduce", step.rows * step.prompt_len * h * step.act_bytes, TP_ALL_REDUCES_FORWARD * layers,
+                   tp, be),  # prefill
+        Collective("tp", "all_reduce", step.rows * h * step.act_bytes,
+                   max(0.0, gen_forwards - 1) * TP_ALL_REDUCES_FORWARD * layers, tp, be),  # decode steps
+    ]
+    if not model.tie_word_embeddings:  # the vocabulary-split head gathers the logits in every forward
+        v = model.vocab_size * step.act_bytes
+        out.append(Collective("tp", "all_gather", micro_tokens * v, step.micro_batches + fwd_only, tp, be))
+        out.append(Collective("tp", "all_gather", step.rows * v, gen_forwards, tp, be))
+    return out
+
+
+def _pipeline(model: ModelConfig, step: StepShape, layout: Layout, p_bytes: float) -> list[Collective]:
+    be, k = layout.backend, layout.pp
+    pp = layout.placement("pp")
+    width = step.pp_width or step.train_width
+    micro = step.mini_rows / step.pp_microbatches
+    activation = micro * width * model.hidden_size * step.act_bytes
+    boundary_sends = step.optimizer_steps * step.pp_microbatches  # per mini-batch, every micro-batch
+    full = decoder_param_count(model) * step.param_bytes / layout.tp
+    tensors = TENSORS_PER_LAYER * model.num_hidden_layers + 2
+    out = [
+        # each of the k-1 boundaries: one forward send and one backward send per micro-batch, over k ranks
+        Collective("pp", "send", activation, 2 * boundary_sends,
+                   GroupPlacement(2, nodes=2 if pp.crosses_nodes else 1, share=pp.share), be,
+                   per_rank_fraction=(k - 1) / k),
+        Collective("weight_sync", "broadcast", full / tensors, tensors, pp, be),
+    ]
+    if model.tie_word_embeddings:  # the embedding and the head live on the first and last stage
+        emb = model.vocab_size * model.hidden_size * step.param_bytes / layout.tp
+        out.append(Collective("grad", "all_reduce", emb, step.optimizer_steps, pp, be))
+    return out
+
+
+def _control(step: StepShape, layout: Layout, gen_forwards: float) -> list[Collective]:
+    """Latency-bound control traffic: metric reduction, mini-batch token counts, finish votes."""
+    if layout.world <= 1:
+        return []
+    world = GroupPlacement(layout.world, nodes=layout.nodes, share=1)
+    dp = layout.placement("dp")
+    out = [Collective("metrics", "all_gather", 8 * 64 * layout.world, 1, world, layout.backend),
+           Collective("metrics", "all_reduce", 4, math.ceil(gen_forwards / FINISH_CHECK_EVERY), world,
+                      layout.backend)]
+    if layout.dp > 1:
+        out.append(Collective("metrics", "all_reduce", 8, step.optimizer_steps, dp, layout.backend))
+    if layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1:
+        out.append(Collective("metrics", "all_reduce", 4, step.optimizer_steps, world, layout.backend))
+    return out
+
+
+def bytes_by_kind(collectives: list[Collective]) -> dict[str, float]:
+    """Bytes the mean rank sends per step, by kind (comparable with ``comm/bytes/<kind>``)."""
+    out: dict[str, float] = {}
+    for c in collectives:
+        out[c.kind] = out.get(c.kind, 0.0) + c.sent_bytes
+    return out
