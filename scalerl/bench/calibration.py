@@ -10,6 +10,8 @@ from typing import Any
 from scalerl.models.config import ModelConfig
 from scalerl.models.hf_checkpoint import model_config_from_hf
 from scalerl.perf.collective_cost import LINK_PRESETS, LinkCost, fit_link
+from scalerl.perf.flops import flops_per_token, forward_flops_per_token
+from scalerl.perf.mfu import StepWork, generation_flops
 from scalerl.perf.step_projection import ComputeRates, Links, TokenLengths, phase_flops
 from scalerl.perf.step_traffic import Layout, StepShape
 
@@ -44,25 +46,78 @@ def cell_layout(cell: dict[str, Any]) -> Layout:
                   rollout_workers=cell.get("workers", 0), weight_sync_ratio=ratio)
 
 
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of seconds against FLOPs through two or more points; a slope that does not grow is
+    taken as 0 FLOP cost (all fixed), a negative intercept as 0 (all FLOPs)."""
+    (x1, y1), (x2, y2) = points[0], points[-1]
+    slope = (y2 - y1) / (x2 - x1) if x2 != x1 else 0.0
+    if slope <= 0:
+        return min(y for _, y in points), 0.0
+    intercept = y1 - slope * x1
+    if intercept < 0:
+        return 0.0, sum(y for _, y in points) / sum(x for x, _ in points)
+    return intercept, slope
+
+
+def probe_fit(model: ModelConfig, probe: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Per phase (fixed seconds per call, seconds per FLOP) from the calibration cell's compute probe."""
+    train = [(p["rows"] * p["width"] * flops_per_token(model, p["width"]), p["seconds"]) for p in probe["train"]]
+    forward = [(p["rows"] * p["width"] * forward_flops_per_token(model, p["width"]), p["seconds"])
+               for p in probe["forward"]]
+    gen = []
+    for p in probe["gen"]:
+        work = StepWork(p["rows"] * p["prompt_len"], p["rows"] * p["new_tokens"], p["prompt_len"], p["new_tokens"])
+        gen.append((generation_flops(model, work), p["seconds"]))
+    steps = probe["gen"][0]["new_tokens"]
+    gen_fixed, gen_slope = _line(gen)
+    return {"train": _line(train), "forward": _line(forward), "gen": (gen_fixed / steps, gen_slope)}
+
+
 def compute_rates(calibration: dict[str, Any]) -> ComputeRates:
-    """Effective FLOP/s per phase of the calibration cell (median phase times, one rank, no waits)."""
+    """Per-phase costs of this device, matched to the calibration cell's median phase times (one rank, no
+    waits): with a compute probe, its split into fixed cost per call and cost per FLOP is kept and both are
+    scaled so the calibration cell's own phases come out exactly (that absorbs what the probe leaves out,
+    e.g. the optimizer step); without one, all of a phase's time is taken as FLOPs."""
     model = cell_model(calibration)
     step, lengths = cell_step(calibration)
-    flops = phase_flops(model, step, cell_layout(calibration), lengths)
+    layout = cell_layout(calibration)
+    flops = phase_flops(model, step, layout, lengths)
     lat = calibration["latency_ms"]
     gen_s = lat["gen"]["median"] / 1e3
     update_s = lat["update_actor"]["median"] / 1e3
     forward_s = sum(lat[k]["median"] for k in ("old_log_prob", "ref") if k in lat) / 1e3
     known = gen_s + update_s + forward_s + sum(lat[k]["median"] for k in ("update_weights",) if k in lat) / 1e3
     other = max(0.0, lat["step"]["median"] / 1e3 - known)
-    train_rate = flops["update"] / update_s
-    forward_rate = flops["forward"] / forward_s if flops["forward"] and forward_s > 0 else train_rate
+    fit = probe_fit(model, calibration["compute_probe"]) if calibration.get("compute_probe") else None
+    calls = {"gen": step.response_len, "train": step.micro_batches,
+             "forward": step.forward_passes * -(-step.rows // step.micro_rows)}
+
+    def matched(phase: str, measured: float, phase_flops_: float) -> tuple[float, float]:
+        """(fixed seconds per call, FLOP/s) reproducing ``measured`` for this cell's calls and FLOPs."""
+        if fit is None or phase not in fit:
+            return 0.0, phase_flops_ / measured
+        fixed, per_flop = fit[phase]
+        predicted = calls[phase] * fixed + phase_flops_ * per_flop
+        scale = measured / predicted if predicted > 0 else 1.0
+        return fixed * scale, (1.0 / (per_flop * scale) if per_flop > 0 else float("inf"))
+
+    gen_step, gen_rate = matched("gen", gen_s, flops["gen"])
+    train_call, train_rate = matched("train", update_s, flops["update"])
+    if flops["forward"] and forward_s > 0:
+        forward_call, forward_rate = matched("forward", forward_s, flops["forward"])
+    elif fit is not None:  # not measured in the cell: the probe's own figures
+        forward_call, per_flop = fit["forward"]
+        forward_rate = 1.0 / per_flop if per_flop > 0 else float("inf")
+    else:
+        forward_call, forward_rate = 0.0, train_rate * 3
     cpu = calibration.get("cpu", {})
     return ComputeRates(
-        gen_flops_per_s=flops["gen"] / gen_s, train_flops_per_s=train_rate, forward_flops_per_s=forward_rate,
-        other_s_per_row=other / max(1, step.rows),
+        gen_flops_per_s=gen_rate, train_flops_per_s=train_rate, forward_flops_per_s=forward_rate,
+        other_s_per_row=other / max(1, step.rows), gen_step_s=gen_step, train_call_s=train_call,
+        forward_call_s=forward_call,
         source=f"measured: calibration cell {calibration['id']} ({calibration['measured_steps']} steps, "
-               f"1 rank x {int(cpu.get('threads_per_rank', 1))} thread, median phase times)")
+               f"1 rank x {int(cpu.get('threads_per_rank', 1))} thread, median phase times"
+               + (", split into per-call and per-FLOP costs by a compute probe" if fit else "") + ")")
 
 
 def links_for(report: dict[str, Any], cell: dict[str, Any] | None = None, inter_name: str | None = None) -> Links:

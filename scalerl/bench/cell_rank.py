@@ -45,6 +45,7 @@ def run(spec: dict[str, Any]) -> int:
     from scalerl.core.device import resolve_device
     from scalerl.core.threads import read_cpu_counters
     from scalerl.parallel.distributed import init_distributed
+    from scalerl.parallel.process_group import stop_heartbeat
     from scalerl.rollout.worker import RolloutWorker
     from scalerl.trainer.rl_trainer import RLTrainer, rollout_worker_count
 
@@ -62,6 +63,7 @@ def run(spec: dict[str, Any]) -> int:
             RolloutWorker(cfg, device, ctx.rollout_group).serve()
             record.update(wall_s=[time.perf_counter() - start_wall], cpu_s=[_cpu_seconds() - start_cpu])
             _write_json(out_dir / f"rank{ctx.rank}.json", record)
+            _leave_together(dist)
             return 0
         trainer = RLTrainer(cfg, ctx)
         captured: dict[str, Any] = {}
@@ -75,14 +77,18 @@ def run(spec: dict[str, Any]) -> int:
         for _ in range(spec["warmup"]):
             trainer.train_step()
             trainer.step += 1
-        plain = generate = None
+        plain = generate = compute_probe = None
         baselines: dict[str, list[float]] = {}
         if spec.get("baselines") and ctx.world_size == 1:
             from scalerl.bench.baselines import baseline_setup, run_baselines
 
+            from scalerl.bench.compute_probe import probe_compute
+
             plain, generate, record["baseline_notes"] = baseline_setup(trainer, True, True)
             if "batch" in captured:
                 run_baselines(trainer, captured["batch"], plain, generate, {})  # warm-up, not recorded
+            compute_probe = probe_compute(trainer.policy.model, trainer.tokenizer.pad_token_id,
+                                          cfg.actor.ppo_micro_batch_size, cfg.rollout.max_new_tokens)
         rounds = min(spec["steps"], int(spec.get("baseline_rounds", 5)))
         every = max(1, spec["steps"] // max(1, rounds))
         steps, walls, cpus, host_busy = [], [], [], []
@@ -104,12 +110,21 @@ def run(spec: dict[str, Any]) -> int:
         record.update(wall_s=walls, cpu_s=cpus, host_busy_s=host_busy, cores=os.cpu_count())
         if ctx.is_main:
             _write_json(out_dir / "steps.json", {"steps": steps, "baselines": baselines,
-                                                 "model": _model_facts(trainer)})
+                                                 "model": _model_facts(trainer), "compute_probe": compute_probe})
         _write_json(out_dir / f"rank{ctx.rank}.json", record)
+        _leave_together(dist)
         return 0
     finally:
+        stop_heartbeat()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leave_together(dist) -> None:
+    """Every rank, rollout workers included, waits here before tearing down: rank 0 hosts the store the
+    others' heartbeat threads talk to, and a store gone mid-call aborts a process on its way out."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def _model_facts(trainer) -> dict[str, Any]:

@@ -43,12 +43,15 @@ class CellFiles:
     baselines: dict[str, list[float]] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
     ranks: list[dict] = field(default_factory=list)
+    compute_probe: dict | None = None
 
 
 def _package_env(threads: int) -> dict[str, str]:
     root = str(Path(scalerl.__file__).resolve().parents[1])  # ranks import this very scalerl
     path = os.environ.get("PYTHONPATH", "")
-    return {"PYTHONPATH": root + (os.pathsep + path if path else ""), "OMP_NUM_THREADS": str(threads)}
+    # PYTHONFAULTHANDLER: a rank killed by a fatal signal prints every thread's Python stack into its output
+    return {"PYTHONPATH": root + (os.pathsep + path if path else ""), "OMP_NUM_THREADS": str(threads),
+            "PYTHONFAULTHANDLER": "1"}
 
 
 class Launcher:
@@ -133,6 +136,7 @@ def read_cell_files(out_dir: Path) -> CellFiles:
     if steps_path.exists():
         data = json.loads(steps_path.read_text())
         files.steps, files.baselines, files.model = data["steps"], data.get("baselines", {}), data.get("model", {})
+        files.compute_probe = data.get("compute_probe")
     files.ranks = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
     files.ranks.sort(key=lambda r: r["rank"])
     return files

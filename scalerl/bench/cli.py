@@ -135,6 +135,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     failed = [c for c in report["cells"] if c["status"] == "failed"]
     for cell in failed:
         print(f"\nFAILED {cell['id']}: {cell['reason']}", file=sys.stderr)
+    for cell in report["cells"]:
+        if cell.get("exit_warning"):
+            print(f"\nwarning: {cell['id']} measured, then a rank failed on exit: {cell['exit_warning']}",
+                  file=sys.stderr)
     print(f"\nreport written to {args.output} (scalerl report {args.output} -o performance_analysis.pdf)")
     return 1 if failed else 0
 

@@ -1,6 +1,6 @@
 """Link calibration inside a cell's network: ``python -m scalerl.bench.link_probe SPEC.json`` on every rank.
 
-All-reduce sweeps (the doctor's `all_reduce_sweep`, the slowest rank's time per size) between the first
+All-reduce sweeps (per size, the median of the slowest rank's time over repetitions) between the first
 ranks of the first two nodes (one stream over the inter-node link) and among the ranks of node 0 (its
 loopback), written by rank 0 as ``probe.json``; the runner fits alpha and beta to them
 (`scalerl.perf.collective_cost.fit_link`).
@@ -14,8 +14,33 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-SIZES = (4 * 2**10, 64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20)
-ITERS = 3
+SIZES = (4 * 2**10, 16 * 2**10, 64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20)
+SMALL_ITERS, LARGE_ITERS = 15, 5  # small messages are cheap and noisy: more of them
+
+
+def timed_sweep(group, group_size: int, sizes: list[int]) -> list[dict]:
+    """Per size: the median over repetitions of the slowest rank's time of one all-reduce (each preceded by
+    a barrier, so a late rank's arrival is not counted), after one untimed warm-up."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    results = []
+    for size in sizes:
+        buf = torch.ones(max(1, size // 4), dtype=torch.float32)
+        dist.all_reduce(buf, group=group)
+        times = []
+        for _ in range(SMALL_ITERS if size < 2**18 else LARGE_ITERS):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+            times.append(float(elapsed))
+        results.append({"size": size, "time_s": statistics.median(times), "min_s": min(times), "n": len(times)})
+    return results
 
 
 def run(spec: dict) -> int:
@@ -23,27 +48,24 @@ def run(spec: dict) -> int:
     import torch
     import torch.distributed as dist
 
-    from scalerl.doctor.bandwidth import all_reduce_sweep
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=float(spec.get("timeout_s", 300))))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         per_node = int(spec["ranks_per_node"])
         nodes = world // per_node
-        device = torch.device("cpu")
         sizes = list(spec.get("sizes") or SIZES)
-        out: dict = {"sizes": sizes, "iters": ITERS}
+        out: dict = {"sizes": sizes}
         if nodes >= 2:  # every rank creates every group, in the same order
             pair = [0, per_node]
             inter = dist.new_group(pair)
             if rank in pair:
-                out["inter"] = {"p": 2, "results": all_reduce_sweep(inter, 2, sizes, ITERS, device)}
+                out["inter"] = {"p": 2, "results": timed_sweep(inter, 2, sizes)}
         if per_node >= 2:
             local = list(range(per_node))
             intra = dist.new_group(local)
             if rank in local:
-                out["intra"] = {"p": per_node, "results": all_reduce_sweep(intra, per_node, sizes, ITERS, device)}
+                out["intra"] = {"p": per_node, "results": timed_sweep(intra, per_node, sizes)}
         dist.barrier()
         if rank == 0:
             path = Path(spec["out_dir"]) / "probe.json"

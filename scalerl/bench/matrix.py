@@ -114,8 +114,13 @@ class Cell:
 
     @property
     def total_nodes(self) -> int:
-        """Nodes to emulate: the trainer's, plus the rollout workers' node."""
-        return self.nodes + (1 if self.workers else 0)
+        """Nodes to start: the trainer's, plus a node of rollout workers behind the link when there is one
+        (on a single node the workers are more local ranks)."""
+        return self.nodes + (1 if self.workers and self.nodes > 1 else 0)
+
+    @property
+    def launch_ranks_per_node(self) -> int:
+        return self.ranks_per_node if self.total_nodes > 1 else self.world + self.workers
 
     @property
     def devices(self) -> int:

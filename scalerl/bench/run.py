@@ -39,7 +39,9 @@ def _cell_config(matrix: BenchMatrix, cell: Cell, samples: int, scratch: Path) -
 
 def _shape(cfg: Any) -> dict[str, Any]:
     """What the cost model needs from the cell's config (global sizes; per-rank shares come later)."""
-    recompute = cfg.rollout.placement == "standalone" or cfg.trainer.precision != "fp32"
+    # the trainer recomputes old log-probs unless the rollout's are an fp32 forward of the latest weights
+    standalone_exact = cfg.rollout.dtype == "fp32" and not cfg.rollout.staleness
+    recompute = cfg.trainer.precision != "fp32" or (cfg.rollout.placement == "standalone" and not standalone_exact)
     return {"micro_rows": cfg.actor.ppo_micro_batch_size, "mini_rows": cfg.actor.ppo_mini_batch_size,
             "epochs": cfg.actor.ppo_epochs,
             "forward_passes": int(recompute) + int(cfg.actor.use_kl_loss) + int(cfg.algorithm.adv_estimator == "gae"),
@@ -79,7 +81,7 @@ def run_bench(matrix: BenchMatrix, output: str | Path, command: str = "scalerl b
     report["doctor"] = doctor
     timeout = cell_timeout_s or 120 + 20 * (matrix.warmup + matrix.steps)
     unique: dict[tuple, dict[str, Any]] = {}
-    probes = {("loopback",)} if any(c.world > 1 or c.total_nodes > 1 for c, _, _ in planned) else set()
+    probes = {("loopback",)} if any(c.world + c.workers > 1 for c, _, _ in planned) else set()
     probes |= {(c.total_nodes, c.rate_mbit) for c, _, _ in planned if c.total_nodes > 1}
     with BenchProgress(len(planned) + len(probes), progress_stream) as progress, Launcher(progress.log) as launcher:
         for probe in sorted(probes, key=str):
@@ -124,15 +126,22 @@ def _run_cell(launcher: Launcher, matrix: BenchMatrix, cell: Cell, overrides: li
             "threads": matrix.threads_per_rank, "baselines": cell.calibration}
     result: dict[str, Any] = {**cell.to_dict(), "total_nodes": cell.total_nodes, "overrides": overrides,
                               "dp": cell.dp, "shape": _shape(cfg)}
-    outcome = launcher.run("scalerl.bench.cell_rank", spec, cell.total_nodes, cell.ranks_per_node, cell.rate_mbit,
-                           timeout, matrix.threads_per_rank)
+    outcome = launcher.run("scalerl.bench.cell_rank", spec, cell.total_nodes, cell.launch_ranks_per_node,
+                           cell.rate_mbit, timeout, matrix.threads_per_rank)
     files = read_cell_files(out_dir)
     result["wall_s"] = outcome.seconds
-    if not outcome.ok or not files.steps:
+    complete = bool(files.steps) and len(files.ranks) == cell.devices
+    if not outcome.ok and complete:
+        # every rank wrote its results before one failed on its way out: the measurement stands, the
+        # failed exit is reported with the cell
+        result["exit_warning"] = outcome.reason
+    elif not outcome.ok or not files.steps:
         return {**result, "status": "failed", "reason": outcome.reason or "the cell wrote no step metrics"}
     rows = cfg.trainer.batch_size * cfg.rollout.n
     result.update(status="ok", model=files.model, **summarize(cell, files, rows, matrix.threads_per_rank))
     result["baseline_rounds"] = files.baselines
+    if files.compute_probe:
+        result["compute_probe"] = files.compute_probe
     result["update_s_paired"] = [s["timing_s/update_actor"] for s in files.steps if s.get("bench/baseline_after")]
     fractions = [s["weight_sync/bytes"] / s["weight_sync/full_bytes"] for s in files.steps
                  if s.get("weight_sync/full_bytes")]

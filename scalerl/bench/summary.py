@@ -85,7 +85,9 @@ def _work(steps: list[dict], rows_per_step: int) -> dict[str, float]:
 
 def _cpu(ranks: list[dict], threads: int) -> dict[str, float]:
     """Cores each rank kept busy while stepping, the host's busy cores over rank 0's steps, and what other
-    processes used (host minus our ranks): the contention the cost model applies on this host."""
+    processes used (host minus our ranks). ``contention``: trainer ranks x threads per free core (the
+    trainer's ranks compute at the same time; standalone workers generate while they wait), what the cost
+    model applies to compute and message latency on this host."""
     trainers = [r for r in ranks if r.get("role") == "trainer" and r.get("wall_s")]
     if not trainers:
         return {}
@@ -100,7 +102,7 @@ def _cpu(ranks: list[dict], threads: int) -> dict[str, float]:
     if host is not None:
         others = max(0.0, host - ours)
         out.update(host_busy_cores=host, host_utilization=host / cores, other_load_cores=others,
-                   contention=max(1.0, len(ranks) * threads / max(0.25, cores - others)))
+                   contention=max(1.0, len(trainers) * threads / max(0.25, cores - others)))
     return out
 
 

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "all_to_all")
+LARGE_MESSAGE = 256 * 2**10  # fit_link: bandwidth from messages this large or larger
 
 
 @dataclass(frozen=True)
@@ -117,28 +118,30 @@ def hierarchical_all_reduce_time(payload_bytes: float, nodes: int, per_node: int
 
 def fit_link(sizes: list[float], seconds: list[float], op: str = "all_reduce", p: int = 2,
              backend: str = "gloo", source: str = "") -> LinkCost:
-    """The link whose alpha-beta cost of ``op`` over ``p`` ranks best fits ``seconds`` at payload ``sizes``:
-    t = A + B n by least squares on the relative error (weights 1/t^2, so small messages, which set the
-    latency, count as much as large ones, which set the bandwidth); alpha = A / steps, beta = B / factor.
-    A negative intercept (noise) is clamped to 0 and the slope refitted through the origin."""
+    """The link whose alpha-beta cost of ``op`` over ``p`` ranks fits ``seconds`` measured at payload ``sizes``.
+
+    Bandwidth from the large messages, latency from the small ones, so neither end's noise spoils the other:
+    beta is the least-squares slope through the sizes of at least 256 KiB (all sizes when fewer than two are
+    that large), alpha the median over the sizes under 256 KiB of what is left once the bandwidth term is
+    taken off, per message step, clamped at 0."""
     if len(sizes) != len(seconds) or len(sizes) < 2:
         raise ValueError("fit_link needs at least two (size, seconds) points")
     if len(set(sizes)) < 2 or min(seconds) <= 0:
         raise ValueError("fit_link needs at least two different sizes and positive times")
     steps, factor = _steps_and_factor(op, p, backend)
-    w = [1.0 / (t * t) for t in seconds]
-    sw = sum(w)
-    mean_x = sum(wi * x for wi, x in zip(w, sizes)) / sw
-    mean_y = sum(wi * y for wi, y in zip(w, seconds)) / sw
-    sxx = sum(wi * (x - mean_x) ** 2 for wi, x in zip(w, sizes))
-    slope = sum(wi * (x - mean_x) * (y - mean_y) for wi, x, y in zip(w, sizes, seconds)) / sxx
-    intercept = mean_y - slope * mean_x
-    if intercept < 0 or slope <= 0:
-        intercept = 0.0
-        slope = sum(wi * x * y for wi, x, y in zip(w, sizes, seconds)) / sum(wi * x * x for wi, x in zip(w, sizes))
-    if slope <= 0:
-        raise ValueError("timings do not grow with size: cannot fit a bandwidth")
-    return LinkCost(intercept / steps, factor / slope, source)
+    points = sorted(zip(sizes, seconds))
+    large = [(x, y) for x, y in points if x >= LARGE_MESSAGE] if sum(x >= LARGE_MESSAGE for x, _ in points) >= 2 \
+        else points
+    mean_x = sum(x for x, _ in large) / len(large)
+    mean_y = sum(y for _, y in large) / len(large)
+    sxx = sum((x - mean_x) ** 2 for x, _ in large)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in large) / sxx if sxx else 0.0
+    if slope <= 0:  # flat or noisy: the largest message's rate
+        slope = large[-1][1] / large[-1][0]
+    small = [(x, y) for x, y in points if x < LARGE_MESSAGE] or points[:1]
+    residuals = sorted(max(0.0, y - slope * x) for x, y in small)
+    alpha = residuals[len(residuals) // 2] / steps
+    return LinkCost(alpha, factor / slope, source)
 
 
 def fit_error(link: LinkCost, sizes: list[float], seconds: list[float], op: str = "all_reduce", p: int = 2,

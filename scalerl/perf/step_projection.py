@@ -5,13 +5,15 @@ calibrated per-phase rates, plus communication from the alpha-beta cost of every
     step = gen + forward-only passes + update x (1 + pipeline bubble) + per-row host work   (compute)
          + sum over collectives of count x alpha-beta time                                   (communication)
 
-Compute time is FLOPs (`scalerl.perf.flops`, real tokens) over each phase's effective FLOP/s, which is what
-calibration measures on a device (so padding, kernel efficiency and launch overhead at the calibrated shape
-are in the rate), times ``contention``: how many ranks share each core on an oversubscribed host.
+A phase's compute time is its calls (decode steps, micro-batch forward + backward passes; a pipeline stage's
+calls cost its share of the layers) at a fixed cost each, plus its FLOPs (`scalerl.perf.flops`) at an
+effective rate, both calibrated on a device (`scalerl.bench.calibration`), times ``contention``: how many
+ranks share each core on an oversubscribed host.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from scalerl.models.config import ModelConfig
@@ -26,22 +28,25 @@ ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
 
 @dataclass(frozen=True)
 class ComputeRates:
-    """Effective FLOP/s of each phase on one device and seconds of host work per sequence (data, rewards,
-    advantages), with where they came from."""
+    """Per phase, a fixed cost per call (a full model's forward + backward, forward, or decode step: launch
+    and dispatch overhead, scaled by the share of the layers a rank runs) plus FLOPs at an effective rate;
+    and seconds of host work per sequence (data, rewards, advantages). With where the numbers came from."""
 
     gen_flops_per_s: float
     train_flops_per_s: float
     forward_flops_per_s: float
     other_s_per_row: float
     source: str = ""
+    gen_step_s: float = 0.0
+    train_call_s: float = 0.0
+    forward_call_s: float = 0.0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
     @classmethod
     def from_dict(cls, data: dict) -> ComputeRates:
-        return cls(**{k: data[k] for k in ("gen_flops_per_s", "train_flops_per_s", "forward_flops_per_s",
-                                           "other_s_per_row")}, source=data.get("source", ""))
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,8 @@ class StepEstimate:
 
 
 def phase_flops(model: ModelConfig, step: StepShape, layout: Layout, lengths: TokenLengths) -> dict[str, float]:
-    """FLOPs one trainer rank computes per phase (generation with standalone workers: one worker's)."""
+    """FLOPs one trainer rank computes per phase (generation with standalone workers: one worker's). Real
+    tokens, except under pipeline parallelism, whose stages run mini-batches padded to fixed widths."""
     rows = step.rows
     tokens = rows * (lengths.prompt + lengths.response)
     seq = lengths.prompt + lengths.response
@@ -99,10 +105,13 @@ def phase_flops(model: ModelConfig, step: StepShape, layout: Layout, lengths: To
     gen = generation_flops(model, work) / layout.tp
     if layout.rollout_workers:  # the workers generate the whole batch between them, unsplit by TP
         gen = gen * layout.tp * layout.dp / layout.rollout_workers
+    update = step.epochs * tokens * flops_per_token(model, seq)
+    if layout.pp > 1 and step.pp_width:  # pipeline stages train on mini-batches padded to the fixed widths
+        update = step.epochs * rows * step.pp_width * flops_per_token(model, step.pp_width)
     return {
         "gen": gen,
         "forward": step.forward_passes * tokens * forward_flops_per_token(model, seq) / layout.tp,
-        "update": step.epochs * tokens * flops_per_token(model, seq) / (layout.tp * layout.pp),
+        "update": update / (layout.tp * layout.pp),
     }
 
 
@@ -110,22 +119,30 @@ def compute_seconds(model: ModelConfig, step: StepShape, layout: Layout, lengths
                     rates: ComputeRates, contention: float = 1.0) -> dict[str, float]:
     flops = phase_flops(model, step, layout, lengths)
     bubble = (layout.pp - 1) / step.pp_microbatches if layout.pp > 1 else 0.0
+    train_calls = step.optimizer_steps * step.pp_microbatches / layout.pp if layout.pp > 1 else step.micro_batches
+    forward_calls = step.forward_passes * math.ceil(step.rows / step.micro_rows)
     seconds = {
-        "gen": flops["gen"] / rates.gen_flops_per_s,
-        "forward": flops["forward"] / rates.forward_flops_per_s,
-        "update": flops["update"] / rates.train_flops_per_s * (1 + bubble),
+        "gen": step.response_len * rates.gen_step_s + flops["gen"] / rates.gen_flops_per_s,
+        "forward": forward_calls * rates.forward_call_s + flops["forward"] / rates.forward_flops_per_s,
+        "update": (train_calls * rates.train_call_s + flops["update"] / rates.train_flops_per_s) * (1 + bubble),
         "other": step.rows * rates.other_s_per_row,
     }
     return {k: v * max(1.0, contention) for k, v in seconds.items()}
 
 
 def collective_seconds(c: Collective, links: Links, ranks_per_node: int) -> float:
+    """Seconds of all ``c.count`` collectives (the mean rank's share for point-to-point sends)."""
     if c.hierarchical:
         return c.count * hierarchical_all_reduce_time(c.payload_bytes, c.group.nodes, ranks_per_node, links.intra,
                                                       links.inter, c.backend)
     link = links.inter if c.group.crosses_nodes else links.intra
     share = c.group.share if c.group.crosses_nodes else 1
-    return c.count * c.per_rank_fraction * collective_time(c.op, c.payload_bytes, c.group.size, link, c.backend, share)
+    one = collective_time(c.op, c.payload_bytes, c.group.size, link, c.backend, share)
+    fraction = c.per_rank_fraction if c.time_fraction is None else c.time_fraction
+    if c.pipelined:  # back-to-back transfers from one sender overlap their latencies: paid once
+        latency = collective_time(c.op, 0.0, c.group.size, link, c.backend, share)
+        return fraction * (c.count * (one - latency) + latency)
+    return c.count * fraction * one
 
 
 def device_memory_gb(model: ModelConfig, step: StepShape, layout: Layout) -> float:

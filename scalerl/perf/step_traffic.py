@@ -1,10 +1,12 @@
 """The collectives one RL step issues on each rank, by kind, as scalerl's layouts run them: what the cost
 model times. Bytes follow `scalerl.comm.accounting` (docs/comm-accounting.md), counts follow the code:
 
-- ``grad``: DDP all-reduces the whole gradient once per optimizer step (compression: the bytes it sends);
-  FSDP reduce-scatters each unit (decoder layers + the root) after every micro-batch's backward; HSDP adds
-  an all-reduce of each shard over ``dp_replicate``; a tied embedding split over pipeline stages sums its
-  gradient over ``pp`` once per optimizer step.
+- ``grad``: DDP (plain replication only) all-reduces the whole gradient once per optimizer step
+  (compression: the bytes it sends). Every other data-parallel layout runs FSDP2 on the (dp_replicate,
+  dp_shard) mesh: each unit (decoder layers + the root) is reduce-scattered over ``dp_shard`` and its shard
+  all-reduced over ``dp_replicate`` after every micro-batch's backward (once per optimizer step for a
+  pipeline stage); a tied embedding split over pipeline stages sums its gradient over ``pp`` once per
+  optimizer step.
 - ``param``: FSDP all-gathers every unit in each forward (training micro-batches, their backward
   re-gather, forward-only log-prob passes, and every decode step of generation).
 - ``tp``: per decoder layer, 2 all-reduces of the hidden states in forward (o and down projections) and 5
@@ -132,6 +134,8 @@ class Collective:
     backend: str = "gloo"
     hierarchical: bool = False
     per_rank_fraction: float = 1.0  # the share of ranks that issue it (a send from one stage of several)
+    pipelined: bool = False  # back-to-back from one sender with no reduction between: latencies overlap
+    time_fraction: float | None = None  # share of its time on the step's critical path (default: per rank)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -152,20 +156,24 @@ def step_collectives(model: ModelConfig, step: StepShape, layout: Layout) -> lis
     be, h, layers = layout.backend, model.hidden_size, model.num_hidden_layers // layout.pp
     p_bytes = stage_params(model, layout) * step.param_bytes
     units = layers + 1  # FSDP: each decoder layer, then the root (embedding, norm, head)
-    gen_forwards = step.response_len  # prefill makes the first token, then one forward per decode step
+    # prefill makes the first token, then one forward per decode step; standalone workers generate elsewhere
+    gen_forwards = 0.0 if layout.rollout_workers else step.response_len
     train_forwards = step.micro_batches
     fwd_only = step.forward_passes * math.ceil(step.rows / step.micro_rows)
     dp_rep, dp_shard = layout.placement("dp_replicate"), layout.placement("dp_shard")
-    if layout.dp_shard > 1:  # FSDP / HSDP
+    if layout.dp > 1 and (layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1):
+        # FSDP2 on the (dp_replicate, dp_shard) mesh; a pipeline stage syncs once per optimizer step
         unit = p_bytes / units
-        gathers = (2 * train_forwards + fwd_only + gen_forwards) * units
-        out.append(Collective("param", "all_gather", unit, gathers, dp_shard, be))
-        out.append(Collective("grad", "reduce_scatter", unit * layout.grad_ratio, train_forwards * units,
-                              dp_shard, be))
+        syncs = step.optimizer_steps if layout.pp > 1 else train_forwards
+        if layout.dp_shard > 1:
+            forwards = 2 * step.optimizer_steps * step.pp_microbatches if layout.pp > 1 else \
+                2 * train_forwards + fwd_only + gen_forwards
+            out.append(Collective("param", "all_gather", unit, forwards * units, dp_shard, be))
+            out.append(Collective("grad", "reduce_scatter", unit * layout.grad_ratio, syncs * units, dp_shard, be))
         if layout.dp_replicate > 1:
-            out.append(Collective("grad", "all_reduce", unit / layout.dp_shard * layout.grad_ratio,
-                                  train_forwards * units, dp_rep, be))
-    elif layout.dp_replicate > 1:  # DDP
+            out.append(Collective("grad", "all_reduce", unit / layout.dp_shard * layout.grad_ratio, syncs * units,
+                                  dp_rep, be))
+    elif layout.dp_replicate > 1:  # DDP: plain replication, one bucketed all-reduce per optimizer step
         hierarchical = layout.allreduce == "hierarchical" and dp_rep.crosses_nodes and layout.ranks_per_node > 1
         out.append(Collective("grad", "all_reduce", p_bytes * layout.grad_ratio, step.optimizer_steps, dp_rep, be,
                               hierarchical=hierarchical))
@@ -178,7 +186,7 @@ def step_collectives(model: ModelConfig, step: StepShape, layout: Layout) -> lis
         # trainer rank 0 pushes to every worker; the metric is the mean over trainer ranks
         worker_group = GroupPlacement(2, nodes=2, share=1)
         out.append(Collective("weight_sync", "send", full, layout.rollout_workers, worker_group, be,
-                              per_rank_fraction=1 / layout.world))
+                              per_rank_fraction=1 / layout.world, pipelined=True, time_fraction=1.0))
     out += _control(step, layout, gen_forwards)
     return out
 
@@ -218,8 +226,8 @@ def _pipeline(model: ModelConfig, step: StepShape, layout: Layout, p_bytes: floa
         # each of the k-1 boundaries: one forward send and one backward send per micro-batch, over k ranks
         Collective("pp", "send", activation, 2 * boundary_sends,
                    GroupPlacement(2, nodes=2 if pp.crosses_nodes else 1, share=pp.share), be,
-                   per_rank_fraction=(k - 1) / k),
-        Collective("weight_sync", "broadcast", full / tensors, tensors, pp, be),
+                   per_rank_fraction=(k - 1) / k, pipelined=True),
+        Collective("weight_sync", "broadcast", full / tensors, tensors, pp, be, pipelined=True),
     ]
     if model.tie_word_embeddings:  # the embedding and the head live on the first and last stage
         emb = model.vocab_size * model.hidden_size * step.param_bytes / layout.tp

@@ -64,6 +64,8 @@ def _appendix(report: dict[str, Any]) -> str:
                                             "load_average_before", "load_average_after")]
     lines.append("")
     for cell in report["cells"]:
+        if cell.get("exit_warning"):
+            lines.append(f"measured, then a rank failed on exit: {cell['id']}: {cell['exit_warning'].splitlines()[0]}")
         if cell.get("status") != "ok":
             reason = cell.get("reason", "").splitlines()[0] if cell.get("reason") else ""
             lines.append(f"{cell['status']}: {cell['id']}: {reason}")

@@ -1,0 +1,65 @@
+"""How this device's compute time grows with work, measured in the calibration cell: forward + backward of a
+micro-batch at two sequence widths, and fixed-length generation at two batch sizes, on the model itself.
+
+Two sizes per phase split a phase's time into a fixed cost per call (a forward + backward, a decode step:
+kernel launches, Python, the dispatcher) and a cost per FLOP. On a GPU with a large model the FLOPs
+dominate; on this CPU with a small one the fixed part does, and a projection to another shape (a pipeline
+stage's share of the layers, tensor parallelism's share of each matmul, fewer rows per rank) has to know
+which of the two it is scaling. `scalerl.bench.calibration` fits both from these points.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from scalerl.rollout.builtin_engine import BuiltinEngine
+from scalerl.rollout.engine import SamplingParams
+
+TRAIN_WIDTHS = (24, 96)
+GEN_ROWS = (4, 16)
+PROMPT_LEN = 12
+REPEATS = 5
+
+
+def _median_seconds(fn, repeats: int = REPEATS) -> float:
+    fn()  # warm-up: allocations, kernel choice
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def probe_compute(model: torch.nn.Module, pad_token_id: int, micro_rows: int, new_tokens: int) -> dict:
+    """Median seconds of each probe, with the shapes the fit needs."""
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    out: dict = {"train": [], "forward": [], "gen": []}
+    model.train()
+    for width in TRAIN_WIDTHS:
+        ids = torch.randint(3, vocab, (micro_rows, width), generator=generator)
+        mask = torch.ones_like(ids)
+
+        def train_once():
+            logits = model(ids, attention_mask=mask)
+            torch.log_softmax(logits.float(), -1).mean().backward()
+            model.zero_grad(set_to_none=True)
+
+        def forward_once():
+            with torch.no_grad():
+                torch.log_softmax(model(ids, attention_mask=mask).float(), -1)
+
+        out["train"].append({"rows": micro_rows, "width": width, "seconds": _median_seconds(train_once)})
+        out["forward"].append({"rows": micro_rows, "width": width, "seconds": _median_seconds(forward_once)})
+    model.eval()
+    engine = BuiltinEngine(model, pad_token_id)
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0, stop_token_ids=())
+    for rows in GEN_ROWS:
+        prompts = torch.randint(3, vocab, (rows, PROMPT_LEN), generator=generator).tolist()
+        seconds = _median_seconds(lambda: engine.generate(prompts, sampling))
+        out["gen"].append({"rows": rows, "prompt_len": PROMPT_LEN, "new_tokens": new_tokens, "seconds": seconds})
+    return out
