@@ -89,7 +89,7 @@ def run(spec: dict[str, Any]) -> int:
                 run_baselines(trainer, captured["batch"], plain, generate, {})  # warm-up, not recorded
             compute_probe = probe_compute(trainer.policy.model, trainer.tokenizer.pad_token_id,
                                           cfg.actor.ppo_micro_batch_size, cfg.rollout.max_new_tokens)
-        rounds = min(spec["steps"], int(spec.get("baseline_rounds", 5)))
+        rounds = min(spec["steps"], int(spec.get("baseline_rounds", 10)))
         every = max(1, spec["steps"] // max(1, rounds))
         steps, walls, cpus, host_busy = [], [], [], []
         for i in range(spec["steps"]):

@@ -30,8 +30,11 @@ _COMPONENT = re.compile(r"^(ddp|fsdp|hsdp|tp|pp)(\d*)$")
 
 # What every cell runs besides its own keys: the built-in model at 4 layers (so up to 4 pipeline stages and
 # 2-way tensor parallelism fit), 4 samples of 16 new tokens per prompt, no evaluation, logging or checkpoints.
+# The reward is the response length (as `scalerl verify` uses): an untrained model never answers right, and an
+# all-zero reward would make every gradient zero, the weights never change and a delta weight sync send nothing.
 BENCH_BASE = (
     "rollout.n=4", "rollout.max_new_tokens=16", "actor.ppo_micro_batch_size=4", "data.num_val=0",
+    "data.reward=scalerl.verify:response_length_reward",
     "trainer.eval_every=0", "trainer.logger=[]", "trainer.monitor_every=0", "trainer.save_every=0",
     "trainer.overwrite=true",
 )

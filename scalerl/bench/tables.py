@@ -91,16 +91,17 @@ def _variant(cell: dict[str, Any]) -> str:
 
 
 def validation_table(report: dict[str, Any]) -> str:
-    header = ["cell", "contention", "step ms meas.", "proj.", "error", "comm ms meas.", "proj.", "error", "bytes err."]
+    header = ["cell", "contention", "step ms meas.", "proj.", "error", "comm ms meas.", "proj.", "error",
+              "compute err.", "bytes err."]
     rows = []
     for v in report["validation"]:
         m, p, e = v["measured"], v["projected"], v["error"]
         rows.append([v["cell"], f"{v['contention']:.2f}", f"{m['step_s'] * 1e3:.0f}", f"{p['step_s'] * 1e3:.0f}",
                      _pct(e["step"]), f"{m['comm_s'] * 1e3:.0f}", f"{p['comm_s'] * 1e3:.0f}", _pct(e["comm"]),
-                     _pct(e["bytes"])])
+                     _pct(e.get("compute")), _pct(e["bytes"])])
     summary = report.get("calibration", {}).get("validation_summary") or {}
     tail = []
-    for key in ("step", "comm"):
+    for key in ("step", "comm", "compute"):
         s = summary.get(key)
         if s:
             tail.append(f"{key} time |error| median {100 * s['median']:.1f}%, max {100 * s['max']:.1f}% "

@@ -1,6 +1,8 @@
 """Performance arithmetic: FLOPs per token and device peaks (`flops`), MFU of a rank's share of a step
 (`mfu`), step timers (`timing`), peak memory (`memory`), and how each metric combines over ranks
-(`metrics`)."""
+(`metrics`). The cost model: alpha-beta cost of each collective (`collective_cost`), the collectives a
+step issues under each layout (`step_traffic`), step time / throughput / memory projected from them
+(`step_projection`), and the architectures it projects to (`model_shapes`); imported where used."""
 
 from scalerl.perf.flops import (
     decoder_param_count,

@@ -183,8 +183,9 @@ def step_collectives(model: ModelConfig, step: StepShape, layout: Layout) -> lis
         out += _pipeline(model, step, layout, p_bytes)
     if layout.rollout_workers:
         full = decoder_param_count(model) * layout.rollout_param_bytes * layout.weight_sync_ratio
-        # trainer rank 0 pushes to every worker; the metric is the mean over trainer ranks
-        worker_group = GroupPlacement(2, nodes=2, share=1)
+        # trainer rank 0 pushes to every worker (on a node of their own when the trainer spans nodes); the
+        # metric is the mean over trainer ranks
+        worker_group = GroupPlacement(2, nodes=2 if layout.nodes > 1 else 1, share=1)
         out.append(Collective("weight_sync", "send", full, layout.rollout_workers, worker_group, be,
                               per_rank_fraction=1 / layout.world, pipelined=True, time_fraction=1.0))
     out += _control(step, layout, gen_forwards)

@@ -109,11 +109,24 @@ def efficiency_figure(report: dict[str, Any]) -> Figure | None:
 
 
 def _labels(cells: list[dict[str, Any]]) -> list[str]:
-    return [c["id"].replace("|none|default|colocated", "").replace("|", "\n") for c in cells]
+    """strategy, nodes x ranks per node, the link and any axis off its default, one per line."""
+    out = []
+    for c in cells:
+        parts = [c["strategy"], f"{c['nodes']}x{c['ranks_per_node']}"]
+        parts += [f"{c['rate_mbit']:g} Mbit/s"] if c["nodes"] > 1 else []
+        parts += [v for v in (c["compression"], c["allreduce"], c["weight_sync"]) if v not in ("none", "default",
+                                                                                             "colocated")]
+        out.append("\n".join(parts))
+    return out
+
+
+def _distinct(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Measured cells, each measurement once (a cell that reused another's identical run is left out)."""
+    return [c for c in _ok(report) if not c.get("same_as")]
 
 
 def latency_figure(report: dict[str, Any]) -> Figure | None:
-    cells = _ok(report)
+    cells = _distinct(report)
     if not cells:
         return None
     fig, ax = _figure("latency")
@@ -134,7 +147,7 @@ def latency_figure(report: dict[str, Any]) -> Figure | None:
 
 
 def bytes_figure(report: dict[str, Any]) -> Figure | None:
-    cells = [c for c in _ok(report) if c["bytes_per_step"].get("total", 0) > 0]
+    cells = [c for c in _distinct(report) if c["bytes_per_step"].get("total", 0) > 0]
     if not cells:
         return None
     fig, ax = _figure("bytes")
@@ -153,7 +166,7 @@ def bytes_figure(report: dict[str, Any]) -> Figure | None:
 
 
 def memory_figure(report: dict[str, Any]) -> Figure | None:
-    cells = _ok(report)
+    cells = _distinct(report)
     if not cells:
         return None
     fig, ax = _figure("memory")

@@ -63,10 +63,13 @@ def headlines(report: dict[str, Any]) -> list[str]:
     return out
 
 
-def _measured_pair(report: dict[str, Any], axis: str, plain: str) -> tuple[dict, dict] | None:
-    """The best cell with ``axis`` != plain and its plain twin (same strategy, nodes, rate), if both ran."""
+def _measured_pair(report: dict[str, Any], axis: str, plain: str, tried: set[str] | None = None
+                   ) -> tuple[dict, dict] | None:
+    """A cell whose ``axis`` took a value in ``tried`` (default: anything but ``plain``) and its twin with
+    ``plain`` (same strategy, nodes, rate and other axes), both measured; the largest node count first, then
+    the largest gain."""
     cells = _ok(report)
-    others = [c for c in cells if c[axis] != plain]
+    others = [c for c in cells if c[axis] != plain and (tried is None or c[axis] in tried)]
     pairs = []
     for c in others:
         twin = next((t for t in cells if t[axis] == plain and all(t[k] == c[k] for k in
@@ -124,7 +127,7 @@ def recommend(report: dict[str, Any], projection: dict[str, Any] | None) -> dict
         word = "worth measuring" if comm_share > COMM_SHARE_FOR_COMPRESSION else "unlikely to pay"
         reasons.append(f"Compression: not measured in this report; the projected step spends {100 * comm_share:.0f}% "
                        f"in communication, so it is {word} (scalerl bench --compression none,fp16,powersgd).")
-    pair = _measured_pair(report, "weight_sync", "full")
+    pair = _measured_pair(report, "weight_sync", "full", {"delta"})
     if pair:
         delta, full = pair
         fraction = delta.get("weight_sync_fraction")
