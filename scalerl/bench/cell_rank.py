@@ -79,16 +79,17 @@ def run(spec: dict[str, Any]) -> int:
             trainer.step += 1
         plain = generate = compute_probe = None
         baselines: dict[str, list[float]] = {}
+        if spec.get("calibration") and ctx.world_size == 1:
+            from scalerl.bench.compute_probe import probe_compute
+
+            compute_probe = probe_compute(trainer.policy.model, trainer.tokenizer.pad_token_id,
+                                          cfg.actor.ppo_micro_batch_size, cfg.rollout.max_new_tokens)
         if spec.get("baselines") and ctx.world_size == 1:
             from scalerl.bench.baselines import baseline_setup, run_baselines
-
-            from scalerl.bench.compute_probe import probe_compute
 
             plain, generate, record["baseline_notes"] = baseline_setup(trainer, True, True)
             if "batch" in captured:
                 run_baselines(trainer, captured["batch"], plain, generate, {})  # warm-up, not recorded
-            compute_probe = probe_compute(trainer.policy.model, trainer.tokenizer.pad_token_id,
-                                          cfg.actor.ppo_micro_batch_size, cfg.rollout.max_new_tokens)
         rounds = min(spec["steps"], int(spec.get("baseline_rounds", 10)))
         every = max(1, spec["steps"] // max(1, rounds))
         steps, walls, cpus, host_busy = [], [], [], []

@@ -64,6 +64,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--prompts-per-rank", type=int, metavar="N", help="prompts per data-parallel rank (4)")
     m.add_argument("--threads-per-rank", type=int, metavar="N", help="torch threads per rank (1)")
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every cell")
+    m.add_argument("--no-baselines", action="store_true", help="skip the plain PyTorch and HF generate baselines")
     m.add_argument("--doctor", metavar="JSON", help="a scalerl doctor report to embed (and calibrate links from)")
     m.add_argument("-o", "--output", default="benchmark_report.json", metavar="PATH")
     m.add_argument("--cell-timeout", type=float, metavar="S", help="limit per cell (default 120 + 20 s per step)")
@@ -95,7 +96,8 @@ def matrix_from_args(args: argparse.Namespace) -> BenchMatrix:
     flags = {"strategies": args.strategies, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
              "rates_mbit": args.rate_mbit, "compression": args.compression, "allreduce": args.allreduce,
              "weight_sync": args.weight_sync, "steps": args.steps, "warmup": args.warmup, "model": args.model,
-             "prompts_per_rank": args.prompts_per_rank, "threads_per_rank": args.threads_per_rank}
+             "prompts_per_rank": args.prompts_per_rank, "threads_per_rank": args.threads_per_rank,
+             "baselines": False if args.no_baselines else None}
     data.update({k: v for k, v in flags.items() if v is not None})
     data["overrides"] = list(data.get("overrides", [])) + list(args.set)
     try:

@@ -163,6 +163,7 @@ class BenchMatrix:
     prompts_per_rank: int = 4
     mini_batches: int = 2  # optimizer steps per training step
     threads_per_rank: int = 1
+    baselines: bool = True  # plain PyTorch update and HF generate in the calibration cell
     overrides: list[str] = field(default_factory=list)  # key=value for every cell, applied last
 
     def check(self) -> None:

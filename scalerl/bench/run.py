@@ -123,7 +123,8 @@ def _run_cell(launcher: Launcher, matrix: BenchMatrix, cell: Cell, overrides: li
               timeout: float) -> dict[str, Any]:
     out_dir = Path(tempfile.mkdtemp(prefix="cell-", dir=work))
     spec = {"overrides": overrides, "warmup": matrix.warmup, "steps": matrix.steps, "out_dir": str(out_dir),
-            "threads": matrix.threads_per_rank, "baselines": cell.calibration}
+            "threads": matrix.threads_per_rank, "calibration": cell.calibration,
+            "baselines": cell.calibration and matrix.baselines}
     result: dict[str, Any] = {**cell.to_dict(), "total_nodes": cell.total_nodes, "overrides": overrides,
                               "dp": cell.dp, "shape": _shape(cfg)}
     outcome = launcher.run("scalerl.bench.cell_rank", spec, cell.total_nodes, cell.launch_ranks_per_node,

@@ -25,7 +25,7 @@ def netns_ok():
 
 def test_ddp_on_two_emulated_nodes(netns_ok, tmp_path):
     before = set(list_namespaces())
-    matrix = BenchMatrix(strategies=["ddp"], nodes=[2], rates_mbit=[RATE_MBIT], steps=3, warmup=1,
+    matrix = BenchMatrix(strategies=["ddp"], nodes=[2], rates_mbit=[RATE_MBIT], steps=3, warmup=1, baselines=False,
                          overrides=["rollout.max_new_tokens=8"])
     report = run_bench(matrix, tmp_path / "r.json", progress_stream=io.StringIO())
     assert set(list_namespaces()) <= before  # the emulated network is gone afterwards
@@ -35,6 +35,7 @@ def test_ddp_on_two_emulated_nodes(netns_ok, tmp_path):
     cell = next(c for c in report["cells"] if c["id"] == f"ddp|2x1|{RATE_MBIT}M|none|default|colocated")
     assert cell["status"] == "ok", cell.get("reason")
     assert cell["scaling_reference"].startswith("single|") and 0 < cell["scaling_efficiency"] < 1
+    assert report["baselines"] == {"cell": "single|1x1|0M|none|default|colocated"}  # baselines off
     (entry,) = report["validation"]
     # 6 MB of gradients per step over a 12.5 MB/s link: bandwidth-bound, so the alpha-beta time must hold
     assert entry["measured"]["comm_s"] > 0.3
