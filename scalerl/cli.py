@@ -14,12 +14,18 @@ import math
 import os
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from scalerl import __version__
 from scalerl.core.config import (
-    ConfigError, config_to_yaml, describe_keys, format_config, load_config, split_config_args,
+    ConfigError,
+    config_to_yaml,
+    describe_keys,
+    format_config,
+    load_config,
+    split_config_args,
 )
 from scalerl.core.errors import RunFailure, UserError
 
@@ -303,15 +309,18 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--output-dir", default="outputs/verify", metavar="DIR", help="where runs are written")
 
     add("version", cmd_version, "print versions of scalerl, python, torch, optional packages, CUDA and NCCL")
-    from scalerl.doctor.cli import EPILOG as DOCTOR_EPILOG, add_doctor_arguments  # cheap: no torch
+    from scalerl.doctor.cli import EPILOG as DOCTOR_EPILOG  # cheap: no torch
+    from scalerl.doctor.cli import add_doctor_arguments
 
     add_doctor_arguments(add("doctor", cmd_doctor, "diagnose a distributed run: where on the troubleshooting tree "
                              "its problems are, with evidence and fixes", DOCTOR_EPILOG))
-    from scalerl.bench.cli import EPILOG as BENCH_EPILOG, add_bench_arguments  # cheap: no torch
+    from scalerl.bench.cli import EPILOG as BENCH_EPILOG  # cheap: no torch
+    from scalerl.bench.cli import add_bench_arguments
 
     add_bench_arguments(add("bench", cmd_bench, "measure a matrix of layouts (throughput, latency, bytes, MFU) into "
                             "benchmark_report.json; --compare two reports; --project to N nodes", BENCH_EPILOG))
-    from scalerl.report.cli import EPILOG as REPORT_EPILOG, add_report_arguments
+    from scalerl.report.cli import EPILOG as REPORT_EPILOG
+    from scalerl.report.cli import add_report_arguments
 
     add_report_arguments(add("report", cmd_report, "render a benchmark report as a PDF or self-contained HTML "
                              "file (findings, recommended configuration, figures)", REPORT_EPILOG))

@@ -62,7 +62,9 @@ class GenerateComparison:
     """HF ``generate`` and the built-in engine on the same weights and prompts, both at a fixed length."""
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, new_tokens: int):
-        from transformers import AutoModelForCausalLM  # a test extra: missing means this baseline is skipped
+        from transformers import (
+            AutoModelForCausalLM,  # a test extra: missing means this baseline is skipped
+        )
 
         from scalerl.models.hf_checkpoint import save_pretrained
 

@@ -18,13 +18,21 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import scalerl
 from scalerl.core.net import free_port
 from scalerl.launch.emulated_cluster import EmulatedCluster
-from scalerl.launch.emulated_ranks import RankGroup, RankResult, RankTimeoutError, rank_layout
+from scalerl.launch.emulated_ranks import (
+    RankGroup,
+    RankResult,
+    RankTimeoutError,
+    rank_layout,
+)
 from scalerl.perf.collective_cost import fit_error, fit_link
+
+if TYPE_CHECKING:
+    from typing import Self
 
 OUTPUT_TAIL = 3000
 PORT_BASE = 29600  # inside a fresh namespace every port is free; one per run keeps TIME_WAIT out of the way
@@ -67,7 +75,7 @@ class Launcher:
         self._stack.close()
         self._clusters.clear()
 
-    def __enter__(self) -> Launcher:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -159,11 +159,10 @@ def _list() -> int:
 
 
 def _project(args: argparse.Namespace) -> int:
-    from scalerl.perf.collective_cost import LINK_PRESETS
-
     from scalerl.bench.projection import ProjectionTarget, project
     from scalerl.bench.schema import load_report
     from scalerl.bench.tables import projected_tables
+    from scalerl.perf.collective_cost import LINK_PRESETS
 
     path = Path(args.report)
     if not path.exists():

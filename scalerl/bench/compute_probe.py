@@ -44,12 +44,12 @@ def probe_compute(model: torch.nn.Module, pad_token_id: int, micro_rows: int, ne
         ids = torch.randint(3, vocab, (micro_rows, width), generator=generator)
         mask = torch.ones_like(ids)
 
-        def train_once():
+        def train_once(ids=ids, mask=mask):
             logits = model(ids, attention_mask=mask)
             torch.log_softmax(logits.float(), -1).mean().backward()
             model.zero_grad(set_to_none=True)
 
-        def forward_once():
+        def forward_once(ids=ids, mask=mask):
             with torch.no_grad():
                 torch.log_softmax(model(ids, attention_mask=mask).float(), -1)
 
@@ -60,6 +60,6 @@ def probe_compute(model: torch.nn.Module, pad_token_id: int, micro_rows: int, ne
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0, stop_token_ids=())
     for rows in GEN_ROWS:
         prompts = torch.randint(3, vocab, (rows, PROMPT_LEN), generator=generator).tolist()
-        seconds = _median_seconds(lambda: engine.generate(prompts, sampling))
+        seconds = _median_seconds(lambda prompts=prompts: engine.generate(prompts, sampling))
         out["gen"].append({"rows": rows, "prompt_len": PROMPT_LEN, "new_tokens": new_tokens, "seconds": seconds})
     return out

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+if TYPE_CHECKING:
+    from typing import Self
 
 
 class BenchProgress:
@@ -21,7 +30,7 @@ class BenchProgress:
                                       console=Console(file=self.stream), transient=False)
             self._task = self._progress.add_task("", total=total)
 
-    def __enter__(self) -> BenchProgress:
+    def __enter__(self) -> Self:
         if self._progress is not None:
             self._progress.start()
         return self

@@ -121,7 +121,9 @@ def project(report: dict[str, Any], target: ProjectionTarget) -> dict[str, Any]:
             row["scaling_efficiency"] = row["tokens_per_s"] / (base["tokens_per_s"] * row["devices"] / base["devices"])
             rows.append(row)
     ok = [r for r in rows if "skipped" not in r]
-    best_one = max((r["tokens_per_s"] / r["devices"] for r in ok if r["nodes"] == min(target.nodes)), default=0.0)
+    first = [r for r in ok if r["nodes"] == min(r2["nodes"] for r2 in ok)] if ok else []
+    fitting = [r for r in first if r.get("fits", True)] or first  # the ideal line starts from what fits
+    best_one = max((r["tokens_per_s"] / r["devices"] for r in fitting), default=0.0)
     return {
         "label": "PROJECTED by the cost model (not measured)",
         "model": model.extra.get("name") or (calibration["model"].get("name", "measured model")),

@@ -15,7 +15,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from scalerl.bench.calibration import cell_layout, cell_model, cell_step, compute_rates, link_key
+from scalerl.bench.calibration import (
+    cell_layout,
+    cell_model,
+    cell_step,
+    compute_rates,
+    link_key,
+)
 from scalerl.bench.cell_runner import Launcher, probe_links, read_cell_files
 from scalerl.bench.matrix import BENCH_BASE, BenchMatrix, Cell
 from scalerl.bench.progress import BenchProgress
@@ -24,7 +30,10 @@ from scalerl.bench.summary import scaling_efficiency, stats, summarize
 from scalerl.bench.validation import validate_cells, validation_summary
 from scalerl.core.config import ConfigError, load_config
 from scalerl.core.errors import UserError
-from scalerl.launch.emulated_cluster import EmulatedClusterError, require_root_and_iproute2
+from scalerl.launch.emulated_cluster import (
+    EmulatedClusterError,
+    require_root_and_iproute2,
+)
 from scalerl.perf.step_traffic import bytes_by_kind, step_collectives
 
 

@@ -31,11 +31,11 @@ def _grid(header: list[str], rows: list[list[str]]) -> str:
 def measured_tables(report: dict[str, Any]) -> str:
     cells = [c for c in report["cells"] if c.get("status") == "ok"]
     env = report["environment"]
-    out = [f"MEASURED on {env.get('hostname')} ({env.get('cpu_model')}, {env.get('cores')} cores), commit "
-           f"{(env.get('git_commit') or '?')[:10]}{' (dirty)' if env.get('git_dirty') else ''}, load average "
-           f"{env.get('load_average_before', [0])[0]:.1f} before / {env.get('load_average_after', [0])[0]:.1f} after; "
-           f"{report['config'].get('steps')} measured steps per cell after {report['config'].get('warmup')} warm-up, "
-           "medians"]
+    out = [(f"MEASURED on {env.get('hostname')} ({env.get('cpu_model')}, {env.get('cores')} cores), commit "
+            f"{(env.get('git_commit') or '?')[:10]}{' (dirty)' if env.get('git_dirty') else ''}, load average "
+            f"{env.get('load_average_before', [0])[0]:.1f} before / {env.get('load_average_after', [0])[0]:.1f} "
+            f"after; {report['config'].get('steps')} measured steps per cell after {report['config'].get('warmup')} "
+            "warm-up, medians")]
     calibration = next((c for c in cells if c.get("calibration")), None)
     per_device = calibration["throughput"]["tokens_per_s"]["median"] if calibration else None
     strategies = list(dict.fromkeys(c["strategy"] for c in cells if not c.get("calibration")))
@@ -61,7 +61,10 @@ def measured_tables(report: dict[str, Any]) -> str:
     rows = []
     for c in cells:
         lat = c["latency_ms"]
-        get = lambda k: f"{lat[k]['median']:.0f}" if k in lat else "-"
+
+        def get(k: str, lat: dict = lat) -> str:
+            return f"{lat[k]['median']:.0f}" if k in lat else "-"
+
         mfu = c.get("mfu", {}).get("step", {}).get("median")
         rows.append([c["id"], f"{lat['step']['median']:.0f}", f"{100 * lat['step']['rel_iqr']:.0f}%", get("gen"),
                      get("update_actor"), get("update_weights"), get("comm_exposed"), get("other"),
@@ -72,9 +75,9 @@ def measured_tables(report: dict[str, Any]) -> str:
     base = report.get("baselines", {})
     if base.get("plain_update"):
         b = base["plain_update"]
-        out += ["", f"baseline, plain PyTorch update: {b['plain_s']['median'] * 1e3:.1f} ms vs scalerl "
-                    f"{b['scalerl_s']['median'] * 1e3:.1f} ms, ratio {b['ratio']:.2f}x (target >= 1.0x: "
-                    f"{'met' if b['meets_target'] else 'NOT met'})"]
+        out += ["", (f"baseline, plain PyTorch update: {b['plain_s']['median'] * 1e3:.1f} ms vs scalerl "
+                     f"{b['scalerl_s']['median'] * 1e3:.1f} ms, ratio {b['ratio']:.2f}x (target >= 1.0x: "
+                     f"{'met' if b['meets_target'] else 'NOT met'})")]
     if base.get("generate"):
         g = base["generate"]
         out.append(f"baseline, HF generate: {_fmt_rate(g['hf_tokens_per_s'])} tokens/s vs built-in engine "
@@ -117,9 +120,9 @@ def projected_tables(result: dict[str, Any]) -> str:
     nodes = sorted({r["nodes"] for r in result["rows"]})
     by = {(r["strategy"], r["nodes"]): r for r in result["rows"]}
     step = result["step"]
-    out = [f"{result['label']}: model {result['model']}, {step['rows_per_rank']} sequences per DP rank per step, "
-           f"prompt {step['prompt_len']:.0f} + response {step['response_len']:.0f} tokens, "
-           f"{result['devices_per_node']} device(s) per node, device {result['device']}",
+    out = [(f"{result['label']}: model {result['model']}, {step['rows_per_rank']} sequences per DP rank per step, "
+            f"prompt {step['prompt_len']:.0f} + response {step['response_len']:.0f} tokens, "
+            f"{result['devices_per_node']} device(s) per node, device {result['device']}"),
            f"calibration: compute {cal['compute']}",
            f"             inter-node link {cal['inter_link']}", f"             intra-node link {cal['intra_link']}"]
     if cal.get("validation") and cal["validation"].get("step"):

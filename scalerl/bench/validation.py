@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from scalerl.bench.calibration import cell_layout, cell_model, cell_step, compute_rates, links_for
+from scalerl.bench.calibration import (
+    cell_layout,
+    cell_model,
+    cell_step,
+    compute_rates,
+    links_for,
+)
 from scalerl.perf.step_projection import project_step
 
 TARGET_ERROR = 0.15

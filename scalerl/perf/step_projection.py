@@ -17,8 +17,16 @@ import math
 from dataclasses import dataclass, field
 
 from scalerl.models.config import ModelConfig
-from scalerl.perf.collective_cost import LinkCost, collective_time, hierarchical_all_reduce_time
-from scalerl.perf.flops import decoder_param_count, flops_per_token, forward_flops_per_token
+from scalerl.perf.collective_cost import (
+    LinkCost,
+    collective_time,
+    hierarchical_all_reduce_time,
+)
+from scalerl.perf.flops import (
+    decoder_param_count,
+    flops_per_token,
+    forward_flops_per_token,
+)
 from scalerl.perf.mfu import StepWork, generation_flops
 from scalerl.perf.step_traffic import Collective, Layout, StepShape, step_collectives
 
@@ -182,13 +190,12 @@ def project_step(model: ModelConfig, step: StepShape, layout: Layout, lengths: T
     for c in collectives:
         comm[c.kind] = comm.get(c.kind, 0.0) + collective_seconds(c, links, layout.ranks_per_node)
         sent[c.kind] = sent.get(c.kind, 0.0) + c.sent_bytes
-        if c.group.crosses_nodes:
-            crossing += c.sent_bytes
+        if c.group.crosses_nodes:  # a ring crosses each node boundary once; `share` such streams at a time
+            crossing += c.sent_bytes * c.group.share
     compute = compute_seconds(model, step, layout, lengths, rates, contention)
     tokens = layout.dp * step.rows * (lengths.prompt + lengths.response)
     estimate = StepEstimate(compute, comm, sent, tokens, layout.world + layout.rollout_workers,
                             device_memory_gb(model, step, layout), collectives=collectives)
     if estimate.step_s > 0 and layout.nodes > 1:
-        # every rank of a node sends its crossing bytes through the node's link
-        estimate.node_link_bytes_per_s = crossing * min(layout.ranks_per_node, layout.world) / estimate.step_s
+        estimate.node_link_bytes_per_s = crossing / estimate.step_s  # one direction of each node's link
     return estimate

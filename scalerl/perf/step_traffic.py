@@ -153,7 +153,7 @@ def stage_params(model: ModelConfig, layout: Layout) -> float:
 def step_collectives(model: ModelConfig, step: StepShape, layout: Layout) -> list[Collective]:
     """Every collective of one step on one (mean) trainer rank."""
     out: list[Collective] = []
-    be, h, layers = layout.backend, model.hidden_size, model.num_hidden_layers // layout.pp
+    be, layers = layout.backend, model.num_hidden_layers // layout.pp
     p_bytes = stage_params(model, layout) * step.param_bytes
     units = layers + 1  # FSDP: each decoder layer, then the root (embedding, norm, head)
     # prefill makes the first token, then one forward per decode step; standalone workers generate elsewhere

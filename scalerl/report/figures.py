@@ -11,8 +11,8 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first)
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 TITLES = {
     "throughput": "Throughput vs nodes (measured), with the ideal linear line",

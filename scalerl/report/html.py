@@ -40,8 +40,8 @@ def render_html(doc: Document) -> str:
         "<h2>Headline findings (measured)</h2><ul>",
         *(f"<li>{e(line)}</li>" for line in doc.headlines), "</ul>",
         "<h2>Recommended configuration</h2>", f"<p class='sub'>{e(doc.target)}</p><div class='rec'>",
-        f"<p><b>strategy</b> <code>{e(str(rec.get('strategy') or '-'))}</code> &nbsp; <b>gradient compression</b> "
-        f"<code>{e(rec['compression'])}</code> &nbsp; <b>weight sync</b> <code>{e(rec['weight_sync'])}</code></p><ul>",
+        (f"<p><b>strategy</b> <code>{e(str(rec.get('strategy') or '-'))}</code> &nbsp; <b>gradient compression</b> "
+         f"<code>{e(rec['compression'])}</code> &nbsp; <b>weight sync</b> <code>{e(rec['weight_sync'])}</code></p><ul>"),
         *(f"<li>{e(line)}</li>" for line in rec["reasoning"]), "</ul></div></section>",
     ]
     for key, fig in doc.figures:

@@ -8,7 +8,14 @@ import json
 import pytest
 
 from scalerl.bench.compare import compare_reports, format_comparison
-from scalerl.bench.schema import SCHEMA, ReportError, load_report, new_report, problems, write_report
+from scalerl.bench.schema import (
+    SCHEMA,
+    ReportError,
+    load_report,
+    new_report,
+    problems,
+    write_report,
+)
 from scalerl.bench.summary import scaling_efficiency, stats
 
 
@@ -16,7 +23,7 @@ def _cell(cell_id: str, tokens_per_s: float, step_ms: float, spread: float = 0.0
           devices: int = 1, calibration: bool = False) -> dict:
     tps = {**stats([tokens_per_s] * 3), "rel_iqr": spread}
     step = {**stats([step_ms] * 3), "rel_iqr": spread}
-    strategy, size = cell_id.split("|")[:2]
+    strategy = cell_id.split("|")[0]
     return {"id": cell_id, "strategy": strategy, "nodes": nodes, "ranks_per_node": 1, "world": devices,
             "devices": devices, "workers": 0, "rate_mbit": 0.0 if nodes == 1 else 200.0, "compression": "none",
             "allreduce": "default", "weight_sync": "colocated", "calibration": calibration, "status": "ok",

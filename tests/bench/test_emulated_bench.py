@@ -10,7 +10,11 @@ import pytest
 
 from scalerl.bench.matrix import BenchMatrix
 from scalerl.bench.run import run_bench
-from scalerl.launch.emulated_cluster import EmulatedClusterError, list_namespaces, require_root_and_iproute2
+from scalerl.launch.emulated_cluster import (
+    EmulatedClusterError,
+    list_namespaces,
+    require_root_and_iproute2,
+)
 
 RATE_MBIT = 100
 

@@ -75,3 +75,15 @@ def test_memory_estimates_order_the_layouts():
     assert ddp > state > 80 > tp8  # replicated it cannot fit an 80 GB device; TP also splits the activations
     small = StepShape(**{**step.__dict__, "micro_rows": 1})
     assert device_memory_gb(big, small, Layout(dp_shard=64)) < fsdp  # activations scale with the micro-batch
+
+
+def test_node_link_load_counts_streams_not_ranks():
+    """A DDP ring over 2 nodes x 8 ranks crosses each node boundary once: the node's link carries one rank's
+    bytes; HSDP's replicate groups cross from every local rank at once: 8 streams."""
+    links = Links(LinkCost(1e-6, 1e11), LinkCost(5e-6, 2.5e10))
+    ddp = project_step(MODEL, STEP, Layout(dp_replicate=16, ranks_per_node=8), LENGTHS, RATES, links)
+    assert ddp.node_link_bytes_per_s == pytest.approx(ddp.bytes_per_rank["grad"] / ddp.step_s, rel=0.01)
+    hsdp = project_step(MODEL, STEP, Layout(dp_replicate=2, dp_shard=8, ranks_per_node=8), LENGTHS, RATES, links)
+    replicate = [c for c in hsdp.collectives if c.kind == "grad" and c.op == "all_reduce"]
+    assert replicate and replicate[0].group.share == 8
+    assert hsdp.node_link_bytes_per_s == pytest.approx(8 * replicate[0].sent_bytes / hsdp.step_s, rel=0.01)

@@ -9,7 +9,13 @@ from __future__ import annotations
 import pytest
 
 from scalerl.models.config import ModelConfig
-from scalerl.perf.step_traffic import GroupPlacement, Layout, StepShape, bytes_by_kind, step_collectives
+from scalerl.perf.step_traffic import (
+    GroupPlacement,
+    Layout,
+    StepShape,
+    bytes_by_kind,
+    step_collectives,
+)
 
 MODEL = ModelConfig(vocab_size=128, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2)

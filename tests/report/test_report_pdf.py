@@ -58,3 +58,17 @@ def test_document_titles_follow_the_report(tmp_path):
     assert TITLES["validation"] not in titles and TITLES["baselines"] not in titles
     assert TITLES["projection"] not in titles and SECTION_TITLES["doctor"] not in titles
     assert doc.recommendation["strategy"] is None and "No projection" in doc.recommendation["reasoning"][0]
+
+
+def test_doctor_sweep_calibrates_the_inter_node_link(tmp_path):
+    """`--link doctor`: the inter-node link fitted to the embedded doctor report's sweep (recorded: busbw
+    1.06 GB/s between 2 nodes), used by the projection and named in its calibration."""
+    from scalerl.bench.projection import ProjectionTarget, project
+    from scalerl.bench.schema import load_report
+
+    report = load_report(recorded_report_path(tmp_path))
+    result = project(report, ProjectionTarget(nodes=[1, 2], strategies=["ddp"], link="doctor"))
+    assert "scalerl doctor inter-node sweep" in result["calibration"]["inter_link"]
+    from scalerl.bench.calibration import doctor_link
+
+    assert doctor_link(report["doctor"]).bytes_per_s == pytest.approx(1.0625e9, rel=0.01)
