@@ -31,6 +31,11 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "comm/weight_sync_bytes": "sum_all_ranks",
     "timing_s/*": "spread",
     "comm/bytes/*": "sum_all_ranks",
+    # Gradient reduction (scalerl.comm.gradient_reducer): bytes / seconds per rank; the all-reduce choice
+    # (1 = hierarchical) and the compression plan are the same on every rank.
+    "comm/grad/*": "mean",
+    "comm/allreduce/*": "max",
+    "comm/compression/*": "mean",
     "actor/*": "mean",
     "critic/*": "mean",
     "sft/*": "mean",

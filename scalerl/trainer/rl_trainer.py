@@ -18,6 +18,7 @@ from torch import nn
 
 from scalerl import checkpoint
 from scalerl.algorithms.advantages import gae_advantages, grpo_advantages
+from scalerl.comm.gradient_reducer import merged_comm_metrics
 from scalerl.core.config import Config, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
@@ -67,7 +68,7 @@ class RLTrainer:
         critic = ValueModel(model) if cfg.algorithm.adv_estimator == "gae" else None
         reference = copy.deepcopy(model).requires_grad_(False) if a.use_kl_loss else None
         layout = dict(activation_checkpointing=cfg.model.activation_checkpointing, autocast=self.autocast,
-                      pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches))
+                      pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches), comm=cfg.comm)
         self.policy = parallelize(model, self.dist, **layout)
         self.critic = parallelize(critic, self.dist, **layout) if critic is not None else None
         self.reference = parallelize(reference, self.dist, trainable=False) if reference is not None else None
@@ -228,6 +229,8 @@ class RLTrainer:
             metrics.update(run_update(self.policy, self.optimizer_step, batch, self.policy_objective,
                                       self.update_plan, self.update_generator, self.dist, self.autocast))
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics.update(merged_comm_metrics([p.gradient_reducer for p in (self.policy, self.critic)
+                                            if p is not None and p.gradient_reducer is not None]))
         self.scheduler.step()
         with timer("update_weights"):
             metrics["comm/weight_sync_bytes"] = float(self._sync_engine_weights())

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from scalerl import checkpoint
+from scalerl.comm.gradient_reducer import merged_comm_metrics
 from scalerl.core.config import Config, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
@@ -56,7 +57,7 @@ class SFTTrainer:
         self.autocast = Autocast(t.precision, self.device)
         self.policy = parallelize(
             model, self.dist, activation_checkpointing=cfg.model.activation_checkpointing, autocast=self.autocast,
-            pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches),
+            pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches), comm=cfg.comm,
         )
         self.examples = [encode_demonstration(self.tokenizer, row, cfg.data.chat_template)
                          for row in rows_from_config(cfg.data, "train", t.seed)]
@@ -107,6 +108,8 @@ class SFTTrainer:
                              self.dist, self.autocast)
         update_time = time.perf_counter() - start
         metrics["sft/lr"] = self.optimizer.param_groups[0]["lr"]
+        if self.policy.gradient_reducer is not None:
+            metrics.update(merged_comm_metrics([self.policy.gradient_reducer]))
         self.scheduler.step()
         elapsed = time.perf_counter() - start
         response_tokens = int(batch.response_mask.sum())
