@@ -4,6 +4,7 @@ what they are reported as (metrics, a log table)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scalerl.comm.bucket_slots import SENSITIVE_KINDS, TensorSlot
@@ -87,7 +88,10 @@ def uniform_plan(method: str, slots: list[TensorSlot], density: float, rank: int
 
 
 def adaptive_plan(method: str, slots: list[TensorSlot], stats: dict[str, TensorStats], budget: float) -> CompressionPlan:
-    """Per-tensor settings from measured statistics under `budget` (see `scalerl.comm.layer_adaptive`)."""
+    """Per-tensor settings from measured statistics under `budget` (see `scalerl.comm.layer_adaptive`). A
+    tensor first seen after the measured steps gets neutral statistics (the median ratio, energy curves
+    of a flat gradient)."""
+    stats = {s.name: stats.get(s.name) or TensorStats(s.numel, s.kind, rho=math.nan) for s in slots}
     if method == "topk":
         settings = allocate_densities(slots, stats, budget)
     else:

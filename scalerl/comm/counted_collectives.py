@@ -5,8 +5,8 @@ Bytes are what this rank puts on the wire under the ring algorithms gloo and NCC
 (n-1) x this rank's chunk, broadcast size (root) / 0. Every call reports to an optional
 `on_send(kind, nbytes, seconds)` callback, so a per-rank byte counter (`scalerl.comm.accounting` on
 another branch) can be plugged in: `kind` is "<collective>:<scope>" ("all_reduce:inter",
-"all_gather:flat", ...), `seconds` the call's wall time on gloo, and None on NCCL, whose calls return
-before the transfer is done.
+"all_gather:flat", ...), `seconds` the call's wall time when it blocked on gloo, and None for async
+calls and on NCCL, whose calls return before the transfer is done.
 """
 
 from __future__ import annotations
@@ -53,45 +53,49 @@ class CountedCollectives:
         self.bytes_sent: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
 
-    def _record(self, kind: str, sent: int, start: float, tensor: torch.Tensor) -> None:
-        seconds = None if tensor.is_cuda else time.perf_counter() - start
+    def _record(self, kind: str, sent: int, start: float | None, tensor: torch.Tensor) -> None:
+        seconds = None if start is None or tensor.is_cuda else time.perf_counter() - start
         self.bytes_sent[kind] += sent
         if seconds is not None:
             self.seconds[kind] += seconds
         if self.on_send is not None:
             self.on_send(kind, sent, seconds)
 
-    def all_reduce(self, tensor: torch.Tensor, group, scope: str) -> torch.Tensor:
-        """In-place SUM over `group`."""
+    def _run(self, kind: str, sent: int, tensor: torch.Tensor, call, async_op: bool):
+        """`call(async_op)`; a blocking call is timed, an async one returns its work handle untimed."""
+        if async_op:
+            work = call(True)
+            self._record(kind, sent, None, tensor)
+            return work
         start = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
-        self._record(f"all_reduce:{scope}", ring_wire_bytes("all_reduce", nbytes(tensor), group.size()), start, tensor)
-        return tensor
+        call(False)
+        self._record(kind, sent, start, tensor)
+        return None
 
-    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group, scope: str) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, group, scope: str, async_op: bool = False):
+        """In-place SUM over `group`; with async_op, returns the work handle."""
+        sent = ring_wire_bytes("all_reduce", nbytes(tensor), group.size())
+        return self._run(f"all_reduce:{scope}", sent, tensor,
+                         lambda a: dist.all_reduce(tensor, group=group, async_op=a), async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group, scope: str, async_op: bool = False):
         """SUM of `tensor` (size = group size x output size) over `group`, this rank's chunk into `output`."""
-        start = time.perf_counter()
-        _reduce_scatter_single(output, tensor, group=group)
-        self._record(f"reduce_scatter:{scope}", ring_wire_bytes("reduce_scatter", nbytes(tensor), group.size()),
-                     start, tensor)
-        return output
+        sent = ring_wire_bytes("reduce_scatter", nbytes(tensor), group.size())
+        return self._run(f"reduce_scatter:{scope}", sent, tensor,
+                         lambda a: _reduce_scatter_single(output, tensor, group=group, async_op=a), async_op)
 
-    def all_gather(self, output: torch.Tensor, chunk: torch.Tensor, group, scope: str) -> torch.Tensor:
+    def all_gather(self, output: torch.Tensor, chunk: torch.Tensor, group, scope: str, async_op: bool = False):
         """Every rank's `chunk` concatenated in group-rank order into `output`."""
-        start = time.perf_counter()
-        _all_gather_single(output, chunk, group=group)
-        self._record(f"all_gather:{scope}", ring_wire_bytes("all_gather", nbytes(chunk), group.size()), start, chunk)
-        return output
+        sent = ring_wire_bytes("all_gather", nbytes(chunk), group.size())
+        return self._run(f"all_gather:{scope}", sent, chunk,
+                         lambda a: _all_gather_single(output, chunk, group=group, async_op=a), async_op)
 
-    def broadcast(self, tensor: torch.Tensor, group, scope: str) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, group, scope: str):
         """`tensor` from the group's first rank to all its ranks."""
-        start = time.perf_counter()
         src = dist.get_global_rank(group, 0)
-        dist.broadcast(tensor, src=src, group=group)
-        is_root = dist.get_rank() == src
-        self._record(f"broadcast:{scope}", ring_wire_bytes("broadcast", nbytes(tensor), group.size(), is_root),
-                     start, tensor)
-        return tensor
+        sent = ring_wire_bytes("broadcast", nbytes(tensor), group.size(), dist.get_rank() == src)
+        return self._run(f"broadcast:{scope}", sent, tensor,
+                         lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), False)
 
     def pop(self) -> tuple[dict[str, int], dict[str, float]]:
         """Bytes and seconds per kind since the last pop."""

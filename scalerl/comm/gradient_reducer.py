@@ -135,16 +135,12 @@ class GradientReducer:
         return work.get_future().then(lambda f: f.value()[0])
 
     def _cast(self, buffer: torch.Tensor, dtype: torch.dtype) -> None:
-        def reduce_low(t: torch.Tensor, group, scope: str) -> torch.Tensor:
-            low = t.to(dtype)
-            self.collectives.all_reduce(low, group, scope)
-            return t.copy_(low)
-
-        if self.hierarchy is None:
-            reduce_low(buffer, self.group, "flat")
-        else:
-            hierarchical_all_reduce(buffer, self.hierarchy, self.collectives,
-                                    inter_reduce=lambda shard: reduce_low(shard, self.hierarchy.inter, "inter"))
+        if self.hierarchy is not None:  # only the inter-node step is cast
+            hierarchical_all_reduce(buffer, self.hierarchy, self.collectives, inter_dtype=dtype)
+            return
+        low = buffer.to(dtype)
+        self.collectives.all_reduce(low, self.group, "flat")
+        buffer.copy_(low)
 
     def _topk(self, buffer: torch.Tensor, slots: list[TensorSlot], key: tuple) -> None:
         def densities(segments):

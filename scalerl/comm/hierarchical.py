@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 from scalerl.comm.counted_collectives import CountedCollectives
 
+PIPELINE_CHUNK_BYTES = 4 * 2**20  # chunks of a dense hierarchical all-reduce (>= 4 MiB each)
+MAX_PIPELINE_CHUNKS = 16
 # inter_reduce(shard) -> the shard summed over the inter-node group (dense all-reduce by default; a
 # compressor replaces it to compress only what crosses the slow link).
 InterReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -126,31 +128,63 @@ class HierarchicalGroups:
         return self.local_rank * shard, (self.local_rank + 1) * shard
 
 
+def pipeline_chunks(nbytes: int) -> int:
+    """Chunks a dense hierarchical all-reduce of `nbytes` is cut into (see `hierarchical_all_reduce`)."""
+    return max(1, min(MAX_PIPELINE_CHUNKS, nbytes // PIPELINE_CHUNK_BYTES))
+
+
 def hierarchical_all_reduce(tensor: torch.Tensor, groups: HierarchicalGroups,
                             collectives: CountedCollectives | None = None,
-                            inter_reduce: InterReduce | None = None) -> torch.Tensor:
+                            inter_reduce: InterReduce | None = None,
+                            inter_dtype: torch.dtype | None = None, chunks: int | None = None) -> torch.Tensor:
     """SUM of a flat `tensor` over all ranks, in place, through the node hierarchy. Sizes that do not
-    divide by the local size are zero-padded. `inter_reduce` replaces the inter-node dense all-reduce
-    of this rank's shard (which holds its node's sum) with, e.g., a compressed exchange."""
+    divide by the local size are zero-padded.
+
+    Dense (the default, or the inter-node step cast to `inter_dtype`, e.g. bf16): the tensor is cut into
+    `chunks` (default: one per PIPELINE_CHUNK_BYTES, at most MAX_PIPELINE_CHUNKS) whose three phases are
+    pipelined with async collectives, so the inter-node link carries chunk i while the node reduces
+    chunk i+1 and gathers chunk i-1. `inter_reduce` instead replaces the inter-node all-reduce of this
+    rank's whole shard (`shard_bounds`; it holds its node's sum) with, e.g., a compressed exchange; that
+    path runs its phases one after the other."""
     collectives = collectives or CountedCollectives()
     flat = tensor.view(-1)
     numel, local = flat.numel(), groups.local_size
-    padded = -(-numel // local) * local
+    if inter_reduce is not None:
+        if inter_dtype is not None:
+            raise ValueError("give inter_reduce or inter_dtype, not both")
+        chunks = 1
+    elif chunks is None:
+        chunks = pipeline_chunks(numel * flat.element_size())
+    padded = -(-numel // (local * chunks)) * local * chunks
     work = F.pad(flat, (0, padded - numel)) if padded != numel else flat
-    shard = torch.empty(padded // local, dtype=flat.dtype, device=flat.device)
-    if local > 1:
-        collectives.reduce_scatter(shard, work, groups.intra, "intra")
-    else:
-        shard.copy_(work)
-    if groups.nodes > 1:
-        if inter_reduce is None:
-            collectives.all_reduce(shard, groups.inter, "inter")
+    pieces = work.view(chunks, padded // chunks)  # chunk c: local shards of padded / chunks / local each
+    shards = torch.empty(chunks, padded // chunks // local, dtype=flat.dtype, device=flat.device)
+    reduced = [collectives.reduce_scatter(shards[c], pieces[c], groups.intra, "intra", async_op=True)
+               if local > 1 else shards[c].copy_(pieces[c]) for c in range(chunks)]
+    crossed = []
+    for c in range(chunks):
+        if local > 1:
+            reduced[c].wait()
+        if groups.nodes == 1:
+            crossed.append((None, shards[c]))
+        elif inter_reduce is not None:
+            shards[c] = inter_reduce(shards[c])
+            crossed.append((None, shards[c]))
         else:
-            shard = inter_reduce(shard)
-    if local > 1:
-        collectives.all_gather(work, shard, groups.intra, "intra")  # `work` is `flat` unless padded
-        if work.data_ptr() != flat.data_ptr():
-            flat.copy_(work[:numel])
-    else:
-        flat.copy_(shard[:numel])
+            buf = shards[c] if inter_dtype is None else shards[c].to(inter_dtype)
+            crossed.append((collectives.all_reduce(buf, groups.inter, "inter", async_op=True), buf))
+    gathered = []
+    for c, (handle, buf) in enumerate(crossed):
+        if handle is not None:
+            handle.wait()
+        if buf.data_ptr() != shards[c].data_ptr():
+            shards[c].copy_(buf)
+        if local > 1:
+            gathered.append(collectives.all_gather(pieces[c], shards[c], groups.intra, "intra", async_op=True))
+        else:
+            pieces[c].copy_(shards[c])
+    for handle in gathered:
+        handle.wait()
+    if work.data_ptr() != flat.data_ptr():
+        flat.copy_(work[:numel])
     return tensor

@@ -68,11 +68,26 @@ def measure(slot: TensorSlot, grad: torch.Tensor, weight: torch.Tensor, with_ran
             k = min(g.numel(), max(1, math.ceil(d * g.numel())))
             topk_left[d] = 0.0 if total == 0 or is_dense(d) else max(0.0, 1.0 - float(energy[k - 1]) / total)
         if with_ranks and slot.matrix_shape is not None:
-            sv2 = torch.linalg.svdvals(g.view(slot.matrix_shape)).square().cumsum(0)
+            sv2 = _leading_singular_values(g.view(slot.matrix_shape)).square().cumsum(0)
             for r in RANK_LEVELS:
-                if r < len(sv2):
-                    rank_left[r] = 0.0 if total == 0 else max(0.0, 1.0 - float(sv2[r - 1]) / float(sv2[-1]))
+                if r < min(slot.matrix_shape):
+                    captured = float(sv2[min(r, len(sv2)) - 1])
+                    rank_left[r] = 0.0 if total == 0 else max(0.0, 1.0 - captured / total)
     return rho, topk_left, rank_left
+
+
+def _leading_singular_values(m: torch.Tensor) -> torch.Tensor:
+    """All singular values of a small matrix; the leading max(RANK_LEVELS) + 8 of a large one, by a
+    randomized SVD (an embedding of 150k x 4k would take minutes exactly)."""
+    q = max(RANK_LEVELS) + 8
+    if min(m.shape) <= 2 * q:
+        return torch.linalg.svdvals(m)
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(0)  # svd_lowrank draws a random projection: keep the global generator untouched
+    try:
+        return torch.svd_lowrank(m, q=q, niter=2)[1]
+    finally:
+        torch.random.set_rng_state(gen_state)
 
 
 def _weights(slots: list[TensorSlot], stats: dict[str, TensorStats]) -> dict[str, float]:
@@ -82,7 +97,8 @@ def _weights(slots: list[TensorSlot], stats: dict[str, TensorStats]) -> dict[str
     out = {}
     for s in slots:
         if s.kind in KIND_PRIOR:
-            rho = min(max(stats[s.name].rho, lo), hi) if math.isfinite(stats[s.name].rho) else hi
+            rho = stats[s.name].rho
+            rho = median if math.isnan(rho) else hi if math.isinf(rho) else min(max(rho, lo), hi)
             out[s.name] = KIND_PRIOR[s.kind] * rho ** 2
     return out
 
@@ -157,9 +173,9 @@ def allocate_ranks(slots: list[TensorSlot], stats: dict[str, TensorStats], budge
         if s.kind not in KIND_PRIOR or shape is None:
             options[s.name] = [dense]
             continue
-        left = stats[s.name].rank_left
-        opts = [(powersgd_payload_bytes(*shape, r), weights[s.name] * left[r], r) for r in RANK_LEVELS
-                if r in left and powersgd_payload_bytes(*shape, r) < dense[0]]
+        left = stats[s.name].rank_left  # unmeasured: a flat spectrum leaves 1 - r / min(rows, cols)
+        opts = [(powersgd_payload_bytes(*shape, r), weights[s.name] * left.get(r, 1 - r / min(shape)), r)
+                for r in RANK_LEVELS if r < min(shape) and powersgd_payload_bytes(*shape, r) < dense[0]]
         options[s.name] = sorted(opts + [dense], key=lambda o: o[0])
     chosen, _ = _greedy(options, budget * sum(s.numel for s in slots) * FLOAT_BYTES)
     return chosen

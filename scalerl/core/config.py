@@ -347,7 +347,8 @@ class CommSection(_Section):
                                     "AdamW (it keeps its own moments)")
     powersgd_rank: int = opt(4, "powersgd without layer_adaptive: rank of every matrix's approximation")
     compression_start_step: int = opt(10, "powersgd/topk: optimizer steps of dense all-reduce before compressing "
-                                          "(warm-up; layer-adaptive measures its statistics there)")
+                                          "(warm-up; layer-adaptive measures its statistics there, so it "
+                                          "takes at least 1)")
 
     def problems(self) -> list[str]:
         p: list[str] = []

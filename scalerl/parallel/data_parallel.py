@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from scalerl.comm.counted_collectives import SendCallback
 from scalerl.comm.gradient_reducer import CAST_DTYPES, GradientReducer, gradient_reduction_hook
 from scalerl.comm.reduction_setup import build_gradient_reducer
 from scalerl.models.decoder import decoder_layers
@@ -48,12 +49,13 @@ def fsdp_reduce_dtype(comm) -> torch.dtype | None:
     return CAST_DTYPES.get(comm.gradient_compression)
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, comm=None, device_type: str = "cpu",
-              topology=None) -> tuple[DistributedDataParallel, GradientReducer | None]:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, comm=None, device_type: str = "cpu", topology=None,
+              on_send: SendCallback | None = None) -> tuple[DistributedDataParallel, GradientReducer | None]:
     """Replicate ``model`` over ``dp_mesh``; with a ``comm`` config section its gradients go through a
-    `GradientReducer` hook (flat / hierarchical all-reduce, compression, byte counts). Returns both."""
+    `GradientReducer` hook (flat / hierarchical all-reduce, compression, byte counts; ``on_send(kind,
+    nbytes, seconds)`` hears of every collective it runs). Returns both."""
     group = dp_mesh.get_group()
-    reducer = build_gradient_reducer(comm, group, model, device_type, topology) if comm is not None else None
+    reducer = build_gradient_reducer(comm, group, model, device_type, topology, on_send) if comm is not None else None
     ddp = DistributedDataParallel(model, process_group=group)
     if reducer is not None:
         ddp.register_comm_hook(reducer, gradient_reduction_hook)

@@ -164,6 +164,7 @@ def parallelize(
     pipeline: PipelineOptions | None = None,
     autocast=None,
     comm=None,
+    on_send=None,
 ) -> ModelParts:
     """Lay ``model`` out over ``ctx``'s mesh (in place) and return its parts for this rank.
 
@@ -174,6 +175,8 @@ def parallelize(
     ``trainable=False`` (a frozen reference model) skips gradient machinery and pipeline stages.
     ``comm`` (the config's CommSection) picks DDP's gradient all-reduce (flat / hierarchical) and
     compression; under FSDP2 only fp16/bf16 apply, as the reduce dtype (`fsdp_reduce_dtype`).
+    ``on_send(kind, nbytes, seconds)`` hears of every gradient collective DDP's hook runs (a byte counter);
+    a ``ctx.topology`` (ClusterTopology), when the context carries one, saves gathering it again.
     """
     mesh, dims = ctx.mesh, ctx.dims
     if mesh is None or dims.world_size == 1:
@@ -197,12 +200,12 @@ def parallelize(
             apply_tensor_parallel(model, mesh["tp"])
         return ModuleParts(model, model)
     trained, reducer = _apply_layout(model, ctx, activation_checkpointing and trainable, use_ddp=trainable,
-                                     comm=comm if trainable else None)
+                                     comm=comm if trainable else None, on_send=on_send)
     return ModuleParts(model, trained, reducer)
 
 
 def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing: bool, use_ddp: bool,
-                  comm=None) -> tuple[nn.Module, GradientReducer | None]:
+                  comm=None, on_send=None) -> tuple[nn.Module, GradientReducer | None]:
     """TP -> activation checkpointing -> DP on a whole model or one pipeline stage; returns the module the
     training forward calls and DDP's gradient reducer (None without DDP). Without gradients to
     synchronise (``use_ddp=False`` under plain replication) plain replicas suffice."""
@@ -213,7 +216,9 @@ def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing:
         apply_activation_checkpointing(module)
     if dims.dp > 1:
         if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:
-            return apply_ddp(module, ctx.dp_mesh, comm, ctx.device.type) if use_ddp else (module, None)
+            if not use_ddp:
+                return module, None
+            return apply_ddp(module, ctx.dp_mesh, comm, ctx.device.type, getattr(ctx, "topology", None), on_send)
         apply_fsdp(module, ctx.fsdp_mesh, reduce_dtype=fsdp_reduce_dtype(comm))
     return module, None
 

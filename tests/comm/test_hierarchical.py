@@ -2,7 +2,8 @@
 (2 "nodes" x 2 ranks by GROUP_RANK):
 
 - hierarchical == flat, exactly, for integer-valued floats, on sizes that do and do not divide by the
-  local size, and on 2x2, 4x1 and 1x4 layouts; the node layout is read from GROUP_RANK;
+  local size, in one piece and pipelined in chunks, on 2x2, 4x1 and 1x4 layouts; the node layout is
+  read from GROUP_RANK;
 - bytes counted per collective follow the ring model;
 - top-k: every rank ends bitwise equal, sends k = ceil(density x n) elements per segment, and with error
   feedback the running sum of compressed averages tracks the dense one (the gap is exactly the mean
@@ -51,12 +52,14 @@ def _checks(rank: int) -> dict:
         flat = x.clone()
         dist.all_reduce(flat)
         for name, g in groups.items():
-            h = x.clone()
-            hierarchical_all_reduce(h, g)
-            exact.append((name, size, torch.equal(h, flat)))
+            for chunks in (1, 3):  # one piece, and pipelined pieces (each padded to the local size)
+                h = x.clone()
+                hierarchical_all_reduce(h, g, chunks=chunks)
+                exact.append((name, size, chunks, torch.equal(h, flat)))
     out["exact"] = exact
 
-    # -- bytes: 2x2 with 4 MiB: RS sends 1/2 x S, inter AR of S/2 over 2 ranks sends S/2, AG sends S/2
+    # -- bytes: 2x2 with 4 MiB (one pipeline chunk): RS sends 1/2 x S, inter AR of S/2 over 2 ranks sends
+    #    S/2, AG sends S/2
     counted = CountedCollectives()
     hierarchical_all_reduce(torch.ones(2**20), groups["2x2"], counted)
     out["hier_bytes"], _ = counted.pop()
@@ -145,6 +148,8 @@ def _checks(rank: int) -> dict:
 
     bf = hierarchical_all_reduce(g.clone(), h, inter_reduce=cast_inter)
     out["hier_bf16"] = (_same_on_all_ranks(bf), float((bf - dense).abs().max() / dense.abs().max()))
+    bf = hierarchical_all_reduce(g.clone(), h, inter_dtype=torch.bfloat16, chunks=2)  # pipelined cast
+    out["hier_bf16_pipelined"] = (_same_on_all_ranks(bf), float((bf - dense).abs().max() / dense.abs().max()))
     start, end = h.shard_bounds(1001)
     seg = [Segment(0, 0, min(end, 1001) - start)]
     ex = TopKExchange()
@@ -173,7 +178,7 @@ def test_hierarchical_and_compressed_reductions():
     mp.start_processes(_worker, args=(free_port(), results), nprocs=WORLD, start_method="spawn")
     r = results[0]
     assert r["layout"] == (0, 0, 1, 1)
-    assert all(ok for *_, ok in r["exact"]), [e for e in r["exact"] if not e[2]]
+    assert all(ok for *_, ok in r["exact"]), [e for e in r["exact"] if not e[-1]]
 
     size = 4 * 2**20
     assert r["hier_bytes"] == {"reduce_scatter:intra": size // 2, "all_reduce:inter": size // 2,
@@ -199,8 +204,9 @@ def test_hierarchical_and_compressed_reductions():
     assert r["powersgd_synced"] and r["powersgd_bias_dense"]
     assert r["powersgd_gap"] < 0.05, r["powersgd_gap"]
 
-    synced, err = r["hier_bf16"]
-    assert synced and err < 1e-2
+    for key in ("hier_bf16", "hier_bf16_pipelined"):
+        synced, err = r[key]
+        assert synced and err < 1e-2, (key, err)
     synced, err = r["hier_topk_dense_exact"]
     assert synced and err < 1e-5
     assert r["hier_topk_synced"]

@@ -123,3 +123,12 @@ def test_plans_metrics_and_broadcast_round_trip():
     low_rank = uniform_plan("powersgd", slots, density=0.01, rank=4)
     assert low_rank.setting("norm.weight") == 0 and low_rank.setting("layers.0.up_proj.weight") == 4
     assert low_rank.metrics()["comm/compression/rank/mean"] == 4
+
+
+def test_a_tensor_without_statistics_gets_neutral_ones():
+    slots, stats = _model_like()
+    del stats["layers.0.up_proj.weight"]
+    for method in ("topk", "powersgd"):
+        plan = adaptive_plan(method, slots, stats, 0.1)
+        assert "layers.0.up_proj.weight" in plan.settings
+        assert plan.metrics()["comm/compression/budget_used"] <= 0.1

@@ -59,7 +59,8 @@ def _train(name: str, overrides: dict, ctx, rank: int) -> dict:
 
     torch.manual_seed(0)
     comm = CommSection(compression_start_step=START, **overrides)
-    parts = parallelize(_model(), ctx, comm=comm)
+    sends = []  # what a byte counter plugged in through on_send would hear
+    parts = parallelize(_model(), ctx, comm=comm, on_send=lambda kind, nbytes, seconds: sends.append((kind, nbytes)))
     opt = torch.optim.AdamW(parts.parameters(), lr=3e-3)
     eval_ids = _batch(99, 0)
     for step in range(STEPS):
@@ -79,7 +80,8 @@ def _train(name: str, overrides: dict, ctx, rank: int) -> dict:
     plan = reducer.plan
     return {
         "loss": eval_loss, "in_sync": all(torch.equal(g, gathered[0]) for g in gathered),
-        "metrics": reducer.pop_metrics(),
+        "metrics": reducer.pop_metrics(), "on_send_bytes": sum(n for _, n in sends),
+        "on_send_kinds": sorted({k for k, _ in sends}),
         "plan": None if plan is None else {s.name: (s.kind, plan.setting(s.name)) for s in plan.slots},
     }
 
@@ -145,6 +147,7 @@ def test_ddp_hooks_train_like_dense_and_stay_in_sync():
             assert run["loss"] < dense * 1.15 + 0.05, (name, str(losses))
         m = run["metrics"]
         assert m["comm/allreduce/hierarchical"] == float(name.startswith("hier")), name
+        assert run["on_send_bytes"] == m["comm/grad/bytes_sent"] > 0, name
         for other in range(1, WORLD):
             assert results[other][name]["loss"] == run["loss"]
     # Bytes (this rank, the whole run) against a dense fp32 flat ring: casts halve them; top-k at a 0.1
@@ -162,6 +165,9 @@ def test_ddp_hooks_train_like_dense_and_stay_in_sync():
         assert {"embedding", "head", "norm", "matrix", "vector"} <= kinds, kinds
     assert all(setting == 4 or kind not in ("matrix", "embedding", "head")
                for kind, setting in r["powersgd-uniform"]["plan"].values())
+    assert r["hier-topk"]["on_send_kinds"] == ["all_gather:inter", "all_gather:intra", "all_reduce:inter",
+                                               "broadcast:plan", "reduce_scatter:intra"], r["hier-topk"]["on_send_kinds"]
+    assert r["dense"]["on_send_kinds"] == ["all_reduce:flat"]
     fsdp = r["fsdp"]
     assert fsdp["warned"] and fsdp["fsdp_bf16_grad_finite"]
     assert "needs DDP" in fsdp["topk_refused"], fsdp["topk_refused"]
