@@ -127,11 +127,8 @@ class GradientReducer:
         return fut
 
     def _flat_async(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        sent = ring_wire_bytes("all_reduce", buffer.numel() * buffer.element_size(), self.group.size())
-        self.collectives.bytes_sent["all_reduce:flat"] += sent
-        if self.collectives.on_send is not None:
-            self.collectives.on_send("all_reduce:flat", sent, None)  # async: its duration is not known here
-        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        """DDP's own all-reduce, async so it overlaps the rest of backward (its duration is not known here)."""
+        work = self.collectives.all_reduce(buffer, self.group, "flat", async_op=True)
         return work.get_future().then(lambda f: f.value()[0])
 
     def _cast(self, buffer: torch.Tensor, dtype: torch.dtype) -> None:

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scalerl.parallel.activation_checkpointing import apply_activation_checkpointing, set_activation_checkpointing
 from scalerl.comm.gradient_reducer import GradientReducer
+from scalerl.parallel.activation_checkpointing import apply_activation_checkpointing, set_activation_checkpointing
 from scalerl.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_reduce_dtype
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.grad_norm import clip_grad_norm, trainable_parameters

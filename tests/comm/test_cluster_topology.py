@@ -6,7 +6,7 @@ import torch.multiprocessing as mp
 
 from scalerl.comm.cluster_topology import ClusterTopology
 from scalerl.comm.topology import NetworkInterface, RankTopology
-from scalerl.parallel.distributed import free_port
+from scalerl.core.net import free_port
 
 LO = NetworkInterface("lo", "loopback", None, ("127.0.0.1/8",))
 
