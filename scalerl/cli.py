@@ -19,7 +19,12 @@ from typing import Any, Callable
 
 from scalerl import __version__
 from scalerl.core.config import (
-    ConfigError, config_to_yaml, describe_keys, format_config, load_config, split_config_args,
+    ConfigError,
+    config_to_yaml,
+    describe_keys,
+    format_config,
+    load_config,
+    split_config_args,
 )
 from scalerl.core.errors import RunFailure, UserError
 
@@ -290,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--output-dir", default="outputs/verify", metavar="DIR", help="where runs are written")
 
     add("version", cmd_version, "print versions of scalerl, python, torch, optional packages, CUDA and NCCL")
-    from scalerl.doctor.cli import EPILOG as DOCTOR_EPILOG, add_doctor_arguments  # cheap: no torch
+    from scalerl.doctor.cli import EPILOG as DOCTOR_EPILOG  # cheap: no torch
+    from scalerl.doctor.cli import add_doctor_arguments
 
     add_doctor_arguments(add("doctor", cmd_doctor, "diagnose a distributed run: where on the troubleshooting tree "
                              "its problems are, with evidence and fixes", DOCTOR_EPILOG))

@@ -18,6 +18,7 @@ from torch import nn
 
 from scalerl import checkpoint
 from scalerl.algorithms.advantages import gae_advantages, grpo_advantages
+from scalerl.comm.gradient_reducer import merged_comm_metrics
 from scalerl.core.config import Config, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
@@ -46,9 +47,17 @@ from scalerl.trainer.layout_checks import check_rl_layout
 from scalerl.trainer.objectives import PolicyObjective, ValueObjective
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.rollout_rebalance import rebalance_batch
-from scalerl.trainer.rollout_sources import ColocatedRollouts, StandaloneRollouts, StepPrompts
+from scalerl.trainer.rollout_sources import (
+    ColocatedRollouts,
+    StandaloneRollouts,
+    StepPrompts,
+)
 from scalerl.trainer.run_checks import check_run_inputs
-from scalerl.trainer.run_directory import CHECKPOINTS_DIR, prepare_output_dir, resume_from_checkpoint
+from scalerl.trainer.run_directory import (
+    CHECKPOINTS_DIR,
+    prepare_output_dir,
+    resume_from_checkpoint,
+)
 from scalerl.trainer.run_failures import SkippedStepGuard, run_reporting_failures
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
@@ -82,7 +91,7 @@ class RLTrainer:
         critic = ValueModel(model) if cfg.algorithm.adv_estimator == "gae" else None
         reference = copy.deepcopy(model).requires_grad_(False) if a.use_kl_loss else None
         layout = dict(activation_checkpointing=cfg.model.activation_checkpointing, autocast=self.autocast,
-                      pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches))
+                      pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches), comm=cfg.comm)
         self.policy = parallelize(model, self.dist, **layout)
         self.critic = parallelize(critic, self.dist, **layout) if critic is not None else None
         self.reference = parallelize(reference, self.dist, trainable=False) if reference is not None else None
@@ -283,6 +292,8 @@ class RLTrainer:
             metrics.update(run_update(self.policy, self.optimizer_step, batch, self.policy_objective,
                                       self.update_plan, self.update_generator, self.dist, self.autocast))
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics.update(merged_comm_metrics([p.gradient_reducer for p in (self.policy, self.critic)
+                                            if p is not None and p.gradient_reducer is not None]))
         self.scheduler.step()
         with timer("update_weights"):
             metrics.update(self.rollouts.sync_weights())
