@@ -29,10 +29,18 @@ def _run(*args):
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=120, env=env)
 
 
-def test_gradient_compression_is_refused_clearly():
+def test_gradient_compression_turns_on_layer_adaptive_topk():
     done = _run("--distributed_backend", "slurm", "--num_nodes", "2", "--gpus_per_node", "8", "--batch_size", "64",
-                "--gradient_compression", "True")
-    assert done.returncode == 2 and "not available yet" in done.stderr
+                "--gradient_compression", "True", "--print")
+    assert done.returncode == 0, done.stderr
+    assert "comm.gradient_compression=topk" in done.stdout and "comm.layer_adaptive=true" in done.stdout
+    cfg = load_config(ROOT / "examples" / "grpo_trainer" / "tiny_arithmetic.yaml",
+                      ["comm.gradient_compression=topk", "comm.layer_adaptive=true", "parallel.dp_replicate=16"])
+    assert cfg.comm.gradient_compression == "topk"
+    off = _run("--distributed_backend", "slurm", "--gradient_compression", "False", "--print")
+    assert off.returncode == 0 and "comm.gradient_compression" not in off.stdout
+    bad = _run("--distributed_backend", "slurm", "--gradient_compression", "maybe", "--print")
+    assert bad.returncode == 2 and "expected True or False" in bad.stderr
 
 
 def test_unknown_flag_is_an_error_not_ignored():

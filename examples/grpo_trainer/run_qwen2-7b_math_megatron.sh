@@ -9,6 +9,9 @@
 # With --model_path, Qwen2-7B (or any Qwen2/Llama directory) trains on --train_files (GSM8K/MATH-style rows);
 # without it the built-in tiny model and arithmetic task stand in, so the command runs on a CPU machine.
 # Every flag maps onto scalerl config keys (printed before launch); an unknown flag is an error.
+# --gradient_compression True turns on layer-adaptive top-k gradient compression with error feedback
+# (comm.gradient_compression=topk; budget comm.compression_budget, 0.1 of dense fp32 bytes by default);
+# pass other comm.* keys after `--`, e.g. `-- comm.gradient_compression=powersgd comm.allreduce=hierarchical`.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 python="${PYTHON:-python3}"   # the interpreter that has scalerl installed
@@ -42,11 +45,6 @@ whole() {  # flag value minimum
 whole --num_nodes "$nodes" 1; whole --gpus_per_node "$gpus" 0; whole --batch_size "$batch" 1
 whole --gradient_accumulation_steps "$accum" 1
 is_true() { case "${1,,}" in true|1|yes) return 0 ;; false|0|no) return 1 ;; *) echo "error: expected True or False, got '$1'" >&2; exit 2 ;; esac; }
-if is_true "$compression"; then
-  echo "error: --gradient_compression True is not available yet: gradient compression (the communication issue)" \
-       "has not landed in scalerl. Rerun with --gradient_compression False." >&2
-  exit 2
-fi
 ranks_per_node=$(( gpus > 0 ? gpus : 1 ))
 world=$(( nodes * ranks_per_node ))
 rollouts=$(( batch * 8 ))
@@ -57,6 +55,7 @@ overrides=("trainer.batch_size=$batch" "rollout.n=8" "actor.ppo_mini_batch_size=
            "actor.ppo_micro_batch_size=$(( rollouts / world / accum > 0 ? rollouts / world / accum : 1 ))"
            "parallel.dp_replicate=$world")
 if is_true "$fp16"; then overrides+=("trainer.precision=fp16"); fi
+if is_true "$compression"; then overrides+=("comm.gradient_compression=topk" "comm.layer_adaptive=true"); fi
 if [ -n "$model" ]; then
   config="$here/qwen2-7b_math.yaml"
   overrides+=("model.path=$model")

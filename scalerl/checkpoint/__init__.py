@@ -16,10 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from scalerl.checkpoint.atomic import remove_stale_temporaries
-from scalerl.checkpoint.distributed import current_layout, load_distributed_checkpoint, save_distributed_checkpoint
+from scalerl.checkpoint.distributed import (
+    current_layout,
+    load_distributed_checkpoint,
+    save_distributed_checkpoint,
+)
 from scalerl.checkpoint.export import export_checkpoint, export_hf_model
 from scalerl.checkpoint.layout import (
-    CheckpointError, LoadedCheckpoint, latest_checkpoint, list_checkpoints, read_meta, read_meta_or_none,
+    CheckpointError,
+    LoadedCheckpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    read_meta,
+    read_meta_or_none,
     resolve_resume,
 )
 from scalerl.checkpoint.local import load_checkpoint, save_checkpoint

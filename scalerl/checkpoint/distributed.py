@@ -27,11 +27,23 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import scalerl
 from scalerl.checkpoint.atomic import prune, publish, save_torch_state, write_durably
 from scalerl.checkpoint.config_match import canonical_json, check_config
-from scalerl.checkpoint.layout import (
-    FORMAT_VERSION, GRAD_SCALER_FILE, META_FILE, SCHEDULER_FILE, SHARDS_DIR, TRAINER_STATE_FILE, CheckpointError,
-    LoadedCheckpoint, file_manifest, list_checkpoints, load_torch_state, read_meta, step_dir_name, verify_files,
-)
 from scalerl.checkpoint.dcp_safe_io import dcp_load_safely
+from scalerl.checkpoint.layout import (
+    FORMAT_VERSION,
+    GRAD_SCALER_FILE,
+    META_FILE,
+    SCHEDULER_FILE,
+    SHARDS_DIR,
+    TRAINER_STATE_FILE,
+    CheckpointError,
+    LoadedCheckpoint,
+    file_manifest,
+    list_checkpoints,
+    load_torch_state,
+    read_meta,
+    step_dir_name,
+    verify_files,
+)
 from scalerl.core.rng_state import capture_rng_state, restore_rng_state
 from scalerl.parallel.distributed import DistContext
 

@@ -21,13 +21,34 @@ from safetensors.torch import load_file, save_model
 
 import scalerl
 from scalerl.checkpoint.atomic import (
-    fsync_dir, fsync_file, prune, publish, remove_stale_temporaries, save_torch_state, write_durably,
+    fsync_dir,
+    fsync_file,
+    prune,
+    publish,
+    remove_stale_temporaries,
+    save_torch_state,
+    write_durably,
 )
 from scalerl.checkpoint.config_match import canonical_json, check_config
 from scalerl.checkpoint.layout import (
-    FORMAT_VERSION, GRAD_SCALER_FILE, META_FILE, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, SCHEDULER_FILE,
-    TRAINER_STATE_FILE, CheckpointError, LoadedCheckpoint, file_manifest, list_checkpoints, load_torch_state,
-    read_meta, read_meta_or_none, require_file, step_dir_name, verify_files,
+    FORMAT_VERSION,
+    GRAD_SCALER_FILE,
+    META_FILE,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    SCHEDULER_FILE,
+    TRAINER_STATE_FILE,
+    CheckpointError,
+    LoadedCheckpoint,
+    file_manifest,
+    list_checkpoints,
+    load_torch_state,
+    read_meta,
+    read_meta_or_none,
+    require_file,
+    step_dir_name,
+    verify_files,
 )
 from scalerl.core.rng_state import capture_rng_state, restore_rng_state
 

@@ -115,6 +115,14 @@ class CommCounter:
             self._calls[(kind, op, dim)] += 1
         return sent
 
+    def add_sent(self, kind: str, op: str, nbytes: float, *, dim: str | None = None) -> None:
+        """Count bytes this rank sent, already computed for the algorithm that ran (e.g. by a comm hook)."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown communication kind {kind!r}; one of {', '.join(KINDS)}")
+        with self._lock:
+            self._bytes[(kind, op, dim)] += nbytes
+            self._calls[(kind, op, dim)] += 1
+
     def add_wait(self, kind: str, seconds: float) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown communication kind {kind!r}; one of {', '.join(KINDS)}")

@@ -9,6 +9,7 @@ time (`CommCounter.track_bucket`). Compression hooks record their own collective
 # No `from __future__ import annotations`: DDP checks the hook's return annotation against the real type.
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,3 +29,16 @@ def counted_allreduce_hook(state: CountedAllReduceState, bucket: dist.GradBucket
     state.counter.record("grad", "all_reduce", tensor_bytes(bucket.buffer()), state.process_group.size(),
                          dim=state.dim)
     return state.counter.track_bucket("grad", allreduce_hook(state.process_group, bucket), bucket.is_last())
+
+
+@dataclass
+class TimedReducerState:
+    """A `GradientReducer` (hierarchical all-reduce, compression) whose iterations' exposed communication
+    time is measured like the default hook's (its bytes it reports itself, through ``on_send``)."""
+
+    reducer: Any
+    counter: CommCounter
+
+
+def timed_reduction_hook(state: TimedReducerState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return state.counter.track_bucket("grad", state.reducer.reduce(bucket), bucket.is_last())

@@ -24,7 +24,14 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-from scalerl.comm.varints import CHUNK, DecodeError, apply_diff_varints, diff_varints, varint_chunks, varint_encode
+from scalerl.comm.varints import (
+    CHUNK,
+    DecodeError,
+    apply_diff_varints,
+    diff_varints,
+    varint_chunks,
+    varint_encode,
+)
 
 # zlib level 1: on the demo's GRPO deltas level 6 made streams 1-33% smaller (mostly 10-15%) at 10-40x the
 # time (tens of ms per 100 KiB on this CPU, more than sending the difference over a 200 Mbit link takes).

@@ -26,7 +26,10 @@ from scalerl.comm.accounting import CommCounter, tensor_bytes
 try:  # private module paths, public API (set_custom_all_gather / set_custom_reduce_scatter) since torch 2.8
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
 except ImportError:  # pragma: no cover - older torch
     AllGather = ReduceScatter = None
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Mapping, MutableMapping
 
 from scalerl.comm.cluster_topology import ClusterTopology
-from scalerl.core.errors import UserError
 from scalerl.comm.topology import RankTopology
+from scalerl.core.errors import UserError
 
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 RESOLVE_TIMEOUT_S = 5.0

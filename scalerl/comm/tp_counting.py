@@ -20,7 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+)
 
 from scalerl.comm.accounting import CommCounter, tensor_bytes
 

@@ -15,7 +15,13 @@ from typing import Protocol
 
 import torch
 
-from scalerl.comm.delta_encoding import DecodeError, bucket_checksum, combine_checksums, decode_bucket, int_view_dtype
+from scalerl.comm.delta_encoding import (
+    DecodeError,
+    bucket_checksum,
+    combine_checksums,
+    decode_bucket,
+    int_view_dtype,
+)
 from scalerl.comm.weight_channel import Ack, Kind, Message, Status
 from scalerl.comm.weight_plan import Segment, WeightPlan
 

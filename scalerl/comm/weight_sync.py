@@ -29,8 +29,19 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from scalerl.comm.delta_encoding import bucket_checksum, encode_bucket, encode_dense, int_view_dtype
-from scalerl.comm.weight_channel import Kind, Message, SenderChannel, Status, WeightSyncError
+from scalerl.comm.delta_encoding import (
+    bucket_checksum,
+    encode_bucket,
+    encode_dense,
+    int_view_dtype,
+)
+from scalerl.comm.weight_channel import (
+    Kind,
+    Message,
+    SenderChannel,
+    Status,
+    WeightSyncError,
+)
 from scalerl.comm.weight_plan import TensorEntry, WeightPlan
 
 ROLLOUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

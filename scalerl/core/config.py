@@ -20,7 +20,6 @@ from typing import Any
 from scalerl.core import config_tree
 from scalerl.core.config_tree import (  # re-exported: `scalerl.core.config` is the public config API
     ConfigError,
-    Section as _Section,
     _check,
     _check_choice,
     apply_override,
@@ -32,11 +31,14 @@ from scalerl.core.config_tree import (  # re-exported: `scalerl.core.config` is 
     save_config,
     split_config_args,
 )
+from scalerl.core.config_tree import (
+    Section as _Section,
+)
 
 __all__ = [
-    "ActorSection", "AlgorithmSection", "Config", "ConfigError", "CriticSection", "DataSection", "ModelSection",
-    "ParallelSection", "RolloutSection", "SFTSection", "TrainerSection", "WeightSyncSection", "apply_override",
-    "config_from_dict",
+    "ActorSection", "AlgorithmSection", "CommSection", "Config", "ConfigError", "CriticSection", "DataSection",
+    "ModelSection", "ParallelSection", "RolloutSection", "SFTSection", "TrainerSection", "WeightSyncSection",
+    "apply_override", "config_from_dict",
     "config_to_dict", "config_to_yaml", "describe_keys", "format_config", "load_config", "opt", "save_config",
     "split_config_args",
 ]
@@ -381,6 +383,53 @@ class ParallelSection(_Section):
         return p
 
 
+ALLREDUCE_KINDS = ("auto", "flat", "hierarchical")
+GRADIENT_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
+# Compressions that need DDP's per-bucket hooks; FSDP reduce-scatters shards and has no such hook.
+HOOK_ONLY_COMPRESSIONS = ("powersgd", "topk")
+
+
+@dataclass
+class CommSection(_Section):
+    """How data-parallel gradients are reduced (DDP comm hooks; see docs/comm-compression.md)."""
+
+    name = "comm"
+    allreduce: str = opt("auto", "gradient all-reduce: auto (hierarchical when the inter-node link is much slower "
+                                 "than intra-node, else flat) | flat | hierarchical (intra-node reduce-scatter, "
+                                 "inter-node all-reduce, intra-node all-gather)")
+    inter_node_mbit: float = opt(0.0, "inter-node link rate in Mbit/s for comm.allreduce=auto when sysfs cannot tell "
+                                      "(virtual or shaped links); 0 = read it from the topology", at_least=0)
+    gradient_compression: str = opt("none", "DDP gradient compression: " + " | ".join(GRADIENT_COMPRESSIONS) +
+                                    "; powersgd and topk keep an error-feedback residual")
+    layer_adaptive: bool = opt(True, "powersgd/topk: per-tensor rank/density chosen from measured gradient "
+                                     "statistics under comm.compression_budget (else comm.topk_density / "
+                                     "comm.powersgd_rank for every tensor)")
+    compression_budget: float = opt(0.1, "layer-adaptive: bytes each rank contributes per reduction, as a fraction "
+                                         "of the dense fp32 gradient's bytes (0.1 = 90% fewer)", above=0, at_most=1)
+    topk_density: float = opt(0.01, "topk without layer_adaptive: fraction of each tensor's elements sent",
+                              above=0, at_most=1)
+    topk_momentum: float = opt(0.0, "topk: Deep Gradient Compression momentum correction factor (momentum "
+                                    "accumulated before sparsification); 0 = plain error feedback, which suits "
+                                    "AdamW (it keeps its own moments)", at_least=0, below=1)
+    powersgd_rank: int = opt(4, "powersgd without layer_adaptive: rank of every matrix's approximation")
+    compression_start_step: int = opt(10, "powersgd/topk: optimizer steps of dense all-reduce before compressing "
+                                          "(warm-up; layer-adaptive measures its statistics there, so it "
+                                          "takes at least 1)")
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check_choice(p, "comm.allreduce", self.allreduce, ALLREDUCE_KINDS)
+        _check(p, self.inter_node_mbit >= 0, "comm.inter_node_mbit", ">= 0 (0 = detect)", self.inter_node_mbit)
+        _check_choice(p, "comm.gradient_compression", self.gradient_compression, GRADIENT_COMPRESSIONS)
+        _check(p, 0 < self.compression_budget <= 1, "comm.compression_budget", "in (0, 1]", self.compression_budget)
+        _check(p, 0 < self.topk_density <= 1, "comm.topk_density", "in (0, 1]", self.topk_density)
+        _check(p, 0 <= self.topk_momentum < 1, "comm.topk_momentum", "in [0, 1)", self.topk_momentum)
+        _check(p, self.powersgd_rank >= 1, "comm.powersgd_rank", ">= 1", self.powersgd_rank)
+        _check(p, self.compression_start_step >= 0, "comm.compression_start_step", ">= 0",
+               self.compression_start_step)
+        return p
+
+
 @dataclass
 class Config(_Section):
     """A whole run: every section, each with defaults."""
@@ -395,6 +444,7 @@ class Config(_Section):
     trainer: TrainerSection = field(default_factory=TrainerSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
+    comm: CommSection = field(default_factory=CommSection)
 
     def problems(self) -> list[str]:
         p = [msg for f in dataclasses.fields(self) for msg in getattr(self, f.name).all_problems()]
@@ -413,6 +463,7 @@ class Config(_Section):
                      "GRPO advantage is 0 and nothing trains; use rollout.temperature > 0 (e.g. 1.0)")
         if self.model.path is None and self.trainer.init_from is None:
             p += builtin_model_problems(self)
+        p += _comm_layout_problems(self.comm, self.parallel)
         return p
 
 
@@ -435,6 +486,18 @@ def builtin_model_problems(cfg: Config) -> list[str]:
     return p
 
 
+
+def _comm_layout_problems(comm: CommSection, par: ParallelSection) -> list[str]:
+    """PowerSGD and top-k run in DDP comm hooks: a layout that shards or splits the model (FSDP2 reduce-
+    scatters DTensor shards) has none. fp16/bf16 still apply there, as FSDP's reduce dtype."""
+    if comm.gradient_compression not in HOOK_ONLY_COMPRESSIONS:
+        return []
+    sharded = [f"parallel.{k}={getattr(par, k)}" for k in ("dp_shard", "tp", "pp") if getattr(par, k) not in (1,)]
+    if not sharded:
+        return []
+    return [f"comm.gradient_compression={comm.gradient_compression} needs plain data parallelism (DDP), but "
+            f"{', '.join(sharded)} lays the model out with FSDP2, which has no per-bucket comm hook; use "
+            "comm.gradient_compression=bf16 or fp16 (applied as FSDP's reduce dtype) or none"]
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (), cls: type = Config) -> Any:

@@ -20,7 +20,9 @@ from typing import Any
 import yaml
 
 from scalerl.core.config_numbers import describe_bounds, number_problems
-from scalerl.core.config_numbers import opt as opt  # re-exported: sections declare fields with it
+from scalerl.core.config_numbers import (
+    opt as opt,  # re-exported: sections declare fields with it
+)
 from scalerl.core.errors import UserError
 
 

@@ -1,11 +1,26 @@
 """Built-in arithmetic task, GSM8K/MATH-style loaders, answer extraction and reward functions (each call
 within `data.reward_timeout_s`: `reward_calls`)."""
 
-from scalerl.data.answers import extract_boxed, extract_hash_answer, normalize_math_answer
-from scalerl.data.arithmetic import LEVEL_DESCRIPTIONS, count_arithmetic_problems, make_arithmetic_rows
+from scalerl.data.answers import (
+    extract_boxed,
+    extract_hash_answer,
+    normalize_math_answer,
+)
+from scalerl.data.arithmetic import (
+    LEVEL_DESCRIPTIONS,
+    count_arithmetic_problems,
+    make_arithmetic_rows,
+)
 from scalerl.data.errors import DataError
 from scalerl.data.loaders import DEFAULT_PROMPT_TEMPLATE, load_rows
-from scalerl.data.rewards import BUILTIN_REWARDS, RewardComputer, RewardFunctionError, gsm8k_reward, load_reward_fn, math_reward
+from scalerl.data.rewards import (
+    BUILTIN_REWARDS,
+    RewardComputer,
+    RewardFunctionError,
+    gsm8k_reward,
+    load_reward_fn,
+    math_reward,
+)
 
 __all__ = [
     "BUILTIN_REWARDS", "DEFAULT_PROMPT_TEMPLATE", "DataError", "LEVEL_DESCRIPTIONS", "RewardComputer",

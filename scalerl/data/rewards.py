@@ -34,9 +34,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from scalerl.core.errors import UserError
-from scalerl.data.reward_calls import RewardExit, RewardTimeout, call_with_limit
-from scalerl.data.answers import extract_boxed, extract_hash_answer, normalize_math_answer, same_number
+from scalerl.data.answers import (
+    extract_boxed,
+    extract_hash_answer,
+    normalize_math_answer,
+    same_number,
+)
 from scalerl.data.errors import DataError
+from scalerl.data.reward_calls import RewardExit, RewardTimeout, call_with_limit
 
 logger = logging.getLogger(__name__)
 

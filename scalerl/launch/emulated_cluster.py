@@ -29,7 +29,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from scalerl.launch.emulated_ranks import RankGroup, RankResult, RankTimeoutError, rank_layout
+from scalerl.launch.emulated_ranks import (
+    RankGroup,
+    RankResult,
+    RankTimeoutError,
+    rank_layout,
+)
 
 PREFIX = "srl"
 RUN_NAME = re.compile(rf"^{PREFIX}(\d+)r(\d+)(n\d+|h\d+|e\d+|br)$")  # pid, sequence number, part

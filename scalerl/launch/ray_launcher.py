@@ -16,7 +16,12 @@ from typing import Any, Callable
 from scalerl.core.config import ConfigError, load_config
 from scalerl.core.errors import UserError
 from scalerl.launch.ray_connect import connect_ray
-from scalerl.launch.ray_placement import PlacementError, check_request, placement_problems, rank_bundles
+from scalerl.launch.ray_placement import (
+    PlacementError,
+    check_request,
+    placement_problems,
+    rank_bundles,
+)
 from scalerl.launch.ray_ranks import RankFailure, create_rank_group, run_on_ranks
 from scalerl.trainer.run_checks import check_run_inputs
 

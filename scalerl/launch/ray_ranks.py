@@ -10,7 +10,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from scalerl.launch.ray_placement import check_request, rank_bundles, ranks_per_node, reserve
+from scalerl.launch.ray_placement import (
+    check_request,
+    rank_bundles,
+    ranks_per_node,
+    reserve,
+)
+
 
 class RankFailure(RuntimeError):
     """A rank raised or its process died; `rank` says which, the message carries its error."""

@@ -2,7 +2,11 @@
 
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import CausalLM, build_model
-from scalerl.models.hf_checkpoint import CheckpointFormatError, from_pretrained, save_pretrained
+from scalerl.models.hf_checkpoint import (
+    CheckpointFormatError,
+    from_pretrained,
+    save_pretrained,
+)
 from scalerl.models.kv_cache import KVCache
 from scalerl.models.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 

@@ -6,7 +6,13 @@ ranks, gradient-norm clipping, and sequence-length balancing."""
 from scalerl.parallel.distributed import DistContext, init_distributed
 from scalerl.parallel.mesh import MESH_DIMS, LayoutError, ParallelDims
 from scalerl.parallel.metric_reduction import reduce_metrics
-from scalerl.parallel.parallelize import MicroBatch, ModuleParts, PipelineOptions, PipelineParts, parallelize
+from scalerl.parallel.parallelize import (
+    MicroBatch,
+    ModuleParts,
+    PipelineOptions,
+    PipelineParts,
+    parallelize,
+)
 from scalerl.parallel.seqlen_balance import (
     balance_across_ranks,
     greedy_partition,

@@ -22,8 +22,12 @@ import torch.distributed as dist
 from torch import nn
 
 from scalerl.comm.accounting import CommCounter
-from scalerl.parallel.activation_checkpointing import apply_activation_checkpointing, set_activation_checkpointing
-from scalerl.parallel.data_parallel import apply_ddp, apply_fsdp
+from scalerl.comm.gradient_reducer import GradientReducer
+from scalerl.parallel.activation_checkpointing import (
+    apply_activation_checkpointing,
+    set_activation_checkpointing,
+)
+from scalerl.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_reduce_dtype
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.grad_norm import clip_grad_norm, trainable_parameters
 from scalerl.parallel.pipeline import PipelineRunner
@@ -55,8 +59,10 @@ class ModuleParts:
 
     fixed_shapes = False  # any batch shape may go through `forward_backward`
 
-    def __init__(self, model: nn.Module, trained: nn.Module, comm: CommCounter | None = None):
+    def __init__(self, model: nn.Module, trained: nn.Module, comm: CommCounter | None = None,
+                 gradient_reducer: GradientReducer | None = None):
         self.model, self.trained, self.comm = model, trained, comm
+        self.gradient_reducer = gradient_reducer  # DDP's comm hook state: byte counts, compression plan
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
@@ -104,6 +110,7 @@ class PipelineParts:
     """This rank's pipeline stages (trained) and a full replica of the model (generates, log-probs)."""
 
     fixed_shapes = True  # pipeline stages fix activation shapes at their first step
+    gradient_reducer = None  # stages are laid out with FSDP2, which reduces gradients itself
 
     def __init__(self, replica: nn.Module, runner: PipelineRunner, ctx: DistContext):
         self.model, self.runner, self.ctx = replica, runner, ctx
@@ -166,6 +173,8 @@ def parallelize(
     trainable: bool = True,
     pipeline: PipelineOptions | None = None,
     autocast=None,
+    comm=None,
+    on_send=None,
 ) -> ModelParts:
     """Lay ``model`` out over ``ctx``'s mesh (in place) and return its parts for this rank.
 
@@ -174,6 +183,10 @@ def parallelize(
     DTensor TP (DDP does not support DTensor parameters). With ``parallel.pp > 1`` the trained stages are
     cut from the model first; the model itself becomes the replica (tensor-parallel like the stages).
     ``trainable=False`` (a frozen reference model) skips gradient machinery and pipeline stages.
+    ``comm`` (the config's CommSection) picks DDP's gradient all-reduce (flat / hierarchical) and
+    compression; under FSDP2 only fp16/bf16 apply, as the reduce dtype (`fsdp_reduce_dtype`).
+    Gradient collectives are counted in ``ctx.comm`` (and reported to ``on_send(kind, nbytes, seconds)``
+    when given); the cluster view gathered at start (``ctx.cluster``) saves gathering the topology again.
     """
     mesh, dims = ctx.mesh, ctx.dims
     if mesh is None or dims.world_size == 1:
@@ -185,7 +198,7 @@ def parallelize(
         options = pipeline or PipelineOptions()
 
         def layout_stage(stage: nn.Module) -> None:
-            _apply_layout(stage, ctx, activation_checkpointing, use_ddp=False)
+            _apply_layout(stage, ctx, activation_checkpointing, use_ddp=False, comm=comm)
 
         # Stages are cut from the unsharded model, before it becomes the replica.
         runner = PipelineRunner(model, ctx, options.schedule, options.microbatches, layout_stage, autocast)
@@ -196,14 +209,16 @@ def parallelize(
         if dims.tp > 1:
             apply_tensor_parallel(model, mesh["tp"], ctx.comm)
         return ModuleParts(model, model, ctx.comm)
-    trained = _apply_layout(model, ctx, activation_checkpointing and trainable, use_ddp=trainable)
-    return ModuleParts(model, trained, ctx.comm)
+    trained, reducer = _apply_layout(model, ctx, activation_checkpointing and trainable, use_ddp=trainable,
+                                     comm=comm if trainable else None, on_send=on_send)
+    return ModuleParts(model, trained, ctx.comm, reducer)
 
 
-def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing: bool, use_ddp: bool) -> nn.Module:
+def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing: bool, use_ddp: bool,
+                  comm=None, on_send=None) -> tuple[nn.Module, GradientReducer | None]:
     """TP -> activation checkpointing -> DP on a whole model or one pipeline stage; returns the module the
-    training forward calls. Without gradients to synchronise (``use_ddp=False`` under plain replication)
-    plain replicas suffice."""
+    training forward calls and DDP's gradient reducer (None without DDP). Without gradients to
+    synchronise (``use_ddp=False`` under plain replication) plain replicas suffice."""
     dims, mesh = ctx.dims, ctx.mesh
     if dims.tp > 1:
         apply_tensor_parallel(getattr(module, "backbone", module), mesh["tp"], ctx.comm)  # a value model's backbone
@@ -211,7 +226,10 @@ def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing:
         apply_activation_checkpointing(module)
     if dims.dp > 1:
         if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:
-            return apply_ddp(module, ctx.dp_mesh, counter=ctx.comm) if use_ddp else module
-        apply_fsdp(module, ctx.fsdp_mesh, counter=ctx.comm)
-    return module
+            if not use_ddp:
+                return module, None
+            return apply_ddp(module, ctx.dp_mesh, comm, ctx.device.type, getattr(ctx, "cluster", None), ctx.comm,
+                             on_send)
+        apply_fsdp(module, ctx.fsdp_mesh, counter=ctx.comm, reduce_dtype=fsdp_reduce_dtype(comm))
+    return module, None
 

@@ -16,7 +16,10 @@ import torch
 import torch.distributed as dist
 
 from scalerl.core.rank_env import launcher_restart_count
-from scalerl.parallel.collective_failures import describe_collective_failure, is_collective_failure
+from scalerl.parallel.collective_failures import (
+    describe_collective_failure,
+    is_collective_failure,
+)
 from scalerl.parallel.rank_liveness import RankHeartbeat
 from scalerl.parallel.rendezvous import RendezvousError, rendezvous_store
 

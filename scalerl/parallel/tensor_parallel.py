@@ -10,13 +10,17 @@ replicated (one parameter cannot carry two shardings).
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from scalerl.comm.accounting import CommCounter
 from scalerl.comm.tp_counting import count_tensor_parallel_style
 from scalerl.models.decoder import decoder_layers
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, counter: CommCounter | None = None) -> None:

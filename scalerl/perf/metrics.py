@@ -51,6 +51,11 @@ METRIC_REDUCTIONS: dict[str, str] = {
     # static_tensors/dynamic_tensors/resyncs/full_push/peak_bucket_bytes, and the lossy mode's
     # deferred_tensors/max_deviation/max_staleness.
     "weight_sync/*": "max",
+    # Gradient reduction (scalerl.comm.gradient_reducer): bytes / seconds per rank; the all-reduce choice
+    # (1 = hierarchical) and the compression plan are the same on every rank.
+    "comm/grad/*": "mean",
+    "comm/allreduce/*": "max",
+    "comm/compression/*": "mean",
     "actor/*": "mean",
     "critic/*": "mean",
     "sft/*": "mean",

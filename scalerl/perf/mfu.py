@@ -19,7 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from scalerl.models.config import ModelConfig
-from scalerl.perf.flops import device_peak_flops, flops_per_token, forward_flops_per_token
+from scalerl.perf.flops import (
+    device_peak_flops,
+    flops_per_token,
+    forward_flops_per_token,
+)
 
 
 @dataclass(frozen=True)

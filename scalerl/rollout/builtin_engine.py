@@ -19,7 +19,12 @@ from torch.distributed.fsdp import FSDPModule
 
 from scalerl.models.decoder import CausalLM
 from scalerl.models.kv_cache import KVCache
-from scalerl.rollout.engine import GenerationOutput, PromptTooLongError, SamplingParams, left_pad
+from scalerl.rollout.engine import (
+    GenerationOutput,
+    PromptTooLongError,
+    SamplingParams,
+    left_pad,
+)
 from scalerl.rollout.sampling import sample_tokens
 
 # (logits [n, V] of the decoding rows, their rows in the caller's batch [n], decode step) -> logits

@@ -5,8 +5,8 @@ from __future__ import annotations
 from scalerl.core.config import ModelSection
 from scalerl.data.prompts import encode_prompts
 from scalerl.models.decoder import build_model
-from scalerl.models.load import builtin_model_config
 from scalerl.models.hf_checkpoint import from_pretrained
+from scalerl.models.load import builtin_model_config
 from scalerl.models.tokenizer import CharTokenizer, load_tokenizer
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams

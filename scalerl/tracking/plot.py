@@ -21,7 +21,9 @@ def plot_metrics(
     Keys no step carries are skipped; if none is present a ``ValueError`` lists the keys the file has.
     """
     try:
-        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
+        from matplotlib.figure import (
+            Figure,  # no pyplot: no GUI backend, no global figure state
+        )
     except ImportError as error:
         raise ImportError("plot_metrics needs the 'matplotlib' package: pip install matplotlib") from error
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from scalerl.data.rewards import RewardComputer
 from scalerl.data.prompts import encode_prompts
+from scalerl.data.rewards import RewardComputer
 from scalerl.rollout.engine import RolloutEngine, SamplingParams
 
 

@@ -8,7 +8,6 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-
 LR_SCHEDULES = ("constant", "cosine")
 
 

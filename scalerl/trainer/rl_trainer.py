@@ -18,8 +18,10 @@ from torch import nn
 
 from scalerl import checkpoint
 from scalerl.algorithms.advantages import gae_advantages, grpo_advantages
+from scalerl.algorithms.importance import truncated_importance_weights
+from scalerl.comm.gradient_reducer import merged_comm_metrics
 from scalerl.core.config import Config, config_to_dict
-from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
+from scalerl.core.device import Autocast, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
 from scalerl.core.threads import cpu_thread_governor
 from scalerl.data.errors import DataError
@@ -32,8 +34,6 @@ from scalerl.parallel.distributed import DistContext, init_distributed
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.parallel.parallelize import PipelineOptions, parallelize
 from scalerl.perf.health.monitor import HealthMonitor
-from scalerl.perf.memory import max_memory_gb
-from scalerl.perf.mfu import RankShare, StepWork, step_mfu
 from scalerl.perf.timing import StepTimer, busy_time
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
@@ -46,10 +46,19 @@ from scalerl.trainer.layout_checks import check_rl_layout
 from scalerl.trainer.objectives import PolicyObjective, ValueObjective
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.rollout_rebalance import rebalance_batch
-from scalerl.trainer.rollout_sources import ColocatedRollouts, StandaloneRollouts, StepPrompts
+from scalerl.trainer.rollout_sources import (
+    ColocatedRollouts,
+    StandaloneRollouts,
+    StepPrompts,
+)
 from scalerl.trainer.run_checks import check_run_inputs
-from scalerl.trainer.run_directory import CHECKPOINTS_DIR, prepare_output_dir, resume_from_checkpoint
+from scalerl.trainer.run_directory import (
+    CHECKPOINTS_DIR,
+    prepare_output_dir,
+    resume_from_checkpoint,
+)
 from scalerl.trainer.run_failures import SkippedStepGuard, run_reporting_failures
+from scalerl.trainer.step_measures import performance_metrics, step_work
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
 # Config keys a resumed run must share with the checkpoint it resumes (others, e.g. total_steps, may change).
@@ -82,7 +91,7 @@ class RLTrainer:
         critic = ValueModel(model) if cfg.algorithm.adv_estimator == "gae" else None
         reference = copy.deepcopy(model).requires_grad_(False) if a.use_kl_loss else None
         layout = dict(activation_checkpointing=cfg.model.activation_checkpointing, autocast=self.autocast,
-                      pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches))
+                      pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches), comm=cfg.comm)
         self.policy = parallelize(model, self.dist, **layout)
         self.critic = parallelize(critic, self.dist, **layout) if critic is not None else None
         self.reference = parallelize(reference, self.dist, trainable=False) if reference is not None else None
@@ -262,14 +271,17 @@ class RLTrainer:
                 batch.old_logprobs = batch.rollout_logprobs
             else:
                 batch.old_logprobs = response_logprobs(self.policy.model, batch, temperature, micro, self.autocast)
-                metrics.update(self._importance_weights(batch))
+                weights, mismatch = truncated_importance_weights(
+                    batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.rollout.tis_cap)
+                batch.is_weights = weights if cfg.rollout.tis_cap else None
+                metrics.update(mismatch)
         if self.reference is not None:
             with timer("ref"):
                 batch.ref_logprobs = response_logprobs(self.reference.model, batch, temperature, micro, self.autocast)
         with timer("adv"):
             self._advantages(batch)
-        work = self._work(batch, forward_passes=int(not reuse_logprobs) + (self.reference is not None)
-                          + (self.critic is not None))
+        work = step_work(batch, forward_passes=int(not reuse_logprobs) + (self.reference is not None)
+                         + (self.critic is not None), update_passes=a.ppo_epochs * (2 if self.critic is not None else 1))
         if self.dist.dp_size > 1 and cfg.trainer.balance_batch:
             with timer("balance"):
                 batch, balance_metrics = rebalance_batch(batch, self.dist, cfg.trainer.batch_size // self.dist.dp_size)
@@ -283,50 +295,20 @@ class RLTrainer:
             metrics.update(run_update(self.policy, self.optimizer_step, batch, self.policy_objective,
                                       self.update_plan, self.update_generator, self.dist, self.autocast))
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics.update(merged_comm_metrics([p.gradient_reducer for p in (self.policy, self.critic)
+                                            if p is not None and p.gradient_reducer is not None]))
         self.scheduler.step()
         with timer("update_weights"):
             metrics.update(self.rollouts.sync_weights())
         step_time = time.perf_counter() - step_start
         metrics.update(self.timer.pop())
         metrics["timing_s/step"] = step_time
-        metrics.update(self._performance(work, metrics, step_time))
+        metrics.update(performance_metrics(work, metrics, step_time, self.model_config, self.dist,
+                                           cfg.trainer.precision, cfg.model.dtype))
         if self.dist.world_size > 1 or self.dist.rollout_ranks:  # bytes and waits since the last step's were
             metrics.update(self.dist.comm.pop())                 # read (docs/comm-accounting.md)
         metrics.update(busy_time(metrics))  # needs the waits just read
         return metrics
-
-    def _importance_weights(self, batch: RolloutBatch) -> dict[str, float]:
-        """``rollout/logprob_diff`` between the rollout's and the recomputed log-probs, and (``rollout.tis_cap``)
-        the truncated importance weights min(exp(old - rollout), cap) the policy loss applies per token."""
-        mask = batch.response_mask.bool()
-        diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
-        cap = self.cfg.rollout.tis_cap
-        if cap:
-            ratio = torch.exp((batch.old_logprobs - batch.rollout_logprobs).clamp(max=20.0))
-            batch.is_weights = ratio.clamp(max=cap) * batch.response_mask
-        return {"rollout/logprob_diff/mean": float(diff.mean()) if diff.numel() else 0.0,
-                "rollout/logprob_diff/max": float(diff.max()) if diff.numel() else 0.0}
-
-    def _work(self, batch: RolloutBatch, forward_passes: int) -> StepWork:
-        response_tokens = int(batch.response_mask.sum())
-        prompt_tokens = int(batch.attention_mask.sum()) - response_tokens
-        updates = self.cfg.actor.ppo_epochs * (2 if self.critic is not None else 1)
-        return StepWork(prompt_tokens, response_tokens, prompt_tokens / len(batch), response_tokens / len(batch),
-                        forward_passes=forward_passes, update_passes=updates)
-
-    def _performance(self, work: StepWork, metrics: dict[str, float], step_time: float) -> dict[str, float]:
-        tokens = work.prompt_tokens + work.response_tokens
-        seconds = {"step": step_time, "gen": metrics.get("timing_s/gen", 0.0),
-                   "update": metrics.get("timing_s/update_actor", 0.0) + metrics.get("timing_s/update_critic", 0.0)}
-        dims = self.dist.dims
-        dtype = compute_dtype(self.cfg.trainer.precision, getattr(torch, self.cfg.model.dtype))
-        return {
-            "perf/total_num_tokens": float(tokens),
-            "perf/time_per_step": step_time,
-            "perf/throughput": tokens / step_time,
-            **step_mfu(self.model_config, work, seconds, RankShare(dims.tp, dims.pp), self.device, dtype),
-            "perf/max_memory_gb": max_memory_gb(self.device),
-        }
 
     # ----------------------------------------------------------------------------------------- the loop
     def evaluate(self) -> dict[str, float]:

@@ -14,9 +14,14 @@ from dataclasses import fields, replace
 import torch
 import torch.distributed as dist
 
-from scalerl.parallel.seqlen_balance import balance_across_ranks, contiguous_partition, token_imbalance
 from scalerl.parallel.distributed import DistContext
+from scalerl.parallel.seqlen_balance import (
+    balance_across_ranks,
+    contiguous_partition,
+    token_imbalance,
+)
 from scalerl.rollout.batch import RolloutBatch
+
 
 def _gather(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     out = torch.empty((ctx.dp_size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)

@@ -20,12 +20,23 @@ from dataclasses import dataclass, replace
 import torch
 
 from scalerl.comm.tensor_messages import broadcast_tensors, recv_tensors, send_tensors
-from scalerl.parallel.distributed import DistContext
-from scalerl.parallel.parallelize import ModelParts
-from scalerl.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, left_pad
 from scalerl.comm.weight_channel import BroadcastChannel
 from scalerl.comm.weight_sync import ROLLOUT_DTYPES, WeightSender
-from scalerl.rollout.worker import OP_STOP, OP_WEIGHTS, decode_output, encode_output, encode_request
+from scalerl.parallel.distributed import DistContext
+from scalerl.parallel.parallelize import ModelParts
+from scalerl.rollout.engine import (
+    GenerationOutput,
+    RolloutEngine,
+    SamplingParams,
+    left_pad,
+)
+from scalerl.rollout.worker import (
+    OP_STOP,
+    OP_WEIGHTS,
+    decode_output,
+    encode_output,
+    encode_request,
+)
 
 
 @dataclass

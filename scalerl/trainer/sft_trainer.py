@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from scalerl import checkpoint
+from scalerl.comm.gradient_reducer import merged_comm_metrics
 from scalerl.core.config import Config, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
@@ -38,7 +39,11 @@ from scalerl.trainer.layout_checks import check_sft_layout
 from scalerl.trainer.objectives import SFTObjective
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.run_checks import check_run_inputs
-from scalerl.trainer.run_directory import CHECKPOINTS_DIR, prepare_output_dir, resume_from_checkpoint
+from scalerl.trainer.run_directory import (
+    CHECKPOINTS_DIR,
+    prepare_output_dir,
+    resume_from_checkpoint,
+)
 from scalerl.trainer.run_failures import SkippedStepGuard, run_reporting_failures
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
@@ -68,7 +73,7 @@ class SFTTrainer:
         self.autocast = Autocast(t.precision, self.device)
         self.policy = parallelize(
             model, self.dist, activation_checkpointing=cfg.model.activation_checkpointing, autocast=self.autocast,
-            pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches),
+            pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches), comm=cfg.comm,
         )
         self.examples = encode_demonstrations(self.tokenizer, rows_from_config(cfg.data, "train", t.seed),
                                               cfg.data.chat_template, model.config.max_position_embeddings)
@@ -134,6 +139,8 @@ class SFTTrainer:
         metrics["perf/cpu_threads"] = float(threads)
         update_time = self.timer.times["timing_s/update"]
         metrics["sft/lr"] = self.optimizer.param_groups[0]["lr"]
+        if self.policy.gradient_reducer is not None:
+            metrics.update(merged_comm_metrics([self.policy.gradient_reducer]))
         self.scheduler.step()
         elapsed = time.perf_counter() - start
         response_tokens = int(batch.response_mask.sum())

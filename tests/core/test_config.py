@@ -111,6 +111,13 @@ def test_unknown_key_and_wrong_type_in_yaml(tmp_path):
     ("model.num_key_value_heads=3", "model.num_attention_heads (4) must be divisible by model.num_key_value_heads (3)"),
     ("model.hidden_size=130", "model.hidden_size (130) must be divisible by model.num_attention_heads (4)"),
     ("data.reward=nonsense", "data.reward must be one of"),
+    ("comm.allreduce=ring", "comm.allreduce must be one of auto, flat, hierarchical"),
+    ("comm.gradient_compression=int8", "comm.gradient_compression must be one of none, fp16, bf16, powersgd, topk"),
+    ("comm.compression_budget=0", "comm.compression_budget must be in (0, 1]"),
+    ("comm.topk_density=1.5", "comm.topk_density must be in (0, 1]"),
+    ("comm.topk_momentum=1", "comm.topk_momentum must be in [0, 1)"),
+    ("comm.powersgd_rank=0", "comm.powersgd_rank must be >= 1"),
+    ("comm.inter_node_mbit=-1", "comm.inter_node_mbit must be >= 0"),
 ])
 def test_impossible_values(override, key):
     with pytest.raises(ConfigError) as err:
@@ -123,6 +130,14 @@ def test_valid_choices_pass():
                              "algorithm.adv_estimator=gae", "rollout.n=1", "actor.ppo_mini_batch_size=16",
                              "model.path=/some/hf/model", "model.num_key_value_heads=3"])
     assert cfg.actor.kl_loss_type == "k3+"
+
+
+def test_hook_only_compression_needs_plain_data_parallelism():
+    for layout in ("parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2"):
+        with pytest.raises(ConfigError, match=r"comm.gradient_compression=topk needs plain data parallelism \(DDP\)"):
+            load_config(None, ["comm.gradient_compression=topk", layout])
+    cfg = load_config(None, ["comm.gradient_compression=bf16", "parallel.dp_shard=2"])  # FSDP's reduce dtype
+    assert cfg.comm.gradient_compression == "bf16"
 
 
 def test_batch_divisibility():
