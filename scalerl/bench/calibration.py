@@ -42,7 +42,7 @@ def cell_layout(cell: dict[str, Any]) -> Layout:
         ratio = sync
     return Layout(dp_replicate=par["dp_replicate"], dp_shard=par["dp_shard"], tp=par["tp"], pp=par["pp"],
                   ranks_per_node=cell["ranks_per_node"], grad_ratio=cell.get("grad_ratio", 1.0),
-                  allreduce="hierarchical" if cell.get("allreduce") == "hierarchical" else "flat",
+                  allreduce="hierarchical" if _hierarchical(cell) else "flat",
                   rollout_workers=cell.get("workers", 0), weight_sync_ratio=ratio)
 
 
@@ -71,6 +71,13 @@ def probe_fit(model: ModelConfig, probe: dict[str, Any]) -> dict[str, tuple[floa
     steps = probe["gen"][0]["new_tokens"]
     gen_fixed, gen_slope = _line(gen)
     return {"train": _line(train), "forward": _line(forward), "gen": (gen_fixed / steps, gen_slope)}
+
+
+def _hierarchical(cell: dict[str, Any]) -> bool:
+    """Whether the cell's gradient all-reduce ran hierarchically: as its reducer reported
+    (``comm/allreduce/hierarchical``, which ``comm.allreduce=auto`` decides at start), else as configured."""
+    reported = cell.get("comm_choice", {}).get("hierarchical")
+    return reported >= 0.5 if reported is not None else cell.get("allreduce") == "hierarchical"
 
 
 def compute_rates(calibration: dict[str, Any]) -> ComputeRates:

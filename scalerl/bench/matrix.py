@@ -212,7 +212,8 @@ class BenchMatrix:
                 f"trainer.cpu_threads={self.threads_per_rank}",
                 f"trainer.total_steps={self.warmup + self.steps}"]
         if cell.compression != "none":
-            out.append(f"comm.gradient_compression={cell.compression}")
+            # compress from the second optimizer step (inside the warm-up), so the measured steps compress
+            out += [f"comm.gradient_compression={cell.compression}", "comm.compression_start_step=1"]
         if cell.allreduce != "default":
             out.append(f"comm.allreduce={cell.allreduce}")
         if cell.weight_sync != "colocated":

@@ -69,6 +69,11 @@ def summarize(cell: Cell, files: CellFiles, rows_per_step: int, threads: int) ->
         if kind != "total" and any(f"timing_s/comm/{kind}" in s for s in steps):
             out["comm_s"][kind] = statistics.median(_series(steps, f"timing_s/comm/{kind}"))
     out["work"] = _work(steps, rows_per_step)
+    choice = {name: statistics.median(_series(steps, key)) for name, key in
+              (("hierarchical", "comm/allreduce/hierarchical"), ("compression_active", "comm/compression/active"))
+              if _series(steps, key)}
+    if choice:  # what the gradient reducer did (comm.allreduce=auto decides per run; compression after warm-up)
+        out["comm_choice"] = choice
     out["cpu"] = _cpu(files.ranks, threads)
     return out
 
