@@ -6,7 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from scalerl.bench.matrix import BenchMatrix
 from scalerl.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,9 +21,21 @@ LAUNCHED_WITH = {"qwen2-7b_math.yaml": ["model.path=/models/Qwen2-7B"],
                  "gsm8k_qwen2.yaml": ["model.path=/models/Qwen2.5-0.5B-Instruct"]}
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").rglob("*.yaml")), ids=lambda p: p.name)
+# examples/bench/ holds `scalerl bench --matrix` files, not training configs.
+BENCH_MATRICES = sorted((ROOT / "examples" / "bench").glob("*.yaml"))
+TRAINING_CONFIGS = sorted(p for p in (ROOT / "examples").rglob("*.yaml") if p not in BENCH_MATRICES)
+
+
+@pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=lambda p: p.name)
 def test_example_configs_validate(path):
     load_config(path, LAUNCHED_WITH.get(path.name, []))
+
+
+@pytest.mark.parametrize("path", BENCH_MATRICES, ids=lambda p: p.name)
+def test_example_bench_matrices_validate(path):
+    matrix = BenchMatrix.from_dict(yaml.safe_load(path.read_text()))
+    matrix.check()
+    assert matrix.strategies and matrix.nodes
 
 
 def _run(*args):
