@@ -336,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     `error: ...` and returns 1. Neither shows a traceback: the message names the cause and the fix."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "command", None) == "doctor" and all("=" in e or e.endswith((".yaml", ".yml"))
-                                                                    for e in extra):
+    if extra and getattr(args, "command", None) in ("doctor", "launch") and all(
+            "=" in e and not e.startswith("-") or e.endswith((".yaml", ".yml")) for e in extra):
         args.config_args += extra  # `doctor --performance-profiling run.yaml --steps 5 parallel.tp=2`
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

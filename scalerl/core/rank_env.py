@@ -36,7 +36,7 @@ class RankEnv:
     node_rank: int
     master_addr: str
     master_port: int
-    launcher: str  # "torchrun" | "slurm" | "openmpi" | "mpich"
+    launcher: str  # "torchrun" | "slurm" | "openmpi" | "mpich" | "k8s-indexed-job"
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -213,6 +213,18 @@ def _from_mpi(environ: Mapping[str, str], launcher: str, names: tuple[str, str, 
                    _port(environ, None, launcher), launcher)
 
 
+def _from_indexed_job(environ: Mapping[str, str]) -> RankEnv:
+    # A Kubernetes Indexed Job (`scalerl launch k8s --kind indexed-job`): one rank per pod, pod i is rank i,
+    # and the manifest sets WORLD_SIZE (completions) and MASTER_ADDR (pod 0 through the headless Service).
+    rank, world = _int(environ, "JOB_COMPLETION_INDEX"), _int(environ, "WORLD_SIZE")
+    _check(rank, world, 0, 1, ("JOB_COMPLETION_INDEX", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    if not environ.get("MASTER_ADDR"):
+        raise RankEnvError("Kubernetes Indexed Job: MASTER_ADDR is not set; it names pod 0 through the job's headless "
+                           "Service (<job>-0.<service>), as `scalerl launch k8s --kind indexed-job` writes it")
+    return RankEnv(rank, world, 0, 1, rank, environ["MASTER_ADDR"], _port(environ, 29500, "Kubernetes"),
+                   "k8s-indexed-job")
+
+
 OPENMPI_NAMES = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                  "OMPI_COMM_WORLD_LOCAL_SIZE")
 MPICH_NAMES = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
@@ -230,7 +242,9 @@ def detect_rank_env(environ: Mapping[str, str] | None = None) -> RankEnv | None:
        port = `MASTER_PORT` or 15000 + SLURM_JOB_ID % 20000. A batch script itself (no `srun` step,
        `SLURM_STEP_ID` unset) is a single process, not rank 0 of the job;
     3. OpenMPI: `OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE`;
-    4. MPICH / Intel MPI: `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS`.
+    4. MPICH / Intel MPI: `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS`;
+    5. a Kubernetes Indexed Job with one rank per pod: `JOB_COMPLETION_INDEX` (the rank and node), `WORLD_SIZE`
+       (the completions), `MASTER_ADDR`, `MASTER_PORT` (default 29500), as `scalerl launch k8s` writes them.
     MPI ranks need `MASTER_ADDR` and `MASTER_PORT` set by the user (an error says so).
     Raises RankEnvError, naming the variables, when they contradict each other (e.g. rank >= world).
     """
@@ -243,6 +257,8 @@ def detect_rank_env(environ: Mapping[str, str] | None = None) -> RankEnv | None:
         return _from_mpi(environ, "openmpi", OPENMPI_NAMES)
     if "PMI_RANK" in environ and "PMI_SIZE" in environ:
         return _from_mpi(environ, "mpich", MPICH_NAMES)
+    if "JOB_COMPLETION_INDEX" in environ and "WORLD_SIZE" in environ:
+        return _from_indexed_job(environ)
     return None
 
 

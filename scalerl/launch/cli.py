@@ -1,4 +1,4 @@
-"""`scalerl launch slurm ...` and `scalerl launch ray ...`: the launcher subcommands.
+"""`scalerl launch slurm|ray|k8s ...`: the launcher subcommands.
 
 `add_launch_parser(subparsers)` registers them on the main CLI's subparsers; every handler imports what
 it runs only when invoked, so `scalerl --help` stays fast and Ray is needed only by `launch ray`.
@@ -42,11 +42,34 @@ examples:
 """
 
 
+K8S_EPILOG = """\
+what it does:
+  Checks the config and that --nodes x --gpus-per-node ranks fit its parallel layout, then writes the
+  Kubernetes objects: a ConfigMap with the resolved config (mounted at /etc/scalerl), a NetworkPolicy that
+  admits only the job's own pods, and the job:
+    rayjob       KubeRay RayJob (ray.io/v1, KubeRay >= 1.5): `scalerl launch ray` on a Ray cluster of
+                 --nodes worker pods (+ one pod per standalone rollout worker) and a head that runs no rank
+    pytorchjob   Kubeflow Training Operator PyTorchJob (kubeflow.org/v1): torchrun in Master + Worker pods
+    trainjob     Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1), torch-distributed runtime
+    indexed-job  plain Kubernetes: an Indexed Job + headless Service; ranks from JOB_COMPLETION_INDEX
+  default:   kubectl create the objects (an existing object of the same name is an error), print how to
+             follow the job
+  --print:   print the manifests; -o DIR: write DIR/<name>.yaml; neither submits
+  Secrets only as references: --secret-env WANDB_API_KEY=wandb:api-key (Secret "wandb", key "api-key").
+  Outputs: mount a PersistentVolumeClaim with --pvc CLAIM:/path and set trainer.output_dir under it.
+
+examples:
+  scalerl launch k8s run.yaml --kind pytorchjob --nodes 2 --gpus-per-node 8 --image reg.io/me/scalerl:0.1 \\
+      --pvc runs:/runs trainer.output_dir=/runs/grpo-1 --secret-env WANDB_API_KEY=wandb:api-key
+  scalerl launch k8s run.yaml --kind rayjob --nodes 4 --gpus-per-node 8 --image reg.io/me/scalerl:0.1 --print
+"""
+
+
 def add_launch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `launch {slurm,ray}` on the main CLI's subparsers; returns the `launch` parser."""
+    """Register `launch {slurm,ray,k8s}` on the main CLI's subparsers; returns the `launch` parser."""
     formatter = argparse.RawDescriptionHelpFormatter
-    launch = subparsers.add_parser("launch", help="start a multi-node job through Slurm or Ray",
-                                   description="start a multi-node job through Slurm or Ray",
+    launch = subparsers.add_parser("launch", help="start a multi-node job through Slurm, Ray or Kubernetes",
+                                   description="start a multi-node job through Slurm, Ray or Kubernetes",
                                    formatter_class=formatter)
     kinds = launch.add_subparsers(dest="launcher", metavar="LAUNCHER", required=True)
 
@@ -101,7 +124,48 @@ def add_launch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                      help="restart the whole job up to N times when a rank fails or dies; each restart "
                           "continues from the latest checkpoint (default 0)")
     ray.set_defaults(func=cmd_launch_ray)
+    _add_k8s_parser(kinds, formatter)
     return launch
+
+
+def _add_k8s_parser(kinds: argparse._SubParsersAction, formatter: type) -> None:
+    from scalerl.launch.k8s import K8S_KINDS
+
+    k8s = kinds.add_parser("k8s", help="write (and create) KubeRay / Kubeflow / Job manifests", epilog=K8S_EPILOG,
+                           description="run a scalerl training run on Kubernetes", formatter_class=formatter)
+    _add_config_args(k8s)
+    k8s.add_argument("--kind", required=True, choices=K8S_KINDS, help="what runs the job (see below)")
+    k8s.add_argument("--nodes", type=int, required=True, metavar="N", help="pods, one per node")
+    k8s.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs per pod, one rank each (required unless "
+                     "--cpu-only)")
+    k8s.add_argument("--cpu-only", action="store_true", help="pods without GPUs, one CPU rank each")
+    k8s.add_argument("--image", required=True, metavar="IMAGE", help="container image with scalerl installed")
+    k8s.add_argument("--namespace", default="default", metavar="NS")
+    k8s.add_argument("--name", default="scalerl", metavar="NAME", help="job name (default scalerl)")
+    k8s.add_argument("--cpus-per-node", metavar="Q", help="CPU request/limit per pod (e.g. 32)")
+    k8s.add_argument("--memory-per-node", metavar="Q", help="memory request/limit per pod (e.g. 256Gi)")
+    k8s.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="plain variable (repeatable)")
+    k8s.add_argument("--secret-env", action="append", default=[], metavar="NAME=SECRET:KEY",
+                     help="variable from a key of an existing Secret (repeatable)")
+    k8s.add_argument("--pvc", action="append", default=[], metavar="CLAIM:PATH",
+                     help="mount a PersistentVolumeClaim in every pod (repeatable)")
+    k8s.add_argument("--image-pull-secret", metavar="SECRET")
+    k8s.add_argument("--service-account", metavar="NAME")
+    k8s.add_argument("--active-deadline", type=int, metavar="S", help="stop the job after S seconds")
+    k8s.add_argument("--ttl-after-finished", type=int, default=3600, metavar="S",
+                     help="delete the finished job's pods after S seconds (default 3600)")
+    k8s.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                     help="pod failures retried (the run continues from its latest checkpoint; default 0)")
+    k8s.add_argument("--elastic-min-nodes", type=int, metavar="N",
+                     help="pytorchjob: elasticPolicy with minReplicas N, maxReplicas --nodes")
+    k8s.add_argument("--master-port", type=int, default=29500, metavar="PORT", help="indexed-job rendezvous port")
+    k8s.add_argument("--cpus-per-rank", type=float, default=1.0, metavar="C", help="rayjob: CPUs reserved per rank")
+    k8s.add_argument("--no-network-policy", action="store_true",
+                     help="do not write the NetworkPolicy (ingress only from the job's own pods)")
+    mode = k8s.add_mutually_exclusive_group()
+    mode.add_argument("--print", dest="print_only", action="store_true", help="print the manifests; submit nothing")
+    mode.add_argument("-o", "--output-dir", metavar="DIR", help="write DIR/<name>.yaml; submit nothing")
+    k8s.set_defaults(func=cmd_launch_k8s)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -186,3 +250,60 @@ def cmd_launch_ray(args: argparse.Namespace) -> int:
                       cpus_per_rank=args.cpus_per_rank, strategy=args.strategy, address=args.address,
                       dashboard_host=args.dashboard_host, max_restarts=args.max_restarts,
                       connect_timeout_s=args.connect_timeout)
+
+
+def _split_pairs(pairs: list[str], option: str, sep: str, shape: str) -> list[tuple[str, str]]:
+    from scalerl.launch.k8s import K8sError
+
+    out = []
+    for pair in pairs:
+        left, found, right = pair.partition(sep)
+        if not found or not left or not right:
+            raise K8sError(f"{option} {pair!r}: expected {shape}")
+        out.append((left, right))
+    return out
+
+
+def cmd_launch_k8s(args: argparse.Namespace) -> int:
+    """Check the config against the pods, render the manifests, then print, write or create them."""
+    from scalerl.core.config import ConfigError, load_config, split_config_args
+    from scalerl.launch.k8s import K8sError, K8sJob, manifests_yaml, render_manifests
+    from scalerl.launch.k8s_submit import job_for_config, submit_manifests, write_manifests
+    from scalerl.trainer.run_checks import check_run_inputs
+
+    config_path, overrides = split_config_args(args.config_args)
+    try:
+        cfg = load_config(config_path, overrides)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    check_run_inputs(cfg, sft=False, import_reward=False)  # the reward module may exist only in the image
+    secrets = {}
+    for name, ref in _split_pairs(args.secret_env, "--secret-env", "=", "NAME=SECRET:KEY"):
+        secret, key = _split_pairs([ref], "--secret-env", ":", "NAME=SECRET:KEY")[0]
+        secrets[name] = (secret, key)
+    if args.gpus_per_node is None and not args.cpu_only:
+        raise K8sError("--gpus-per-node G is required (one rank per GPU), or --cpu-only for pods without GPUs")
+    job = K8sJob(kind=args.kind, name=args.name, image=args.image, nodes=args.nodes, cpu_only=args.cpu_only,
+                 gpus_per_node=args.gpus_per_node or 0, config_yaml="", namespace=args.namespace,
+                 cpus_per_node=args.cpus_per_node, memory_per_node=args.memory_per_node,
+                 env=dict(_split_pairs(args.env, "--env", "=", "NAME=VALUE")), secret_env=secrets,
+                 volumes=tuple(_split_pairs(args.pvc, "--pvc", ":", "CLAIM:/path")),
+                 image_pull_secret=args.image_pull_secret, service_account=args.service_account,
+                 active_deadline_s=args.active_deadline, ttl_after_finished_s=args.ttl_after_finished,
+                 max_restarts=args.max_restarts, elastic_min_nodes=args.elastic_min_nodes,
+                 master_port=args.master_port, cpus_per_rank=args.cpus_per_rank,
+                 network_policy=not args.no_network_policy)
+    job = job_for_config(job, cfg)
+    text = manifests_yaml(render_manifests(job))
+    output_dir = Path(cfg.trainer.output_dir)
+    if not any(output_dir.is_absolute() and output_dir.is_relative_to(path) for _, path in job.volumes):
+        print(f"note: trainer.output_dir={cfg.trainer.output_dir} is not under a --pvc mount, so checkpoints and "
+              "metrics stay in the pods and are lost with them", file=sys.stderr)
+    if args.print_only:
+        print(text, end="")
+        return 0
+    if args.output_dir:
+        print(f"wrote {write_manifests(text, args.output_dir, job.name)}")
+        return 0
+    print(submit_manifests(text, job), end="")
+    return 0
