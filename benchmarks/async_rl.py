@@ -1,14 +1,16 @@
 """Synchronous vs one-step asynchronous RL with one standalone rollout worker: step time and the
 reward / held-out accuracy curve, same seed.
 
-    python benchmarks/async_rl.py [--steps 40] [--sft-steps 400] [--json FILE]
+    python benchmarks/async_rl.py [--steps 120] [--sft-steps 1000] [--batch-size 64] [--json FILE]
 
 The demo's configuration (built-in model and task): an SFT warm start on the weak teacher's data (cached in
 outputs/bench_async_rl/sft), then GRPO with one trainer rank and one rollout worker rank (world 2, gloo on
 loopback, one thread each), `rollout.staleness=0` and `=1`. Each run reports the median step time (after
 the first two steps), the final held-out accuracy and the score curve. The ratio printed is the
 synchronous median step time over the asynchronous one (target >= 1.3x where generation and update take
-similar time).
+similar time). `--batch-size` (prompts per step, the demo's 64 by default) moves that balance: the tiny
+model's decode steps cost about the same at any batch, while the update grows with it, so smaller batches
+make generation and update take similar time.
 """
 
 from __future__ import annotations
@@ -52,14 +54,23 @@ def warm_start(sft_steps: int) -> Path:
     return Path(train_sft(cfg)["model_dir"])
 
 
-def _grpo(rank: int, sft_model: str, steps: int, staleness: int) -> None:
+def _grpo(rank: int, sft_model: str, steps: int, staleness: int, batch_size: int) -> None:
     from scalerl.trainer.rl_trainer import train
 
+    cfg = _demo_config([])
+    sequences = batch_size * cfg.rollout.n
+    mini = min(cfg.actor.ppo_mini_batch_size, sequences)
     train(_demo_config([
         f"trainer.init_from={sft_model}", f"trainer.total_steps={steps}", "trainer.eval_every=10",
         "rollout.placement=standalone", f"rollout.staleness={staleness}", "trainer.overwrite=true",
-        f"trainer.output_dir={OUT}/staleness{staleness}",
+        f"trainer.batch_size={batch_size}", f"actor.ppo_mini_batch_size={mini}",
+        f"actor.ppo_micro_batch_size={min(cfg.actor.ppo_micro_batch_size, mini)}",
+        f"trainer.output_dir={_run_dir(staleness, batch_size)}",
     ]))
+
+
+def _run_dir(staleness: int, batch_size: int) -> Path:
+    return OUT / f"batch{batch_size}" / f"staleness{staleness}"
 
 
 def summarize(run: Path) -> dict:
@@ -73,23 +84,25 @@ def summarize(run: Path) -> dict:
         "score_curve": [round(r["critic/score/mean"], 4) for r in steps],
         "median_gen_s": statistics.median(r["timing_s/gen"] for r in steps[2:]),
         "median_update_s": statistics.median(r["timing_s/update_actor"] for r in steps[2:]),
+        "median_old_log_prob_s": statistics.median(r["timing_s/old_log_prob"] for r in steps[2:]),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=120, help="GRPO steps per run (the demo's 120)")
+    parser.add_argument("--sft-steps", type=int, default=1000, help="SFT warm-start steps (the demo's 1000)")
+    parser.add_argument("--batch-size", type=int, default=64, help="prompts per step (the demo's 64)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     sft_model = warm_start(args.sft_steps)
     results = {}
     for staleness in (0, 1):
-        run_in_group(_grpo, 2, str(sft_model), args.steps, staleness, timeout_s=3600)
-        results[f"staleness={staleness}"] = summarize(OUT / f"staleness{staleness}")
+        run_in_group(_grpo, 2, str(sft_model), args.steps, staleness, args.batch_size, timeout_s=3600)
+        results[f"staleness={staleness}"] = summarize(_run_dir(staleness, args.batch_size))
     for name, r in results.items():
-        print(f"{name}: median step {r['median_step_s']:.3f} s (gen {r['median_gen_s']:.3f} s, update "
-              f"{r['median_update_s']:.3f} s), held-out accuracy {r['initial_accuracy']:.3f} -> "
+        print(f"{name}: median step {r['median_step_s']:.3f} s (gen {r['median_gen_s']:.3f} s, old log-probs "
+              f"{r['median_old_log_prob_s']:.3f} s, update {r['median_update_s']:.3f} s), held-out accuracy {r['initial_accuracy']:.3f} -> "
               f"{r['final_accuracy']:.3f}")
     ratio = results["staleness=0"]["median_step_s"] / results["staleness=1"]["median_step_s"]
     print(f"step time, synchronous / one-step asynchronous: {ratio:.2f}x")
