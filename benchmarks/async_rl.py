@@ -8,9 +8,8 @@ outputs/bench_async_rl/sft), then GRPO with one trainer rank and one rollout wor
 loopback, one thread each), `rollout.staleness=0` and `=1`. Each run reports the median step time (after
 the first two steps), the final held-out accuracy and the score curve. The ratio printed is the
 synchronous median step time over the asynchronous one (target >= 1.3x where generation and update take
-similar time). `--batch-size` (prompts per step, the demo's 64 by default) moves that balance: the tiny
-model's decode steps cost about the same at any batch, while the update grows with it, so smaller batches
-make generation and update take similar time.
+similar time). `--rollout-dtype bf16` runs the worker in bf16, as deployments do; its log-probs are then
+recomputed by the trainer in both modes. `--batch-size` sets the prompts per step (the demo's 64).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def warm_start(sft_steps: int) -> Path:
     return Path(train_sft(cfg)["model_dir"])
 
 
-def _grpo(rank: int, sft_model: str, steps: int, staleness: int, batch_size: int) -> None:
+def _grpo(rank: int, sft_model: str, steps: int, staleness: int, batch_size: int, rollout_dtype: str) -> None:
     from scalerl.trainer.rl_trainer import train
 
     cfg = _demo_config([])
@@ -65,12 +64,12 @@ def _grpo(rank: int, sft_model: str, steps: int, staleness: int, batch_size: int
         "rollout.placement=standalone", f"rollout.staleness={staleness}", "trainer.overwrite=true",
         f"trainer.batch_size={batch_size}", f"actor.ppo_mini_batch_size={mini}",
         f"actor.ppo_micro_batch_size={min(cfg.actor.ppo_micro_batch_size, mini)}",
-        f"trainer.output_dir={_run_dir(staleness, batch_size)}",
+        f"rollout.dtype={rollout_dtype}", f"trainer.output_dir={_run_dir(staleness, batch_size, rollout_dtype)}",
     ]))
 
 
-def _run_dir(staleness: int, batch_size: int) -> Path:
-    return OUT / f"batch{batch_size}" / f"staleness{staleness}"
+def _run_dir(staleness: int, batch_size: int, rollout_dtype: str) -> Path:
+    return OUT / f"batch{batch_size}-{rollout_dtype}" / f"staleness{staleness}"
 
 
 def summarize(run: Path) -> dict:
@@ -93,13 +92,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120, help="GRPO steps per run (the demo's 120)")
     parser.add_argument("--sft-steps", type=int, default=1000, help="SFT warm-start steps (the demo's 1000)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per step (the demo's 64)")
+    parser.add_argument("--rollout-dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="the rollout worker's weights (bf16: as deployments run them; its log-probs are then "
+                             "recomputed in both modes)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     sft_model = warm_start(args.sft_steps)
     results = {}
     for staleness in (0, 1):
-        run_in_group(_grpo, 2, str(sft_model), args.steps, staleness, args.batch_size, timeout_s=3600)
-        results[f"staleness={staleness}"] = summarize(_run_dir(staleness, args.batch_size))
+        run_in_group(_grpo, 2, str(sft_model), args.steps, staleness, args.batch_size, args.rollout_dtype,
+                     timeout_s=3600)
+        results[f"staleness={staleness}"] = summarize(_run_dir(staleness, args.batch_size, args.rollout_dtype))
     for name, r in results.items():
         print(f"{name}: median step {r['median_step_s']:.3f} s (gen {r['median_gen_s']:.3f} s, old log-probs "
               f"{r['median_old_log_prob_s']:.3f} s, update {r['median_update_s']:.3f} s), held-out accuracy {r['initial_accuracy']:.3f} -> "
