@@ -8,7 +8,8 @@ model times. Bytes follow `scalerl.comm.accounting` (docs/comm-accounting.md), c
   pipeline stage); a tied embedding split over pipeline stages sums its gradient over ``pp`` once per
   optimizer step.
 - ``param``: FSDP all-gathers every unit in each forward (training micro-batches, their backward
-  re-gather, forward-only log-prob passes, and every decode step of generation).
+  re-gather, forward-only log-prob passes) and once per generation (the units stay gathered through the
+  decode steps: `scalerl.parallel.fsdp_generation`).
 - ``tp``: per decoder layer, 2 all-reduces of the hidden states in forward (o and down projections) and 5
   in backward (q, k, v, gate, up input gradients); an untied head split by vocabulary all-gathers the logits.
 - ``pp``: each micro-batch's activations forward and their gradients backward at every stage boundary,
@@ -167,7 +168,7 @@ def step_collectives(model: ModelConfig, step: StepShape, layout: Layout) -> lis
         syncs = step.optimizer_steps if layout.pp > 1 else train_forwards
         if layout.dp_shard > 1:
             forwards = 2 * step.optimizer_steps * step.pp_microbatches if layout.pp > 1 else \
-                2 * train_forwards + fwd_only + gen_forwards
+                2 * train_forwards + fwd_only + min(gen_forwards, 1.0)
             out.append(Collective("param", "all_gather", unit, forwards * units, dp_shard, be))
             out.append(Collective("grad", "reduce_scatter", unit * layout.grad_ratio, syncs * units, dp_shard, be))
         if layout.dp_replicate > 1:

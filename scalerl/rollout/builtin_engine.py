@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from scalerl.models.decoder import CausalLM
 from scalerl.models.kv_cache import KVCache
+from scalerl.parallel.fsdp_generation import gathered_once
 from scalerl.rollout.engine import (
     GenerationOutput,
     PromptTooLongError,
@@ -124,7 +125,7 @@ class BuiltinEngine:
         # keeps all-gather buffers across calls, and buffers created as inference tensors cannot be written
         # by a later training forward: sharded models decode under no_grad.
         sharded = any(isinstance(m, FSDPModule) for m in self.model.modules())
-        with torch.no_grad() if sharded else torch.inference_mode():
+        with torch.no_grad() if sharded else torch.inference_mode(), gathered_once(self.model):
             return self._generate(prompts, sampling)
 
     def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:

@@ -41,10 +41,18 @@ def _generate(rank, layout):
     mine = slice(3 * rank, 3 * rank + 3) if layout == "fsdp" else slice(0, 6)
     engine = BuiltinEngine(model, 0, finish_check_every=1, compact_at=0.01, all_finished=ctx.all_finished,
                            logits_processor=ForcedStops(LENGTHS[mine]))
+    ctx.comm.reset()
     with RowsPerForward(model) as sizes:
         out = engine.generate(PROMPTS[mine], SamplingParams(**sampling, row_offset=mine.start, total_rows=6))
+    gathers = ctx.comm.calls()
     width = out.response_ids.shape[1]
+    # Training after generation: every layer is sharded again and a forward + backward works.
+    sharded_after = all(p.to_local().numel() < p.numel() for p in model.parameters()) if layout == "fsdp" else True
+    model.train()
+    model(torch.tensor([PROMPTS[0]]), attention_mask=torch.ones(1, 4, dtype=torch.long)).float().sum().backward()
     return {
+        "param_gathers": sum(n for (kind, op, _), n in gathers.items() if kind == "param" and op == "all_gather"),
+        "sharded_after": sharded_after,
         "rows_per_forward": sizes,
         "lengths": out.response_lengths.tolist(),
         "same_tokens": torch.equal(out.response_ids, single.response_ids[mine, :width]),
@@ -66,6 +74,10 @@ def test_fsdp_ranks_stay_in_lockstep_while_compacting():
     # Prefill + 11 decode steps on both ranks (the longest row has 12 tokens).
     assert late["rows_per_forward"] == [3, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1]
     assert early["rows_per_forward"] == [3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+    # Each FSDP module (2 layers + the root) is gathered once for the whole generation, not once per forward
+    # (12 forwards would be 36 all-gathers), and everything is sharded again afterwards.
+    assert early["param_gathers"] == late["param_gathers"] == 3
+    assert early["sharded_after"] and late["sharded_after"]
 
 
 @pytest.mark.slow
