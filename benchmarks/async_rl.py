@@ -9,7 +9,9 @@ loopback, one thread each), `rollout.staleness=0` and `=1`. Each run reports the
 the first two steps), the final held-out accuracy and the score curve. The ratio printed is the
 synchronous median step time over the asynchronous one (target >= 1.3x where generation and update take
 similar time). `--rollout-dtype bf16` runs the worker in bf16, as deployments do; its log-probs are then
-recomputed by the trainer in both modes. `--batch-size` sets the prompts per step (the demo's 64).
+recomputed by the trainer in both modes. `--stale-logprobs behavior` makes the asynchronous run take PPO's
+ratio against the rollout's own fp32 log-probs (`rollout.stale_logprobs`), skipping the recompute.
+`--batch-size` sets the prompts per step (the demo's 64).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def warm_start(sft_steps: int) -> Path:
     return Path(train_sft(cfg)["model_dir"])
 
 
-def _grpo(rank: int, sft_model: str, steps: int, staleness: int, batch_size: int, rollout_dtype: str) -> None:
+def _grpo(rank: int, sft_model: str, steps: int, staleness: int, batch_size: int, rollout_dtype: str,
+          stale_logprobs: str) -> None:
     from scalerl.trainer.rl_trainer import train
 
     cfg = _demo_config([])
@@ -64,12 +67,15 @@ def _grpo(rank: int, sft_model: str, steps: int, staleness: int, batch_size: int
         "rollout.placement=standalone", f"rollout.staleness={staleness}", "trainer.overwrite=true",
         f"trainer.batch_size={batch_size}", f"actor.ppo_mini_batch_size={mini}",
         f"actor.ppo_micro_batch_size={min(cfg.actor.ppo_micro_batch_size, mini)}",
-        f"rollout.dtype={rollout_dtype}", f"trainer.output_dir={_run_dir(staleness, batch_size, rollout_dtype)}",
+        f"rollout.dtype={rollout_dtype}",
+        f"trainer.output_dir={_run_dir(staleness, batch_size, rollout_dtype, stale_logprobs)}",
+        *([f"rollout.stale_logprobs={stale_logprobs}"] if staleness else []),
     ]))
 
 
-def _run_dir(staleness: int, batch_size: int, rollout_dtype: str) -> Path:
-    return OUT / f"batch{batch_size}-{rollout_dtype}" / f"staleness{staleness}"
+def _run_dir(staleness: int, batch_size: int, rollout_dtype: str, stale_logprobs: str) -> Path:
+    suffix = f"-{stale_logprobs}" if staleness and stale_logprobs != "recompute" else ""
+    return OUT / f"batch{batch_size}-{rollout_dtype}" / f"staleness{staleness}{suffix}"
 
 
 def summarize(run: Path) -> dict:
@@ -95,14 +101,18 @@ def main() -> None:
     parser.add_argument("--rollout-dtype", default="fp32", choices=("fp32", "bf16"),
                         help="the rollout worker's weights (bf16: as deployments run them; its log-probs are then "
                              "recomputed in both modes)")
+    parser.add_argument("--stale-logprobs", default="recompute", choices=("recompute", "behavior"),
+                        help="the asynchronous run's rollout.stale_logprobs (behavior: PPO's ratio against the "
+                             "rollout's own fp32 log-probs, no recompute)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     sft_model = warm_start(args.sft_steps)
     results = {}
     for staleness in (0, 1):
         run_in_group(_grpo, 2, str(sft_model), args.steps, staleness, args.batch_size, args.rollout_dtype,
-                     timeout_s=3600)
-        results[f"staleness={staleness}"] = summarize(_run_dir(staleness, args.batch_size, args.rollout_dtype))
+                     args.stale_logprobs, timeout_s=3600)
+        results[f"staleness={staleness}"] = summarize(_run_dir(staleness, args.batch_size, args.rollout_dtype,
+                                                                   args.stale_logprobs))
     for name, r in results.items():
         print(f"{name}: median step {r['median_step_s']:.3f} s (gen {r['median_gen_s']:.3f} s, old log-probs "
               f"{r['median_old_log_prob_s']:.3f} s, update {r['median_update_s']:.3f} s), held-out accuracy {r['initial_accuracy']:.3f} -> "

@@ -49,7 +49,8 @@ def _cell_config(matrix: BenchMatrix, cell: Cell, samples: int, scratch: Path) -
 def _shape(cfg: Any) -> dict[str, Any]:
     """What the cost model needs from the cell's config (global sizes; per-rank shares come later)."""
     # the trainer recomputes old log-probs unless the rollout's are an fp32 forward of the latest weights
-    standalone_exact = cfg.rollout.dtype == "fp32" and not cfg.rollout.staleness
+    standalone_exact = cfg.rollout.dtype == "fp32" and (not cfg.rollout.staleness
+                                                        or cfg.rollout.stale_logprobs == "behavior")
     recompute = cfg.trainer.precision != "fp32" or (cfg.rollout.placement == "standalone" and not standalone_exact)
     return {"micro_rows": cfg.actor.ppo_micro_batch_size, "mini_rows": cfg.actor.ppo_mini_batch_size,
             "epochs": cfg.actor.ppo_epochs,

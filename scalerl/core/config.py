@@ -58,6 +58,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_REWARDS = ("auto", "gsm8k", "math")
 ROLLOUT_DTYPES = ("bf16", "fp32")
+STALE_LOGPROBS = ("recompute", "behavior")
 WEIGHT_SYNC_MODES = ("full", "delta")
 # The built-in model (model.path unset): its context and its vocabulary (the 99 characters of the built-in
 # tokenizer, rounded up for aligned matmuls).
@@ -157,6 +158,11 @@ class RolloutSection(_Section):
                             "step k's weights while the trainer updates (one-step asynchronous)")
     tis_cap: float = opt(2.0, "truncated importance sampling: cap of exp(old - rollout log-prob) per token, applied "
                               "when rollout log-probs come from other weights or numerics; 0 = off", at_least=0)
+    stale_logprobs: str = opt("recompute", "rollout.staleness=1: PPO's old log-probs are recomputed with the current "
+                                           "weights (recompute; the rollout's own weigh the loss by TIS) or are the "
+                                           "rollout's own, the one-step-old behaviour policy's (behavior: standard "
+                                           "PPO, no extra forward; fp32 workers only, whose log-probs equal the "
+                                           "trainer's forward)")
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -168,6 +174,11 @@ class RolloutSection(_Section):
         _check(p, self.workers >= 1, "rollout.workers", ">= 1", self.workers)
         _check_choice(p, "rollout.dtype", self.dtype, ROLLOUT_DTYPES)
         _check(p, self.staleness in (0, 1), "rollout.staleness", "0 or 1", self.staleness)
+        _check_choice(p, "rollout.stale_logprobs", self.stale_logprobs, STALE_LOGPROBS)
+        if self.stale_logprobs == "behavior" and not (self.staleness and self.dtype == "fp32"):
+            p.append("rollout.stale_logprobs=behavior needs rollout.staleness=1 and rollout.dtype=fp32 (got "
+                     f"staleness={self.staleness}, dtype={self.dtype}): without staleness the rollouts are on-policy "
+                     "already, and bf16 workers' log-probs differ from the trainer's forward, so they are recomputed")
         if self.placement == "colocated" and (self.staleness or self.dtype != "fp32"):
             p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only "
                      f"(got staleness={self.staleness}, dtype={self.dtype} with placement=colocated)")

@@ -262,9 +262,10 @@ class RLTrainer:
         threads = self.threads.update()
         batch, metrics = self._rollout()
         metrics["perf/cpu_threads"] = float(threads)
-        # The rollout's log-probs equal an fp32 training forward where its source says so; otherwise (autocast,
-        # bf16 workers, one-step-stale weights, another engine) they are recomputed, and the rollout's own
-        # log-probs weigh the loss by truncated importance sampling.
+        # The rollout's log-probs equal an fp32 training forward where its source says so (with
+        # rollout.stale_logprobs=behavior, of the one-step-old policy PPO then takes its ratio against);
+        # otherwise (autocast, bf16 workers, one-step-stale weights, another engine) they are recomputed, and the
+        # rollout's own log-probs weigh the loss by truncated importance sampling.
         reuse_logprobs = self.rollouts.logprobs_match_training_forward and cfg.trainer.precision == "fp32"
         with timer("old_log_prob"):
             if reuse_logprobs:

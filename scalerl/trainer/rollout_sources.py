@@ -96,6 +96,7 @@ class StandaloneRollouts:
     def __init__(self, policy: ModelParts, ctx: DistContext, pad_token_id: int, rollout_cfg, weight_sync_cfg):
         self.policy, self.ctx, self.pad_token_id = policy, ctx, pad_token_id
         self.dtype, self.staleness = ROLLOUT_DTYPES[rollout_cfg.dtype], rollout_cfg.staleness
+        self.behavior_logprobs = rollout_cfg.stale_logprobs == "behavior"
         channel = BroadcastChannel(ctx.rollout_group, src=0, device=ctx.device) if ctx.rank == 0 else None
         self.sender = WeightSender.from_config(weight_sync_cfg, rollout_cfg.dtype, channel)
         self.pending: StepPrompts | None = None  # submitted, not collected yet
@@ -103,8 +104,9 @@ class StandaloneRollouts:
 
     @property
     def logprobs_match_training_forward(self) -> bool:
-        """fp32 workers holding the latest weights compute what the trainer's fp32 forward does."""
-        return self.dtype == torch.float32 and not self.staleness
+        """fp32 workers compute what the trainer's fp32 forward does: of the latest weights, or, one step stale
+        with rollout.stale_logprobs=behavior, of the behaviour policy PPO then takes its ratio against."""
+        return self.dtype == torch.float32 and (not self.staleness or self.behavior_logprobs)
 
     @property
     def _driver(self) -> bool:

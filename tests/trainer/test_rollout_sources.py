@@ -55,6 +55,8 @@ def _world2_runs(rank: int, out: str) -> None:
     for name, extra in {
         "sync": ["rollout.placement=standalone", "trainer.total_steps=3"],
         "async": ["rollout.placement=standalone", "rollout.staleness=1", "trainer.total_steps=3"],
+        "async_behavior": ["rollout.placement=standalone", "rollout.staleness=1", "rollout.stale_logprobs=behavior",
+                           "trainer.total_steps=3"],
         "bf16": ["rollout.placement=standalone", "rollout.dtype=bf16", "trainer.total_steps=3"],
         "resumed": ["rollout.placement=standalone", "trainer.total_steps=2", "trainer.save_every=2"],
     }.items():
@@ -102,6 +104,18 @@ def test_asynchronous_rollouts_lag_one_step(runs):
     assert all(r["rollout/logprob_diff/max"] > 1e-3 for r in rows[1:])  # later ones from the previous step's
     reference = _metrics(runs / "colocated")
     assert rows[0]["critic/score/mean"] == reference[0]["critic/score/mean"]
+
+
+def test_behaviour_logprobs_skip_the_recompute(runs):
+    """rollout.stale_logprobs=behavior: PPO's ratio against the policy that generated the rollouts, whose fp32
+    log-probs the workers return; no recompute, so no mismatch metric. Steps 1 and 2 generate with the
+    initial weights in both asynchronous runs, so their rollouts are the same."""
+    behavior, recompute = _metrics(runs / "async_behavior"), _metrics(runs / "async")
+    assert all("rollout/logprob_diff/max" not in r for r in behavior)
+    assert [r["critic/score/mean"] for r in behavior[:2]] == [r["critic/score/mean"] for r in recompute[:2]]
+    assert sum(r["timing_s/old_log_prob"] for r in behavior) < 0.5 * sum(r["timing_s/old_log_prob"]
+                                                                          for r in recompute)
+    assert 0 < _max_diff(_weights(runs / "async_behavior"), _weights(runs / "async")) < 1e-2
 
 
 def test_bf16_workers_hold_half_the_bytes_and_reweight_the_loss(runs):
