@@ -25,6 +25,13 @@ def job_for_config(job: K8sJob, cfg: Any) -> K8sJob:
     """`job` with the resolved config and its rollout workers, once the ranks match `cfg.parallel`."""
     from scalerl.parallel.mesh import LayoutError, ParallelDims
 
+    device = cfg.trainer.device
+    if job.cpu_only and device == "cuda":
+        raise K8sError("--cpu-only pods have no GPU, but the config sets trainer.device=cuda; drop --cpu-only "
+                       "(and give --gpus-per-node) or set trainer.device=cpu")
+    if not job.cpu_only and device == "cpu":
+        raise K8sError(f"--gpus-per-node {job.gpus_per_node} asks for GPUs the config would not use "
+                       "(trainer.device=cpu); set trainer.device=auto or cuda, or run CPU pods with --cpu-only")
     workers = cfg.rollout.workers if cfg.rollout.placement == "standalone" else 0
     job = replace(job, rollout_workers=workers, config_yaml=yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     check_job(job)

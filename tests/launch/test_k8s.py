@@ -235,6 +235,15 @@ def test_ranks_must_match_the_configs_layout():
         ["trainers", "rollout"]
 
 
+def test_the_pods_devices_match_the_configs():
+    base = K8sJob(kind="pytorchjob", name="x", image="img:1", nodes=1, gpus_per_node=1, config_yaml="")
+    with pytest.raises(K8sError, match="trainer.device=cpu"):
+        job_for_config(base, load_config(None, ["trainer.device=cpu"]))
+    with pytest.raises(K8sError, match="trainer.device=cuda"):
+        job_for_config(replace(base, gpus_per_node=0, cpu_only=True), load_config(None, ["trainer.device=cuda"]))
+    assert job_for_config(replace(base, gpus_per_node=0, cpu_only=True), load_config(None, [])).cpu_only
+
+
 def test_the_configmap_holds_the_resolved_config(tmp_path):
     cfg = load_config(None, ["trainer.total_steps=7", "actor.lr=3e-6"])
     job = job_for_config(K8sJob(kind="indexed-job", name="x", image="img:1", nodes=2, gpus_per_node=1,
