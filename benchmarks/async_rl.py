@@ -41,17 +41,11 @@ def warm_start(sft_steps: int) -> Path:
     model = OUT / f"sft{sft_steps}" / "model"
     if (model / "model.safetensors").is_file():
         return model
-    from scalerl.data.arithmetic import make_arithmetic_rows
-    from scalerl.demo import TEACHER_ERROR_RATE, weak_teacher_rows
+    from scalerl.demo import write_teacher_demonstrations
     from scalerl.trainer.sft_trainer import train_sft
 
     cfg = _demo_config([f"sft.steps={sft_steps}", f"trainer.output_dir={OUT}", f"sft.output_dir={model.parent}"])
-    rows = weak_teacher_rows(make_arithmetic_rows("train", cfg.data.num_train, list(cfg.data.difficulty), 0),
-                             TEACHER_ERROR_RATE, 0)
-    data = OUT / "teacher.jsonl"
-    data.parent.mkdir(parents=True, exist_ok=True)
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg.data.train_files = [str(data)]
+    cfg.data.train_files = [str(write_teacher_demonstrations(cfg, OUT / "teacher.jsonl", 0))]
     return Path(train_sft(cfg)["model_dir"])
 
 

@@ -23,11 +23,12 @@ OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send"]
 
 RANK_SCRIPT = r"""
 import os, sys, time
+from datetime import timedelta
 from pathlib import Path
 import torch, torch.distributed as dist
 sync, size, backend = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 rank = int(os.environ["RANK"])
-dist.init_process_group(backend)
+dist.init_process_group(backend, timeout=timedelta(seconds=120))  # no collective hangs past it
 n = dist.get_world_size()
 elems = size // 4
 

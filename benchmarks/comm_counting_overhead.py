@@ -15,6 +15,7 @@ Printed ratios are counted / uncounted; 1.00 means free.
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 import json
 import os
 import statistics
@@ -33,7 +34,8 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
     sys.path.insert(0, str(REPO))
     os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
     from torch.distributed.tensor.debug import CommDebugMode
 
     from scalerl.comm.accounting import CommCounter

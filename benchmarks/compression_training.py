@@ -186,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from scalerl.core.config import load_config
-    from scalerl.data.arithmetic import make_arithmetic_rows
-    from scalerl.demo import TEACHER_ERROR_RATE, weak_teacher_rows
+    from scalerl.demo import write_teacher_demonstrations
 
     print(f"demo at world {WORLD} (DDP, gloo, loopback): SFT {args.sft_steps} steps, GRPO {args.grpo_steps} steps, "
           f"seeds {args.seeds}; settings {' '.join(args.settings)} {' '.join(args.comm)}", flush=True)
@@ -197,10 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         demo = load_config(REPO / "scalerl" / "configs" / "demo.yaml", base)
         seed_dir = args.out / f"seed{seed}"
         seed_dir.mkdir(parents=True, exist_ok=True)
-        teacher_file = seed_dir / "teacher_demonstrations.jsonl"  # the demo's data, one file for every setting
-        rows = weak_teacher_rows(make_arithmetic_rows("train", demo.data.num_train, list(demo.data.difficulty), seed),
-                                 TEACHER_ERROR_RATE, seed)
-        teacher_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        # the demo's data, one file for every setting
+        teacher_file = write_teacher_demonstrations(demo, seed_dir / "teacher_demonstrations.jsonl", seed)
         if args.grpo_only and args.settings[0] != "none":
             parser.error("--grpo-only starts every setting from none's SFT: list none first")
         for setting in args.settings:

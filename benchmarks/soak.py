@@ -36,8 +36,7 @@ from safetensors.torch import load_file
 
 from scalerl.core.config import load_config
 from scalerl.core.net import free_port
-from scalerl.data.arithmetic import make_arithmetic_rows
-from scalerl.demo import TEACHER_ERROR_RATE, weak_teacher_rows
+from scalerl.demo import write_teacher_demonstrations
 from scalerl.trainer.sft_trainer import train_sft
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "scalerl" / "configs" / "demo.yaml"
@@ -45,11 +44,7 @@ DEMO_CONFIG = Path(__file__).resolve().parents[1] / "scalerl" / "configs" / "dem
 
 def sft_warm_start(out: Path, sft_steps: int, seed: int) -> Path:
     cfg = load_config(DEMO_CONFIG, [f"sft.steps={sft_steps}", f"trainer.output_dir={out}", "trainer.logger=[jsonl]"])
-    rows = weak_teacher_rows(make_arithmetic_rows("train", cfg.data.num_train, list(cfg.data.difficulty), seed),
-                             TEACHER_ERROR_RATE, seed)
-    data = out / "teacher_demonstrations.jsonl"
-    data.parent.mkdir(parents=True, exist_ok=True)
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_teacher_demonstrations(cfg, out / "teacher_demonstrations.jsonl", seed)
     sft_cfg = copy.deepcopy(cfg)
     sft_cfg.data.train_files = [str(data)]
     sft_cfg.sft.output_dir = str(out / "sft")

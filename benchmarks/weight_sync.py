@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 import json
 import os
 import statistics
@@ -49,8 +50,7 @@ MiB = 1 << 20
 def warm_start(out: Path, steps: int) -> Path:
     """The demo's SFT phase (teacher rows, then train_sft); reused when already run with ``steps``."""
     from scalerl.core.config import load_config
-    from scalerl.data.arithmetic import make_arithmetic_rows
-    from scalerl.demo import TEACHER_ERROR_RATE, weak_teacher_rows
+    from scalerl.demo import write_teacher_demonstrations
     from scalerl.trainer.sft_trainer import train_sft
 
     marker = out / "sft" / "warm_start.json"
@@ -60,12 +60,7 @@ def warm_start(out: Path, steps: int) -> Path:
         return model_dir
     cfg = load_config(DEMO, [f"sft.steps={steps}", f"trainer.output_dir={out}", "trainer.logger=[jsonl]",
                              "data.num_val=0", f"sft.output_dir={out / 'sft'}"])
-    rows = weak_teacher_rows(make_arithmetic_rows("train", cfg.data.num_train, list(cfg.data.difficulty), 0),
-                             TEACHER_ERROR_RATE, 0)
-    teacher = out / "teacher.jsonl"
-    teacher.parent.mkdir(parents=True, exist_ok=True)
-    teacher.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg.data.train_files = [str(teacher)]
+    cfg.data.train_files = [str(write_teacher_demonstrations(cfg, out / "teacher.jsonl", 0))]
     start = time.perf_counter()
     train_sft(cfg)
     marker.write_text(json.dumps({"steps": steps}))
@@ -172,7 +167,7 @@ def replay_rank(states: Path, result: Path, rounds: int, bucket_mb: float) -> No
 
     from scalerl.comm.weight_channel import BroadcastChannel, serve_broadcast
 
-    dist.init_process_group("gloo", init_method="env://")
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=300))
     files = sorted(states.glob("*.safetensors"))
     times: dict[str, list[float]] = {"full": [], "delta": []}
     prepare: dict[str, list[float]] = {"full": [], "delta": []}

@@ -38,6 +38,15 @@ def weak_teacher_rows(rows: list[dict], error_rate: float, seed: int) -> list[di
     return out
 
 
+def write_teacher_demonstrations(cfg: Config, path: Path, seed: int) -> Path:
+    """The weak teacher's demonstrations for ``cfg``'s task (``data.num_train`` rows), as JSON lines at ``path``."""
+    rows = weak_teacher_rows(make_arithmetic_rows("train", cfg.data.num_train, list(cfg.data.difficulty), seed),
+                             TEACHER_ERROR_RATE, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def _say(text: str) -> None:
     print(text, flush=True)
 
@@ -52,12 +61,7 @@ def run_demo(cfg: Config) -> dict[str, Any]:
     _say(f"scalerl demo -> {out}/")
     _say(f"[1/3] weak teacher: {cfg.data.num_train} arithmetic demonstrations (levels {cfg.data.difficulty}), "
          f"{TEACHER_ERROR_RATE:.0%} with an off-by-one answer")
-    teacher = weak_teacher_rows(
-        make_arithmetic_rows("train", cfg.data.num_train, list(cfg.data.difficulty), seed), TEACHER_ERROR_RATE, seed
-    )
-    teacher_file = out / "data" / "teacher_demonstrations.jsonl"
-    teacher_file.parent.mkdir(parents=True, exist_ok=True)
-    teacher_file.write_text("".join(json.dumps(r) + "\n" for r in teacher))
+    teacher_file = write_teacher_demonstrations(cfg, out / "data" / "teacher_demonstrations.jsonl", seed)
 
     _say(f"[2/3] SFT warm start: {cfg.sft.steps} steps of {cfg.sft.batch_size} demonstrations")
     sft_cfg = copy.deepcopy(cfg)

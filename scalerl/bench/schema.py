@@ -59,16 +59,6 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _memory_gb() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 1024**2
-    except OSError:
-        pass
-    return None
-
-
 def _version(package: str) -> str | None:
     import importlib.metadata
 
@@ -82,6 +72,8 @@ def environment() -> dict[str, Any]:
     """What the numbers depend on: versions, commit, hardware, and how busy the host was."""
     import torch
 
+    from scalerl.perf.memory import memory_capacity_gb
+
     gpus = []
     if torch.cuda.is_available():
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -91,7 +83,7 @@ def environment() -> dict[str, Any]:
         "git_dirty": bool(status) if status is not None else None,
         "python": platform.python_version(), "torch": torch.__version__, "transformers": _version("transformers"),
         "platform": platform.platform(), "hostname": socket.gethostname(), "cpu_model": _cpu_model(),
-        "cores": os.cpu_count(), "memory_gb": _memory_gb(), "gpus": gpus, "root": os.geteuid() == 0,
+        "cores": os.cpu_count(), "memory_gb": memory_capacity_gb(torch.device("cpu")), "gpus": gpus, "root": os.geteuid() == 0,
         "load_average_before": list(os.getloadavg()),
     }
 

@@ -162,14 +162,14 @@ def _env(job: K8sJob, extra: dict[str, str] | None = None) -> list[dict[str, Any
     return env
 
 
-def _resources(job: K8sJob, gpus: int, cpus: str | None = None, memory: str | None = None) -> dict[str, Any]:
+def _resources(job: K8sJob, gpus: int) -> dict[str, Any]:
     amounts: dict[str, Any] = {}
     if gpus:  # quantities as strings, their serialized form (the Kubeflow SDK models accept no integers)
         amounts[GPU_RESOURCE] = str(gpus)
-    if cpus if cpus is not None else job.cpus_per_node:
-        amounts["cpu"] = cpus if cpus is not None else job.cpus_per_node
-    if memory if memory is not None else job.memory_per_node:
-        amounts["memory"] = memory if memory is not None else job.memory_per_node
+    if job.cpus_per_node:
+        amounts["cpu"] = job.cpus_per_node
+    if job.memory_per_node:
+        amounts["memory"] = job.memory_per_node
     return {"limits": dict(amounts), "requests": dict(amounts)} if amounts else {}
 
 
@@ -185,11 +185,12 @@ def _volumes(job: K8sJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return volumes, mounts
 
 
-def _container(job: K8sJob, name: str, command: list[str], gpus: int, env_extra: dict[str, str] | None = None,
-               **resources: str | None) -> dict[str, Any]:
-    container: dict[str, Any] = {"name": name, "image": job.image, "command": command,
+def _container(job: K8sJob, name: str, command: list[str] | None, gpus: int,
+               env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """None for `command`: the image's or the operator's (KubeRay supplies `ray start`)."""
+    container: dict[str, Any] = {"name": name, "image": job.image, **({"command": command} if command else {}),
                                  "env": _env(job, env_extra), "volumeMounts": _volumes(job)[1]}
-    limits = _resources(job, gpus, **resources)
+    limits = _resources(job, gpus)
     if limits:
         container["resources"] = limits
     return container
@@ -240,8 +241,7 @@ def ray_job(job: K8sJob) -> dict[str, Any]:
                              "--num-nodes", str(job.nodes), "--gpus-per-node", str(job.gpus_per_node),
                              "--cpus-per-rank", f"{job.cpus_per_rank:g}"])
     # The head runs Ray's control plane and the driver only (num-cpus/gpus 0), so no rank lands on it.
-    head = _pod_template(job, _container(job, "ray-head", [], 0))
-    del head["spec"]["containers"][0]["command"]  # KubeRay supplies `ray start`
+    head = _pod_template(job, _container(job, "ray-head", None, 0))
     groups = [_ray_worker_group(job, "trainers", job.nodes, job.gpus_per_node)]
     if job.rollout_workers:
         groups.append(_ray_worker_group(job, "rollout", job.rollout_workers, min(job.gpus_per_node, 1)))
@@ -265,8 +265,7 @@ def ray_job(job: K8sJob) -> dict[str, Any]:
 
 
 def _ray_worker_group(job: K8sJob, group: str, replicas: int, gpus: int) -> dict[str, Any]:
-    template = _pod_template(job, _container(job, "ray-worker", [], gpus))
-    del template["spec"]["containers"][0]["command"]
+    template = _pod_template(job, _container(job, "ray-worker", None, gpus))
     return {"groupName": group, "replicas": replicas, "minReplicas": replicas, "maxReplicas": replicas,
             "rayStartParams": {}, "template": template}
 
@@ -374,8 +373,3 @@ _ManifestDumper.add_representer(str, _represent_str)
 
 def manifests_yaml(docs: list[dict[str, Any]]) -> str:
     return yaml.dump_all(docs, Dumper=_ManifestDumper, sort_keys=False, default_flow_style=False, width=120)
-
-
-def main_object(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The object that is the job (the last one rendered)."""
-    return docs[-1]
