@@ -50,7 +50,7 @@ def warm_start(sft_steps: int) -> Path:
 
 
 def _grpo(rank: int, sft_model: str, steps: int, staleness: int, batch_size: int, rollout_dtype: str,
-          stale_logprobs: str) -> None:
+          stale_logprobs: str, sync_mode: str) -> None:
     from scalerl.trainer.rl_trainer import train
 
     cfg = _demo_config([])
@@ -62,13 +62,15 @@ def _grpo(rank: int, sft_model: str, steps: int, staleness: int, batch_size: int
         f"trainer.batch_size={batch_size}", f"actor.ppo_mini_batch_size={mini}",
         f"actor.ppo_micro_batch_size={min(cfg.actor.ppo_micro_batch_size, mini)}",
         f"rollout.dtype={rollout_dtype}",
-        f"trainer.output_dir={_run_dir(staleness, batch_size, rollout_dtype, stale_logprobs)}",
+        f"weight_sync.mode={sync_mode}",
+        f"trainer.output_dir={_run_dir(staleness, batch_size, rollout_dtype, stale_logprobs, sync_mode)}",
         *([f"rollout.stale_logprobs={stale_logprobs}"] if staleness else []),
     ]))
 
 
-def _run_dir(staleness: int, batch_size: int, rollout_dtype: str, stale_logprobs: str) -> Path:
+def _run_dir(staleness: int, batch_size: int, rollout_dtype: str, stale_logprobs: str, sync_mode: str) -> Path:
     suffix = f"-{stale_logprobs}" if staleness and stale_logprobs != "recompute" else ""
+    suffix += "" if sync_mode == "delta" else f"-{sync_mode}"
     return OUT / f"batch{batch_size}-{rollout_dtype}" / f"staleness{staleness}{suffix}"
 
 
@@ -84,6 +86,7 @@ def summarize(run: Path) -> dict:
         "median_gen_s": statistics.median(r["timing_s/gen"] for r in steps[2:]),
         "median_update_s": statistics.median(r["timing_s/update_actor"] for r in steps[2:]),
         "median_old_log_prob_s": statistics.median(r["timing_s/old_log_prob"] for r in steps[2:]),
+        "median_update_weights_s": statistics.median(r["timing_s/update_weights"] for r in steps[2:]),
     }
 
 
@@ -98,18 +101,22 @@ def main() -> None:
     parser.add_argument("--stale-logprobs", default="recompute", choices=("recompute", "behavior"),
                         help="the asynchronous run's rollout.stale_logprobs (behavior: PPO's ratio against the "
                              "rollout's own fp32 log-probs, no recompute)")
+    parser.add_argument("--weight-sync", default="delta", choices=("delta", "full"),
+                        help="weight_sync.mode of both runs (full: dense pushes, cheaper in time than encoding "
+                             "deltas when the worker is on the same host)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     sft_model = warm_start(args.sft_steps)
     results = {}
     for staleness in (0, 1):
         run_in_group(_grpo, 2, str(sft_model), args.steps, staleness, args.batch_size, args.rollout_dtype,
-                     args.stale_logprobs, timeout_s=3600)
+                     args.stale_logprobs, args.weight_sync, timeout_s=3600)
         results[f"staleness={staleness}"] = summarize(_run_dir(staleness, args.batch_size, args.rollout_dtype,
-                                                                   args.stale_logprobs))
+                                                                   args.stale_logprobs, args.weight_sync))
     for name, r in results.items():
         print(f"{name}: median step {r['median_step_s']:.3f} s (gen {r['median_gen_s']:.3f} s, old log-probs "
-              f"{r['median_old_log_prob_s']:.3f} s, update {r['median_update_s']:.3f} s), held-out accuracy {r['initial_accuracy']:.3f} -> "
+              f"{r['median_old_log_prob_s']:.3f} s, update {r['median_update_s']:.3f} s, weight sync "
+              f"{r['median_update_weights_s']:.3f} s), held-out accuracy {r['initial_accuracy']:.3f} -> "
               f"{r['final_accuracy']:.3f}")
     ratio = results["staleness=0"]["median_step_s"] / results["staleness=1"]["median_step_s"]
     print(f"step time, synchronous / one-step asynchronous: {ratio:.2f}x")
