@@ -4,9 +4,11 @@ DTensor issues TP's collectives inside its dispatch, where no hook reaches; they
 layouts and the activation shapes, which module hooks see (kind ``tp``, dimension ``tp``):
 
 - ``RowwiseParallel`` with a replicated output: forward all-reduce of the output (partial sums);
-- ``ColwiseParallel`` with a replicated input: backward all-reduce of the input's gradient (each rank
-  holds a partial one). torch reduces it per module: q, k and v (gate and up) each all-reduce their own
-  copy, 5 all-reduces of the hidden states per decoder layer where Megatron sums first and does 2;
+- ``PrepareModuleInput`` turning a plain input into a replicated DTensor (the attention and MLP blocks):
+  backward all-reduce of the input's gradient, once per block: the column-wise projections inside take
+  that DTensor and leave their partial gradients to add up first (2 per decoder layer, as Megatron);
+- ``ColwiseParallel`` with a replicated input given as a plain tensor: backward all-reduce of the input's
+  gradient (each rank holds a partial one);
 - ``ColwiseParallel`` with a replicated output (the vocabulary-split head): forward all-gather of it.
 
 Counted when they happen: forward ones in the forward hook (also during generation and activation
@@ -19,10 +21,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
 )
 
@@ -49,7 +52,14 @@ def count_tensor_parallel_style(module: nn.Module, style: ParallelStyle, counter
         forward_op = "all_reduce"
     elif isinstance(style, ColwiseParallel) and replicated(style.output_layouts):
         forward_op = "all_gather"
-    backward_input_all_reduce = isinstance(style, ColwiseParallel) and replicated(style.input_layouts)
+    prepares_input = isinstance(style, PrepareModuleInput) and isinstance(style.input_layouts[0], Replicate)
+    backward_input_all_reduce = prepares_input or (isinstance(style, ColwiseParallel)
+                                                   and replicated(style.input_layouts))
+
+    arrived_as_dtensor = [False]
+
+    def before_style(mod, args):  # runs before the style's own input conversion (prepended)
+        arrived_as_dtensor[0] = isinstance(_first_tensor(args), DTensor)
 
     def after_forward(mod, args, output):
         out, inp = _first_tensor(output), _first_tensor(args)
@@ -57,8 +67,10 @@ def count_tensor_parallel_style(module: nn.Module, style: ParallelStyle, counter
             return
         if forward_op is not None:
             counter.record("tp", forward_op, tensor_bytes(out), tp_size, dim=dim)
-        if backward_input_all_reduce and inp is not None and inp.requires_grad and out.requires_grad \
-                and torch.is_grad_enabled():
+        # A column-wise projection handed a DTensor (prepared by its block) reduces nothing itself.
+        own_reduce = not arrived_as_dtensor[0]
+        if backward_input_all_reduce and own_reduce and inp is not None and inp.requires_grad \
+                and out.requires_grad and torch.is_grad_enabled():
             size = tensor_bytes(inp)
 
             def on_output_grad(grad):
@@ -66,4 +78,5 @@ def count_tensor_parallel_style(module: nn.Module, style: ParallelStyle, counter
 
             out.register_hook(on_output_grad)
 
+    module.register_forward_pre_hook(before_style, prepend=True)
     module.register_forward_hook(after_forward)

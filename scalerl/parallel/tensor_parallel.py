@@ -1,8 +1,11 @@
 """Tensor parallelism with DTensor plans on the decoder (Megatron-style column/row split per block).
 
 q/k/v and gate/up are split by output features (column-wise: each rank owns whole heads / a slice of the
-MLP), o/down by input features (row-wise: partial sums all-reduced). Attention reads its local head count
-from the weight shapes, so the module code needs no TP special case. With untied embeddings, the embedding
+MLP), o/down by input features (row-wise: partial sums all-reduced). The attention and MLP blocks take their
+input as one replicated DTensor (`PrepareModuleInput`), so the partial input gradients of q, k and v (gate
+and up) add up locally and are all-reduced once per block, as in Megatron: 2 backward all-reduces per layer
+where a plan on the projections alone does 5. Attention reads its local head count from the weight shapes,
+so the module code needs no TP special case. With untied embeddings, the embedding
 is split by vocabulary and the output head by vocabulary with replicated logits; tied embeddings stay
 replicated (one parameter cannot carry two shardings).
 """
@@ -14,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     RowwiseParallel,
     parallelize_module,
 )
@@ -42,10 +46,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, counter: CommCo
         if plan:
             apply(model, plan)
     plan = {
+        # (hidden states, cos, sin, mask, kv cache, cache start): only the first is a layout to prepare
+        "self_attn": PrepareModuleInput(input_layouts=(Replicate(), None, None, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None, None, None)),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(),

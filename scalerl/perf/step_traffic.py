@@ -10,8 +10,9 @@ model times. Bytes follow `scalerl.comm.accounting` (docs/comm-accounting.md), c
 - ``param``: FSDP all-gathers every unit in each forward (training micro-batches, their backward
   re-gather, forward-only log-prob passes) and once per generation (the units stay gathered through the
   decode steps: `scalerl.parallel.fsdp_generation`).
-- ``tp``: per decoder layer, 2 all-reduces of the hidden states in forward (o and down projections) and 5
-  in backward (q, k, v, gate, up input gradients); an untied head split by vocabulary all-gathers the logits.
+- ``tp``: per decoder layer, 2 all-reduces of the hidden states in forward (o and down projections) and 2
+  in backward (the attention and MLP blocks' input gradients: q/k/v's and gate/up's partial gradients are
+  summed before one all-reduce per block); an untied head split by vocabulary all-gathers the logits.
 - ``pp``: each micro-batch's activations forward and their gradients backward at every stage boundary,
   padded to the fixed widths; ``weight_sync``: the full replica refreshed from the stages once per step
   (one broadcast per tensor), or, with standalone rollout workers, the weights pushed to them.
@@ -33,7 +34,7 @@ from scalerl.perf.collective_cost import sent_bytes
 from scalerl.perf.flops import decoder_param_count
 
 FINISH_CHECK_EVERY = 4  # the built-in engine's finish vote on CPUs (scalerl.rollout.builtin_engine)
-TP_ALL_REDUCES_FORWARD, TP_ALL_REDUCES_BACKWARD = 2, 5
+TP_ALL_REDUCES_FORWARD, TP_ALL_REDUCES_BACKWARD = 2, 2
 TENSORS_PER_LAYER = 12  # q/k/v weights + biases, o, gate, up, down, 2 norms (the replica's broadcasts)
 
 
