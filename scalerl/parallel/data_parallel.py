@@ -45,7 +45,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: boo
     extra = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)} if reduce_dtype is not None else {}
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **extra)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **extra)
+    # The root (embedding, final norm, head) is the last unit a forward leaves and the first its backward
+    # needs: kept gathered in between (torch's default for a root), it is not all-gathered again for the
+    # backward. Its unsharded weights live from forward to backward (or to the next forward after a
+    # no-grad pass, which sees the same weights: the optimizer steps only after a backward, whose end
+    # reshards it).
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **extra)
     if counter is not None:
         names = dp_mesh.mesh_dim_names or ("dp_shard",)
         hsdp = dp_mesh.ndim == 2

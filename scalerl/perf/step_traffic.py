@@ -7,9 +7,10 @@ model times. Bytes follow `scalerl.comm.accounting` (docs/comm-accounting.md), c
   all-reduced over ``dp_replicate`` after every micro-batch's backward (once per optimizer step for a
   pipeline stage); a tied embedding split over pipeline stages sums its gradient over ``pp`` once per
   optimizer step.
-- ``param``: FSDP all-gathers every unit in each forward (training micro-batches, their backward
+- ``param``: FSDP all-gathers every decoder layer in each forward (training micro-batches, their backward
   re-gather, forward-only log-prob passes) and once per generation (the units stay gathered through the
-  decode steps: `scalerl.parallel.fsdp_generation`).
+  decode steps: `scalerl.parallel.fsdp_generation`); the root (embedding, norm, head) stays gathered from a
+  forward to its backward: once per training micro-batch and once per generation.
 - ``tp``: per decoder layer, 2 all-reduces of the hidden states in forward (o and down projections) and 2
   in backward (the attention and MLP blocks' input gradients: q/k/v's and gate/up's partial gradients are
   summed before one all-reduce per block); an untied head split by vocabulary all-gathers the logits.
@@ -152,6 +153,12 @@ def stage_params(model: ModelConfig, layout: Layout) -> float:
     return decoder_param_count(model) / (layout.pp * layout.tp)
 
 
+def root_params(model: ModelConfig) -> int:
+    """Parameters of the FSDP root unit: the embedding, the final norm and (untied) the output head."""
+    embedding = model.vocab_size * model.hidden_size
+    return embedding * (1 if model.tie_word_embeddings else 2) + model.hidden_size
+
+
 def step_collectives(model: ModelConfig, step: StepShape, layout: Layout) -> list[Collective]:
     """Every collective of one step on one (mean) trainer rank."""
     out: list[Collective] = []
@@ -167,10 +174,29 @@ def step_collectives(model: ModelConfig, step: StepShape, layout: Layout) -> lis
         # FSDP2 on the (dp_replicate, dp_shard) mesh; a pipeline stage syncs once per optimizer step
         unit = p_bytes / units
         syncs = step.optimizer_steps if layout.pp > 1 else train_forwards
+        if layout.dp_shard > 1 and layout.pp > 1:
+            # The schedule keeps a stage's layers gathered from a backward to the next forward and reshards
+            # them only after the last backward: per optimizer step each layer is gathered m + 1 times (m
+            # micro-batches, any of GPipe / 1F1B; measured: 2 stages x 4 micro-batches), the root once.
+            # A stage's root is its share of the embedding, final norm and head (a tied head is a copy).
+            root = (2 * model.vocab_size * model.hidden_size + model.hidden_size) / (layout.pp * layout.tp)
+            root *= step.param_bytes
+            layer_unit = (p_bytes - root_params(model) / (layout.pp * layout.tp) * step.param_bytes) / layers
+            out.append(Collective("param", "all_gather", layer_unit,
+                                  step.optimizer_steps * (step.pp_microbatches + 1) * layers, dp_shard, be))
+            out.append(Collective("param", "all_gather", root, step.optimizer_steps, dp_shard, be))
+            # refreshing the generation replica gathers each sharded stage whole first
+            out.append(Collective("weight_sync", "all_gather", p_bytes, 1, dp_shard, be))
+        elif layout.dp_shard > 1:
+            # Layers: every training forward and its backward's re-gather, each forward-only pass, and once per
+            # generation. The root stays gathered from a forward to its backward (and from a no-grad pass to
+            # the next training forward): one gather per training micro-batch, and one per generation.
+            root = root_params(model) / layout.tp * step.param_bytes
+            layer_unit = (p_bytes - root) / layers
+            forwards = 2 * train_forwards + fwd_only + min(gen_forwards, 1.0)
+            out.append(Collective("param", "all_gather", layer_unit, forwards * layers, dp_shard, be))
+            out.append(Collective("param", "all_gather", root, train_forwards + min(gen_forwards, 1.0), dp_shard, be))
         if layout.dp_shard > 1:
-            forwards = 2 * step.optimizer_steps * step.pp_microbatches if layout.pp > 1 else \
-                2 * train_forwards + fwd_only + min(gen_forwards, 1.0)
-            out.append(Collective("param", "all_gather", unit, forwards * units, dp_shard, be))
             out.append(Collective("grad", "reduce_scatter", unit * layout.grad_ratio, syncs * units, dp_shard, be))
         if layout.dp_replicate > 1:
             out.append(Collective("grad", "all_reduce", unit / layout.dp_shard * layout.grad_ratio, syncs * units,

@@ -20,6 +20,7 @@ LAYER = 2 * H + (H * H + H) + 2 * (H * KV + KV) + H * H + 3 * H * FF  # norms, q
 LAYER_TP2 = 2 * H + (LAYER - 2 * H) // 2  # tp=2: everything but the norms split in half
 P = 4 * (V * H + L * LAYER + H + V * H)  # bytes: embedding, layers, final norm, head
 P_TP2 = 4 * (V * H // 2 + L * LAYER_TP2 + H + V * H // 2)
+ROOT, ROOT_TP2 = 4 * (V * H + H + V * H), 4 * (V * H // 2 + H + V * H // 2)  # FSDP's root unit: embedding, norm, head
 STAGE0, STAGE1 = 4 * (V * H + LAYER), 4 * (LAYER + H + V * H)  # pp=2: embedding + layer 0 | layer 1 + norm + head
 M, B, T = 2, 2, 8  # micro-batches, rows per micro-batch, tokens
 ACT, LOGITS, MASK = 4 * B * T * H, 4 * B * T * V, 4 * B * T  # one micro-batch's hidden states, logits, float mask
@@ -52,9 +53,10 @@ def expected(world: int, name: str, rank: int) -> dict[str, float]:
     n = world
     layouts = {
         "ddp": {"grad/all_reduce/dp_replicate": ring(n) * P},  # one bucket, on the last micro-batch only
-        "fsdp": {"param/all_gather/dp_shard": M * 2 * gather(n) * P,  # forward + backward re-gather
+        # layers: forward + backward re-gather; the root stays gathered from its forward to its backward
+        "fsdp": {"param/all_gather/dp_shard": M * gather(n) * (2 * P - ROOT),
                  "grad/reduce_scatter/dp_shard": M * gloo_reduce_scatter(n) * P},
-        "hsdp": {"param/all_gather/dp_shard": M * 2 * gather(2) * P,
+        "hsdp": {"param/all_gather/dp_shard": M * gather(2) * (2 * P - ROOT),
                  "grad/reduce_scatter/dp_shard": M * gloo_reduce_scatter(2) * P,
                  "grad/all_reduce/dp_replicate": M * ring(2) * P / 2},  # the shard, over the replicas
         # forward: embedding + o and down per layer; backward: the attention and MLP blocks' inputs per layer
@@ -63,7 +65,7 @@ def expected(world: int, name: str, rank: int) -> dict[str, float]:
                "tp/all_gather/tp": M * gather(2) * LOGITS},
     }
     layouts["ddp_node_order"], layouts["hsdp_node_order"] = layouts["ddp"], layouts["hsdp"]
-    layouts["fsdp_tp"] = {"param/all_gather/dp_shard": M * 2 * gather(2) * P_TP2,
+    layouts["fsdp_tp"] = {"param/all_gather/dp_shard": M * gather(2) * (2 * P_TP2 - ROOT_TP2),
                           "grad/reduce_scatter/dp_shard": M * gloo_reduce_scatter(2) * P_TP2, **layouts["tp"]}
     stage = 0 if name == "pp" and rank == 0 or name != "pp" and rank < 2 else 1
     stage_bytes = STAGE0 if stage == 0 else STAGE1
@@ -203,9 +205,10 @@ def world4():
 def test_world2_counts_match_hand_computation(world2):
     _check_layouts(2, world2)
     for rank, out in world2.items():
-        # call counts: one DDP bucket; FSDP's 3 units (2 layers + root) x M, all-gathered twice each
+        # call counts: one DDP bucket; FSDP: 3 units (2 layers + root) reduce-scattered once per micro-batch
         assert out["ddp"]["calls"] == {"grad/all_reduce/dp_replicate": 1}
-        assert out["fsdp"]["calls"] == {"param/all_gather/dp_shard": 3 * 2 * M, "grad/reduce_scatter/dp_shard": 3 * M}
+        # 2 layers gathered in forward and again in backward, the root once per micro-batch
+        assert out["fsdp"]["calls"] == {"param/all_gather/dp_shard": (2 * 2 + 1) * M, "grad/reduce_scatter/dp_shard": 3 * M}
         assert out["clip"] == {"metrics/all_reduce/None": ring(2) * 4}  # one fp32 partial norm
         # the DP group's small collectives: 2 fp32 counts, one fp32 finish flag, 3 float64 metrics gathered
         assert out["small"] == {"metrics/all_reduce/dp": ring(2) * 8, "metrics/all_reduce/None": ring(2) * 4,
