@@ -1,4 +1,5 @@
-"""Generation under FSDP2 with each layer gathered once per `generate`, not once per decode step.
+"""Generation (and forward-only passes) under FSDP2 with each layer gathered once per `generate` (per pass),
+not once per decode step (per micro-batch).
 
 FSDP2 reshards a layer's parameters after every forward, so a decode loop of T steps would all-gather the whole
 model T times (measured: 13% / 5% scaling efficiency for FSDP cells in `scalerl bench`). `gathered_once`

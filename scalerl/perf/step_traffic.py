@@ -7,10 +7,10 @@ model times. Bytes follow `scalerl.comm.accounting` (docs/comm-accounting.md), c
   all-reduced over ``dp_replicate`` after every micro-batch's backward (once per optimizer step for a
   pipeline stage); a tied embedding split over pipeline stages sums its gradient over ``pp`` once per
   optimizer step.
-- ``param``: FSDP all-gathers every decoder layer in each forward (training micro-batches, their backward
-  re-gather, forward-only log-prob passes) and once per generation (the units stay gathered through the
-  decode steps: `scalerl.parallel.fsdp_generation`); the root (embedding, norm, head) stays gathered from a
-  forward to its backward: once per training micro-batch and once per generation.
+- ``param``: FSDP all-gathers every decoder layer in each training forward and its backward re-gather, and
+  once per forward-only pass and per generation (the units stay gathered through a pass's micro-batches and
+  the decode steps: `scalerl.parallel.fsdp_generation`); the root (embedding, norm, head) stays gathered
+  from a forward to its backward: once per training micro-batch, pass and generation.
 - ``tp``: per decoder layer, 2 all-reduces of the hidden states in forward (o and down projections) and 2
   in backward (the attention and MLP blocks' input gradients: q/k/v's and gate/up's partial gradients are
   summed before one all-reduce per block); an untied head split by vocabulary all-gathers the logits.
@@ -168,7 +168,7 @@ def step_collectives(model: ModelConfig, step: StepShape, layout: Layout) -> lis
     # prefill makes the first token, then one forward per decode step; standalone workers generate elsewhere
     gen_forwards = 0.0 if layout.rollout_workers else step.response_len
     train_forwards = step.micro_batches
-    fwd_only = step.forward_passes * math.ceil(step.rows / step.micro_rows)
+    fwd_only = step.forward_passes * math.ceil(step.rows / step.micro_rows)  # their micro-batches
     dp_rep, dp_shard = layout.placement("dp_replicate"), layout.placement("dp_shard")
     if layout.dp > 1 and (layout.dp_shard > 1 or layout.tp > 1 or layout.pp > 1):
         # FSDP2 on the (dp_replicate, dp_shard) mesh; a pipeline stage syncs once per optimizer step
@@ -188,14 +188,14 @@ def step_collectives(model: ModelConfig, step: StepShape, layout: Layout) -> lis
             # refreshing the generation replica gathers each sharded stage whole first
             out.append(Collective("weight_sync", "all_gather", p_bytes, 1, dp_shard, be))
         elif layout.dp_shard > 1:
-            # Layers: every training forward and its backward's re-gather, each forward-only pass, and once per
-            # generation. The root stays gathered from a forward to its backward (and from a no-grad pass to
-            # the next training forward): one gather per training micro-batch, and one per generation.
+            # Layers: every training forward and its backward's re-gather, once per forward-only pass (old /
+            # reference log-probs, values: gathered for the whole pass) and once per generation. The root
+            # stays gathered from a forward to its backward: once per training micro-batch, pass and generation.
             root = root_params(model) / layout.tp * step.param_bytes
             layer_unit = (p_bytes - root) / layers
-            forwards = 2 * train_forwards + fwd_only + min(gen_forwards, 1.0)
-            out.append(Collective("param", "all_gather", layer_unit, forwards * layers, dp_shard, be))
-            out.append(Collective("param", "all_gather", root, train_forwards + min(gen_forwards, 1.0), dp_shard, be))
+            once = step.forward_passes + min(gen_forwards, 1.0)
+            out.append(Collective("param", "all_gather", layer_unit, (2 * train_forwards + once) * layers, dp_shard, be))
+            out.append(Collective("param", "all_gather", root, train_forwards + once, dp_shard, be))
         if layout.dp_shard > 1:
             out.append(Collective("grad", "reduce_scatter", unit * layout.grad_ratio, syncs * units, dp_shard, be))
         if layout.dp_replicate > 1:

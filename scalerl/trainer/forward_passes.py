@@ -1,5 +1,6 @@
 """Forward-only passes over a rollout batch: log-probs of the responses (old policy, reference policy) and
-the critic's values, micro-batched, with all-padding columns trimmed away."""
+the critic's values, micro-batched, with all-padding columns trimmed away. Under FSDP each unit is gathered
+once for the whole pass rather than once per micro-batch (`gathered_once`, as generation does)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalerl.algorithms.entropy import logprobs_from_logits
+from scalerl.parallel.fsdp_generation import gathered_once
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.trainer.update import micro_batches
 
@@ -21,16 +23,17 @@ def response_logprobs(
     """Per-token log-probs ``[B, R]`` of the batch's responses under ``model`` at the sampling temperature
     (zero on padding)."""
     out = []
-    for micro in micro_batches(batch, micro_batch_size):
-        micro, _, right = micro.trimmed()
-        response_len = micro.response_ids.shape[1]
-        with autocast or contextlib.nullcontext():
-            logits = model(micro.input_ids, attention_mask=micro.attention_mask, logits_to_keep=response_len + 1)
-        logits = logits[:, :-1].float()
-        if temperature not in (0.0, 1.0):
-            logits = logits / temperature
-        logp = logprobs_from_logits(logits, micro.response_ids) * micro.response_mask
-        out.append(F.pad(logp, (0, right)))
+    with gathered_once(model):
+        for micro in micro_batches(batch, micro_batch_size):
+            micro, _, right = micro.trimmed()
+            response_len = micro.response_ids.shape[1]
+            with autocast or contextlib.nullcontext():
+                logits = model(micro.input_ids, attention_mask=micro.attention_mask, logits_to_keep=response_len + 1)
+            logits = logits[:, :-1].float()
+            if temperature not in (0.0, 1.0):
+                logits = logits / temperature
+            logp = logprobs_from_logits(logits, micro.response_ids) * micro.response_mask
+            out.append(F.pad(logp, (0, right)))
     return torch.cat(out)
 
 
@@ -38,10 +41,11 @@ def response_logprobs(
 def response_values(critic: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast=None) -> torch.Tensor:
     """The critic's values ``[B, R]`` at the positions before each response token (zero on padding)."""
     out = []
-    for micro in micro_batches(batch, micro_batch_size):
-        micro, _, right = micro.trimmed()
-        response_len = micro.response_ids.shape[1]
-        with autocast or contextlib.nullcontext():
-            values = critic(micro.input_ids, attention_mask=micro.attention_mask, logits_to_keep=response_len + 1)
-        out.append(F.pad(values[:, :-1].float() * micro.response_mask, (0, right)))
+    with gathered_once(critic):
+        for micro in micro_batches(batch, micro_batch_size):
+            micro, _, right = micro.trimmed()
+            response_len = micro.response_ids.shape[1]
+            with autocast or contextlib.nullcontext():
+                values = critic(micro.input_ids, attention_mask=micro.attention_mask, logits_to_keep=response_len + 1)
+            out.append(F.pad(values[:, :-1].float() * micro.response_mask, (0, right)))
     return torch.cat(out)

@@ -155,6 +155,19 @@ def _count_every_layout(rank, world):
             counter.reset()
             parts.clip_grad_norm(1.0)
             out["clip"] = counts()[0]
+            # a forward-only pass of 3 micro-batches gathers each unit once, and equals the unsharded model's
+            from scalerl.trainer.forward_passes import response_logprobs
+
+            rows = RolloutBatch(
+                input_ids=torch.randint(0, V, (6, 8), generator=torch.Generator().manual_seed(1)),
+                attention_mask=torch.ones(6, 8, dtype=torch.long), response_ids=torch.ones(6, 5, dtype=torch.long),
+                response_mask=torch.ones(6, 5), rollout_logprobs=torch.zeros(6, 5), group_ids=torch.arange(6),
+                scores=torch.zeros(6))
+            counter.reset()
+            sharded = response_logprobs(parts.model, rows, 1.0, micro_batch_size=2)
+            out["forward_pass_calls"] = counts()[1]
+            plain = build_model(cfg, seed=0)
+            out["forward_pass_diff"] = float((sharded - response_logprobs(plain, rows, 1.0, 2)).abs().max())
         if name == "pp":
             counter.reset()
             parts.share_loss_metrics({"loss": torch.tensor(1.0)}, ["loss"])
@@ -210,6 +223,9 @@ def test_world2_counts_match_hand_computation(world2):
         # 2 layers gathered in forward and again in backward, the root once per micro-batch
         assert out["fsdp"]["calls"] == {"param/all_gather/dp_shard": (2 * 2 + 1) * M, "grad/reduce_scatter/dp_shard": 3 * M}
         assert out["clip"] == {"metrics/all_reduce/None": ring(2) * 4}  # one fp32 partial norm
+        # 3 micro-batches of a forward-only pass: each of the 3 units gathered once (9 unit-forwards)
+        assert out["forward_pass_calls"] == {"param/all_gather/dp_shard": 3}
+        assert out["forward_pass_diff"] < 1e-5
         # the DP group's small collectives: 2 fp32 counts, one fp32 finish flag, 3 float64 metrics gathered
         assert out["small"] == {"metrics/all_reduce/dp": ring(2) * 8, "metrics/all_reduce/None": ring(2) * 4,
                                 "metrics/all_gather/None": gather(2) * 2 * 3 * 8}
