@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--stale-logprobs", default="recompute", choices=("recompute", "behavior"),
                         help="the asynchronous run's rollout.stale_logprobs (behavior: PPO's ratio against the "
                              "rollout's own fp32 log-probs, no recompute)")
-    parser.add_argument("--weight-sync", default="delta", choices=("delta", "full"),
+    parser.add_argument("--weight-sync", default="delta", choices=("delta", "full", "auto"),
                         help="weight_sync.mode of both runs (full: dense pushes, cheaper in time than encoding "
                              "deltas when the worker is on the same host)")
     parser.add_argument("--json", metavar="FILE")

@@ -15,7 +15,12 @@ rollout dtype and sends it:
   (counted in ``resyncs``); the snapshot of a bucket moves on only once every receiver confirmed it, so
   a receiver that failed to apply a delta can never be left behind by a snapshot that moved on;
 - **lossy, optional** (``static_every = K``): a tensor whose largest change since its last push is
-  below ``static_threshold`` is deferred for up to K syncs (bounded staleness, reported).
+  below ``static_threshold`` is deferred for up to K syncs (bounded staleness, reported);
+- **auto** (``mode="auto"``): per sync, send the changed buckets as deltas or dense, whichever has cost less
+  time per element so far (encoding, sending, the receivers' apply and verification, timed on the source):
+  deltas win on slow links, dense buckets where encoding costs more than the bytes it saves (a worker on the
+  trainer's host, fp32 weights that change everywhere). Every `AUTO_PROBE_EVERY`-th sync tries the other way.
+  Both ways are lossless and verified alike.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ from scalerl.comm.weight_channel import (
 from scalerl.comm.weight_plan import TensorEntry, WeightPlan
 
 ROLLOUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-MODES = ("full", "delta")
+MODES = ("full", "delta", "auto")
+# mode "auto": every this many syncs, the way not currently preferred is tried again, so its cost stays current
+AUTO_PROBE_EVERY = 8
 MiB = 1 << 20
 
 
@@ -65,6 +72,7 @@ class SyncReport:
     deferred_tensors: int = 0  # lossy mode: held back this sync
     max_deviation: float = 0.0  # lossy mode: largest |trainer - receiver| over deferred tensors
     max_staleness: int = 0  # lossy mode: most syncs any tensor has been held back
+    dense_by_choice: bool = False  # mode auto: this sync sent its changed buckets dense (not a full push)
     buckets: int = 0
     encodings: dict[str, int] = field(default_factory=dict)  # bucket encoding name -> count
     seconds: float = 0.0  # the whole sync on the source
@@ -87,6 +95,7 @@ class SyncReport:
             "weight_sync/deferred_tensors": float(self.deferred_tensors),
             "weight_sync/max_deviation": self.max_deviation,
             "weight_sync/max_staleness": float(self.max_staleness),
+            "weight_sync/dense_by_choice": float(self.dense_by_choice),
         }
 
 
@@ -119,6 +128,8 @@ class WeightSender:
         self._session = int.from_bytes(os.urandom(3), "little") + 1
         self._counter = 0
         self.version = 0  # 0 = nothing confirmed yet
+        self.cost_per_element: dict[str, float | None] = {"dense": None, "delta": None}  # mode auto, seconds
+        self._auto_syncs = 0
 
     @classmethod
     def from_config(cls, weight_sync, rollout_dtype: str, channel: SenderChannel | None) -> WeightSender:
@@ -169,6 +180,9 @@ class WeightSender:
                 self.snapshot = torch.zeros(plan.total_elems, dtype=int_view_dtype(self.dtype))
             self.version = 0  # until END confirms the full push
         had_snapshot = self._snapshot_valid
+        report.dense_by_choice = dense = not full and self._auto_picks_dense()
+        way = "dense" if full or dense else "delta"
+        spent, elements = 0.0, 0
         walker = _TensorWalker(tensors, plan, self, had_snapshot)
         dynamic: set[str] = set()
         for b in range(plan.num_buckets):
@@ -181,7 +195,8 @@ class WeightSender:
             for seg in plan.segments(b):
                 if changed[seg.bucket_offset : seg.bucket_offset + seg.numel].any():
                     dynamic.add(seg.entry.name)
-            encoded = encode_dense(new) if full else encode_bucket(old, new, changed)
+            bucket_changed = full or bool(changed.any())
+            encoded = encode_dense(new) if full or (dense and bucket_changed) else encode_bucket(old, new, changed)
             report.encodings[encoded.name] = report.encodings.get(encoded.name, 0) + 1
             payload_copy = 0 if isinstance(encoded.payload, memoryview) else encoded.nbytes  # dense: a view of `new`
             report.peak_bucket_bytes = max(report.peak_bucket_bytes, walker.held_bytes + new.numel() * new.element_size()
@@ -190,6 +205,12 @@ class WeightSender:
             report.prepare_seconds += time.perf_counter() - prepare_start
             self._send_verified(b, new, checksum, encoded, h, report)
             old.copy_(new)  # every receiver confirmed this bucket: the snapshot moves on
+            if bucket_changed:
+                spent += time.perf_counter() - prepare_start
+                elements += new.numel()
+        if self.mode == "auto" and elements:
+            cost, previous = spent / elements, self.cost_per_element[way]
+            self.cost_per_element[way] = cost if previous is None else 0.5 * (previous + cost)
         self._counter += 1
         version = (self._session << 32) | self._counter
         acks = self._exchange(Message(Kind.END, version=version, plan_hash=h), report)
@@ -202,6 +223,18 @@ class WeightSender:
         report.deferred_tensors, report.max_deviation = walker.deferred, walker.max_deviation
         report.max_staleness = max(self.staleness.values(), default=0)
         return report
+
+    def _auto_picks_dense(self) -> bool:
+        """Mode auto: whether this sync sends its changed buckets dense. Each way is measured once first (the
+        first sync is a full push: dense), then the cheaper per element wins, but every `AUTO_PROBE_EVERY`-th
+        sync tries the other, as a delta's cost moves with how much of the model changes."""
+        if self.mode != "auto":
+            return False
+        self._auto_syncs += 1
+        dense, delta = self.cost_per_element["dense"], self.cost_per_element["delta"]
+        if delta is None or dense is None:
+            return delta is not None
+        return (dense <= delta) != (self._auto_syncs % AUTO_PROBE_EVERY == 0)
 
     def _send_verified(self, b: int, new: torch.Tensor, checksum: int, encoded, plan_hash: int,
                        report: SyncReport) -> None:

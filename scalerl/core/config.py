@@ -59,7 +59,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_REWARDS = ("auto", "gsm8k", "math")
 ROLLOUT_DTYPES = ("bf16", "fp32")
 STALE_LOGPROBS = ("recompute", "behavior")
-WEIGHT_SYNC_MODES = ("full", "delta")
+WEIGHT_SYNC_MODES = ("full", "delta", "auto")
 # The built-in model (model.path unset): its context and its vocabulary (the 99 characters of the built-in
 # tokenizer, rounded up for aligned matmuls).
 BUILTIN_MAX_POSITIONS = 512
@@ -191,7 +191,8 @@ class WeightSyncSection(_Section):
 
     name = "weight_sync"
     mode: str = opt("delta", "full (dense push every sync) | delta (only elements whose rollout.dtype bits "
-                    "changed; lossless, verified by checksums)")
+                    "changed; lossless, verified by checksums) | auto (per sync, deltas or dense buckets, "
+                    "whichever has cost less time per element: dense next to the trainer, deltas over slow links)")
     bucket_mb: float = opt(64.0, "bucket size in MiB of rollout.dtype elements: tensors are gathered and sent one "
                            "bucket at a time, bounding the extra memory", above=0)
     static_every: int = opt(0, "lossy option: defer a tensor whose largest change since its last push is below "

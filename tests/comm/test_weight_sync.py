@@ -247,3 +247,62 @@ def test_config_section_builds_a_sender_and_rejects_impossible_values():
                                                   "weight_sync.mode=full"]):
         with pytest.raises(ConfigError):
             load_config(None, bad)
+
+
+class _SlowChannel(InProcessChannel):
+    """An in-process channel that takes as long as a link of ``bytes_per_s`` would (sleeping per message)."""
+
+    def __init__(self, receivers, bytes_per_s):
+        super().__init__(receivers)
+        self.bytes_per_s = bytes_per_s
+
+    def exchange(self, message):
+        import time
+
+        time.sleep(message.nbytes / self.bytes_per_s)
+        return super().exchange(message)
+
+
+def test_auto_mode_picks_deltas_over_a_slow_link():
+    """Over a 1 MB/s link, bf16 deltas at a small learning rate (a few % of the elements) cost far less time
+    than dense buckets: after the first (full, dense) push and one delta, auto keeps deltas, trying dense
+    again on every 8th sync. Every sync is bit-exact."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    store = TensorDictStore()
+    sender = WeightSender(torch.bfloat16, 1 << 20, _SlowChannel([WeightReceiver(store)], 1e6), mode="auto")
+    chosen = []
+    for step in range(10):
+        report = sender.sync(model.named_parameters())
+        assert _holds_exactly(store.tensors, model, torch.bfloat16), step
+        chosen.append("full" if report.full_push else "dense" if report.dense_by_choice else "delta")
+        _train(model, optimizer, 1, seed=step)
+    assert chosen == ["full"] + ["delta"] * 7 + ["dense", "delta"], chosen
+    assert 0 < sender.cost_per_element["delta"] < sender.cost_per_element["dense"]
+
+
+def test_auto_mode_follows_its_measured_costs_and_stays_exact():
+    """With no link cost, fp32 weights that change everywhere: whichever way the timings fall on this
+    machine, each sync sends the way its measured costs favour (the other on every 8th), bit-exact."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    store = TensorDictStore()
+    sender = WeightSender(torch.float32, 1 << 20, InProcessChannel([WeightReceiver(store)]), mode="auto")
+    for step in range(12):
+        dense, delta = sender.cost_per_element["dense"], sender.cost_per_element["delta"]
+        report = sender.sync(model.named_parameters())
+        assert _holds_exactly(store.tensors, model, torch.float32), step
+        if step == 0:
+            assert report.full_push
+        elif step == 1:
+            assert not report.dense_by_choice  # dense timed by the full push, now a delta
+        else:
+            assert report.dense_by_choice == ((dense <= delta) != (step % 8 == 0)), (step, dense, delta)
+        _train(model, optimizer, 1, seed=step)
+
+
+def test_auto_mode_is_a_config_choice():
+    cfg = load_config(None, ["weight_sync.mode=auto"])
+    assert WeightSender.from_config(cfg.weight_sync, "bf16", None).mode == "auto"
+    with pytest.raises(ConfigError, match="static_every"):
+        load_config(None, ["weight_sync.mode=auto", "weight_sync.static_every=2", "weight_sync.static_threshold=0.1"])
