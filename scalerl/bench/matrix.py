@@ -25,7 +25,8 @@ STRATEGY_HELP = {
     "tpN": "tensor parallel over N ranks (inside a node when they fit)",
     "ppN": "pipeline parallel over N stages",
 }
-WEIGHT_SYNC_MODES = ("colocated", "full", "delta")  # colocated: no weight sync; full/delta: standalone workers
+# colocated: no weight sync; full / delta / auto: standalone workers with that weight_sync.mode
+WEIGHT_SYNC_MODES = ("colocated", "full", "delta", "auto")
 _COMPONENT = re.compile(r"^(ddp|fsdp|hsdp|tp|pp)(\d*)$")
 
 # What every cell runs besides its own keys: the built-in model at 4 layers (so up to 4 pipeline stages and

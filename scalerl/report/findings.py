@@ -85,7 +85,7 @@ def _measured_pair(report: dict[str, Any], axis: str, plain: str, tried: set[str
 def recommend(report: dict[str, Any], projection: dict[str, Any] | None) -> dict[str, Any]:
     """The recommended configuration for the projection's target cluster, with its reasoning."""
     reasons: list[str] = []
-    choice: dict[str, Any] = {"strategy": None, "compression": "none", "weight_sync": "delta"}
+    choice: dict[str, Any] = {"strategy": None, "compression": "none", "weight_sync": "auto"}
     rows = [r for r in (projection or {}).get("rows", []) if "skipped" not in r]
     if rows:
         top = max(r["nodes"] for r in rows)
@@ -127,17 +127,20 @@ def recommend(report: dict[str, Any], projection: dict[str, Any] | None) -> dict
         word = "worth measuring" if comm_share > COMM_SHARE_FOR_COMPRESSION else "unlikely to pay"
         reasons.append(f"Compression: not measured in this report; the projected step spends {100 * comm_share:.0f}% "
                        f"in communication, so it is {word} (scalerl bench --compression none,fp16,powersgd).")
-    pair = _measured_pair(report, "weight_sync", "full", {"delta"})
+    pair = _measured_pair(report, "weight_sync", "full", {"delta", "auto"})
     if pair:
-        delta, full = pair
-        fraction = delta.get("weight_sync_fraction")
-        better = _tps(delta) >= _tps(full)
-        choice["weight_sync"] = "delta" if better else "full"
-        reasons.append(f"Weight sync: delta sent {100 * fraction:.1f}% of a full push's bytes per sync"
-                       if fraction is not None else "Weight sync: delta and full measured")
-        reasons[-1] += f", throughput {_tps(delta) / _tps(full):.2f}x full's -> weight_sync.mode={choice['weight_sync']}."
+        mode, full = pair
+        name = mode["weight_sync"]
+        fraction = mode.get("weight_sync_fraction")
+        better = _tps(mode) >= _tps(full)
+        choice["weight_sync"] = name if better else "full"
+        reasons.append(f"Weight sync: {name} sent {100 * fraction:.1f}% of a full push's bytes per sync"
+                       if fraction is not None else f"Weight sync: {name} and full measured")
+        reasons[-1] += f", throughput {_tps(mode) / _tps(full):.2f}x full's -> weight_sync.mode={choice['weight_sync']}."
     else:
+        choice["weight_sync"] = "auto"
         reasons.append("Weight sync: only colocated rollouts were measured here (no sync over the network); with "
-                       "standalone rollout workers keep weight_sync.mode=delta (lossless) and measure it with "
-                       "scalerl bench --weight-sync full,delta.")
+                       "standalone rollout workers use weight_sync.mode=auto (per sync, lossless deltas or dense "
+                       "buckets, whichever has cost less time: deltas over slow links, dense next to the trainer) "
+                       "and measure it with scalerl bench --weight-sync full,delta,auto.")
     return {**choice, "reasoning": reasons}

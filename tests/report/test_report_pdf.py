@@ -58,6 +58,13 @@ def test_document_titles_follow_the_report(tmp_path):
     assert TITLES["validation"] not in titles and TITLES["baselines"] not in titles
     assert TITLES["projection"] not in titles and SECTION_TITLES["doctor"] not in titles
     assert doc.recommendation["strategy"] is None and "No projection" in doc.recommendation["reasoning"][0]
+    # the recorded report measured delta against full pushes: the recommendation follows the measurement
+    assert doc.recommendation["weight_sync"] in ("delta", "full")
+    # with only colocated cells nothing was measured over the network: auto, said why
+    report["cells"] = [c for c in report["cells"] if c.get("weight_sync") == "colocated"]
+    doc = build_document(report, None)
+    assert doc.recommendation["weight_sync"] == "auto"
+    assert any("weight_sync.mode=auto" in r for r in doc.recommendation["reasoning"])
 
 
 def test_doctor_sweep_calibrates_the_inter_node_link(tmp_path):
