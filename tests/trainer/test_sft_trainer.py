@@ -57,3 +57,15 @@ def test_sft_resume_is_bitwise_identical(tiny_config, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "b" / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
 
+
+
+def test_top_k_on_sft_from_scratch_is_warned_about():
+    from scalerl.core.config import load_config
+    from scalerl.trainer.sft_trainer import compression_warning
+
+    topk = load_config(None, ["comm.gradient_compression=topk"])
+    assert "powersgd" in compression_warning(topk, dp_size=2)
+    assert compression_warning(topk, dp_size=1) is None  # nothing is compressed on one rank
+    warm = load_config(None, ["comm.gradient_compression=topk", "trainer.init_from=some/model"])
+    assert compression_warning(warm, dp_size=2) is None
+    assert compression_warning(load_config(None, ["comm.gradient_compression=powersgd"]), dp_size=2) is None
