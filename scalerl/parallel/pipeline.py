@@ -4,7 +4,8 @@ Each pipeline rank trains only its stage(s) (GPipe, 1F1B, or interleaved 1F1B wi
 rank). Generation, evaluation and the old/reference log-prob passes run on a full replica of the model
 kept on every rank and refreshed from the stages after each optimizer step ("gathered full weights"): the
 decode loop then needs no pipeline bubbles, at the cost of one model copy per rank and a broadcast of every
-stage's weights per step (counted in ``comm/weight_sync_bytes``).
+stage's weights per step (counted in ``comm/weight_sync_bytes``). The pipeline ranks generate 1/pp of the
+rows each and exchange them (`scalerl.trainer.rollout_sources.ColocatedRollouts`).
 
 Tied embeddings: the first stage's embedding and the last stage's head are copies of one tensor; their
 gradients are summed over the pipeline group each step (as Megatron does), so the copies stay equal.

@@ -113,6 +113,8 @@ def phase_flops(model: ModelConfig, step: StepShape, layout: Layout, lengths: To
     gen = generation_flops(model, work) / layout.tp
     if layout.rollout_workers:  # the workers generate the whole batch between them, unsplit by TP
         gen = gen * layout.tp * layout.dp / layout.rollout_workers
+    elif layout.pp > 1 and rows >= layout.pp:  # the pipeline ranks' replicas split the rows between them
+        gen = gen / layout.pp
     update = step.epochs * tokens * flops_per_token(model, seq)
     if layout.pp > 1 and step.pp_width:  # pipeline stages train on mini-batches padded to the fixed widths
         update = step.epochs * rows * step.pp_width * flops_per_token(model, step.pp_width)

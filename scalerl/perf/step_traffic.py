@@ -15,7 +15,8 @@ model times. Bytes follow `scalerl.comm.accounting` (docs/comm-accounting.md), c
   in backward (the attention and MLP blocks' input gradients: q/k/v's and gate/up's partial gradients are
   summed before one all-reduce per block); an untied head split by vocabulary all-gathers the logits.
 - ``pp``: each micro-batch's activations forward and their gradients backward at every stage boundary,
-  padded to the fixed widths; ``weight_sync``: the full replica refreshed from the stages once per step
+  padded to the fixed widths; ``rollout``: the pipeline ranks' shares of the generation exchanged (each
+  generates 1/pp of the rows); ``weight_sync``: the full replica refreshed from the stages once per step
   (one broadcast per tensor), or, with standalone rollout workers, the weights pushed to them.
 - ``metrics``: small control collectives (metric reduction, token counts per mini-batch, finish votes
   every 4 decode steps, gradient-norm partial sums); latency-bound.
@@ -36,6 +37,7 @@ from scalerl.perf.flops import decoder_param_count
 
 FINISH_CHECK_EVERY = 4  # the built-in engine's finish vote on CPUs (scalerl.rollout.builtin_engine)
 TP_ALL_REDUCES_FORWARD, TP_ALL_REDUCES_BACKWARD = 2, 2
+ROLLOUT_HEADER_BYTES = 8 * (2 + 5 * (2 + 2) + (2 + 1))  # a generation output's tensor-message header
 TENSORS_PER_LAYER = 12  # q/k/v weights + biases, o, gate, up, down, 2 norms (the replica's broadcasts)
 
 
@@ -258,6 +260,11 @@ def _pipeline(model: ModelConfig, step: StepShape, layout: Layout, p_bytes: floa
                    per_rank_fraction=(k - 1) / k, pipelined=True),
         Collective("weight_sync", "broadcast", full / tensors, tensors, pp, be, pipelined=True),
     ]
+    if not layout.rollout_workers and step.rows >= k:
+        # generation is split over the pipeline ranks' replicas; each broadcasts its rows' outputs to the
+        # others: prompt and response ids and masks (int64), log-probs (fp32), a stop flag, and the header
+        per_row = 16 * step.prompt_len + 20 * step.response_len + 1
+        out.append(Collective("rollout", "broadcast", step.rows / k * per_row + ROLLOUT_HEADER_BYTES, k, pp, be))
     if model.tie_word_embeddings:  # the embedding and the head live on the first and last stage
         emb = model.vocab_size * model.hidden_size * step.param_bytes / layout.tp
         out.append(Collective("grad", "all_reduce", emb, step.optimizer_steps, pp, be))

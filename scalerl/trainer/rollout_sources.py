@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from scalerl.comm.tensor_messages import broadcast_tensors, recv_tensors, send_tensors
 from scalerl.comm.weight_channel import BroadcastChannel
@@ -76,8 +77,29 @@ class ColocatedRollouts:
 
     def generate(self, batch: StepPrompts) -> GenerationOutput:
         start, stop = _dp_rows(len(batch.prompts), self.ctx)
+        pp = self.ctx.dims.pp
+        if pp > 1 and stop - start >= pp:
+            return self._generate_over_pipeline(batch, start, stop)
         sampling = replace(batch.sampling, row_offset=start, total_rows=len(batch.prompts))
         return self.engine.generate(batch.prompts[start:stop], sampling)
+
+    def _generate_over_pipeline(self, batch: StepPrompts, start: int, stop: int) -> GenerationOutput:
+        """Every pipeline rank holds a full replica: each generates 1/pp of the DP share's rows (per-row
+        samples are tied to global rows, so the split changes no sample) and the pipeline group exchanges
+        them, so every stage gets the whole share without generating it pp times."""
+        mesh = self.ctx.mesh["pp"]
+        group, index = mesh.get_group(), mesh.get_local_rank()
+        ranks = dist.get_process_group_ranks(group)
+        bounds = [start + (stop - start) * i // len(ranks) for i in range(len(ranks) + 1)]
+        lo, hi = bounds[index], bounds[index + 1]
+        sampling = replace(batch.sampling, row_offset=lo, total_rows=len(batch.prompts))
+        mine = self.engine.generate(batch.prompts[lo:hi], sampling)
+        parts = [mine if i == index else None for i in range(len(ranks))]
+        for i, src in enumerate(ranks):
+            message = broadcast_counted(encode_output(mine) if i == index else None, src, group, self.ctx)
+            if i != index:
+                parts[i] = decode_output(message)
+        return GenerationOutput.concat(parts, self.engine.pad_token_id)
 
     def prefetch(self, batch: StepPrompts | None) -> None:
         """Colocated generation uses the latest weights: nothing runs ahead."""
@@ -181,16 +203,23 @@ class StandaloneRollouts:
             message = encode_output(GenerationOutput.concat(parts, self.pad_token_id))
         self.pending = None
         if self.ctx.world_size > 1:
-            start = time.perf_counter()
-            message = broadcast_tensors(message, src=0, group=self.ctx.group, device=self.ctx.device)
-            # one broadcast per tensor after the header's length and the header (int64: count, then per
-            # tensor dtype, ndim, sizes): counted as one payload
-            header = 8 * (2 + sum(2 + t.dim() for t in message))
-            payload = header + sum(t.numel() * t.element_size() for t in message)
-            self.ctx.comm.record("rollout", "broadcast", payload, self.ctx.world_size,
-                                 group_rank=self.ctx.rank, root=0)
-            self.ctx.comm.add_wait("rollout", time.perf_counter() - start)
+            message = broadcast_counted(message, 0, self.ctx.group, self.ctx)
         return decode_output(message)
+
+
+def broadcast_counted(message: list[torch.Tensor] | None, src: int, group, ctx: DistContext) -> list[torch.Tensor]:
+    """`broadcast_tensors` from global rank ``src`` over ``group``, counted as ``rollout`` traffic and timed."""
+    start = time.perf_counter()
+    message = broadcast_tensors(message, src=src, group=group, device=ctx.device)
+    # one broadcast per tensor after the header's length and the header (int64: count, then per tensor
+    # dtype, ndim, sizes): counted as one payload
+    header = 8 * (2 + sum(2 + t.dim() for t in message))
+    payload = header + sum(t.numel() * t.element_size() for t in message)
+    size = dist.get_world_size(group) if group is not None else ctx.world_size
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    ctx.comm.record("rollout", "broadcast", payload, size, group_rank=ranks.index(ctx.rank), root=ranks.index(src))
+    ctx.comm.add_wait("rollout", time.perf_counter() - start)
+    return message
 
 
 def _dp_rows(total: int, ctx: DistContext) -> tuple[int, int]:

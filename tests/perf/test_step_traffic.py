@@ -36,12 +36,13 @@ RECORDED = {
     # 7,897,088 in both, with q/k/v and gate/up reducing their own).
     "tp 2": (Layout(tp=2), {"tp": 5242880}, 0.001),
     "tp2 x dp2": (Layout(dp_replicate=2, tp=2, ranks_per_node=2), {"tp": 5210112, "grad": 6187008}, 0.03),
-    "pp 2": (Layout(pp=2), {"pp": 657920, "weight_sync": 1511680, "grad": 131072}, 0.005),
+    # PP re-recorded once the pipeline ranks split generation and exchanged their rows (rollout)
+    "pp 2": (Layout(pp=2), {"pp": 657920, "weight_sync": 1511680, "grad": 131072, "rollout": 4176}, 0.005),
     "pp2 x dp2": (Layout(dp_replicate=2, pp=2, ranks_per_node=2), {"pp": 657920, "weight_sync": 1511680,
-                                                                    "grad": 3219968}, 0.03),
+                                                                    "grad": 3219968, "rollout": 4176}, 0.03),
     # pipeline stages sharded by FSDP (recorded from a `pp2+fsdp` cell on one node of 4 ranks)
     "pp2 x fsdp2": (Layout(pp=2, dp_shard=2), {"pp": 657920, "weight_sync": 2283904, "grad": 3154432,
-                                              "param": 7459072}, 0.01),
+                                              "param": 7459072, "rollout": 4176}, 0.01),
 }
 
 
