@@ -28,7 +28,13 @@ from scalerl.perf.flops import (
     forward_flops_per_token,
 )
 from scalerl.perf.mfu import StepWork, generation_flops
-from scalerl.perf.step_traffic import Collective, Layout, StepShape, step_collectives
+from scalerl.perf.step_traffic import (
+    MIN_ROWS_PER_PIPELINE_RANK,
+    Collective,
+    Layout,
+    StepShape,
+    step_collectives,
+)
 
 GB = 1024**3
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
@@ -113,7 +119,7 @@ def phase_flops(model: ModelConfig, step: StepShape, layout: Layout, lengths: To
     gen = generation_flops(model, work) / layout.tp
     if layout.rollout_workers:  # the workers generate the whole batch between them, unsplit by TP
         gen = gen * layout.tp * layout.dp / layout.rollout_workers
-    elif layout.pp > 1 and rows >= layout.pp:  # the pipeline ranks' replicas split the rows between them
+    elif layout.pp > 1 and rows >= MIN_ROWS_PER_PIPELINE_RANK * layout.pp:  # the replicas split the rows
         gen = gen / layout.pp
     update = step.epochs * tokens * flops_per_token(model, seq)
     if layout.pp > 1 and step.pp_width:  # pipeline stages train on mini-batches padded to the fixed widths

@@ -38,6 +38,7 @@ from scalerl.perf.flops import decoder_param_count
 FINISH_CHECK_EVERY = 4  # the built-in engine's finish vote on CPUs (scalerl.rollout.builtin_engine)
 TP_ALL_REDUCES_FORWARD, TP_ALL_REDUCES_BACKWARD = 2, 2
 ROLLOUT_HEADER_BYTES = 8 * (2 + 5 * (2 + 2) + (2 + 1))  # a generation output's tensor-message header
+MIN_ROWS_PER_PIPELINE_RANK = 16  # as scalerl.trainer.rollout_sources: pipeline ranks split generation from here
 TENSORS_PER_LAYER = 12  # q/k/v weights + biases, o, gate, up, down, 2 norms (the replica's broadcasts)
 
 
@@ -260,7 +261,7 @@ def _pipeline(model: ModelConfig, step: StepShape, layout: Layout, p_bytes: floa
                    per_rank_fraction=(k - 1) / k, pipelined=True),
         Collective("weight_sync", "broadcast", full / tensors, tensors, pp, be, pipelined=True),
     ]
-    if not layout.rollout_workers and step.rows >= k:
+    if not layout.rollout_workers and step.rows >= MIN_ROWS_PER_PIPELINE_RANK * k:
         # generation is split over the pipeline ranks' replicas; each broadcasts its rows' outputs to the
         # others: prompt and response ids and masks (int64), log-probs (fp32), a stop flag, and the header
         per_row = 16 * step.prompt_len + 20 * step.response_len + 1

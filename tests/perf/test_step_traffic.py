@@ -36,13 +36,12 @@ RECORDED = {
     # 7,897,088 in both, with q/k/v and gate/up reducing their own).
     "tp 2": (Layout(tp=2), {"tp": 5242880}, 0.001),
     "tp2 x dp2": (Layout(dp_replicate=2, tp=2, ranks_per_node=2), {"tp": 5210112, "grad": 6187008}, 0.03),
-    # PP re-recorded once the pipeline ranks split generation and exchanged their rows (rollout)
-    "pp 2": (Layout(pp=2), {"pp": 657920, "weight_sync": 1511680, "grad": 131072, "rollout": 4176}, 0.005),
+    "pp 2": (Layout(pp=2), {"pp": 657920, "weight_sync": 1511680, "grad": 131072}, 0.005),
     "pp2 x dp2": (Layout(dp_replicate=2, pp=2, ranks_per_node=2), {"pp": 657920, "weight_sync": 1511680,
-                                                                    "grad": 3219968, "rollout": 4176}, 0.03),
+                                                                    "grad": 3219968}, 0.03),
     # pipeline stages sharded by FSDP (recorded from a `pp2+fsdp` cell on one node of 4 ranks)
     "pp2 x fsdp2": (Layout(pp=2, dp_shard=2), {"pp": 657920, "weight_sync": 2283904, "grad": 3154432,
-                                              "param": 7459072, "rollout": 4176}, 0.01),
+                                              "param": 7459072}, 0.01),
 }
 
 
@@ -84,3 +83,15 @@ def test_compression_and_hierarchical_all_reduce():
     assert not any(c.hierarchical for c in flat) and any(c.hierarchical for c in hier)
     one_node = step_collectives(MODEL, STEP, Layout(dp_replicate=2, ranks_per_node=2, allreduce="hierarchical"))
     assert not any(c.hierarchical for c in one_node)  # nothing crosses a node: nothing to do hierarchically
+
+
+def test_pipeline_ranks_split_generation_from_16_rows_each():
+    """16 rows per DP rank (8 per pipeline rank) are generated whole on every rank; from 32 the two pipeline
+    ranks split them and exchange the outputs, rows x (16 B per prompt token + 20 B per response token + 1)
+    + a 200-byte header per rank: the formula gave exactly the 4,176 bytes recorded from a `pp` cell with 8
+    rows per rank while the split still started at one row per rank."""
+    from dataclasses import replace
+
+    assert "rollout" not in bytes_by_kind(step_collectives(MODEL, STEP, Layout(pp=2)))
+    wide = replace(STEP, rows=32, mini_rows=16)
+    assert bytes_by_kind(step_collectives(MODEL, wide, Layout(pp=2)))["rollout"] == 16 * (16 * 11 + 20 * 16 + 1) + 200

@@ -59,7 +59,8 @@ def _world2_runs(rank: int, out: str) -> None:
                            "trainer.total_steps=3"],
         "bf16": ["rollout.placement=standalone", "rollout.dtype=bf16", "trainer.total_steps=3"],
         "resumed": ["rollout.placement=standalone", "trainer.total_steps=2", "trainer.save_every=2"],
-        "pipeline": ["parallel.pp=2", "trainer.total_steps=3"],  # colocated: each stage's replica takes half
+        # colocated, 32 rows: each pipeline rank's replica generates half (16 rows, the split's threshold)
+        "pipeline": ["parallel.pp=2", "trainer.total_steps=3", "trainer.batch_size=8"],
     }.items():
         _train(f"{out}/{name}", extra)
     _train(f"{out}/resumed", ["rollout.placement=standalone", "trainer.total_steps=3", "trainer.resume=auto"])
@@ -73,6 +74,7 @@ def _two_workers(rank: int, out: str) -> None:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("standalone")
     _train(str(out / "colocated"), ["trainer.total_steps=3"])  # the reference: one process
+    _train(str(out / "colocated_32_rows"), ["trainer.total_steps=3", "trainer.batch_size=8"])
     run_in_group(_world2_runs, 2, str(out), timeout_s=900)
     run_in_group(_two_workers, 3, str(out), timeout_s=600)
     return out
@@ -152,10 +154,10 @@ def test_standalone_steps_count_what_the_trainer_sends(runs, run):
 def test_pipeline_ranks_split_generation_and_reproduce_one_process(runs):
     """With pp=2 each pipeline rank generates half of the rows on its replica and they exchange them: the
     same samples as one process (scores and lengths equal), each rank sending one half's outputs per step
-    (16 rows of 4 prompts x 4 samples: 8 rows x (16 B per prompt token + 20 B per response token + 1) and
-    the 200-byte message header, under 8 x (16 x 64 + 20 x 8 + 1) + 200 at the longest prompts)."""
-    reference, mine = _metrics(runs / "colocated"), _metrics(runs / "pipeline")
+    (32 rows of 8 prompts x 4 samples: 16 rows x (16 B per prompt token + 20 B per response token + 1) and
+    the 200-byte message header, under 16 x (16 x 64 + 20 x 8 + 1) + 200 at the longest prompts)."""
+    reference, mine = _metrics(runs / "colocated_32_rows"), _metrics(runs / "pipeline")
     assert [r["critic/score/mean"] for r in mine] == [r["critic/score/mean"] for r in reference]
     assert [r["response_length/mean"] for r in mine] == [r["response_length/mean"] for r in reference]
     for row in mine:
-        assert 200 < row["comm/bytes/rollout"] < 8 * (16 * 64 + 20 * 8 + 1) + 200
+        assert 200 < row["comm/bytes/rollout"] < 16 * (16 * 64 + 20 * 8 + 1) + 200
