@@ -39,6 +39,7 @@ def _rank(rank: int, prompts: int, repeats: int, out: str) -> dict:
     cfg = load_config(None, [*BENCH_BASE, *BUILTIN_MODEL, f"trainer.batch_size={prompts}",
                              f"actor.ppo_mini_batch_size={rows}", "trainer.total_steps=100", "parallel.pp=2",
                              f"trainer.output_dir={out}/pp_prompts{prompts}"])
+    # every collective below, the barriers included, inherits the group's 300 s limit
     ctx = init_distributed(cfg.parallel, torch.device("cpu"), 0, dist_timeout_s=300, rendezvous_timeout_s=300)
     trainer = RLTrainer(cfg, ctx)
     for _ in range(2):

@@ -38,7 +38,11 @@ from scalerl.perf.flops import decoder_param_count
 FINISH_CHECK_EVERY = 4  # the built-in engine's finish vote on CPUs (scalerl.rollout.builtin_engine)
 TP_ALL_REDUCES_FORWARD, TP_ALL_REDUCES_BACKWARD = 2, 2
 ROLLOUT_HEADER_BYTES = 8 * (2 + 5 * (2 + 2) + (2 + 1))  # a generation output's tensor-message header
-MIN_ROWS_PER_PIPELINE_RANK = 16  # as scalerl.trainer.rollout_sources: pipeline ranks split generation from here
+# Pipeline ranks split a generation (`scalerl.trainer.rollout_sources`) only when each gets at least this many
+# rows: fewer, and the exchange and the lockstep finish votes cost more than the decode steps save
+# (`benchmarks/pipeline_generation.py`, 2-core CPU: 8 rows per rank 0.90-0.93x, 16 rows 1.03-1.06x, 32 rows
+# 1.07-1.30x, 64 rows 1.39-1.42x faster). One constant for the trainer and this model of it.
+MIN_ROWS_PER_PIPELINE_RANK = 16
 TENSORS_PER_LAYER = 12  # q/k/v weights + biases, o, gate, up, down, 2 norms (the replica's broadcasts)
 
 

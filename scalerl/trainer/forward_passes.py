@@ -22,30 +22,31 @@ def response_logprobs(
 ) -> torch.Tensor:
     """Per-token log-probs ``[B, R]`` of the batch's responses under ``model`` at the sampling temperature
     (zero on padding)."""
+
+    def logprobs(logits: torch.Tensor, micro: RolloutBatch) -> torch.Tensor:
+        if temperature not in (0.0, 1.0):
+            logits = logits / temperature
+        return logprobs_from_logits(logits, micro.response_ids)
+
+    return _per_response_token(model, batch, micro_batch_size, autocast, logprobs)
+
+
+@torch.no_grad()
+def response_values(critic: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast=None) -> torch.Tensor:
+    """The critic's values ``[B, R]`` at the positions before each response token (zero on padding)."""
+    return _per_response_token(critic, batch, micro_batch_size, autocast, lambda values, micro: values)
+
+
+def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast, per_token
+                        ) -> torch.Tensor:
+    """``per_token(output, micro)`` over the model's fp32 outputs at the positions before each response token,
+    micro-batch by micro-batch (all-padding columns trimmed), masked and padded back to ``[B, R]``."""
     out = []
     with gathered_once(model):
         for micro in micro_batches(batch, micro_batch_size):
             micro, _, right = micro.trimmed()
             response_len = micro.response_ids.shape[1]
             with autocast or contextlib.nullcontext():
-                logits = model(micro.input_ids, attention_mask=micro.attention_mask, logits_to_keep=response_len + 1)
-            logits = logits[:, :-1].float()
-            if temperature not in (0.0, 1.0):
-                logits = logits / temperature
-            logp = logprobs_from_logits(logits, micro.response_ids) * micro.response_mask
-            out.append(F.pad(logp, (0, right)))
-    return torch.cat(out)
-
-
-@torch.no_grad()
-def response_values(critic: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast=None) -> torch.Tensor:
-    """The critic's values ``[B, R]`` at the positions before each response token (zero on padding)."""
-    out = []
-    with gathered_once(critic):
-        for micro in micro_batches(batch, micro_batch_size):
-            micro, _, right = micro.trimmed()
-            response_len = micro.response_ids.shape[1]
-            with autocast or contextlib.nullcontext():
-                values = critic(micro.input_ids, attention_mask=micro.attention_mask, logits_to_keep=response_len + 1)
-            out.append(F.pad(values[:, :-1].float() * micro.response_mask, (0, right)))
+                output = model(micro.input_ids, attention_mask=micro.attention_mask, logits_to_keep=response_len + 1)
+            out.append(F.pad(per_token(output[:, :-1].float(), micro) * micro.response_mask, (0, right)))
     return torch.cat(out)

@@ -25,6 +25,7 @@ from scalerl.comm.weight_channel import BroadcastChannel
 from scalerl.comm.weight_sync import ROLLOUT_DTYPES, WeightSender
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import ModelParts
+from scalerl.perf.step_traffic import MIN_ROWS_PER_PIPELINE_RANK
 from scalerl.rollout.engine import (
     GenerationOutput,
     RolloutEngine,
@@ -38,12 +39,6 @@ from scalerl.rollout.worker import (
     encode_output,
     encode_request,
 )
-
-
-# Pipeline ranks split a generation only when each gets at least this many rows: fewer, and the exchange and
-# the lockstep finish votes cost more than the decode steps save (`benchmarks/pipeline_generation.py`, 2-core
-# CPU: 8 rows per rank 0.90-0.93x, 16 rows 1.03-1.06x, 32 rows 1.07-1.30x, 64 rows 1.39-1.42x faster).
-MIN_ROWS_PER_PIPELINE_RANK = 16
 
 
 @dataclass
