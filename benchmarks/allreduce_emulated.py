@@ -45,10 +45,14 @@ def worker(sizes_mib: list[int], repeats: int, density: float) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(REPO))
-    from scalerl.comm.bucket_slots import Segment
-    from scalerl.comm.counted_collectives import CountedCollectives
-    from scalerl.comm.hierarchical import HierarchicalGroups, gather_node_layout, hierarchical_all_reduce
-    from scalerl.comm.topk_compression import TopKExchange
+    from scalerl.comm.counting.counted_collectives import CountedCollectives
+    from scalerl.comm.gradients.bucket_slots import Segment
+    from scalerl.comm.gradients.hierarchical import (
+        HierarchicalGroups,
+        gather_node_layout,
+        hierarchical_all_reduce,
+    )
+    from scalerl.comm.gradients.topk import TopKExchange
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -15,12 +15,12 @@ Printed ratios are counted / uncounted; 1.00 means free.
 from __future__ import annotations
 
 import argparse
-from datetime import timedelta
 import json
 import os
 import statistics
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
                             timeout=timedelta(seconds=120))
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from scalerl.comm.accounting import CommCounter
+    from scalerl.comm.counting.accounting import CommCounter
     from scalerl.models.config import ModelConfig
     from scalerl.models.decoder import build_model
     from scalerl.parallel.distributed import DistContext

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = r"""
 import json, sys, time
 import torch, torch.distributed as dist
-from scalerl.comm.rank_placement import ring_crossings
+from scalerl.comm.net.rank_placement import ring_crossings
 from scalerl.core.config import ParallelSection
 from scalerl.parallel.distributed import init_distributed
 

@@ -25,13 +25,13 @@
 from __future__ import annotations
 
 import argparse
-from datetime import timedelta
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -39,9 +39,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scalerl.comm.weight_channel import InProcessChannel
-from scalerl.comm.weight_receiver import TensorDictStore, WeightReceiver
-from scalerl.comm.weight_sync import ROLLOUT_DTYPES, WeightSender
+from scalerl.comm.weights.channel import InProcessChannel
+from scalerl.comm.weights.receiver import TensorDictStore, WeightReceiver
+from scalerl.comm.weights.sender import ROLLOUT_DTYPES, WeightSender
 
 DEMO = ROOT / "scalerl" / "configs" / "demo.yaml"
 MiB = 1 << 20
@@ -165,7 +165,7 @@ def replay_rank(states: Path, result: Path, rounds: int, bucket_mb: float) -> No
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from scalerl.comm.weight_channel import BroadcastChannel, serve_broadcast
+    from scalerl.comm.weights.channel import BroadcastChannel, serve_broadcast
 
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=300))
     files = sorted(states.glob("*.safetensors"))

@@ -15,7 +15,7 @@ PACKAGE = Path(scalerl.__file__).parent
 LAYERS = {
     "__init__": 0, "core": 0,
     "models": 1, "algorithms": 1, "perf": 1, "tracking": 1,
-    "parallel": 2, "comm": 2, "checkpoint": 2,
+    "parallel": 2, "comm": 2, "checkpoint": 2, "health": 2,
     "rollout": 3, "data": 3,
     "trainer": 4,
     "cli": 5, "__main__": 5, "demo": 5, "verify": 5, "launch": 5, "doctor": 5, "bench": 5, "report": 5,

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from scalerl.bench.cost_model.collective_cost import LINK_PRESETS, LinkCost, fit_link
+from scalerl.bench.cost_model.step_projection import (
+    ComputeRates,
+    Links,
+    TokenLengths,
+    phase_flops,
+)
+from scalerl.bench.cost_model.step_traffic import Layout, StepShape
 from scalerl.models.config import ModelConfig
 from scalerl.models.hf_checkpoint import model_config_from_hf
-from scalerl.perf.collective_cost import LINK_PRESETS, LinkCost, fit_link
 from scalerl.perf.flops import flops_per_token, forward_flops_per_token
 from scalerl.perf.mfu import StepWork, generation_flops
-from scalerl.perf.step_projection import ComputeRates, Links, TokenLengths, phase_flops
-from scalerl.perf.step_traffic import Layout, StepShape
 
 FALLBACK_INTRA = "pcie4"  # used only when no loopback was measured and a layout needs an intra-node link
 

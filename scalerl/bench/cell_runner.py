@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import scalerl
+from scalerl.bench.cost_model.collective_cost import fit_error, fit_link
 from scalerl.core.net import free_port
 from scalerl.launch.emulated_cluster import EmulatedCluster
 from scalerl.launch.emulated_ranks import (
@@ -29,7 +30,6 @@ from scalerl.launch.emulated_ranks import (
     RankTimeoutError,
     rank_layout,
 )
-from scalerl.perf.collective_cost import fit_error, fit_link
 
 if TYPE_CHECKING:
     from typing import Self

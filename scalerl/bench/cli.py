@@ -146,9 +146,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def _list() -> int:
+    from scalerl.bench.cost_model.collective_cost import LINK_PRESETS
+    from scalerl.bench.cost_model.model_shapes import QWEN25_SHAPES
     from scalerl.bench.projection import DEVICE_MEMORY_GB
-    from scalerl.perf.collective_cost import LINK_PRESETS
-    from scalerl.perf.model_shapes import QWEN25_SHAPES
 
     print("links (--link / --intra-link): measured, doctor (inter-node only)")
     for name, link in LINK_PRESETS.items():
@@ -159,10 +159,10 @@ def _list() -> int:
 
 
 def _project(args: argparse.Namespace) -> int:
+    from scalerl.bench.cost_model.collective_cost import LINK_PRESETS
     from scalerl.bench.projection import ProjectionTarget, project
     from scalerl.bench.schema import load_report
     from scalerl.bench.tables import projected_tables
-    from scalerl.perf.collective_cost import LINK_PRESETS
 
     path = Path(args.report)
     if not path.exists():

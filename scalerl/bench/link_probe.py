@@ -3,7 +3,7 @@
 All-reduce sweeps (per size, the median of the slowest rank's time over repetitions) between the first
 ranks of the first two nodes (one stream over the inter-node link) and among the ranks of node 0 (its
 loopback), written by rank 0 as ``probe.json``; the runner fits alpha and beta to them
-(`scalerl.perf.collective_cost.fit_link`).
+(`scalerl.bench.cost_model.collective_cost.fit_link`).
 """
 
 from __future__ import annotations

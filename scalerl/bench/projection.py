@@ -17,12 +17,17 @@ from typing import Any
 import torch
 
 from scalerl.bench.calibration import cell_model, cell_step, compute_rates, links_for
+from scalerl.bench.cost_model.collective_cost import LINK_PRESETS
+from scalerl.bench.cost_model.model_shapes import model_shape
+from scalerl.bench.cost_model.step_projection import (
+    ComputeRates,
+    Links,
+    TokenLengths,
+    project_step,
+)
+from scalerl.bench.cost_model.step_traffic import Layout, StepShape
 from scalerl.bench.matrix import NotApplicable, strategy_layout
-from scalerl.perf.collective_cost import LINK_PRESETS
 from scalerl.perf.flops import datasheet_peak_flops
-from scalerl.perf.model_shapes import model_shape
-from scalerl.perf.step_projection import ComputeRates, Links, TokenLengths, project_step
-from scalerl.perf.step_traffic import Layout, StepShape
 
 # Datasheet memory per GPU (GB), for the "fits" column.
 DEVICE_MEMORY_GB = {"h100": 80, "h200": 141, "a100": 80, "l40s": 48, "a10": 24, "l4": 24, "mi300x": 192}

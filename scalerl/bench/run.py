@@ -23,6 +23,7 @@ from scalerl.bench.calibration import (
     link_key,
 )
 from scalerl.bench.cell_runner import Launcher, probe_links, read_cell_files
+from scalerl.bench.cost_model.step_traffic import bytes_by_kind, step_collectives
 from scalerl.bench.matrix import BENCH_BASE, BenchMatrix, Cell
 from scalerl.bench.progress import BenchProgress
 from scalerl.bench.schema import new_report, write_report
@@ -34,7 +35,6 @@ from scalerl.launch.emulated_cluster import (
     EmulatedClusterError,
     require_root_and_iproute2,
 )
-from scalerl.perf.step_traffic import bytes_by_kind, step_collectives
 
 
 class BenchError(UserError):

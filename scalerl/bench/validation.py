@@ -2,7 +2,7 @@
 projected from the calibration cell's compute rates, the probed links and the cell's own layout and batch,
 and the projection's step time, communication time and bytes are compared with what the cell measured.
 
-Communication is compared over the kinds whose waits are measured (`scalerl.comm.accounting.TIMED_KINDS`:
+Communication is compared over the kinds whose waits are measured (`scalerl.comm.counting.accounting.TIMED_KINDS`:
 not TP's collectives nor pipeline sends, which are counted in bytes only). ``contention`` is this host's:
 the cell's trainer ranks per core left free by other processes while it ran (their load measured from the
 kernel's counters), 1 on a real cluster. ``compute`` compares the projected compute (plus untimed TP and
@@ -21,7 +21,7 @@ from scalerl.bench.calibration import (
     compute_rates,
     links_for,
 )
-from scalerl.perf.step_projection import project_step
+from scalerl.bench.cost_model.step_projection import project_step
 
 TARGET_ERROR = 0.15
 # Kinds whose waits are measured, less ``rollout``: a trainer's wait for standalone workers' outputs is

@@ -187,7 +187,7 @@ class RolloutSection(_Section):
 
 @dataclass
 class WeightSyncSection(_Section):
-    """Pushing the trainer's weights to rollout engines that hold their own copy (scalerl/comm/weight_sync.py)."""
+    """Pushing the trainer's weights to rollout engines that hold their own copy (scalerl/comm/weights/sender.py)."""
 
     name = "weight_sync"
     mode: str = opt("delta", "full (dense push every sync) | delta (only elements whose rollout.dtype bits "

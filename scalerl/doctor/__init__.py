@@ -1,6 +1,6 @@
 """`scalerl doctor`: where on the troubleshooting tree a distributed run's problems are, measured.
 
-The rules and the tree are pure data and code in `scalerl.perf.health` (the trainers' online monitor uses
+The rules and the tree are pure data and code in `scalerl.health` (the trainers' online monitor uses
 them too); this package measures and presents:
 
 - `facts`: one rank's host, versions, devices, interfaces, environment, paths;

@@ -102,7 +102,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def run_doctor(args: argparse.Namespace) -> int:
     if args.list_rules:
-        from scalerl.perf.health.thresholds import describe_rules
+        from scalerl.health.thresholds import describe_rules
 
         print(describe_rules())
         return 0

@@ -30,10 +30,10 @@ from scalerl.doctor.world import (
     join_world,
     single_world,
 )
-from scalerl.perf.health.cluster_rules import run_cluster_rules
-from scalerl.perf.health.nodes import node_names, nodes
-from scalerl.perf.health.step_rules import StepView, run_step_rules
-from scalerl.perf.health.tree import NOT_MEASURED, Finding
+from scalerl.health.cluster_rules import run_cluster_rules
+from scalerl.health.nodes import node_names, nodes
+from scalerl.health.step_rules import StepView, run_step_rules
+from scalerl.health.tree import NOT_MEASURED, Finding
 
 
 @dataclass

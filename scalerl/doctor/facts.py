@@ -1,6 +1,6 @@
 """What one rank knows about itself without talking to the others: host, node identity, versions,
 devices, network interfaces and the one collectives will use, relevant environment, memory, free space at
-the run's paths. A plain JSON-able dict, the input of `scalerl.perf.health.cluster_rules`."""
+the run's paths. A plain JSON-able dict, the input of `scalerl.health.cluster_rules`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from scalerl import __version__
-from scalerl.comm.socket_interface import (
+from scalerl.comm.net.socket_interface import (
     SOCKET_IFNAME_VARIABLES,
     choose_socket_interface,
     missing_interfaces,
@@ -28,7 +28,11 @@ from scalerl.comm.socket_interface import (
     resolve_ipv4,
     route_to,
 )
-from scalerl.comm.topology import RankTopology, detect_gpus_and_nvlink, detect_topology
+from scalerl.comm.net.topology import (
+    RankTopology,
+    detect_gpus_and_nvlink,
+    detect_topology,
+)
 from scalerl.core.rank_env import RankEnv
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "TORCH_", "TORCHELASTIC_", "SLURM_", "RAY_", "OMPI_COMM_WORLD_", "PMI_",

@@ -10,9 +10,9 @@ from typing import Any
 from scalerl.core.config import ConfigError
 from scalerl.doctor.diagnose import DoctorOptions, diagnose
 from scalerl.doctor.report import DoctorReport
+from scalerl.health.cluster_rules import ray_placement
+from scalerl.health.tree import Finding
 from scalerl.launch.ray_placement import PlacementError, placement_problems
-from scalerl.perf.health.cluster_rules import ray_placement
-from scalerl.perf.health.tree import Finding
 
 RANK_TIMEOUT_MARGIN_S = 120.0
 

@@ -12,7 +12,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from scalerl.doctor.report import DoctorReport
-from scalerl.perf.health.tree import FAULT, NOT_MEASURED, OK, WARNING
+from scalerl.health.tree import FAULT, NOT_MEASURED, OK, WARNING
 
 MARK = {OK: ("ok", "green"), WARNING: ("WARNING", "yellow"), FAULT: ("FAULT", "bold red"),
         NOT_MEASURED: ("not measured", "dim")}

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from scalerl import __version__
-from scalerl.perf.health.tree import (
+from scalerl.health.tree import (
     LEAVES,
     NOT_MEASURED,
     TREE,

@@ -268,7 +268,11 @@ def cmd_launch_k8s(args: argparse.Namespace) -> int:
     """Check the config against the pods, render the manifests, then print, write or create them."""
     from scalerl.core.config import ConfigError, load_config, split_config_args
     from scalerl.launch.k8s import K8sError, K8sJob, manifests_yaml, render_manifests
-    from scalerl.launch.k8s_submit import job_for_config, submit_manifests, write_manifests
+    from scalerl.launch.k8s_submit import (
+        job_for_config,
+        submit_manifests,
+        write_manifests,
+    )
     from scalerl.trainer.run_checks import check_run_inputs
 
     config_path, overrides = split_config_args(args.config_args)

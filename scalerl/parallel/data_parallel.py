@@ -1,7 +1,7 @@
 """Data parallelism: DDP (replicate, with a gradient-reduction comm hook) or FSDP2 (`fully_shard`; HSDP on
 a 2-D mesh), and what of the `comm` config applies to each.
 
-With a ``counter`` (`scalerl.comm.accounting.CommCounter`) the collectives are counted: DDP's plain
+With a ``counter`` (`scalerl.comm.counting.accounting.CommCounter`) the collectives are counted: DDP's plain
 all-reduce runs as torch's default hook wrapped to count, a `GradientReducer` (hierarchical or compressed)
 reports each collective it runs, FSDP's go through counting all-gather / reduce-scatter objects.
 """
@@ -16,21 +16,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from scalerl.comm.accounting import CommCounter
-from scalerl.comm.counted_collectives import SendCallback
-from scalerl.comm.ddp_counting import (
+from scalerl.comm.counting.accounting import CommCounter
+from scalerl.comm.counting.counted_collectives import SendCallback
+from scalerl.comm.counting.ddp import (
     CountedAllReduceState,
     TimedReducerState,
     counted_allreduce_hook,
     timed_reduction_hook,
 )
-from scalerl.comm.fsdp_counting import count_fsdp_collectives
-from scalerl.comm.gradient_reducer import (
+from scalerl.comm.counting.fsdp import count_fsdp_collectives
+from scalerl.comm.gradients.reducer import (
     CAST_DTYPES,
     GradientReducer,
     gradient_reduction_hook,
 )
-from scalerl.comm.reduction_setup import build_gradient_reducer
+from scalerl.comm.gradients.setup import build_gradient_reducer
 from scalerl.models.decoder import decoder_layers
 
 

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from scalerl.comm.accounting import CommCounter, process_counter
-from scalerl.comm.cluster_topology import ClusterTopology, gather_topology
-from scalerl.comm.rank_placement import RankPlacement, plan_rank_placement
-from scalerl.comm.socket_interface import apply_socket_interface
-from scalerl.comm.topology import detect_topology
+from scalerl.comm.counting.accounting import CommCounter, process_counter
+from scalerl.comm.net.cluster_topology import ClusterTopology, gather_topology
+from scalerl.comm.net.rank_placement import RankPlacement, plan_rank_placement
+from scalerl.comm.net.socket_interface import apply_socket_interface
+from scalerl.comm.net.topology import detect_topology
 from scalerl.core.rank_env import RankEnvError, apply_rank_env, detect_rank_env
 from scalerl.parallel.mesh import LayoutError, ParallelDims
 from scalerl.parallel.process_group import join_process_group

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from scalerl.comm.accounting import CommCounter
+from scalerl.comm.counting.accounting import CommCounter
 
 
 def total_grad_norm(grads: list[torch.Tensor], extra_group=None, counter: CommCounter | None = None) -> torch.Tensor:

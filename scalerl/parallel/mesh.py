@@ -84,7 +84,7 @@ class ParallelDims:
 
         ``ranks[i]``: the global rank at mesh position i (default: all ranks in the launcher's order). A
         subset of the world (standalone rollout workers hold the rest) or another order (ranks grouped by
-        node, `scalerl.comm.rank_placement`) keeps that order in every group. Every rank of the world calls
+        node, `scalerl.comm.net.rank_placement`) keeps that order in every group. Every rank of the world calls
         this, those outside the mesh too (they get ``(None, None)``): creating process groups is collective
         over the world."""
         launcher_order = list(range(dist.get_world_size()))

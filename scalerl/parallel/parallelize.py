@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scalerl.comm.accounting import CommCounter
-from scalerl.comm.gradient_reducer import GradientReducer
+from scalerl.comm.counting.accounting import CommCounter
+from scalerl.comm.gradients.reducer import GradientReducer
 from scalerl.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     set_activation_checkpointing,

@@ -5,7 +5,7 @@ rank). Generation, evaluation and the old/reference log-prob passes run on a ful
 kept on every rank and refreshed from the stages after each optimizer step ("gathered full weights"): the
 decode loop then needs no pipeline bubbles, at the cost of one model copy per rank and a broadcast of every
 stage's weights per step (counted in ``comm/weight_sync_bytes``). The pipeline ranks generate 1/pp of the
-rows each and exchange them (`scalerl.trainer.rollout_sources.ColocatedRollouts`).
+rows each and exchange them (`scalerl.rollout.sources.ColocatedRollouts`).
 
 Tied embeddings: the first stage's embedding and the last stage's head are copies of one tensor; their
 gradients are summed over the pipeline group each step (as Megatron does), so the copies stay equal.
@@ -28,7 +28,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from scalerl.comm.accounting import CommCounter, sharded_over, tensor_bytes
+from scalerl.comm.counting.accounting import CommCounter, sharded_over, tensor_bytes
 from scalerl.models.decoder import CausalLM, attention_mask_4d, position_ids_from_mask
 from scalerl.parallel.distributed import DistContext
 

@@ -22,8 +22,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from scalerl.comm.accounting import CommCounter
-from scalerl.comm.tp_counting import count_tensor_parallel_style
+from scalerl.comm.counting.accounting import CommCounter
+from scalerl.comm.counting.tp import count_tensor_parallel_style
 from scalerl.models.decoder import decoder_layers
 
 

@@ -1,8 +1,6 @@
 """Performance arithmetic: FLOPs per token and device peaks (`flops`), MFU of a rank's share of a step
 (`mfu`), step timers (`timing`), peak memory (`memory`), and how each metric combines over ranks
-(`metrics`). The cost model: alpha-beta cost of each collective (`collective_cost`), the collectives a
-step issues under each layout (`step_traffic`), step time / throughput / memory projected from them
-(`step_projection`), and the architectures it projects to (`model_shapes`); imported where used."""
+(`metrics`). The cost model built on them lives in `scalerl.bench.cost_model`."""
 
 from scalerl.perf.flops import (
     decoder_param_count,

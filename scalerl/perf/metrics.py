@@ -15,10 +15,10 @@ that says where to declare it.
   slow rank from the ranks waiting for it; ``perf/update_tokens`` (tokens a rank updates on) spreads the
   same way, so the token imbalance over data-parallel ranks is ``/max`` over the mean.
 
-``health/*`` (the online monitor's level per leaf of the doctor's tree, `scalerl.perf.health`) is computed
+``health/*`` (the online monitor's level per leaf of the doctor's tree, `scalerl.health`) is computed
 from already-reduced metrics, the same on every rank.
 
-``comm/bytes/*`` (bytes each rank sent, `scalerl.comm.accounting`) is the mean per rank, not the sum:
+``comm/bytes/*`` (bytes each rank sent, `scalerl.comm.counting.accounting`) is the mean per rank, not the sum:
 divided by the step time it is the rate one rank's link must carry, and it stays comparable across world
 sizes (a ring all-reduce sends 2(n-1)/n x S per rank, nearly constant in n; the sum grows with n). The
 job's total is the mean x world size; ``comm/bytes/total`` is a spread, so ``/max`` shows the busiest rank.
@@ -46,12 +46,12 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "comm/bytes/total": "spread",
     "timing_s/*": "spread",
     "comm/bytes/*": "mean",
-    # Weight sync (scalerl/comm/weight_sync.py): the source rank holds the values, the other trainer ranks
+    # Weight sync (scalerl/comm/weights/sender.py): the source rank holds the values, the other trainer ranks
     # report 0, so the max over ranks is the source's figure. bytes/full_bytes/changed_fraction/
     # static_tensors/dynamic_tensors/resyncs/full_push/peak_bucket_bytes, and the lossy mode's
     # deferred_tensors/max_deviation/max_staleness.
     "weight_sync/*": "max",
-    # Gradient reduction (scalerl.comm.gradient_reducer): bytes / seconds per rank; the all-reduce choice
+    # Gradient reduction (scalerl.comm.gradients.reducer): bytes / seconds per rank; the all-reduce choice
     # (1 = hierarchical) and the compression plan are the same on every rank.
     "comm/grad/*": "mean",
     "comm/allreduce/*": "max",

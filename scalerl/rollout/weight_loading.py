@@ -24,8 +24,8 @@ from typing import Protocol
 
 import torch
 
-from scalerl.comm.weight_plan import WeightPlan
-from scalerl.comm.weight_receiver import WeightReceiver, check_store_fits
+from scalerl.comm.weights.plan import WeightPlan
+from scalerl.comm.weights.receiver import WeightReceiver, check_store_fits
 
 
 class WeightLoadingEngine(Protocol):

@@ -1,10 +1,10 @@
 """A standalone rollout worker: a rank outside the trainer's mesh with its own copy of the policy (in
 ``rollout.dtype``), serving the trainer's requests in order until told to stop.
 
-The trainer's rank 0 drives every worker with tensor messages (`scalerl.comm.tensor_messages`, no pickle):
+The trainer's rank 0 drives every worker with tensor messages (`scalerl.rollout.messages`, no pickle):
 
     GENERATE  -> (sampling, prompts)      reply: the generation output of those rows
-    WEIGHTS   -> a weight sync             receive it (`scalerl.comm.weight_sync`: buckets broadcast over the
+    WEIGHTS   -> a weight sync             receive it (`scalerl.comm.weights.sender`: buckets broadcast over the
                                            trainer's rank 0 + workers group, verified, deltas after the first)
     STOP                                   return
 
@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from scalerl.comm.tensor_messages import recv_tensors, send_tensors
-from scalerl.comm.weight_channel import serve_broadcast
-from scalerl.comm.weight_sync import ROLLOUT_DTYPES
+from scalerl.comm.weights.channel import serve_broadcast
+from scalerl.comm.weights.sender import ROLLOUT_DTYPES
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import GenerationOutput, SamplingParams
+from scalerl.rollout.messages import recv_tensors, send_tensors
 from scalerl.rollout.weight_loading import engine_weight_receiver
 
 OP_GENERATE, OP_WEIGHTS, OP_STOP = 1, 2, 3

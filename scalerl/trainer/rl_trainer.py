@@ -19,7 +19,7 @@ from torch import nn
 from scalerl import checkpoint
 from scalerl.algorithms.advantages import gae_advantages, grpo_advantages
 from scalerl.algorithms.importance import truncated_importance_weights
-from scalerl.comm.gradient_reducer import merged_comm_metrics
+from scalerl.comm.gradients.reducer import merged_comm_metrics
 from scalerl.core.config import Config, config_to_dict
 from scalerl.core.device import Autocast, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
@@ -27,17 +27,22 @@ from scalerl.core.threads import cpu_thread_governor
 from scalerl.data.errors import DataError
 from scalerl.data.prompts import check_prompts, encode_prompts
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
+from scalerl.health.monitor import HealthMonitor
 from scalerl.models.hf_checkpoint import model_config_to_hf
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext, init_distributed
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.parallel.parallelize import PipelineOptions, parallelize
-from scalerl.perf.health.monitor import HealthMonitor
 from scalerl.perf.timing import StepTimer, busy_time
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.sources import (
+    ColocatedRollouts,
+    StandaloneRollouts,
+    StepPrompts,
+)
 from scalerl.rollout.worker import RolloutWorker
 from scalerl.tracking import MetricsLogger, plot_metrics
 from scalerl.trainer.evaluation import evaluate
@@ -46,11 +51,6 @@ from scalerl.trainer.layout_checks import check_rl_layout
 from scalerl.trainer.objectives import PolicyObjective, ValueObjective
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.rollout_rebalance import rebalance_batch
-from scalerl.trainer.rollout_sources import (
-    ColocatedRollouts,
-    StandaloneRollouts,
-    StepPrompts,
-)
 from scalerl.trainer.run_checks import check_run_inputs
 from scalerl.trainer.run_directory import (
     CHECKPOINTS_DIR,

@@ -15,20 +15,20 @@ import torch
 from torch import nn
 
 from scalerl import checkpoint
-from scalerl.comm.gradient_reducer import merged_comm_metrics
-from scalerl.comm.reduction_setup import announce
+from scalerl.comm.gradients.reducer import merged_comm_metrics
+from scalerl.comm.gradients.setup import announce
 from scalerl.core.config import Config, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
 from scalerl.core.threads import cpu_thread_governor
 from scalerl.data.prompts import encode_demonstrations
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
+from scalerl.health.monitor import HealthMonitor
 from scalerl.models.hf_checkpoint import model_config_to_hf
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.parallel.distributed import init_distributed
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.parallel.parallelize import PipelineOptions, parallelize
-from scalerl.perf.health.monitor import HealthMonitor
 from scalerl.perf.memory import max_memory_gb
 from scalerl.perf.mfu import RankShare, StepWork, step_mfu
 from scalerl.perf.timing import StepTimer, busy_time

@@ -47,7 +47,7 @@ def test_resumed_run_matches_uninterrupted(runs, layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_steps_report_their_communication(runs, layout):
-    # The trainer's step metrics carry the per-rank byte accounting (scalerl.comm.accounting).
+    # The trainer's step metrics carry the per-rank byte accounting (scalerl.comm.counting.accounting).
     rows = [json.loads(x) for x in (runs / f"{layout}-straight" / "metrics.jsonl").read_text().splitlines()]
     step = rows[2]
     assert step["step"] == 2

@@ -1,4 +1,4 @@
-"""A fake sysfs tree with the files `scalerl.comm.topology` reads, shaped like a real one."""
+"""A fake sysfs tree with the files `scalerl.comm.net.topology` reads, shaped like a real one."""
 
 from __future__ import annotations
 

@@ -6,7 +6,13 @@ import threading
 import pytest
 import torch
 
-from scalerl.comm.accounting import KINDS, TIMED_KINDS, CommCounter, binomial_tree_sends, wire_bytes
+from scalerl.comm.counting.accounting import (
+    KINDS,
+    TIMED_KINDS,
+    CommCounter,
+    binomial_tree_sends,
+    wire_bytes,
+)
 from scalerl.perf.metrics import reduction_of
 
 S = 1000.0

@@ -3,10 +3,10 @@ explicit choices are honoured or refused with the reason; node layouts are check
 
 import pytest
 
-from scalerl.comm.allreduce_choice import HIERARCHY_RULE, choose_allreduce
-from scalerl.comm.cluster_topology import ClusterTopology
-from scalerl.comm.hierarchical import NodeLayout
-from scalerl.comm.topology import NetworkInterface, RankTopology
+from scalerl.comm.gradients.allreduce_choice import HIERARCHY_RULE, choose_allreduce
+from scalerl.comm.gradients.hierarchical import NodeLayout
+from scalerl.comm.net.cluster_topology import ClusterTopology
+from scalerl.comm.net.topology import NetworkInterface, RankTopology
 
 
 def cluster(nodes: int, per_node: int, kind: str = "ethernet", speed: int | None = 10_000, nvlink: int = 0):

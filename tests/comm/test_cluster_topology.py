@@ -1,7 +1,7 @@
 """ClusterTopology from per-rank records; gather_topology over a real gloo group of two processes."""
 
-from scalerl.comm.cluster_topology import ClusterTopology
-from scalerl.comm.topology import NetworkInterface, RankTopology
+from scalerl.comm.net.cluster_topology import ClusterTopology
+from scalerl.comm.net.topology import NetworkInterface, RankTopology
 from tests.spawned_group import run_in_group
 
 LO = NetworkInterface("lo", "loopback", None, ("127.0.0.1/8",))
@@ -41,8 +41,8 @@ def test_interleaved_ranks_and_unknown_speed():
 
 
 def _gather(rank):
-    from scalerl.comm.cluster_topology import gather_topology
-    from scalerl.comm.topology import detect_topology
+    from scalerl.comm.net.cluster_topology import gather_topology
+    from scalerl.comm.net.topology import detect_topology
 
     # Rank 1 pretends to be another host with a longer record, so padding and lengths are exercised.
     mine = detect_topology(env={"RANK": str(rank), "LOCAL_RANK": "0"}, detect_gpus=False)

@@ -85,9 +85,9 @@ def expected(world: int, name: str, rank: int) -> dict[str, float]:
 
 
 def _count_every_layout(rank, world):
-    import torch.distributed as dist
     from collections import Counter
 
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -105,7 +105,7 @@ def _count_every_layout(rank, world):
                 self.counts[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
 
-    from scalerl.comm.accounting import process_counter
+    from scalerl.comm.counting.accounting import process_counter
     from scalerl.models.config import ModelConfig
     from scalerl.models.decoder import build_model
     from scalerl.parallel.distributed import DistContext

@@ -31,11 +31,16 @@ def _same_on_all_ranks(t: torch.Tensor) -> bool:
 
 
 def _checks(rank: int) -> dict:
-    from scalerl.comm.bucket_slots import Segment
-    from scalerl.comm.counted_collectives import CountedCollectives
-    from scalerl.comm.hierarchical import HierarchicalGroups, NodeLayout, gather_node_layout, hierarchical_all_reduce
-    from scalerl.comm.powersgd_compression import LowRankItem, PowerSGDReducer
-    from scalerl.comm.topk_compression import TopKExchange
+    from scalerl.comm.counting.counted_collectives import CountedCollectives
+    from scalerl.comm.gradients.bucket_slots import Segment
+    from scalerl.comm.gradients.hierarchical import (
+        HierarchicalGroups,
+        NodeLayout,
+        gather_node_layout,
+        hierarchical_all_reduce,
+    )
+    from scalerl.comm.gradients.powersgd import LowRankItem, PowerSGDReducer
+    from scalerl.comm.gradients.topk import TopKExchange
 
     out: dict = {}
     world_group = dist.group.WORLD

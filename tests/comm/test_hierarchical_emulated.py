@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 
 from scalerl.core.net import free_port
-from scalerl.launch.emulated_cluster import EmulatedCluster, EmulatedClusterError, require_root_and_iproute2
+from scalerl.launch.emulated_cluster import (
+    EmulatedCluster,
+    EmulatedClusterError,
+    require_root_and_iproute2,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SIZE = 2**20  # fp32 elements: 4 MiB
@@ -21,8 +25,8 @@ SCRIPT = f"""
 import json, os
 from pathlib import Path
 import torch, torch.distributed as dist
-from scalerl.comm.hierarchical import HierarchicalGroups, gather_node_layout, hierarchical_all_reduce
-from scalerl.comm.reduction_setup import decide_allreduce
+from scalerl.comm.gradients.hierarchical import HierarchicalGroups, gather_node_layout, hierarchical_all_reduce
+from scalerl.comm.gradients.setup import decide_allreduce
 
 def tx():
     return int(Path("/sys/class/net/" + os.environ["GLOO_SOCKET_IFNAME"] + "/statistics/tx_bytes").read_text())

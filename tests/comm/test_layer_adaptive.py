@@ -6,11 +6,22 @@ import math
 import pytest
 import torch
 
-from scalerl.comm.bucket_slots import Segment, TensorSlot, bucket_slots, segments_in, tensor_kind
-from scalerl.comm.compression_plan import adaptive_plan, uniform_plan
-from scalerl.comm.layer_adaptive import TensorStats, allocate_densities, allocate_ranks, measure
-from scalerl.comm.powersgd_compression import powersgd_payload_bytes
-from scalerl.comm.topk_compression import topk_count, topk_payload_bytes
+from scalerl.comm.gradients.bucket_slots import (
+    Segment,
+    TensorSlot,
+    bucket_slots,
+    segments_in,
+    tensor_kind,
+)
+from scalerl.comm.gradients.compression_plan import adaptive_plan, uniform_plan
+from scalerl.comm.gradients.layer_adaptive import (
+    TensorStats,
+    allocate_densities,
+    allocate_ranks,
+    measure,
+)
+from scalerl.comm.gradients.powersgd import powersgd_payload_bytes
+from scalerl.comm.gradients.topk import topk_count, topk_payload_bytes
 
 
 def test_tensor_kinds_from_names_and_shapes():

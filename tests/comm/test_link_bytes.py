@@ -14,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from scalerl.launch.emulated_cluster import EmulatedCluster, EmulatedClusterError, require_root_and_iproute2
+from scalerl.launch.emulated_cluster import (
+    EmulatedCluster,
+    EmulatedClusterError,
+    require_root_and_iproute2,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {"ddp": ["parallel.dp_replicate=2"], "fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=2"],
@@ -26,7 +30,7 @@ RANK_SCRIPT = """
 import json, os, sys, time
 from pathlib import Path
 import torch.distributed as dist
-from scalerl.comm.accounting import process_counter
+from scalerl.comm.counting.accounting import process_counter
 from scalerl.core.config import load_config
 from scalerl.trainer.rl_trainer import RLTrainer
 from scalerl.verify import verification_overrides

@@ -2,9 +2,13 @@
 
 import torch
 
-from scalerl.comm.cluster_topology import ClusterTopology
-from scalerl.comm.rank_placement import node_contiguous_order, plan_rank_placement, ring_crossings
-from scalerl.comm.topology import NetworkInterface, RankTopology
+from scalerl.comm.net.cluster_topology import ClusterTopology
+from scalerl.comm.net.rank_placement import (
+    node_contiguous_order,
+    plan_rank_placement,
+    ring_crossings,
+)
+from scalerl.comm.net.topology import NetworkInterface, RankTopology
 
 INTERLEAVED = ["a", "b", "a", "b"]  # rank r on node r % 2, as a launcher with the wrong order does
 

@@ -3,8 +3,8 @@
 
 import pytest
 
-from scalerl.comm.cluster_topology import ClusterTopology
-from scalerl.comm.socket_interface import (
+from scalerl.comm.net.cluster_topology import ClusterTopology
+from scalerl.comm.net.socket_interface import (
     SocketInterfaceError,
     apply_socket_interface,
     check_interface_on_all_nodes,
@@ -12,7 +12,7 @@ from scalerl.comm.socket_interface import (
     read_routes,
     route_to,
 )
-from scalerl.comm.topology import NetworkInterface, RankTopology
+from scalerl.comm.net.topology import NetworkInterface, RankTopology
 from tests.comm.fake_sysfs import write_routes
 
 DOCKER = NetworkInterface("docker0", "virtual", None, ("172.17.0.1/16",), virtual_kind="bridge")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from scalerl.comm.topology import (
+from scalerl.comm.net.topology import (
     RankTopology,
     detect_topology,
     parse_nvlink_status,
@@ -99,7 +99,7 @@ def test_real_machine_lo_is_loopback():
 
 
 def test_ioctls_on_the_real_machine():
-    from scalerl.comm.topology import _ioctl_ipv4, read_driver
+    from scalerl.comm.net.topology import _ioctl_ipv4, read_driver
 
     assert _ioctl_ipv4("lo") == ["127.0.0.1/8"]  # the fallback when iproute2 is missing
     assert _ioctl_ipv4("no-such-if") == []

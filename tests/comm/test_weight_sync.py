@@ -5,9 +5,14 @@ drifting; the lossy mode's staleness is bounded; engines receive through the rol
 import pytest
 import torch
 
-from scalerl.comm.weight_channel import InProcessChannel, Kind, Message, WeightSyncError
-from scalerl.comm.weight_receiver import TensorDictStore, WeightReceiver
-from scalerl.comm.weight_sync import WeightSender
+from scalerl.comm.weights.channel import (
+    InProcessChannel,
+    Kind,
+    Message,
+    WeightSyncError,
+)
+from scalerl.comm.weights.receiver import TensorDictStore, WeightReceiver
+from scalerl.comm.weights.sender import WeightSender
 from scalerl.core.config import ConfigError, load_config
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model

@@ -43,11 +43,15 @@ def _ranks(rank):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
-    from scalerl.comm.weight_channel import BroadcastChannel, serve_broadcast
-    from scalerl.comm.weight_receiver import TensorDictStore, WeightReceiver
-    from scalerl.comm.weight_sync import WeightSender
+    from scalerl.comm.weights.channel import BroadcastChannel, serve_broadcast
+    from scalerl.comm.weights.receiver import TensorDictStore, WeightReceiver
+    from scalerl.comm.weights.sender import WeightSender
 
     sync_group = dist.new_group([0, 2])  # the source and the receiver; every rank creates it
     mesh = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("trainer",))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from scalerl.comm.delta_encoding import (
+from scalerl.comm.weights.delta import (
     DecodeError,
     EncodedBucket,
     Positions,
@@ -16,8 +16,8 @@ from scalerl.comm.delta_encoding import (
     encode_bucket,
     encode_dense,
 )
-from scalerl.comm.varints import CHUNK, varint_decode, varint_encode
-from scalerl.comm.weight_plan import WeightPlan
+from scalerl.comm.weights.plan import WeightPlan
+from scalerl.comm.weights.varints import CHUNK, varint_decode, varint_encode
 
 
 def _bits(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -46,7 +46,7 @@ def test_parameter_dtypes_are_torch_dtypes():
 
 
 def test_weight_sync_choices():
-    from scalerl.comm.weight_sync import MODES, ROLLOUT_DTYPES
+    from scalerl.comm.weights.sender import MODES, ROLLOUT_DTYPES
 
     assert set(config.ROLLOUT_DTYPES) == set(ROLLOUT_DTYPES)
     assert set(config.WEIGHT_SYNC_MODES) == set(MODES)

@@ -6,7 +6,13 @@ from pathlib import Path
 import torch
 
 from scalerl.core import threads
-from scalerl.core.threads import CpuCounters, ThreadGovernor, cores_used_by_others, read_cpu_counters, threads_for
+from scalerl.core.threads import (
+    CpuCounters,
+    ThreadGovernor,
+    cores_used_by_others,
+    read_cpu_counters,
+    threads_for,
+)
 
 
 def _fake_proc(root: Path, busy_ticks: int, idle_ticks: int, own_ticks: int) -> Path:

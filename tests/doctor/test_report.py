@@ -10,7 +10,7 @@ from pathlib import Path
 
 from scalerl.doctor.render import render
 from scalerl.doctor.report import SCHEMA, DoctorReport
-from scalerl.perf.health import LEAVES, RULES, describe_rules, run_cluster_rules
+from scalerl.health import LEAVES, RULES, describe_rules, run_cluster_rules
 from tests.perf.recorded_measurements import healthy_cluster_measurements, healthy_facts
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "doctor.md"

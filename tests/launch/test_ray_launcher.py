@@ -185,7 +185,11 @@ def test_a_rank_refusing_its_input_is_reported_like_the_cli_does(idle_cluster, c
 def test_launch_ray_restarts_the_job_from_the_latest_checkpoint_after_a_rank_is_killed(idle_cluster, tmp_path, capsys):
     """Rank 1 SIGKILLs itself after the step-2 checkpoint; with --max-restarts 1 the job restarts, continues
     from it, and ends with the weights of an uninterrupted run and each step logged exactly once."""
-    from tests.launch.restart_helpers import assert_same_final_weights, logged_steps, write_reward
+    from tests.launch.restart_helpers import (
+        assert_same_final_weights,
+        logged_steps,
+        write_reward,
+    )
 
     run = [*TINY, "trainer.total_steps=4", "trainer.save_every=2", "trainer.eval_every=0"]
     launch = lambda out, reward, restarts: launch_ray(  # noqa: E731

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scalerl.comm.socket_interface import SocketInterfaceError
+from scalerl.comm.net.socket_interface import SocketInterfaceError
 from scalerl.core.config import ParallelSection
 from scalerl.core.net import free_port
 from scalerl.parallel.distributed import init_distributed

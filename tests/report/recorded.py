@@ -14,7 +14,7 @@ PNG_MIN_STD = 3.0  # grey-level standard deviation: a blank page is ~0, a page w
 
 def doctor_json() -> dict:
     from scalerl.doctor.report import DoctorReport
-    from scalerl.perf.health import run_cluster_rules
+    from scalerl.health import run_cluster_rules
     from tests.perf.recorded_measurements import (
         healthy_cluster_measurements,
         healthy_facts,

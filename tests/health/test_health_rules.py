@@ -1,0 +1,354 @@
+"""The doctor's rules on recorded measurements, no process spawned: each injected fault lands on its leaf
+and on no other, a healthy record raises nothing, and every threshold carries its reason."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scalerl.health import (
+    FAULT,
+    LEAVES,
+    NOT_MEASURED,
+    OK,
+    RULES,
+    TREE,
+    WARNING,
+    StepView,
+    describe_rules,
+    exit_code,
+    health_metrics,
+    roll_up,
+    run_cluster_rules,
+    run_step_rules,
+)
+from scalerl.health.step_rules import reward_collapse
+from tests.perf.recorded_measurements import (
+    healthy_cluster_measurements,
+    healthy_facts,
+    healthy_profile,
+    rank_profile,
+)
+
+
+def alarms(findings) -> dict[str, str]:
+    """Leaves with a warning or fault -> their status."""
+    return {leaf: r.status for leaf, r in roll_up(findings).items() if r.status in (WARNING, FAULT)}
+
+
+def profile_findings(metrics=None, records=None, context=None, history=None):
+    base_metrics, base_records, base_context = healthy_profile()
+    view = StepView(metrics or base_metrics, records or base_records, context or base_context)
+    return run_step_rules(view, history)
+
+
+def cluster_findings(facts=None, measured=None):
+    return run_cluster_rules(facts or healthy_facts(nodes=2), measured or healthy_cluster_measurements())
+
+
+def the_finding(findings, leaf):
+    bad = [f for f in findings if f.leaf == leaf and f.status in (WARNING, FAULT)]
+    assert bad, f"no alarm on {leaf}: {[f.summary for f in findings if f.leaf == leaf]}"
+    return bad[0]
+
+
+# ------------------------------------------------------------------------------------------ healthy
+def test_healthy_records_raise_nothing():
+    findings = cluster_findings() + profile_findings()
+    assert alarms(findings) == {}
+    assert exit_code(findings) == 0
+    leaves = roll_up(findings)
+    # Everything these modes measure is measured: only the reward history (needs 5 steps) is not.
+    assert {k for k, r in leaves.items() if r.status == NOT_MEASURED} == {"training/reward_collapse",
+                                                                           "resources/host_device_transfer"}
+
+
+# ------------------------------------------------------------------------------------------ communication
+def test_a_different_torch_on_one_rank_is_a_version_mismatch_fault():
+    facts = healthy_facts(nodes=2)
+    facts[1]["versions"]["torch"] = "2.5.1+cu121"
+    findings = cluster_findings(facts)
+    assert alarms(findings) == {"communication/library_versions": FAULT}
+    f = the_finding(findings, "communication/library_versions")
+    assert f.ranks == (1,) and "torch differs" in f.summary and "2.13.0+cpu" in f.fix and "node0" in f.hosts
+    assert exit_code(findings) == 1
+
+
+def test_a_different_nccl_is_a_fault_and_a_different_python_a_warning():
+    facts = healthy_facts(nodes=2)
+    for f in facts:
+        f["versions"].update(nccl="2.21.5", cuda="12.4")
+    facts[3]["versions"]["nccl"] = "2.18.1"
+    facts[2]["versions"]["python"] = "3.10.14"
+    findings = cluster_findings(facts)
+    versions = {f.summary.split()[0]: f.status for f in findings if f.leaf == "communication/library_versions"}
+    assert versions == {"nccl": FAULT, "python": WARNING}
+    assert alarms(findings) == {"communication/library_versions": FAULT}
+
+
+def test_a_missing_socket_interface_is_named_with_its_node():
+    facts = healthy_facts(nodes=2)
+    facts[2]["socket"].update(value="eth9", missing=["eth9"], available=["eth0", "lo"], suggestion="eth0")
+    findings = cluster_findings(facts)
+    assert alarms(findings) == {"communication/topology": FAULT}
+    f = the_finding(findings, "communication/topology")
+    assert f.ranks == (2,) and f.hosts == ("node1",) and "eth9" in f.summary
+    assert "GLOO_SOCKET_IFNAME=eth0" in f.fix
+
+
+def test_a_rank_that_never_joined_is_named_with_its_host():
+    measured = healthy_cluster_measurements()
+    measured["rendezvous"].update(joined=[0, 1, 2], missing=[
+        {"rank": 3, "node_rank": 1, "expected_host": "node1 (10.0.0.2), node 1"}])
+    findings = cluster_findings(healthy_facts(nodes=2)[:3], measured)
+    assert alarms(findings) == {"communication/topology": FAULT}
+    f = the_finding(findings, "communication/topology")
+    assert f.ranks == (3,) and "rank 3 from node1" in f.summary and "node0:29500" in f.fix
+
+
+def test_one_slow_node_link_is_named_by_the_pairs():
+    measured = healthy_cluster_measurements(nodes=3)
+    fast, slow = 100e6, 20e6
+    measured["bandwidth"]["pairs"] = [
+        {"a": "n0", "b": "n1", "size": 2**24, "seconds": 0.1, "bytes_per_s": fast},
+        {"a": "n0", "b": "n2", "size": 2**24, "seconds": 0.5, "bytes_per_s": slow},
+        {"a": "n1", "b": "n2", "size": 2**24, "seconds": 0.5, "bytes_per_s": slow * 1.1}]
+    findings = cluster_findings(measured=measured)
+    assert alarms(findings) == {"communication/bandwidth": WARNING}
+    f = the_finding(findings, "communication/bandwidth")
+    assert f.hosts == ("n2",) and "the link of n2" in f.summary
+
+
+def test_one_slow_pair_without_a_common_node_names_the_pair():
+    pairs = [("a", "b", 100e6), ("c", "d", 100e6), ("a", "c", 100e6), ("b", "d", 100e6), ("a", "d", 100e6),
+             ("b", "c", 10e6)]
+    measured = healthy_cluster_measurements(nodes=4)
+    measured["bandwidth"]["pairs"] = [{"a": a, "b": b, "size": 1, "seconds": 1, "bytes_per_s": bw} for a, b, bw in pairs]
+    f = the_finding(cluster_findings(measured=measured), "communication/bandwidth")
+    assert f.status == FAULT and "between b and c" in f.summary
+
+
+def test_all_reduce_far_below_the_nominal_link_speed():
+    measured = healthy_cluster_measurements()
+    measured["bandwidth"]["sweeps"][2]["results"][-1]["busbw"] = 0.05 * 10e9 / 8
+    f = the_finding(cluster_findings(measured=measured), "communication/bandwidth")
+    assert f.status == FAULT and "5% of eth0" in f.summary
+
+
+def test_veth_between_nodes_is_a_warning_not_on_one_node():
+    facts = healthy_facts(nodes=2)
+    for f in facts:
+        f["socket"].update(kind="virtual", virtual_kind="veth", interface="veth0")
+    assert alarms(cluster_findings(facts)) == {"communication/topology": WARNING}
+    one_node = healthy_facts(nodes=1)
+    for f in one_node:
+        f["socket"].update(kind="virtual", virtual_kind="bridge")
+    assert alarms(run_cluster_rules(one_node, {})) == {}
+
+
+def test_ranks_not_numbered_node_by_node():
+    facts = healthy_facts(nodes=2)
+    for f in facts:  # interleaved: 0,2 on node0 and 1,3 on node1
+        f["hostname"] = f"node{f['rank'] % 2}"
+        f["node_id"] = f"boot-node{f['rank'] % 2}:net:[1]"
+    f = the_finding(cluster_findings(facts), "communication/topology")
+    assert f.status == WARNING and "node0: 0,2" in f.summary
+
+
+# ------------------------------------------------------------------------------------------ compute load
+def test_a_slow_rank_is_a_straggler_named_with_its_phase():
+    records = [rank_profile(r) for r in range(4)]
+    records[2] = rank_profile(2, busy=2.5)
+    records[2]["phases"]["gen"]["busy_s"] = 2.0
+    findings = profile_findings(records=records)
+    assert alarms(findings) == {"compute/stragglers": FAULT}
+    f = the_finding(findings, "compute/stragglers")
+    assert f.ranks == (2,) and "rank 2" in f.summary and "gen" in f.summary and f.evidence["ratio"] == 2.5
+
+
+def test_a_rank_slowest_in_only_one_step_is_noise():
+    records = [rank_profile(r) for r in range(4)]
+    for r in records:
+        r["busy_by_step"] = [1.0, 1.0, 1.0]
+    records[1].update(busy_s=1.5, busy_by_step=[2.5, 1.0, 1.0])  # one bad step, e.g. another job's burst
+    records[0]["busy_by_step"] = [1.0, 1.1, 1.1]
+    assert alarms(profile_findings(records=records)) == {}
+
+
+def test_online_straggler_uses_busy_spread_and_names_the_rank():
+    metrics = {"timing_s/step": 2.0, "timing_s/busy": 1.0, "timing_s/busy/max": 1.8, "timing_s/busy/min": 0.7,
+               "timing_s/busy/slowest_rank": 3.0}
+    findings = run_step_rules(StepView(metrics, None, {"world_size": 4, "dp_size": 4}))
+    f = the_finding(findings, "compute/stragglers")
+    assert f.status == WARNING and f.ranks == (3,)
+    no_waits = run_step_rules(StepView({"timing_s/step": 2.0}, None, {"world_size": 4}))
+    assert [f.status for f in no_waits if f.rule == "stragglers"] == [NOT_MEASURED]
+
+
+def test_skewed_tokens_without_balancing_is_data_sharding_imbalance_cleared_by_balancing():
+    metrics, _, context = healthy_profile()
+    records = [rank_profile(r, tokens=t) for r, t in enumerate((4000, 900, 1000, 1100))]
+    off = profile_findings({k: v for k, v in metrics.items() if not k.startswith("balance/")}, records,
+                           dict(context, balance_batch=False))
+    assert alarms(off) == {"compute/data_sharding": FAULT}
+    f = the_finding(off, "compute/data_sharding")
+    assert "trainer.balance_batch=true" in f.fix and "2.29x" in f.summary
+    on = profile_findings(metrics, [rank_profile(r, tokens=1750 + r) for r in range(4)], context)
+    assert alarms(on) == {}
+
+
+def test_a_straggler_explained_by_its_tokens_points_at_the_imbalance():
+    _, _, context = healthy_profile()
+    records = [rank_profile(r, tokens=t) for r, t in enumerate((4000, 900, 1000, 1100))]
+    records[0] = rank_profile(0, busy=2.2, tokens=4000)
+    findings = profile_findings(None, records, dict(context, balance_batch=False))
+    assert alarms(findings) == {"compute/data_sharding": FAULT}
+    assert any("holds the most tokens" in f.summary for f in findings if f.leaf == "compute/stragglers")
+
+
+def test_tensor_parallel_too_wide_for_the_hidden_size():
+    _, _, context = healthy_profile()
+    wide = dict(context, tp=8, hidden_size=1024, layer_params=12 * 1024**2, peak_flops=989e12, link_busbw=50e9)
+    f = the_finding(profile_findings(context=wide), "compute/parallel_granularity")
+    assert f.status == FAULT and "parallel.tp=4" in f.fix
+    narrow = dict(context, tp=2, hidden_size=8192, layer_params=12 * 8192**2, peak_flops=989e12, link_busbw=400e9)
+    assert alarms(profile_findings(context=narrow)) == {}
+
+
+def test_pipeline_bubble():
+    _, _, context = healthy_profile()
+    f = the_finding(profile_findings(context=dict(context, pp=4, microbatches=2)), "compute/parallel_granularity")
+    assert f.status == FAULT and "parallel.microbatches" in f.fix
+
+
+# ------------------------------------------------------------------------------------------ resources
+def test_memory_near_capacity_names_the_phase():
+    records = [rank_profile(r) for r in range(4)]
+    records[1]["phases"]["gen"]["peak_gb"] = 15.5
+    f = the_finding(profile_findings(records=records), "resources/accelerator_memory")
+    assert f.status == FAULT and f.ranks == (1,) and "in gen" in f.summary
+    assert alarms(profile_findings(records=records)) == {"resources/accelerator_memory": FAULT}
+
+
+def test_a_slow_data_loader_is_a_data_wait_finding():
+    records = [rank_profile(r, data=0.9) for r in range(4)]
+    findings = profile_findings(records=records)
+    assert alarms(findings) == {"resources/storage_io": FAULT}
+    assert the_finding(findings, "resources/storage_io").rule == "data_wait"
+
+
+def test_slow_storage_for_the_checkpoint_interval_and_a_full_disk():
+    _, _, context = healthy_profile()
+    slow = dict(context, write_bytes_per_s=20 * 2**20, save_every=5)  # 2 GiB at 20 MiB/s: 102 s per 6.5 s
+    f = the_finding(profile_findings(context=slow), "resources/storage_io")
+    assert f.rule == "checkpoint_interval" and f.status == FAULT and "trainer.save_every" in f.fix
+    full = dict(context, free_bytes=3 * 2**30)
+    f = the_finding(profile_findings(context=full), "resources/storage_io")
+    assert f.rule == "disk_space" and f.status == FAULT
+
+
+def test_a_checkpoint_path_not_shared_across_nodes_is_a_fault():
+    measured = healthy_cluster_measurements()
+    measured["shared"]["paths"][1].update(shared_with=[], not_shared_with=["node1"])
+    findings = cluster_findings(measured=measured)
+    assert alarms(findings) == {"resources/storage_io": FAULT}
+    assert the_finding(findings, "resources/storage_io").hosts == ("node1",)
+
+
+def test_slow_pinned_copies_and_memory_held_by_another_process_on_gpus():
+    facts = healthy_facts(nodes=2)
+    for f in facts:
+        f.update(device="cuda", gpus=[{"name": "NVIDIA H100 80GB HBM3", "memory_gb": 80.0, "free_gb": 79.0}] * 4,
+                 copy={"h2d_bytes_per_s": 24e9, "d2h_bytes_per_s": 25e9, "size": 256 * 2**20})
+    assert alarms(cluster_findings(facts)) == {}
+    facts[3]["copy"]["h2d_bytes_per_s"] = 3e9
+    facts[1]["gpus"] = [dict(facts[1]["gpus"][0], free_gb=30.0)] * 4
+    assert alarms(cluster_findings(facts)) == {"resources/host_device_transfer": WARNING,
+                                               "resources/accelerator_memory": FAULT}
+
+
+def test_mixed_gpu_models_are_a_straggler_warning():
+    facts = healthy_facts(nodes=2)
+    for f in facts:
+        f.update(device="cuda", gpus=[{"name": "A100" if f["hostname"] == "node1" else "H100", "memory_gb": 80.0,
+                                       "free_gb": 79.0}] * 2)
+    assert alarms(cluster_findings(facts)) == {"compute/stragglers": WARNING}
+
+
+# ------------------------------------------------------------------------------------------ training signal
+def test_non_finite_loss_is_a_fault_and_skipped_steps_a_warning():
+    metrics, records, context = healthy_profile()
+    findings = run_step_rules(StepView(dict(metrics, **{"actor/pg_loss": math.nan}), records, context))
+    assert alarms(findings) == {"training/non_finite": FAULT}
+    findings = run_step_rules(StepView(dict(metrics, **{"actor/skipped_steps": 2.0}), records, context))
+    assert alarms(findings) == {"training/non_finite": WARNING}
+
+
+def test_reward_collapse_and_flat_rewards():
+    rising = [{"critic/score/mean": m, "critic/score/max": 1.0, "critic/score/min": 0.0}
+              for m in (0.1, 0.3, 0.5, 0.6, 0.6, 0.7)]
+    assert [f.status for f in reward_collapse(rising)] == [OK]
+    collapsed = rising + [{"critic/score/mean": m, "critic/score/max": 1.0, "critic/score/min": 0.0}
+                          for m in (0.2, 0.1, 0.05)]
+    assert [f.status for f in reward_collapse(collapsed)] == [WARNING]
+    flat = [{"critic/score/mean": 0.0, "critic/score/max": 0.0, "critic/score/min": 0.0}] * 5
+    (f,) = reward_collapse(flat)
+    assert f.status == WARNING and "advantages are all 0" in f.summary and "data.reward" in f.fix
+    saturated = rising + [{"critic/score/mean": 1.0, "critic/score/max": 1.0, "critic/score/min": 1.0}] * 5
+    assert "harder prompts" in reward_collapse(saturated)[0].fix
+    assert [f.status for f in reward_collapse(flat[:3])] == [NOT_MEASURED]
+
+
+# ------------------------------------------------------------------------------------------ the tree as data
+def test_every_rule_lands_on_a_leaf_with_reasons_and_every_leaf_has_a_rule():
+    assert {rule.leaf for rule in RULES.values()} == set(LEAVES)
+    for rule in RULES.values():
+        assert rule.thresholds or rule.severities, rule.id
+        for t in rule.thresholds.values():
+            assert len(t.reason) > 40, rule.id
+        for s in rule.severities.values():
+            assert s.status in (WARNING, FAULT) and len(s.reason) > 30, rule.id
+    text = describe_rules()
+    assert all(rule_id in text for rule_id in RULES)
+    assert [b.id for b in TREE] == ["communication", "compute", "resources", "training"]
+
+
+def test_health_metrics_levels():
+    findings = cluster_findings()
+    facts = healthy_facts(nodes=2)
+    facts[1]["versions"]["torch"] = "2.5.1"
+    levels = health_metrics(run_cluster_rules(facts, healthy_cluster_measurements()))
+    assert levels["health/communication/library_versions"] == 2.0
+    assert levels["health/communication/bandwidth"] == 0.0
+    assert "health/training/reward_collapse" not in levels  # not measured: not sent
+    assert exit_code(findings) == 0
+
+
+def test_threshold_direction():
+    t = RULES["memory_peak"].thresholds["fraction"]
+    assert (t.status(0.5), t.status(0.9), t.status(0.99)) == (OK, WARNING, FAULT)
+    b = RULES["allreduce_bandwidth"].thresholds["busbw_vs_nominal"]
+    assert (b.status(0.9), b.status(0.3), b.status(0.05)) == (OK, WARNING, FAULT)
+    with pytest.raises(ValueError, match="unknown leaf"):
+        type(RULES["non_finite"])("x", "nowhere", "", "")
+
+
+def test_online_straggler_must_be_slowest_step_after_step():
+    metrics = {"timing_s/step": 2.0, "timing_s/busy": 1.0, "timing_s/busy/max": 1.8, "timing_s/busy/min": 0.7,
+               "timing_s/busy/slowest_rank": 3.0}
+    steady = [{"timing_s/busy/slowest_rank": 3.0}] * 8 + [{"timing_s/busy/slowest_rank": 1.0}] * 2
+    varying = [{"timing_s/busy/slowest_rank": float(r % 4)} for r in range(10)]
+    context = {"world_size": 4, "dp_size": 4}
+    assert alarms(run_step_rules(StepView(metrics, None, context, steady))) == {"compute/stragglers": WARNING}
+    assert alarms(run_step_rules(StepView(metrics, None, context, varying))) == {}
+
+
+def test_achieved_bandwidth_is_judged_only_when_collectives_take_real_time():
+    _, records, context = healthy_profile()
+    slow = dict(healthy_profile()[0], **{"comm/bytes/total": 50e6})
+    findings = run_step_rules(StepView(slow, records, dict(context, comm_wait_s=1.0)))  # 50 MB/s of 5 GB/s
+    assert alarms(findings) == {"communication/bandwidth": WARNING}
+    assert the_finding(findings, "communication/bandwidth").rule == "achieved_bandwidth"
+    latency_bound = run_step_rules(StepView(slow, records, dict(context, comm_wait_s=0.05)))
+    assert alarms(latency_bound) == {}

@@ -1,0 +1,163 @@
+"""Standalone rollout workers: the same rollouts as colocated generation (row-indexed random draws, however
+the rows are split over workers), weights pushed every step, one-step asynchronous mode, bf16 workers with
+importance weights, resume."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from scalerl.rollout.engine import GenerationOutput
+from scalerl.rollout.sources import token_split
+from tests.spawned_group import run_in_group
+
+BASE = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train=64", "data.num_val=8",
+        "rollout.n=4", "rollout.max_new_tokens=8", "trainer.batch_size=4", "actor.ppo_mini_batch_size=16",
+        "actor.ppo_micro_batch_size=8", "trainer.logger=[jsonl]", "trainer.eval_every=0", "actor.lr=1e-3",
+        "data.reward=scalerl.verify:response_length_reward"]
+
+
+def test_token_split_is_contiguous_and_balanced():
+    lengths = [10, 10, 10, 10, 40, 40]
+    parts = token_split(lengths, 2)
+    assert parts == [(0, 5), (5, 6)] or parts == [(0, 4), (4, 6)]
+    assert [r for a, b in parts for r in range(a, b)] == list(range(6))
+    assert token_split([1, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError, match="rollout.workers"):
+        token_split([1, 1], 3)
+
+
+def test_generation_output_rows_and_concat_round_trip():
+    out = GenerationOutput(
+        prompt_ids=torch.tensor([[0, 5, 6], [7, 8, 9]]), prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+        response_ids=torch.tensor([[1, 2, 0], [3, 0, 0]]), response_mask=torch.tensor([[1, 1, 0], [1, 0, 0]]),
+        logprobs=torch.tensor([[-1.0, -2.0, 0.0], [-3.0, 0.0, 0.0]]), finish_reasons=["stop", "length"],
+    )
+    first, second = out.rows(0, 1), out.rows(1, 2)
+    assert first.prompt_ids.tolist() == [[5, 6]] and first.response_ids.tolist() == [[1, 2]]
+    assert second.response_ids.tolist() == [[3]]
+    joined = GenerationOutput.concat([first, second], pad_token_id=0)
+    for name in ("prompt_ids", "prompt_mask", "response_mask", "logprobs"):
+        assert torch.equal(getattr(joined, name), getattr(out, name)[:, : getattr(joined, name).shape[1]]), name
+    assert joined.finish_reasons == ["stop", "length"]
+
+
+def _train(out: str, extra: list[str]):
+    from scalerl.core.config import load_config
+    from scalerl.trainer.rl_trainer import train
+
+    return train(load_config(None, [*BASE, *extra, f"trainer.output_dir={out}"])).get("final_model")
+
+
+def _world2_runs(rank: int, out: str) -> None:
+    for name, extra in {
+        "sync": ["rollout.placement=standalone", "trainer.total_steps=3"],
+        "async": ["rollout.placement=standalone", "rollout.staleness=1", "trainer.total_steps=3"],
+        "async_behavior": ["rollout.placement=standalone", "rollout.staleness=1", "rollout.stale_logprobs=behavior",
+                           "trainer.total_steps=3"],
+        "bf16": ["rollout.placement=standalone", "rollout.dtype=bf16", "trainer.total_steps=3"],
+        "resumed": ["rollout.placement=standalone", "trainer.total_steps=2", "trainer.save_every=2"],
+        # colocated, 32 rows: each pipeline rank's replica generates half (16 rows, the split's threshold)
+        "pipeline": ["parallel.pp=2", "trainer.total_steps=3", "trainer.batch_size=8"],
+    }.items():
+        _train(f"{out}/{name}", extra)
+    _train(f"{out}/resumed", ["rollout.placement=standalone", "trainer.total_steps=3", "trainer.resume=auto"])
+
+
+def _two_workers(rank: int, out: str) -> None:
+    _train(f"{out}/two_workers", ["rollout.placement=standalone", "rollout.workers=2", "trainer.total_steps=3"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("standalone")
+    _train(str(out / "colocated"), ["trainer.total_steps=3"])  # the reference: one process
+    _train(str(out / "colocated_32_rows"), ["trainer.total_steps=3", "trainer.batch_size=8"])
+    run_in_group(_world2_runs, 2, str(out), timeout_s=900)
+    run_in_group(_two_workers, 3, str(out), timeout_s=600)
+    return out
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] > 0]
+
+
+def _weights(run: Path) -> dict:
+    return load_file(str(run / "final" / "model.safetensors"))
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("run", ["sync", "two_workers"])
+def test_standalone_workers_reproduce_colocated_generation(runs, run):
+    reference, mine = _metrics(runs / "colocated"), _metrics(runs / run)
+    assert [r["critic/score/mean"] for r in mine] == [r["critic/score/mean"] for r in reference]
+    assert [r["response_length/mean"] for r in mine] == [r["response_length/mean"] for r in reference]
+    assert _max_diff(_weights(runs / "colocated"), _weights(runs / run)) < 1e-5
+    assert all(r["comm/weight_sync_bytes"] > 0 for r in mine)  # every step pushed the new weights
+
+
+def test_asynchronous_rollouts_lag_one_step(runs):
+    rows = _metrics(runs / "async")
+    assert rows[0]["rollout/logprob_diff/max"] < 1e-4  # the first step's rollouts came from its own weights
+    assert all(r["rollout/logprob_diff/max"] > 1e-3 for r in rows[1:])  # later ones from the previous step's
+    reference = _metrics(runs / "colocated")
+    assert rows[0]["critic/score/mean"] == reference[0]["critic/score/mean"]
+
+
+def test_behaviour_logprobs_skip_the_recompute(runs):
+    """rollout.stale_logprobs=behavior: PPO's ratio against the policy that generated the rollouts, whose fp32
+    log-probs the workers return; no recompute, so no mismatch metric. Steps 1 and 2 generate with the
+    initial weights in both asynchronous runs, so their rollouts are the same."""
+    behavior, recompute = _metrics(runs / "async_behavior"), _metrics(runs / "async")
+    assert all("rollout/logprob_diff/max" not in r for r in behavior)
+    assert [r["critic/score/mean"] for r in behavior[:2]] == [r["critic/score/mean"] for r in recompute[:2]]
+    assert sum(r["timing_s/old_log_prob"] for r in behavior) < 0.5 * sum(r["timing_s/old_log_prob"]
+                                                                          for r in recompute)
+    assert 0 < _max_diff(_weights(runs / "async_behavior"), _weights(runs / "async")) < 1e-2
+
+
+def test_bf16_workers_hold_half_the_bytes_and_reweight_the_loss(runs):
+    bf16, fp32 = _metrics(runs / "bf16"), _metrics(runs / "sync")
+    assert bf16[0]["weight_sync/full_bytes"] * 2 == fp32[0]["weight_sync/full_bytes"]
+    assert all(0 < r["rollout/logprob_diff/max"] < 0.05 for r in bf16)  # bf16 numerics, same weights
+
+
+@pytest.mark.parametrize("run", ["sync", "bf16", "async", "two_workers"])
+def test_weight_sync_sends_verified_deltas(runs, run):
+    """After the first (full) push at start, every step sends only what changed, and every bucket verified."""
+    rows = _metrics(runs / run)
+    assert all(r["weight_sync/resyncs"] == 0 and r["weight_sync/full_push"] == 0 for r in rows)
+    assert all(0 < r["weight_sync/bytes"] < r["weight_sync/full_bytes"] for r in rows)
+
+
+def test_standalone_resume_is_bitwise_identical(runs):
+    straight, resumed = _weights(runs / "sync"), _weights(runs / "resumed")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert [r["step"] for r in _metrics(runs / "resumed")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("run", ["sync", "two_workers"])
+def test_standalone_steps_count_what_the_trainer_sends(runs, run):
+    # scalerl.comm.counting.accounting: prompts out (rollout), weights pushed to every worker (weight_sync, which also
+    # counts each push's small header message, so at least comm/weight_sync_bytes)
+    for row in _metrics(runs / run):
+        assert row["comm/bytes/rollout"] > 0
+        assert row["comm/bytes/weight_sync"] >= row["comm/weight_sync_bytes"] > 0
+        assert row["comm/bytes/total"] >= row["comm/bytes/rollout"] + row["comm/bytes/weight_sync"]
+
+
+def test_pipeline_ranks_split_generation_and_reproduce_one_process(runs):
+    """With pp=2 each pipeline rank generates half of the rows on its replica and they exchange them: the
+    same samples as one process (scores and lengths equal), each rank sending one half's outputs per step
+    (32 rows of 8 prompts x 4 samples: 16 rows x (16 B per prompt token + 20 B per response token + 1) and
+    the 200-byte message header, under 16 x (16 x 64 + 20 x 8 + 1) + 200 at the longest prompts)."""
+    reference, mine = _metrics(runs / "colocated_32_rows"), _metrics(runs / "pipeline")
+    assert [r["critic/score/mean"] for r in mine] == [r["critic/score/mean"] for r in reference]
+    assert [r["response_length/mean"] for r in mine] == [r["response_length/mean"] for r in reference]
+    for row in mine:
+        assert 200 < row["comm/bytes/rollout"] < 16 * (16 * 64 + 20 * 8 + 1) + 200
