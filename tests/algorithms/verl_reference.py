@@ -141,7 +141,9 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=Non
 
 
 def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, **global_batch_info):
+                                clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, rollout_is_weights=None,
+                                **global_batch_info):
+    # returns verl's four values (older API) rather than its metrics dict; the math is that of b178a3cd
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
     ppo_kl = masked_mean(-negative_approx_kl, response_mask)
@@ -156,6 +158,8 @@ def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mas
     pg_clipfrac_lower = masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask)
 
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **global_batch_info)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
