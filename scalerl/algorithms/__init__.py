@@ -9,7 +9,11 @@ from scalerl.algorithms.advantages import (
     reinforce_plus_plus_advantages,
     remax_advantages,
 )
-from scalerl.algorithms.dapo import groups_with_signal, mask_truncated_completions, overlong_penalty
+from scalerl.algorithms.dapo import (
+    groups_with_signal,
+    mask_truncated_completions,
+    overlong_penalty,
+)
 from scalerl.algorithms.entropy import entropy_from_logits, logprobs_from_logits
 from scalerl.algorithms.estimator_registry import (
     ADVANTAGE_ESTIMATORS,

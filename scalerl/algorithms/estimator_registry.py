@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
 import torch
 
 from scalerl.algorithms import group_advantages as grp

@@ -89,8 +89,8 @@ class PolicyLoss:
                  global_num_seqs: int | torch.Tensor | None = None, dp_size: int = 1, horizon: int | None = None,
                  token_weights: torch.Tensor | None = None,
                  generator: torch.Generator | None = None) -> LossAndMetrics:
-        counts = dict(global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs, dp_size=dp_size,
-                      horizon=horizon)
+        counts = {"global_num_tokens": global_num_tokens, "global_num_seqs": global_num_seqs, "dp_size": dp_size,
+                      "horizon": horizon}
         return self.body(old_log_prob, log_prob, advantages, response_mask,
                          loss_agg_mode or self.default_agg_mode, options or PolicyLossOptions(), token_weights,
                          generator, counts)

@@ -21,7 +21,7 @@ from scalerl.algorithms import (
 )
 from tests.algorithms import verl_reference as verl
 
-TOL = dict(atol=1e-6, rtol=1e-6)
+TOL = {"atol": 1e-6, "rtol": 1e-6}
 
 
 def kl_batch(seed):

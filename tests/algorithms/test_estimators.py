@@ -15,7 +15,7 @@ from scalerl.algorithms import (
 )
 from tests.algorithms import verl_reference as verl
 
-TOL = dict(atol=1e-6, rtol=1e-6)
+TOL = {"atol": 1e-6, "rtol": 1e-6}
 # groups of 4, 3, 1 (singleton) and 2, interleaved; GROUPS_NO_SINGLETON for estimators that reject groups of one
 GROUPS = [0, 1, 0, 2, 1, 0, 3, 1, 0, 3]
 GROUPS_NO_SINGLETON = [0, 1, 0, 2, 1, 0, 2, 1, 0, 2]

@@ -14,7 +14,7 @@ from scalerl.algorithms import (
 )
 from tests.algorithms import verl_reference as verl
 
-TOL = dict(atol=1e-6, rtol=1e-6)
+TOL = {"atol": 1e-6, "rtol": 1e-6}
 OPTIONS = PolicyLossOptions(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05,
                             clip_cov_ratio=0.2, clip_cov_lb=0.5, clip_cov_ub=5.0, kl_cov_ratio=0.2, ppo_kl_coef=0.1)
 COVARIANCE = ("clip_cov", "kl_cov")  # pick tokens per call: no micro-batch invariance, random (clip_cov)
@@ -37,7 +37,7 @@ def loss_batch(seed: int, batch: int = 8, length: int = 6, empty_row: bool = Tru
 
 def reference_loss(name, old, logp, adv, mask, mode, o, weights, **batch_info):
     """verl's function for ``name`` with options ``o``; pinned modes released so ``mode`` applies."""
-    clip = dict(clip_low=o.low, clip_high=o.high)
+    clip = {"clip_low": o.low, "clip_high": o.high}
     common = dict(rollout_is_weights=weights, **batch_info)
     if name == "vanilla":
         loss, clipfrac, kl, lower = verl.compute_policy_loss_vanilla(
@@ -139,8 +139,8 @@ def test_microbatches_and_ranks_add_up_to_full_batch(name, mode):
     fn = POLICY_LOSSES[name]
     full, _ = fn(old, logp, adv, mask, mode, OPTIONS, token_weights=weights)
     (full_grad,) = torch.autograd.grad(full, logp)
-    counts = dict(global_num_tokens=mask.sum(), global_num_seqs=(mask.sum(-1) > 0).sum(), dp_size=len(SHARDS),
-                  horizon=mask.shape[-1])
+    counts = {"global_num_tokens": mask.sum(), "global_num_seqs": (mask.sum(-1) > 0).sum(), "dp_size": len(SHARDS),
+                  "horizon": mask.shape[-1]}
     per_rank = [sum(fn(old[mb], logp[mb], adv[mb], mask[mb], mode, OPTIONS, token_weights=weights[mb], **counts)[0]
                     for mb in rank) for rank in SHARDS]
     sharded = torch.stack(per_rank).mean()  # DDP averages over ranks; accumulation sums micro-batches
@@ -153,8 +153,8 @@ def test_microbatches_and_ranks_add_up_to_full_batch(name, mode):
 @pytest.mark.parametrize("name", list(POLICY_LOSSES))
 def test_global_batch_info_matches_verl(name, mode):
     """One micro-batch of a larger global batch: our counts equal verl's config.global_batch_info."""
-    ours_counts = dict(global_num_tokens=40, global_num_seqs=12, dp_size=3, horizon=9)
-    verl_counts = dict(batch_num_tokens=40, global_batch_size=12, dp_size=3, loss_scale_factor=9)
+    ours_counts = {"global_num_tokens": 40, "global_num_seqs": 12, "dp_size": 3, "horizon": 9}
+    verl_counts = {"batch_num_tokens": 40, "global_batch_size": 12, "dp_size": 3, "loss_scale_factor": 9}
     ours, ref = ours_and_verl(name, 2, mode, ours_counts=ours_counts, verl_counts=verl_counts)
     assert_same(ours, ref)
 
@@ -178,7 +178,7 @@ def test_clip_cov_generator_makes_the_pick_reproducible():
     old, logp, adv, mask, _ = loss_batch(6)
     fn = get_policy_loss("clip_cov")
     a, ma = fn(old, logp, adv, mask, "token-mean", OPTIONS, generator=torch.Generator().manual_seed(7))
-    b, mb = fn(old, logp, adv, mask, "token-mean", OPTIONS, generator=torch.Generator().manual_seed(7))
+    b, _mb = fn(old, logp, adv, mask, "token-mean", OPTIONS, generator=torch.Generator().manual_seed(7))
     assert a.item() == b.item() and ma["pg_clipfrac"] > 0
     with pytest.raises(ValueError, match="clip_cov_ratio"):
         fn(old, logp, adv, mask, "token-mean", PolicyLossOptions(clip_cov_ratio=0.0))
