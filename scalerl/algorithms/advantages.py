@@ -1,8 +1,11 @@
-"""Advantage estimators: group-relative (GRPO, Dr.GRPO) and GAE for PPO with a value head.
+"""Advantage estimators: group-relative (GRPO, Dr.GRPO), GAE for PPO with a value head, and the two
+return-based ones without a critic (REINFORCE++, ReMax). The other group baselines (RLOO, OPO, GPG, ...)
+are in `group_advantages`.
 
 Each returns `(advantages, returns)` of shape [B, T] and is computed without gradient: advantages
 are constants of the policy-gradient loss. Definitions match verl's `core_algos.py`
-(`compute_grpo_outcome_advantage`, `compute_gae_advantage_return`).
+(`compute_grpo_outcome_advantage`, `compute_gae_advantage_return`,
+`compute_reinforce_plus_plus_outcome_advantage`, `compute_remax_outcome_advantage`).
 """
 
 from __future__ import annotations
@@ -114,6 +117,43 @@ def gae_advantages(
         gae_reversed.append(running_gae)
     gae = torch.stack(gae_reversed[::-1], dim=1)
     returns = gae + values
+    return whiten(gae, mask, all_reduce), returns
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, all_reduce=None) -> torch.Tensor:
+    """`masked_whiten` over this batch, or over the global batch when ``all_reduce`` (SUM over DP) is given."""
     if all_reduce is not None:
-        return sharded_masked_whiten(gae, mask, all_reduce), returns
-    return masked_whiten(gae, mask), returns
+        return sharded_masked_whiten(values, mask, all_reduce)
+    return masked_whiten(values, mask)
+
+
+@torch.no_grad()
+def reinforce_plus_plus_advantages(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float, all_reduce=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (verl `reinforce_plus_plus`): discounted returns, whitened over the batch's tokens.
+
+    Backwards over t:  G_t = r_t + gamma * G_{t+1},  then G_{t+1} <- G_t * m_t  (reset after the response).
+    advantages = masked_whiten(G, m) * m;  returns = G. ``all_reduce`` as in `gae_advantages`.
+    """
+    mask = response_mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    return whiten(returns, mask, all_reduce) * mask, returns
+
+
+@torch.no_grad()
+def remax_advantages(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, reward_baselines: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (verl `remax`): reward-to-go minus the greedy response's reward b_i (shape [B]).
+
+    returns[i, t] = sum_{s >= t} r_{i,s} m_{i,s};  advantages = returns - b_i * m. Returns (adv, returns).
+    """
+    mask = response_mask.to(token_rewards.dtype)
+    returns = (token_rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    return returns - reward_baselines.to(returns.dtype).unsqueeze(-1) * mask, returns
