@@ -13,9 +13,14 @@ import torch.distributed as dist
 
 from scalerl.core.net import free_port
 from scalerl.core.rank_env import RankEnvError
-from scalerl.parallel.process_group import enable_nccl_flight_recorder
 from scalerl.parallel import rendezvous
-from scalerl.parallel.rendezvous import RendezvousError, StoreDeadlineError, connect_store, rendezvous_store
+from scalerl.parallel.process_group import enable_nccl_flight_recorder
+from scalerl.parallel.rendezvous import (
+    RendezvousError,
+    StoreDeadlineError,
+    connect_store,
+    rendezvous_store,
+)
 
 
 def test_rank_zero_waits_only_the_limit_for_missing_ranks():
