@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -22,13 +21,10 @@ import torch
 import torch.distributed as dist
 
 from scalerl.core.rank_env import RankEnv, expand_hostlist, parse_tasks_per_node
+from scalerl.parallel.rendezvous import RendezvousError, connect_store
 
 STORE_PREFIX = "scalerl-doctor"
 POLL_S = 0.2
-
-
-class RendezvousError(RuntimeError):
-    """This rank could not join the doctor's world; the message says why, naming hosts and ranks."""
 
 
 @dataclass
@@ -112,29 +108,6 @@ def existing_world(facts: dict[str, Any]) -> DoctorWorld:
     return world
 
 
-def _bounded_store(env: RankEnv, is_server: bool, timeout_s: float) -> dist.TCPStore:
-    """`TCPStore` with a hard deadline: its own timeout did not end a connect that hung in its handshake
-    (seen once: three ranks of a test stuck 20 minutes in the constructor), so it runs in a daemon thread
-    and a rank still waiting after ``timeout_s`` + 5 s gives up with TimeoutError."""
-    result: dict[str, Any] = {}
-
-    def connect() -> None:
-        try:
-            result["store"] = dist.TCPStore(env.master_addr, env.master_port, None, is_server,
-                                            timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        except (RuntimeError, OSError) as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=connect, name="doctor-rendezvous", daemon=True)
-    thread.start()
-    thread.join(timeout_s + 5)
-    if "error" in result:
-        raise result["error"]
-    if "store" not in result:
-        raise TimeoutError(f"no answer from the store after {timeout_s + 5:g} s")
-    return result["store"]
-
-
 def join_world(env: RankEnv, facts: dict[str, Any], join_timeout_s: float, collective_timeout_s: float,
                backend: str, environ: dict[str, str] | None = None) -> DoctorWorld:
     """Register with the rendezvous, wait for the roster, and start the joined ranks' process group.
@@ -143,8 +116,10 @@ def join_world(env: RankEnv, facts: dict[str, Any], join_timeout_s: float, colle
     master = f"{env.master_addr}:{env.master_port}"
     agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # torchrun hosts the store itself
     try:
-        store = _bounded_store(env, env.rank == 0 and not agent_store, join_timeout_s)
-    except (RuntimeError, OSError, TimeoutError) as e:
+        # a hard deadline (`connect_store`): a handshake once hung 20 minutes in TCPStore's constructor
+        store = connect_store(env.master_addr, env.master_port, is_master=env.rank == 0 and not agent_store,
+                              timeout_s=join_timeout_s)
+    except (RuntimeError, OSError) as e:  # the store's own errors and StoreDeadlineError (a RendezvousError)
         raise RendezvousError(
             f"rank {env.rank}: the rendezvous at {master} (rank 0's host) did not answer within {join_timeout_s:g} s: "
             f"rank 0 has not started, or {env.master_addr} port {env.master_port} is unreachable from here ({e})"

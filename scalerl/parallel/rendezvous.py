@@ -6,12 +6,18 @@ an error naming MASTER_PORT at once) and waits `rendezvous_timeout_s` for every 
 first wait, in Python, for the master's port to accept connections, so an unreachable master ends in one
 message naming the address, the world size and the limit. Under torchrun its agent hosts the store, as
 torch's own `env://` assumes (`TORCHELASTIC_USE_AGENT_STORE`), and rank 0 joins it like the others.
+
+Every store is made by `connect_store`, which gives `TCPStore`'s constructor a hard deadline: its own
+timeout once did not end a handshake that hung inside it (three ranks of a test stuck 20 minutes), so it
+runs in a daemon thread, and a rank still waiting `STORE_GRACE_S` after the limit gives up. The doctor's
+rendezvous (`scalerl.doctor.world`) makes its store here too.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -22,10 +28,41 @@ from scalerl.core.net import free_port
 from scalerl.core.rank_env import RankEnvError
 
 _CONNECT_RETRY_S = 0.5
+STORE_GRACE_S = 5.0  # past the store's own timeout, before a constructor that has not returned is abandoned
 
 
 class RendezvousError(RunFailure):
     """The process group could not be formed within the rendezvous limit; the message says who waited for what."""
+
+
+class StoreDeadlineError(RendezvousError):
+    """`TCPStore`'s constructor did not return within its timeout plus `STORE_GRACE_S`."""
+
+
+def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float, world_size: int | None = None,
+                  wait_for_workers: bool = False) -> dist.TCPStore:
+    """``dist.TCPStore(host, port, world_size, is_master, timeout, wait_for_workers)`` with a hard deadline:
+    the constructor runs in a daemon thread, its errors are raised here as they are, and one still running
+    `timeout_s` + `STORE_GRACE_S` later is left behind with a `StoreDeadlineError`."""
+    result: dict[str, object] = {}
+
+    def construct() -> None:
+        try:
+            result["store"] = dist.TCPStore(host, port, world_size, is_master, timeout=timedelta(seconds=timeout_s),
+                                            wait_for_workers=wait_for_workers)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            result["error"] = e
+
+    thread = threading.Thread(target=construct, name=f"tcpstore-{host}:{port}", daemon=True)
+    thread.start()
+    thread.join(timeout_s + STORE_GRACE_S)
+    if "error" in result:
+        raise result["error"]
+    if "store" not in result:
+        role = "hosting" if is_master else "joining"
+        raise StoreDeadlineError(f"{role} the TCP store at {host}:{port} had not returned after {timeout_s:g} s + "
+                                 f"{STORE_GRACE_S:g} s (the store's own timeout did not end it)")
+    return result["store"]
 
 
 def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: int,
@@ -37,8 +74,10 @@ def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: 
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if rank == 0 and not agent_hosts_store:
         try:
-            return dist.TCPStore(master_addr, master_port, world_size, is_master=True,
-                                 timeout=timedelta(seconds=timeout_s), wait_for_workers=True)
+            return connect_store(master_addr, master_port, is_master=True, timeout_s=timeout_s,
+                                 world_size=world_size, wait_for_workers=True)
+        except StoreDeadlineError as e:
+            raise RendezvousError(f"rank 0 could not host the rendezvous at {where} {limit}: {e}") from None
         except dist.DistNetworkError as e:
             if "EADDRINUSE" in str(e) or "address already in use" in str(e):
                 raise RankEnvError(f"MASTER_PORT={master_port} is already in use on this host (rank 0 hosts the "
@@ -55,9 +94,9 @@ def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: 
         raise RendezvousError(f"rank {rank} of {world_size} could not reach the rendezvous at {where} {limit} "
                               f"({last_error}): is rank 0 running, and are MASTER_ADDR/MASTER_PORT right?")
     try:
-        return dist.TCPStore(master_addr, master_port, world_size, is_master=False,
-                             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
-    except dist.DistError as e:
+        return connect_store(master_addr, master_port, is_master=False, world_size=world_size,
+                             timeout_s=max(1.0, deadline - time.monotonic()))
+    except (dist.DistError, StoreDeadlineError) as e:
         raise RendezvousError(f"rank {rank} of {world_size} reached {where} but could not join the rendezvous "
                               f"{limit}: {e}") from None
 

@@ -1,6 +1,8 @@
 """Rollout: the engine interface, the built-in KV-cache engine, the optional vLLM adapter, the rollout
-batch (prompts + responses + everything the update computes on them), and the receiving side of weight
-sync (`weight_loading`: how an engine with its own weights takes the trainer's pushes)."""
+batch (prompts + responses + everything the update computes on them), where a step's rollouts come from
+(`sources`: colocated or standalone workers, `worker` and its `worker_protocol`), and weight sync's two
+ends on this side: the strategies the sources hold (`weight_sync`: shared weights, replica refresh, load
+into an engine, push to workers) and how an engine with its own weights takes the pushes (`weight_loading`)."""
 
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine

@@ -97,11 +97,6 @@ class BuiltinEngine:
         # returned logits are also those the log-probs are taken from.
         self.logits_processor = logits_processor
 
-    def sync_weights(self, named_tensors: dict[str, torch.Tensor] | None = None) -> int:
-        """Colocated: the engine reads the trainer's parameters directly. With tensors given (a standalone
-        engine), copy them in place and return the bytes copied."""
-        return self.load_weights(named_tensors.items()) if named_tensors else 0
-
     # The receiving interface of weight sync (scalerl/rollout/weight_loading.py).
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy whole tensors into the model's parameters by name (converting dtype); returns bytes given."""

@@ -98,15 +98,12 @@ class GenerationOutput:
 class RolloutEngine(Protocol):
     # Whether its log-probs equal an fp32 training forward (the trainer then skips recomputing them).
     logprobs_match_training_forward: bool
-    # Whether it generates with the trained parameters themselves (weight sync is then free).
+    # Whether it generates with the trained parameters themselves (weight sync is then free); one that does
+    # not also implements `scalerl.rollout.weight_loading.WeightLoadingEngine` (see `scalerl.rollout.weight_sync`).
     shares_trainer_weights: bool
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         """Generate one completion per prompt (repeat prompts for ``n`` samples each)."""
-        ...
-
-    def sync_weights(self, named_tensors: dict[str, torch.Tensor] | None = None) -> int:
-        """Bring the engine's weights up to date with the trainer's; returns bytes copied (0 when shared)."""
         ...
 
 

@@ -1,27 +1,27 @@
 """Where a step's rollouts come from: the trainer's own ranks (colocated) or standalone rollout workers.
 
 Both give the trainer the same thing, this data-parallel rank's share of the step's generation output,
-and both bring the generating weights up to date after the update (`sync_weights`), so the trainer's step
-reads the same either way:
+and both hold the weight sync that brings the generating weights up to date after the update
+(`sync_weights`, a `scalerl.rollout.weight_sync` strategy), so the trainer's step reads the same either way:
 
 - `ColocatedRollouts`: each DP rank generates its share with the engine that shares the policy's weights
   (a pipeline's replica is refreshed from the stages);
 - `StandaloneRollouts`: the trainer's rank 0 splits the whole step's prompts over the workers by token
   count (contiguous rows, so per-row random draws do not depend on the split), collects their outputs,
   and every trainer rank receives them and keeps its share; new weights are pushed to every worker. With
-  ``rollout.staleness=1`` the next step's prompts go out before the update, so generation overlaps it.
+  ``rollout.staleness=1`` the next step's prompts go out before the update (`prefetch`), so generation
+  overlaps it; `collect_prefetched` receives them after the update and before the weights go out (the
+  workers serve requests in order).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from scalerl.comm.weights.channel import BroadcastChannel
-from scalerl.comm.weights.sender import ROLLOUT_DTYPES, WeightSender
+from scalerl.comm.weights.sender import ROLLOUT_DTYPES
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import ModelParts
 from scalerl.rollout.engine import (
@@ -30,14 +30,8 @@ from scalerl.rollout.engine import (
     SamplingParams,
     left_pad,
 )
-from scalerl.rollout.messages import broadcast_tensors, recv_tensors, send_tensors
-from scalerl.rollout.worker import (
-    OP_STOP,
-    OP_WEIGHTS,
-    decode_output,
-    encode_output,
-    encode_request,
-)
+from scalerl.rollout.weight_sync import PushToWorkers, WeightSync, colocated_weight_sync
+from scalerl.rollout.worker_protocol import WorkerDriver, broadcast_output
 
 # Pipeline ranks split a generation only when each gets at least this many
 # rows: fewer, and the exchange and the lockstep finish votes cost more than the decode steps save
@@ -76,6 +70,7 @@ def token_split(lengths: list[int], parts: int) -> list[tuple[int, int]]:
 class ColocatedRollouts:
     def __init__(self, engine: RolloutEngine, policy: ModelParts, ctx: DistContext):
         self.engine, self.policy, self.ctx = engine, policy, ctx
+        self.weight_sync: WeightSync = colocated_weight_sync(engine, policy)
 
     @property
     def logprobs_match_training_forward(self) -> bool:
@@ -101,21 +96,20 @@ class ColocatedRollouts:
         lo, hi = bounds[index], bounds[index + 1]
         sampling = replace(batch.sampling, row_offset=lo, total_rows=len(batch.prompts))
         mine = self.engine.generate(batch.prompts[lo:hi], sampling)
-        parts = [mine if i == index else None for i in range(len(ranks))]
-        for i, src in enumerate(ranks):
-            message = broadcast_counted(encode_output(mine) if i == index else None, src, group, self.ctx)
-            if i != index:
-                parts[i] = decode_output(message)
+        parts = []
+        for i, src in enumerate(ranks):  # every rank joins every broadcast, sending its own
+            shared = broadcast_output(mine if i == index else None, src, group, self.ctx)
+            parts.append(mine if i == index else shared)
         return GenerationOutput.concat(parts, self.engine.pad_token_id)
 
     def prefetch(self, batch: StepPrompts | None) -> None:
         """Colocated generation uses the latest weights: nothing runs ahead."""
 
+    def collect_prefetched(self) -> None:
+        """Nothing was prefetched."""
+
     def sync_weights(self) -> dict[str, float]:
-        moved = self.policy.refresh_generation_copy()
-        if not self.engine.shares_trainer_weights:
-            moved += self.engine.sync_weights({n: p.detach() for n, p in self.policy.model.named_parameters()})
-        return {"comm/weight_sync_bytes": float(moved)}
+        return self.weight_sync.sync()
 
     def close(self) -> None:
         pass
@@ -126,8 +120,9 @@ class StandaloneRollouts:
         self.policy, self.ctx, self.pad_token_id = policy, ctx, pad_token_id
         self.dtype, self.staleness = ROLLOUT_DTYPES[rollout_cfg.dtype], rollout_cfg.staleness
         self.behavior_logprobs = rollout_cfg.stale_logprobs == "behavior"
-        channel = BroadcastChannel(ctx.rollout_group, src=0, device=ctx.device) if ctx.rank == 0 else None
-        self.sender = WeightSender.from_config(weight_sync_cfg, rollout_cfg.dtype, channel)
+        self.driver = WorkerDriver(ctx) if ctx.rank == 0 else None  # rank 0 talks to the workers
+        self.weight_sync: WeightSync = PushToWorkers.from_config(policy, ctx, self.driver, rollout_cfg.dtype,
+                                                                 weight_sync_cfg)
         self.pending: StepPrompts | None = None  # submitted, not collected yet
         self.ready: tuple[int, GenerationOutput] | None = None  # collected ahead of its step
 
@@ -136,10 +131,6 @@ class StandaloneRollouts:
         """fp32 workers compute what the trainer's fp32 forward does: of the latest weights, or, one step stale
         with rollout.stale_logprobs=behavior, of the behaviour policy PPO then takes its ratio against."""
         return self.dtype == torch.float32 and (not self.staleness or self.behavior_logprobs)
-
-    @property
-    def _driver(self) -> bool:
-        return self.ctx.rank == 0
 
     def generate(self, batch: StepPrompts) -> GenerationOutput:
         if self.ready is not None and self.ready[0] == batch.step:
@@ -156,77 +147,45 @@ class StandaloneRollouts:
         if self.staleness and batch is not None:
             self._submit(batch)
 
-    def sync_weights(self) -> dict[str, float]:
-        """Collect the prefetched step first (the workers serve requests in order), then push the new
-        weights to every worker with the weight sender (lossless deltas, verified per bucket: see
-        `scalerl.comm.weights.sender`); returns the sync's metrics."""
+    def collect_prefetched(self) -> None:
+        """Receive the prefetched step's rollouts (kept for its `generate`): after the update, before the
+        weights go out, since the workers answer requests in the order they came."""
         if self.pending is not None:
             step = self.pending.step
             self.ready = (step, self._collect())
-        moved = self.policy.refresh_generation_copy()  # a pipeline's replica is what gets sent
-        if self._driver:
-            for worker in self.ctx.rollout_ranks:
-                self._send("weight_sync", [torch.tensor([OP_WEIGHTS, 0])], worker)
-        start = time.perf_counter()
-        report = self.sender.sync(self.policy.model.named_parameters())  # every trainer rank joins the gathers
-        metrics = report.metrics()
-        if self._driver:
-            workers = len(self.ctx.rollout_ranks)
-            self.ctx.comm.record("weight_sync", "broadcast", report.bytes, workers + 1, dim="rollout_workers")
-            self.ctx.comm.add_wait("weight_sync", time.perf_counter() - start)
-            moved += report.bytes * workers
-        metrics["comm/weight_sync_bytes"] = float(moved)
-        return metrics
 
-    def _send(self, kind: str, tensors: list[torch.Tensor], worker: int) -> int:
-        """`send_tensors`, counted (a point-to-point send of its payload) and timed."""
-        start = time.perf_counter()
-        sent = send_tensors(tensors, worker, device=self.ctx.device)
-        self.ctx.comm.record(kind, "send", sent, 2, dim="rollout_workers")
-        self.ctx.comm.add_wait(kind, time.perf_counter() - start)
-        return sent
+    def sync_weights(self) -> dict[str, float]:
+        """Push the new weights to every worker (lossless deltas, verified per bucket: see
+        `scalerl.rollout.weight_sync.PushToWorkers`); returns the sync's metrics."""
+        if self.pending is not None:
+            raise RuntimeError(f"step {self.pending.step}'s prefetched rollouts were not collected: call "
+                               "collect_prefetched() before sync_weights() (the workers answer in order)")
+        return self.weight_sync.sync()
 
     def close(self) -> None:
-        if self._driver:
-            for worker in self.ctx.rollout_ranks:
-                self._send("rollout", [torch.tensor([OP_STOP, 0])], worker)
+        if self.driver is not None:
+            self.driver.stop()
 
     def _submit(self, batch: StepPrompts) -> None:
         self.pending = batch
-        if not self._driver:
+        if self.driver is None:
             return
         lengths = [len(p) + batch.sampling.max_new_tokens for p in batch.prompts]  # the work each row may cost
-        for worker, (start, stop) in zip(self.ctx.rollout_ranks, token_split(lengths, len(self.ctx.rollout_ranks))):
+        for worker, (start, stop) in zip(self.driver.workers, token_split(lengths, len(self.driver.workers))):
             prompts = batch.prompts[start:stop]
             ids, mask = left_pad(prompts, self.pad_token_id)
             sampling = replace(batch.sampling, row_offset=start, total_rows=len(batch.prompts))
-            self._send("rollout", encode_request(batch.step, sampling, ids, mask.sum(-1)), worker)
+            self.driver.request_generation(worker, batch.step, sampling, ids, mask.sum(-1))
 
     def _collect(self) -> GenerationOutput:
         """The whole batch's output on every trainer rank (rank 0 receives it from the workers)."""
-        message = None
-        if self._driver:
-            parts = [decode_output(recv_tensors(worker, device=self.ctx.device)) for worker in self.ctx.rollout_ranks]
-            message = encode_output(GenerationOutput.concat(parts, self.pad_token_id))
+        out = None
+        if self.driver is not None:
+            out = GenerationOutput.concat(self.driver.receive_outputs(), self.pad_token_id)
         self.pending = None
         if self.ctx.world_size > 1:
-            message = broadcast_counted(message, 0, self.ctx.group, self.ctx)
-        return decode_output(message)
-
-
-def broadcast_counted(message: list[torch.Tensor] | None, src: int, group, ctx: DistContext) -> list[torch.Tensor]:
-    """`broadcast_tensors` from global rank ``src`` over ``group``, counted as ``rollout`` traffic and timed."""
-    start = time.perf_counter()
-    message = broadcast_tensors(message, src=src, group=group, device=ctx.device)
-    # one broadcast per tensor after the header's length and the header (int64: count, then per tensor
-    # dtype, ndim, sizes): counted as one payload
-    header = 8 * (2 + sum(2 + t.dim() for t in message))
-    payload = header + sum(t.numel() * t.element_size() for t in message)
-    size = dist.get_world_size(group) if group is not None else ctx.world_size
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-    ctx.comm.record("rollout", "broadcast", payload, size, group_rank=ranks.index(ctx.rank), root=ranks.index(src))
-    ctx.comm.add_wait("rollout", time.perf_counter() - start)
-    return message
+            out = broadcast_output(out, 0, self.ctx.group, self.ctx)
+        return out
 
 
 def _dp_rows(total: int, ctx: DistContext) -> tuple[int, int]:

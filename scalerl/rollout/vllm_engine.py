@@ -74,7 +74,7 @@ def map_vllm_outputs(
 
 
 class VLLMEngine:
-    """Runs a vLLM ``LLM`` on a model directory; ``sync_weights`` loads trainer tensors into it."""
+    """Runs a vLLM ``LLM`` on a model directory; weight sync loads trainer tensors into it (`load_weights`)."""
 
     logprobs_match_training_forward = False  # its kernels differ from the trainer's: recompute old log-probs
     shares_trainer_weights = False  # it holds its own copy of the weights
@@ -89,9 +89,6 @@ class VLLMEngine:
         params = self._vllm.SamplingParams(**vllm_sampling_kwargs(sampling))
         outputs = self.llm.generate(vllm_prompts(prompts), params, use_tqdm=False)
         return map_vllm_outputs(outputs, prompts, self.pad_token_id)
-
-    def sync_weights(self, named_tensors: dict[str, torch.Tensor] | None = None) -> int:
-        return self.load_weights(named_tensors.items()) if named_tensors else 0
 
     # The receiving interface of weight sync (scalerl/rollout/weight_loading.py). GPU-only, not tested here.
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -300,6 +300,7 @@ class RLTrainer:
                                             if p is not None and p.gradient_reducer is not None]))
         self.scheduler.step()
         with timer("update_weights"):
+            self.rollouts.collect_prefetched()  # standalone, one step ahead: the workers answer in order
             metrics.update(self.rollouts.sync_weights())
         step_time = time.perf_counter() - step_start
         metrics.update(self.timer.pop())

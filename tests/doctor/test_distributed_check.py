@@ -121,3 +121,29 @@ def test_a_rank_that_never_joins_is_named_with_its_host(runs):
     host = report["ranks"][0]["hostname"]
     assert f["ranks"] == [4] and f"rank 4 from {host}" in f["summary"]
     assert report["measurements"]["bandwidth"]["sweeps"][0]["ranks"] == [0, 1, 2, 3]  # measured without it
+
+
+def test_a_store_that_never_answers_ends_the_join_at_its_deadline(monkeypatch):
+    """The doctor meets at the trainer's store (`scalerl.parallel.rendezvous.connect_store`): a constructor
+    that hangs despite its timeout ends in RendezvousError after the join timeout plus the grace."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from scalerl.core.rank_env import RankEnv
+    from scalerl.doctor.world import RendezvousError, join_world
+    from scalerl.parallel import rendezvous
+
+    release = threading.Event()
+    monkeypatch.setattr(dist, "TCPStore", lambda *args, **kwargs: release.wait())
+    monkeypatch.setattr(rendezvous, "STORE_GRACE_S", 0.5)
+    env = RankEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, node_rank=0, master_addr="127.0.0.1",
+                  master_port=free_port(), launcher="torchrun")
+    start = time.monotonic()
+    try:
+        with pytest.raises(RendezvousError, match="rank 1: the rendezvous at 127.0.0.1:.* did not answer within 1 s"):
+            join_world(env, {"rank": 1}, join_timeout_s=1.0, collective_timeout_s=10, backend="gloo", environ={})
+    finally:
+        release.set()
+    assert 1.5 <= time.monotonic() - start < 4.5

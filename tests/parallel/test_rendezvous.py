@@ -1,18 +1,26 @@
-"""Joining the process group within `trainer.rendezvous_timeout_s`: a missing rank, an unreachable master and
-a busy MASTER_PORT each end in one error naming the address, the world size and the limit. In-process: no
-group is formed in any of these cases."""
+"""Joining the process group within `trainer.rendezvous_timeout_s`: a missing rank, an unreachable master,
+a busy MASTER_PORT and a store constructor that never returns each end in one error naming the address, the
+world size and the limit. In-process: no group is formed in any of these cases."""
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
+import torch.distributed as dist
 
 from scalerl.core.net import free_port
 from scalerl.core.rank_env import RankEnvError
+from scalerl.parallel import rendezvous
 from scalerl.parallel.process_group import enable_nccl_flight_recorder
-from scalerl.parallel.rendezvous import RendezvousError, rendezvous_store
+from scalerl.parallel.rendezvous import (
+    RendezvousError,
+    StoreDeadlineError,
+    connect_store,
+    rendezvous_store,
+)
 
 
 def test_rank_zero_waits_only_the_limit_for_missing_ranks():
@@ -42,6 +50,68 @@ def test_busy_master_port_names_the_variable():
         port = taken.getsockname()[1]
         with pytest.raises(RankEnvError, match=f"MASTER_PORT={port} is already in use"):
             rendezvous_store("127.0.0.1", port, rank=0, world_size=2, timeout_s=5.0)
+
+
+@pytest.fixture
+def hanging_store(monkeypatch):
+    """`dist.TCPStore` replaced by a constructor that blocks until the test ends (as one once did for 20
+    minutes despite its timeout); the grace past the timeout shortened to keep the test quick."""
+    release, calls = threading.Event(), []
+
+    def never_returns(*args, **kwargs):
+        calls.append((args, kwargs))
+        release.wait()
+        raise RuntimeError("released at teardown")
+
+    monkeypatch.setattr(dist, "TCPStore", never_returns)
+    monkeypatch.setattr(rendezvous, "STORE_GRACE_S", 0.5)
+    yield calls
+    release.set()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_store_constructor_that_never_returns_ends_at_the_deadline(hanging_store, rank):
+    with socket.socket() as master:  # rank 1 first waits for the master's port to accept connections
+        master.bind(("127.0.0.1", 0))
+        master.listen()
+        port = master.getsockname()[1]
+        outcome = {}
+
+        def attempt() -> None:  # in a thread of its own, so that a rendezvous without a deadline fails here
+            start = time.monotonic()
+            try:
+                rendezvous_store("127.0.0.1", port, rank=rank, world_size=2, timeout_s=1.0)
+            except BaseException as e:  # noqa: BLE001
+                outcome["error"], outcome["elapsed"] = e, time.monotonic() - start
+
+        waiting = threading.Thread(target=attempt, daemon=True)
+        waiting.start()
+        waiting.join(10)
+    assert "error" in outcome, "rendezvous_store was still inside the store's constructor after 10 s"
+    error = outcome["error"]
+    assert isinstance(error, RendezvousError), error
+    assert 1.0 + 0.5 <= outcome["elapsed"] < 1.0 + 0.5 + 3  # the limit plus the grace, not the constructor's hang
+    assert f"rank {rank} " in str(error) and f"127.0.0.1:{port}" in str(error)
+    assert "had not returned after" in str(error) and "rendezvous_timeout_s=1 s" in str(error)
+    assert hanging_store[0][1]["timeout"].total_seconds() <= 1.0  # the store got the limit as its own timeout
+
+
+def test_connect_store_raises_the_constructors_own_error(monkeypatch):
+    def refuses(*args, **kwargs):
+        raise dist.DistNetworkError("connection refused")
+
+    monkeypatch.setattr(dist, "TCPStore", refuses)
+    start = time.monotonic()
+    with pytest.raises(dist.DistNetworkError, match="connection refused"):
+        connect_store("127.0.0.1", 1, is_master=False, timeout_s=30)
+    assert time.monotonic() - start < 5  # at once, not after the deadline
+
+
+def test_connect_store_returns_a_working_store():
+    store = connect_store("127.0.0.1", free_port(), is_master=True, timeout_s=10, world_size=1)
+    store.set("key", "value")
+    assert store.get("key") == b"value"
+    assert issubclass(StoreDeadlineError, RendezvousError)
 
 
 def test_nccl_flight_recorder_defaults_keep_the_users_settings(tmp_path):

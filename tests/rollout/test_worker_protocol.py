@@ -1,0 +1,41 @@
+"""The rollout worker protocol's encodings: a GENERATE request and a generation output survive the trip
+as tensors (no pickle), prompts unpadded again and every sampling field kept."""
+
+from __future__ import annotations
+
+import torch
+
+from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
+from scalerl.rollout.worker_protocol import (
+    OP_GENERATE,
+    decode_output,
+    decode_request,
+    encode_output,
+    encode_request,
+    request_op,
+)
+
+
+def test_a_request_round_trips():
+    prompts = [[5, 6, 7], [8]]
+    ids, mask = left_pad(prompts, pad_token_id=0)
+    for sampling in (SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.9, top_k=5, stop_token_ids=[2, 3],
+                                    seed=11, row_offset=4, total_rows=12),
+                     SamplingParams(max_new_tokens=1, temperature=0.0)):  # no seed, no stop tokens, no total
+        message = encode_request(7, sampling, ids, mask.sum(-1))
+        assert request_op(message) == OP_GENERATE and int(message[0][1]) == 7
+        decoded, rows = decode_request(message)
+        assert rows == prompts
+        assert decoded == SamplingParams(**{**sampling.__dict__, "stop_token_ids": list(sampling.stop_token_ids)})
+
+
+def test_an_output_round_trips():
+    out = GenerationOutput(torch.tensor([[0, 5], [6, 7]]), torch.tensor([[0, 1], [1, 1]]),
+                           torch.tensor([[1, 2], [3, 0]]), torch.tensor([[1, 1], [1, 0]]),
+                           torch.tensor([[-0.5, -1.5], [-2.0, 0.0]]), ["length", "stop"])
+    message = encode_output(out)
+    assert all(isinstance(t, torch.Tensor) for t in message)
+    back = decode_output(message)
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs"):
+        assert torch.equal(getattr(back, name), getattr(out, name)), name
+    assert back.finish_reasons == ["length", "stop"]
