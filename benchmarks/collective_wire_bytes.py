@@ -1,5 +1,5 @@
 """Bytes each rank really sends per collective, read from the emulated network's link counters, against
-the formulas `scalerl.comm.counting.accounting.wire_bytes` counts with.
+the formulas `scalerl.comm.counting.collective_bytes.wire_bytes` counts with.
 
     python benchmarks/collective_wire_bytes.py [--nodes 2] [--size-mb 4] [--backend gloo]
 
@@ -72,7 +72,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from scalerl.comm.counting.accounting import wire_bytes
+    from scalerl.comm.counting.collective_bytes import wire_bytes
     from scalerl.launch.emulated_cluster import EmulatedCluster, EmulatedClusterError
 
     size = int(args.size_mb * 2**20) // (4 * args.nodes) * 4 * args.nodes  # divisible by the rank count

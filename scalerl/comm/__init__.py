@@ -13,17 +13,9 @@
 """
 
 
-from scalerl.comm.counting.accounting import (
-                                           KINDS,
-                                           CommCounter,
-                                           process_counter,
-                                           wire_bytes,
-)
-from scalerl.comm.counting.counted_collectives import (
-                                           CountedCollectives,
-                                           SendCallback,
-                                           ring_wire_bytes,
-)
+from scalerl.comm.counting.accounting import KINDS, CommCounter, process_counter
+from scalerl.comm.counting.collective_bytes import wire_bytes
+from scalerl.comm.counting.counted_collectives import CountedCollectives, SendCallback
 from scalerl.comm.gradients.allreduce_choice import AllReduceChoice, choose_allreduce
 from scalerl.comm.gradients.hierarchical import (
                                            HierarchicalGroups,
@@ -67,6 +59,6 @@ __all__ = ["KINDS", "AllReduceChoice", "apply_socket_interface", "BroadcastChann
            "CommCounter", "CompressionSettings", "CountedCollectives", "detect_topology", "gather_node_layout",
            "gather_topology", "gradient_reduction_hook", "GradientReducer", "hierarchical_all_reduce",
            "HierarchicalGroups", "InProcessChannel", "merged_comm_metrics", "NetworkInterface", "NodeLayout",
-           "plan_rank_placement", "process_counter", "RankPlacement", "RankTopology", "RdmaPort", "ring_wire_bytes",
+           "plan_rank_placement", "process_counter", "RankPlacement", "RankTopology", "RdmaPort",
            "SendCallback", "serve_broadcast", "SocketInterfaceChoice", "SocketInterfaceError", "SyncReport",
            "TensorDictStore", "WeightReceiver", "WeightSender", "WeightStore", "WeightSyncError", "wire_bytes"]

@@ -7,6 +7,7 @@ import math
 import statistics
 from typing import Any
 
+from scalerl.comm.counting.collective_bytes import wire_bytes
 from scalerl.health.thresholds import RULES
 from scalerl.health.tree import NOT_MEASURED, OK, Finding
 from scalerl.health.view import PROFILE_HINT, StepView
@@ -144,9 +145,10 @@ def parallel_granularity(view: StepView) -> list[Finding]:
         out.append(finding("tp_granularity", NOT_MEASURED, "needs the model size, the device peak and a measured "
                             f"link busbw; {PROFILE_HINT}"))
     else:
-        # Per layer and token: 4 all-reduces of the hidden state (2 forward, 2 backward), each moving
-        # 2(tp-1)/tp x hidden x bytes at busbw, against 6 x layer params / tp FLOPs at the device's peak.
-        comm = 4 * 2 * (tp - 1) / tp * c["hidden_size"] * c["dtype_bytes"] / c["link_busbw"]
+        # Per layer and token: 4 all-reduces of the hidden state (2 forward, 2 backward), each rank sending
+        # its wire bytes at busbw, against 6 x layer params / tp FLOPs at the device's peak.
+        hidden_bytes = c["hidden_size"] * c["dtype_bytes"]
+        comm = 4 * wire_bytes("all_reduce", hidden_bytes, tp) / c["link_busbw"]
         compute = 6 * c["layer_params"] / tp / c["peak_flops"]
         ratio = comm / compute
         status = RULES["tp_granularity"].thresholds["comm_over_compute"].status(ratio)

@@ -18,13 +18,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from scalerl.comm.counting.accounting import CommCounter
 from scalerl.comm.counting.counted_collectives import SendCallback
-from scalerl.comm.counting.ddp import (
+from scalerl.comm.counting.framework_collectives import (
     CountedAllReduceState,
     TimedReducerState,
+    count_fsdp_collectives,
     counted_allreduce_hook,
     timed_reduction_hook,
 )
-from scalerl.comm.counting.fsdp import count_fsdp_collectives
 from scalerl.comm.gradients.reducer import (
     CAST_DTYPES,
     GradientReducer,

@@ -1,9 +1,10 @@
-"""The process group and mesh a run uses, and the few collectives the trainer needs on the DP dimension.
+"""The process group and mesh a run uses, and the counted collectives the trainer issues.
 
 A single process gets the same object with sizes of 1 and no-op collectives, so the trainer has one code
 path for every layout. With standalone rollout workers the world holds the trainer's ranks first and the
-workers' ranks last; the mesh and `group` span the trainer's ranks only, and every collective here runs
-on `group`, never on the whole world. Nothing waits without a limit: joining the group is bounded by the
+workers' ranks last; the mesh and `group` span the trainer's ranks only. Every collective here runs on a
+named group (`over`: the DP ranks, the trainer's ranks, the rollout group), never on the whole world, and
+counts this rank's bytes and wait in `comm` under its kind and mesh dimension. Nothing waits without a limit: joining the group is bounded by the
 rendezvous limit, every collective by the collective limit (`scalerl.parallel.process_group`).
 """
 
@@ -13,6 +14,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,9 @@ from scalerl.parallel.mesh import LayoutError, ParallelDims
 from scalerl.parallel.process_group import join_process_group
 
 logger = logging.getLogger(__name__)
+# A collective's group: "dp", "trainer", "rollout" (see `DistContext.group_of`) or a process group.
+Over = Union[str, dist.ProcessGroup]
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 @dataclass
@@ -81,32 +86,93 @@ class DistContext:
         per_rank = len(rows) // self.dp_size
         return rows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """In-place reduction over the data-parallel ranks (TP/PP peers hold the same values already);
-        counted as ``metrics`` traffic (token counts, advantage statistics)."""
-        if self.dims.dp > 1:
-            with self.comm.collective("metrics", "all_reduce", tensor, self.dp_group, dim="dp"):
-                dist.all_reduce(tensor, op=op, group=self.dp_group)
+    # ---- counted collectives: each counts this rank's bytes (kind, mesh dimension) and its wait ----------
+    def group_of(self, over: Over) -> tuple[dist.ProcessGroup | None, int, str | None]:
+        """(group, size, counter dimension) of ``over``: ``"dp"`` (the data-parallel ranks; TP/PP peers hold
+        the same values), ``"trainer"`` (every trainer rank), ``"rollout"`` (the trainer's rank 0 and the
+        standalone workers) or a process group (dimension: None unless the call names one)."""
+        if over == "dp":
+            return self.dp_group, self.dims.dp, "dp"
+        if over == "trainer":
+            return self.group, self.world_size, None
+        if over == "rollout":
+            return self.rollout_group, len(self.rollout_ranks) + 1 if self.rollout_ranks else 1, "rollout_workers"
+        if isinstance(over, str):
+            raise ValueError(f"unknown group {over!r}: 'dp', 'trainer', 'rollout' or a process group")
+        return over, dist.get_world_size(over), None
+
+    def all_reduce(self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", *, over: Over = "dp",
+                   kind: str = "metrics", dim: str | None = None) -> torch.Tensor:
+        """In-place reduction (``op``: "sum", "max", "min" or a ``ReduceOp``) over ``over`` (default: the
+        data-parallel ranks), counted as ``kind`` traffic (default ``metrics``: token counts, statistics)."""
+        group, size, default_dim = self.group_of(over)
+        if size > 1:
+            with self.comm.collective(kind, "all_reduce", tensor, group, dim=dim or default_dim):
+                dist.all_reduce(tensor, op=REDUCE_OPS[op] if isinstance(op, str) else op, group=group)
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor, *, over: Over = "dp", kind: str = "metrics",
+                   dim: str | None = None) -> torch.Tensor:
+        """Every rank's ``tensor`` (one shape on all) concatenated along dim 0 in group-rank order."""
+        group, size, default_dim = self.group_of(over)
+        if size == 1:
+            return tensor
+        out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        with self.comm.collective(kind, "all_gather", out, group, dim=dim or default_dim):
+            dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int | None = None, *, over: Over = "trainer",
+                  kind: str = "metrics", dim: str | None = None) -> torch.Tensor:
+        """``tensor`` from global rank ``src`` (default: the group's first rank) to every rank of ``over``, in place."""
+        group, size, default_dim = self.group_of(over)
+        if size > 1:
+            src = src if src is not None else (dist.get_global_rank(group, 0) if group is not None else 0)
+            with self.comm.collective(kind, "broadcast", tensor, group, dim=dim or default_dim, src=src):
+                dist.broadcast(tensor, src=src, group=group)
+        return tensor
+
+    def all_to_all(self, tensor: torch.Tensor, *, over: Over = "dp", kind: str = "metrics",
+                   dim: str | None = None) -> torch.Tensor:
+        """``tensor`` cut into group-size equal chunks along dim 0, chunk j sent to group rank j; returns the
+        chunks received, in group-rank order (same shape)."""
+        group, size, default_dim = self.group_of(over)
+        if size == 1:
+            return tensor
+        if tensor.shape[0] % size:
+            raise ValueError(f"all_to_all: {tensor.shape[0]} rows do not split into {size} equal chunks")
+        out = torch.empty_like(tensor)
+        with self.comm.collective(kind, "all_to_all", tensor, group, dim=dim or default_dim):
+            dist.all_to_all_single(out, tensor.contiguous(), group=group)
+        return out
+
+    def counted(self, kind: str, op: str, payload_bytes: int | None = None, *, over: Over = "trainer",
+                src: int | None = None, dim: str | None = None):
+        """A context manager counting one transfer made of several calls (a tensor message: its length,
+        header and parts) as one ``op`` of ``payload_bytes`` over ``over``, and timing the block; the size
+        may be set inside it, once known::
+
+            with ctx.counted("rollout", "send", over="rollout") as transfer:
+                transfer.payload_bytes = send_tensors(tensors, worker)
+
+        ``src``: a broadcast's global source rank. A send counts its payload whatever the group."""
+        group, _, default_dim = self.group_of(over)
+        return self.comm.collective(kind, op, payload_bytes, group, dim=dim or default_dim, src=src)
+
     def all_finished(self, flag: bool) -> bool:
-        """True once every DP rank is done: ranks whose forwards hold collectives (FSDP all-gathers, TP
+        """True once every trainer rank is done: ranks whose forwards hold collectives (FSDP all-gathers, TP
         all-reduces) must run the same number of decode steps."""
         if self.world_size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        with self.comm.collective("metrics", "all_reduce", t, self.group):
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item())
+        return bool(self.all_reduce(t, op="min", over="trainer").item())
 
     def agree(self, flag: bool) -> bool:
         """Rank 0's ``flag`` on every trainer rank: a decision only rank 0 can make (from a file it alone reads)."""
         if self.world_size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        with self.comm.collective("metrics", "broadcast", t, self.group):
-            dist.broadcast(t, src=0, group=self.group)  # global rank 0 is the trainer's first rank
-        return bool(t.item())
+        return bool(self.broadcast(t, src=0, over="trainer").item())  # global rank 0: the trainer's first
 
     def barrier(self) -> None:
         """All trainer ranks meet here."""

@@ -4,7 +4,6 @@ all-gather: every rank contributes its vector of values, every rank computes the
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from scalerl.parallel.distributed import DistContext
 from scalerl.perf.metrics import RANKED, reduction_of
@@ -22,11 +21,8 @@ def reduce_metrics(metrics: dict[str, float], ctx: DistContext) -> dict[str, flo
         out.update({f"{k}/slowest_rank": 0.0 for k in RANKED if k in metrics})
         return out
     local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=ctx.device)
-    gathered = torch.empty(ctx.world_size * len(keys), dtype=torch.float64, device=ctx.device)
     # Counted in the next step's metrics (this step's were read before this gather).
-    with ctx.comm.collective("metrics", "all_gather", gathered, ctx.group):
-        dist.all_gather_into_tensor(gathered, local, group=ctx.group)
-    gathered = gathered.view(ctx.world_size, len(keys))
+    gathered = ctx.all_gather(local, over="trainer").view(ctx.world_size, len(keys))
     # Tensor/pipeline peers of a DP rank hold copies of its values: a sum over all ranks counts each DP
     # rank's value world/dp times.
     copies = ctx.world_size / ctx.dp_size

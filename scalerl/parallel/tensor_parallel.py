@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from scalerl.comm.counting.accounting import CommCounter
-from scalerl.comm.counting.tp import count_tensor_parallel_style
+from scalerl.comm.counting.framework_collectives import count_tensor_parallel_style
 from scalerl.models.decoder import decoder_layers
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import MicroBatch, ModelParts
@@ -86,9 +85,7 @@ def token_budget_batches(batch: RolloutBatch, max_tokens: int, ctx: DistContext)
     lengths = batch.attention_mask.sum(-1).tolist()
     groups = token_budget_micro_batches(lengths, max_tokens)
     if ctx.world_size > 1:
-        count = torch.tensor([len(groups)], device=ctx.device)
-        with ctx.comm.collective("metrics", "all_reduce", count, ctx.group):
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ctx.group)
+        count = ctx.all_reduce(torch.tensor([len(groups)], device=ctx.device), op="max", over="trainer")
         groups = token_budget_micro_batches(lengths, max_tokens, same_count_across=int(count))
     device = batch.input_ids.device
     return [batch.select(torch.tensor(sorted(g), device=device)) for g in groups]

@@ -6,13 +6,8 @@ import threading
 import pytest
 import torch
 
-from scalerl.comm.counting.accounting import (
-    KINDS,
-    TIMED_KINDS,
-    CommCounter,
-    binomial_tree_sends,
-    wire_bytes,
-)
+from scalerl.comm.counting.accounting import KINDS, TIMED_KINDS, CommCounter
+from scalerl.comm.counting.collective_bytes import binomial_tree_sends, mean_wire_bytes, wire_bytes
 from scalerl.perf.metrics import reduction_of
 
 S = 1000.0
@@ -42,6 +37,8 @@ def test_broadcast_trees():
         assert sum(binomial_tree_sends(v, n) for v in range(n)) == n - 1
         chain = [wire_bytes("broadcast", S, n, "nccl", group_rank=r, root=1) for r in range(n)]
         assert sum(chain) == (n - 1) * S and chain[0] == 0  # rank 0 is last in a chain rooted at 1
+        for backend in ("gloo", "nccl"):
+            assert mean_wire_bytes("broadcast", S, n, backend) == pytest.approx((n - 1) / n * S)
     # the root is relative: rank 2 rooting a 4-rank broadcast sends 2 x S
     assert wire_bytes("broadcast", S, 4, "gloo", group_rank=2, root=2) == 2 * S
     assert wire_bytes("broadcast", S, 4, "gloo", group_rank=3, root=2) == S

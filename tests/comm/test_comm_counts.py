@@ -187,7 +187,23 @@ def _count_every_layout(rank, world):
                 advantages=torch.zeros(4, 5))
             rebalance_batch(batch, ctx, local_groups=2)
             out["rebalance"] = counts()[0]
+            out["facade"] = _facade(ctx, rank, world)
+            out["facade_bytes"] = counts()[0]
         dist.barrier()
+    return out
+
+
+def _facade(ctx, rank: int, world: int) -> dict:
+    """The rest of DistContext's counted collectives, values and bytes (counted after ``rebalance``)."""
+    ctx.comm.reset()
+    mine = torch.full((2,), float(rank))
+    out = {"all_gather": ctx.all_gather(mine).tolist(),
+           "max": ctx.all_reduce(mine.clone(), op="max", over="trainer").tolist(),
+           "broadcast": ctx.broadcast(torch.full((2,), float(rank), dtype=torch.float64), src=1).tolist(),
+           "all_to_all": ctx.all_to_all(torch.arange(2 * world, dtype=torch.float32) + 100 * rank,
+                                        kind="rebalance").tolist()}
+    with ctx.counted("weight_sync", "send", over="rollout") as transfer:
+        transfer.payload_bytes = 1000  # known once the block has sent it (a tensor message)
     return out
 
 
@@ -231,6 +247,7 @@ def test_world2_counts_match_hand_computation(world2):
                                 "metrics/all_gather/None": gather(2) * 2 * 3 * 8}
         assert out["rebalance"] == {"rebalance/all_gather/dp": gather(2) * 2 * REBALANCE_LOCAL,
                                     "rebalance/all_reduce/dp": ring(2) * 16}
+        _check_facade(2, rank, out)
         # the replica refresh: each rank broadcasts its stage's weights (gloo, 2 ranks: the root sends S)
         owned = STAGE0 if rank == 0 else STAGE1
         loss_broadcast = {"metrics/broadcast/pp": 8} if rank == 1 else {}  # the last stage sends its float64 loss
@@ -246,9 +263,41 @@ def test_world2_tp_counts_agree_with_the_collectives_dtensor_dispatches(world2):
         assert calls["tp/all_gather/tp"] == torch_counts["all_gather_into_tensor"] == M
 
 
+def _check_facade(world: int, rank: int, out: dict) -> None:
+    f = out["facade"]
+    assert f["all_gather"] == [float(r) for r in range(world) for _ in range(2)]
+    assert f["max"] == [world - 1.0] * 2 and f["broadcast"] == [1.0, 1.0]
+    # chunk j of every rank's input goes to rank j: rank r receives element pair r from each rank, in order
+    assert f["all_to_all"] == [100.0 * j + v for j in range(world) for v in (2 * rank, 2 * rank + 1)]
+    # broadcast from rank 1 (gloo's binomial tree, 16 bytes): world 2: 1 -> 0; world 4: 1 -> 2, 3 and 2 -> 0
+    tree = {2: {1: 1}, 4: {1: 2, 2: 1}}[world]
+    want = {"metrics/all_gather/dp": gather(world) * 4 * 2 * world, "metrics/all_reduce/None": ring(world) * 8,
+            "rebalance/all_to_all/dp": gather(world) * 4 * 2 * world, "weight_sync/send/rollout_workers": 1000}
+    if rank in tree:
+        want["metrics/broadcast/None"] = tree[rank] * 16
+    assert out["facade_bytes"] == pytest.approx(want), (rank, out["facade_bytes"])
+
+
+def test_the_facade_is_a_no_op_in_a_single_process():
+    from scalerl.comm.counting.accounting import CommCounter
+    from scalerl.parallel.distributed import DistContext
+    from scalerl.parallel.mesh import ParallelDims
+
+    ctx = DistContext(ParallelDims(1, 1, 1, 1), mesh=None, comm=CommCounter())
+    t = torch.arange(4.0)
+    for result in (ctx.all_reduce(t, op="max", over="trainer"), ctx.all_gather(t), ctx.broadcast(t),
+                   ctx.all_to_all(t, kind="rebalance")):
+        assert result is t and t.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert ctx.all_finished(True) and not ctx.agree(False)
+    assert ctx.comm.calls() == {}
+    with pytest.raises(ValueError, match="unknown group 'pp'"):
+        ctx.all_reduce(t, over="pp")
+
+
 def test_world4_counts_match_hand_computation(world4):
     _check_layouts(4, world4)
-    for out in world4.values():
+    for rank, out in world4.items():
+        _check_facade(4, rank, out)
         assert out["hsdp"]["calls"]["grad/all_reduce/dp_replicate"] == 3 * M
 
 

@@ -2,17 +2,18 @@
 measured timings.
 
 A message costs ``alpha + bytes * beta`` on a link (alpha: latency per message step, beta: seconds per
-byte of one stream). With ``p`` ranks and ``n`` payload bytes:
+byte of one stream). With ``p`` ranks, ``n`` payload bytes and ``B`` the bytes the busiest rank sends
+(`scalerl.comm.counting.collective_bytes.wire_bytes`, the formula the counters use; on gloo a
+reduce-scatter sends as much as an all-reduce):
 
-| collective | steps | bytes each rank sends per step, summed | time |
-| --- | --- | --- | --- |
-| ring all-reduce | 2(p-1) | 2(p-1)/p x n | 2(p-1) a + 2(p-1)/p n b |
-| ring all-gather / reduce-scatter (NCCL) | p-1 | (p-1)/p x n | (p-1) a + (p-1)/p n b |
-| reduce-scatter on gloo | as its all-reduce (it reduces the whole tensor, `scalerl.comm.counting.accounting`) | | |
-| broadcast, gloo binomial tree | ceil(log2 p) | n per round | ceil(log2 p) (a + n b) |
-| broadcast, NCCL chain (pipelined) | p-1 | n | (p-1) a + n b |
-| send | 1 | n | a + n b |
-| hierarchical all-reduce (G per node, N nodes) | intra reduce-scatter + inter all-reduce of n/G (G streams share each node's link) + intra all-gather | | |
+| collective | message steps | time |
+| --- | --- | --- |
+| ring all-reduce; reduce-scatter on gloo | 2(p-1) | 2(p-1) a + B b |
+| ring all-gather, all-to-all, reduce-scatter on NCCL | p-1 | (p-1) a + B b |
+| broadcast, gloo binomial tree (the root sends in every round) | ceil(log2 p) | ceil(log2 p) a + B b |
+| broadcast, NCCL chain (pipelined) | p-1 | (p-1) a + B b |
+| send | 1 | a + B b |
+| hierarchical all-reduce (G per node, N nodes) | intra reduce-scatter + inter all-reduce of n/G (G streams share each node's link) + intra all-gather | |
 
 ``share`` is how many streams of the same collective cross one node's link at once (e.g. HSDP's
 replicate groups: one per rank of a node), so each stream gets ``1/share`` of the link. Gradient
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from scalerl.comm.counting.collective_bytes import mean_wire_bytes, wire_bytes
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "all_to_all")
 LARGE_MESSAGE = 256 * 2**10  # fit_link: bandwidth from messages this large or larger
@@ -65,34 +68,28 @@ LINK_PRESETS: dict[str, LinkCost] = {
 
 
 def sent_bytes(op: str, payload_bytes: float, p: int, backend: str = "gloo") -> float:
-    """Bytes each rank sends for one collective (the mean over ranks for a broadcast), matching
-    `scalerl.comm.counting.accounting.wire_bytes` (a test keeps the two equal)."""
+    """Bytes each rank sends for one collective (the mean over ranks for a broadcast), by the one formula
+    (`scalerl.comm.counting.collective_bytes`)."""
     if op not in OPS:
         raise ValueError(f"unknown collective {op!r}; one of {', '.join(OPS)}")
-    if p <= 1:
-        return 0.0
-    n = float(payload_bytes)
-    if op == "all_reduce" or (op == "reduce_scatter" and backend == "gloo"):
-        return 2 * (p - 1) / p * n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (p - 1) / p * n
-    if op == "broadcast":
-        return (p - 1) / p * n  # every non-root receives n once: (p-1) n sent by the group
-    return n  # send
+    if op == "broadcast":  # every non-root receives the payload once: (p-1) x payload sent by the group
+        return mean_wire_bytes(op, payload_bytes, p, backend)
+    return wire_bytes(op, payload_bytes, p, backend)
 
 
 def _steps_and_factor(op: str, p: int, backend: str) -> tuple[float, float]:
-    """(message steps, bytes per unit payload crossing the slowest hop) of ``op`` over ``p`` ranks."""
-    if op == "all_reduce" or (op == "reduce_scatter" and backend == "gloo"):
-        return 2 * (p - 1), 2 * (p - 1) / p
+    """(message steps, bytes per unit payload the busiest rank sends) of ``op`` over ``p`` ranks. The bytes
+    are `wire_bytes` of the root (a broadcast's busiest rank; every rank alike otherwise); the step counts
+    are latency terms of the algorithms, not bytes."""
+    factor = wire_bytes(op, 1.0, p, backend, group_rank=0, root=0)
+    if op == "all_reduce" or (op == "reduce_scatter" and backend == "gloo"):  # gloo: an all-reduce underneath
+        return 2 * (p - 1), factor  # ring: reduce-scatter then all-gather, p - 1 steps each
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return p - 1, (p - 1) / p
+        return p - 1, factor
     if op == "broadcast":
-        if backend == "gloo":
-            rounds = math.ceil(math.log2(p))
-            return rounds, rounds
-        return p - 1, 1.0
-    return 1, 1.0  # send
+        # gloo's binomial tree: ceil(log2 p) rounds, the root sending in each; NCCL's chain: p - 1 hops
+        return (math.ceil(math.log2(p)) if backend == "gloo" else p - 1), factor
+    return 1, factor  # send
 
 
 def collective_time(op: str, payload_bytes: float, p: int, link: LinkCost, backend: str = "gloo",
@@ -108,10 +105,9 @@ def hierarchical_all_reduce_time(payload_bytes: float, nodes: int, per_node: int
                                  inter: LinkCost, backend: str = "gloo") -> float:
     """Reduce-scatter inside each node, all-reduce of each rank's 1/G part among same-local-rank peers of
     the other nodes (G such streams share a node's link), all-gather inside the node."""
-    within = 2 * collective_time("all_gather", payload_bytes, per_node, intra, backend)  # RS (NCCL-like) + AG
-    if backend == "gloo":  # gloo's reduce-scatter costs an all-reduce
-        within = (collective_time("all_reduce", payload_bytes, per_node, intra, backend)
-                  + collective_time("all_gather", payload_bytes, per_node, intra, backend))
+    # gloo's reduce-scatter costs an all-reduce (`wire_bytes`), as `hierarchical_all_reduce` counts it
+    within = (collective_time("reduce_scatter", payload_bytes, per_node, intra, backend)
+              + collective_time("all_gather", payload_bytes, per_node, intra, backend))
     across = collective_time("all_reduce", payload_bytes / per_node, nodes, inter, backend, share=per_node)
     return within + across
 

@@ -1,20 +1,8 @@
 """Bytes each rank puts on the wire per step, by kind of traffic and mesh dimension, and time spent waiting.
 
 Every collective scalerl issues records itself here (`CommCounter.record`, or the `collective` context
-manager that also times a synchronous call). Bytes are computed from the payload size S, the group size n
-and the algorithm the backend runs, as bytes *this rank sends*:
-
-| op | per rank sends | S is |
-| --- | --- | --- |
-| ``all_reduce`` (ring) | 2(n-1)/n x S | the reduced tensor |
-| ``all_gather`` (ring) | (n-1)/n x S | the gathered (full) output |
-| ``reduce_scatter`` | ring (NCCL): (n-1)/n x S; gloo: 2(n-1)/n x S (an all-reduce underneath) | the full input |
-| ``broadcast`` | gloo: binomial tree, S per child; NCCL: chain, S unless last in the chain | the tensor |
-| ``send`` / ``recv`` | S / 0 | the tensor |
-| ``all_to_all`` | (n-1)/n x S | this rank's input |
-
-The gloo rows were measured on the emulated network (docs/comm-accounting.md): bytes over the link per
-rank matched these to within 0.4% for all_reduce, all_gather, reduce_scatter and broadcast at n = 2 and 4.
+manager that also times a synchronous call), its bytes through the one formula,
+`scalerl.comm.counting.collective_bytes.wire_bytes` (the table of what S is per collective lives there).
 
 One counter per process (`process_counter()`, also ``DistContext.comm``); the trainer takes
 ``pop()`` once per step. The metric keys are the same on every rank and every step (a rank that sent
@@ -27,10 +15,13 @@ import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
+
+from scalerl.comm.counting.collective_bytes import wire_bytes
 
 # rollout: prompts to standalone rollout workers and their outputs shared among the trainer's ranks
 KINDS = ("grad", "param", "tp", "pp", "rebalance", "weight_sync", "rollout", "metrics")
@@ -38,41 +29,6 @@ KINDS = ("grad", "param", "tp", "pp", "rebalance", "weight_sync", "rollout", "me
 # all-reduce). TP's all-reduces happen inside DTensor dispatch and pipeline sends/receives are waited on
 # inside torch's schedules: their bytes are counted, their time is not.
 TIMED_KINDS = ("grad", "param", "rebalance", "weight_sync", "rollout", "metrics")
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "all_to_all")
-
-
-def binomial_tree_sends(relative_rank: int, n: int) -> int:
-    """Children of ``relative_rank`` (distance from the root) in gloo's binomial broadcast tree: in round k
-    every rank v < 2^k that has received sends to v + 2^k."""
-    sends, k = 0, 0
-    while (1 << k) < n:
-        if relative_rank < (1 << k) and relative_rank + (1 << k) < n:
-            sends += 1
-        k += 1
-    return sends
-
-
-def wire_bytes(op: str, payload_bytes: float, group_size: int, backend: str = "gloo", group_rank: int = 0,
-               root: int = 0) -> float:
-    """Bytes this rank sends for one collective (the table in the module docstring). ``group_rank`` and
-    ``root`` (both ranks within the group) matter only for ``broadcast``."""
-    if op not in OPS:
-        raise ValueError(f"unknown collective {op!r}; one of {', '.join(OPS)}")
-    n, s = group_size, float(payload_bytes)
-    if n <= 1 or op == "recv":
-        return 0.0
-    if op == "all_reduce":
-        return 2 * (n - 1) / n * s
-    if op == "reduce_scatter":
-        return (2 if backend == "gloo" else 1) * (n - 1) / n * s
-    if op in ("all_gather", "all_to_all"):
-        return (n - 1) / n * s
-    if op == "broadcast":
-        relative = (group_rank - root) % n
-        if backend == "gloo":
-            return binomial_tree_sends(relative, n) * s
-        return s if relative != n - 1 else 0.0
-    return s  # send
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -90,6 +46,13 @@ def sharded_over(t) -> int:
         if not placement.is_replicate():
             size *= t.device_mesh.size(dim)
     return size
+
+
+@dataclass
+class Transfer:
+    """The payload of one counted collective, in bytes (S of `wire_bytes`)."""
+
+    payload_bytes: int | None = None
 
 
 class CommCounter:
@@ -130,21 +93,24 @@ class CommCounter:
             self._wait[kind] += max(0.0, seconds)
 
     @contextmanager
-    def collective(self, kind: str, op: str, tensor: torch.Tensor | int, group=None, *, dim: str | None = None,
-                   src: int | None = None) -> Iterator[None]:
+    def collective(self, kind: str, op: str, tensor: torch.Tensor | int | None, group=None, *,
+                   dim: str | None = None, src: int | None = None) -> Iterator[Transfer]:
         """Count a collective over ``group`` (None: the default group) and time the synchronous call inside
-        the ``with`` block. ``tensor`` is the payload (S) or its size in bytes; ``src`` is a broadcast's
-        global source rank. On NCCL a synchronous call returns once queued: the time is then launch time."""
-        n = dist.get_world_size(group)
-        payload = tensor if isinstance(tensor, int) else tensor_bytes(tensor)
-        group_rank = dist.get_rank(group)
-        root = dist.get_group_rank(group, src) if src is not None and group is not None else (src or 0)
-        self.record(kind, op, payload, n, dim=dim, group_rank=group_rank, root=root)
+        the ``with`` block. ``tensor`` is the payload (S) or its size in bytes; None when only the block
+        knows it (a message of several parts): set ``.payload_bytes`` of what it yields. ``src`` is a
+        broadcast's global source rank. On NCCL a synchronous call returns once queued: the time is then
+        launch time."""
+        transfer = Transfer(tensor if isinstance(tensor, (int, type(None))) else tensor_bytes(tensor))
         start = time.perf_counter()
         try:
-            yield
+            yield transfer
         finally:
             self.add_wait(kind, time.perf_counter() - start)
+        if transfer.payload_bytes is None:
+            raise ValueError(f"{kind} {op}: the payload's size was not given (set .payload_bytes in the block)")
+        n = dist.get_world_size(group)
+        root = dist.get_group_rank(group, src) if src is not None and group is not None else (src or 0)
+        self.record(kind, op, transfer.payload_bytes, n, dim=dim, group_rank=dist.get_rank(group), root=root)
 
     def waited(self, kind: str, work) -> None:
         """``work.wait()``, timed: the part of an asynchronous collective this rank spent blocked on."""

@@ -1,10 +1,10 @@
 """The collectives gradient reduction uses, each counting the bytes this rank sends and the time it took.
 
-Bytes are what this rank puts on the wire under the ring algorithms gloo and NCCL use for large tensors
-(nccl-tests' accounting): all-reduce 2(n-1)/n x size, reduce-scatter (n-1)/n x input size, all-gather
-(n-1) x this rank's chunk, broadcast size (root) / 0. Every call reports to an optional
-`on_send(kind, nbytes, seconds)` callback, so a per-rank byte counter (`scalerl.comm.counting.accounting` on
-another branch) can be plugged in: `kind` is "<collective>:<scope>" ("all_reduce:inter",
+Bytes come from the one formula, `scalerl.comm.counting.collective_bytes.wire_bytes`, for the group's
+backend: on gloo a reduce-scatter sends as much as an all-reduce (2(n-1)/n x its input), which the
+emulated network's link counters confirm (`tests/comm/test_link_bytes.py`). Every call reports to an
+optional `on_send(kind, nbytes, seconds)` callback, so the per-rank `CommCounter` can be plugged in
+(`scalerl.parallel.data_parallel.counting_callback`): `kind` is "<collective>:<scope>" ("all_reduce:inter",
 "all_gather:flat", ...), `seconds` the call's wall time when it blocked on gloo, and None for async
 calls and on NCCL, whose calls return before the transfer is done.
 """
@@ -18,27 +18,18 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from scalerl.comm.counting.collective_bytes import wire_bytes
+
 SendCallback = Callable[[str, int, Optional[float]], None]
 # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def ring_wire_bytes(collective: str, payload_bytes: int, group_size: int, is_root: bool = False) -> int:
-    """Bytes one rank sends for `collective` over a ring of `group_size` ranks; `payload_bytes` is the
-    tensor this rank hands in (all_gather: its own chunk; reduce_scatter: the full input)."""
-    n = group_size
-    if n <= 1:
-        return 0
-    if collective == "all_reduce":
-        return 2 * (n - 1) * payload_bytes // n
-    if collective == "reduce_scatter":
-        return (n - 1) * payload_bytes // n
-    if collective == "all_gather":
-        return (n - 1) * payload_bytes
-    if collective == "broadcast":
-        return payload_bytes if is_root else 0
-    raise ValueError(f"unknown collective {collective!r}")
+def _sent(op: str, payload: torch.Tensor, group, src: int = 0) -> int:
+    """`wire_bytes` of ``op`` over ``group`` for ``payload`` (what S is for ``op``), rounded to bytes."""
+    return round(wire_bytes(op, nbytes(payload), group.size(), dist.get_backend(group),
+                            group_rank=dist.get_rank(group), root=src))
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -74,26 +65,26 @@ class CountedCollectives:
 
     def all_reduce(self, tensor: torch.Tensor, group, scope: str, async_op: bool = False):
         """In-place SUM over `group`; with async_op, returns the work handle."""
-        sent = ring_wire_bytes("all_reduce", nbytes(tensor), group.size())
+        sent = _sent("all_reduce", tensor, group)
         return self._run(f"all_reduce:{scope}", sent, tensor,
                          lambda a: dist.all_reduce(tensor, group=group, async_op=a), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group, scope: str, async_op: bool = False):
         """SUM of `tensor` (size = group size x output size) over `group`, this rank's chunk into `output`."""
-        sent = ring_wire_bytes("reduce_scatter", nbytes(tensor), group.size())
+        sent = _sent("reduce_scatter", tensor, group)
         return self._run(f"reduce_scatter:{scope}", sent, tensor,
                          lambda a: _reduce_scatter_single(output, tensor, group=group, async_op=a), async_op)
 
     def all_gather(self, output: torch.Tensor, chunk: torch.Tensor, group, scope: str, async_op: bool = False):
         """Every rank's `chunk` concatenated in group-rank order into `output`."""
-        sent = ring_wire_bytes("all_gather", nbytes(chunk), group.size())
+        sent = _sent("all_gather", output, group)  # S: the gathered output
         return self._run(f"all_gather:{scope}", sent, chunk,
                          lambda a: _all_gather_single(output, chunk, group=group, async_op=a), async_op)
 
     def broadcast(self, tensor: torch.Tensor, group, scope: str):
         """`tensor` from the group's first rank to all its ranks."""
         src = dist.get_global_rank(group, 0)
-        sent = ring_wire_bytes("broadcast", nbytes(tensor), group.size(), dist.get_rank() == src)
+        sent = _sent("broadcast", tensor, group, src=0)
         return self._run(f"broadcast:{scope}", sent, tensor,
                          lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), False)
 

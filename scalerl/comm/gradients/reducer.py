@@ -24,11 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from scalerl.comm.counting.counted_collectives import (
-    CountedCollectives,
-    SendCallback,
-    ring_wire_bytes,
-)
+from scalerl.comm.counting.collective_bytes import wire_bytes
+from scalerl.comm.counting.counted_collectives import CountedCollectives, SendCallback
 from scalerl.comm.gradients.allreduce_choice import AllReduceChoice
 from scalerl.comm.gradients.bucket_slots import TensorSlot, bucket_slots, segments_in
 from scalerl.comm.gradients.compression_plan import (
@@ -112,7 +109,7 @@ class GradientReducer:
         for s in slots:
             self.slots.setdefault(s.name, s)
         world = self.group.size()
-        self.dense_fp32_bytes += ring_wire_bytes("all_reduce", buffer.numel() * 4, world)
+        self.dense_fp32_bytes += wire_bytes("all_reduce", buffer.numel() * 4, world)
         buffer.div_(world)
         method, step = self.settings.method, self.step
         fut = None

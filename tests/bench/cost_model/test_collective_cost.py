@@ -16,7 +16,7 @@ from scalerl.bench.cost_model.collective_cost import (
     hierarchical_all_reduce_time,
     sent_bytes,
 )
-from scalerl.comm.counting.accounting import wire_bytes
+from scalerl.comm.counting.collective_bytes import wire_bytes
 
 LINK = LinkCost(alpha_s=1e-4, bytes_per_s=1e8)
 MiB = 2**20
@@ -59,6 +59,19 @@ def test_hierarchical_beats_a_flat_ring_over_a_slow_link():
     assert flat == pytest.approx(link_flat, rel=0.01)
     assert hier == pytest.approx(link_hier, rel=0.05)
     assert hier / flat == pytest.approx(2 / 3, rel=0.05)
+
+
+def test_hierarchical_time_moves_the_bytes_the_hierarchical_all_reduce_counts():
+    """On gloo, 2 nodes x 2 ranks, S bytes: each rank's intra reduce-scatter sends S (gloo: an all-reduce
+    underneath), its intra all-gather S/2, its inter all-reduce of the half S/2, the node's two inter
+    streams sharing its link: what `hierarchical_all_reduce` counts (`tests/comm/test_hierarchical.py`)
+    and the emulated network's link counters confirm (`tests/comm/test_link_bytes.py`)."""
+    intra, inter = LinkCost(0.0, 2e9), LinkCost(0.0, 25e6)
+    n = 16 * MiB
+    hier = hierarchical_all_reduce_time(n, nodes=2, per_node=2, intra=intra, inter=inter, backend="gloo")
+    assert hier == pytest.approx((n + n / 2) / 2e9 + 2 * (n / 2) / 25e6)
+    nccl = hierarchical_all_reduce_time(n, nodes=2, per_node=2, intra=intra, inter=inter, backend="nccl")
+    assert hier - nccl == pytest.approx((n / 2) / 2e9)  # NCCL's ring reduce-scatter sends half of gloo's
 
 
 def test_fit_recovers_alpha_and_beta():
