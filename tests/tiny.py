@@ -5,8 +5,11 @@ in the test and the common part in one place."""
 
 from __future__ import annotations
 
+from scalerl.core.config import load_config
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import CausalLM, build_model
+from scalerl.models.load import builtin_model_config
+from scalerl.models.tokenizer import CharTokenizer
 
 # Config overrides: the built-in task and model (hidden 32, 4 heads, 2 kv heads, 2 layers), 2 RL steps of
 # 4 prompts x 4 samples, no evaluation between steps, metrics to jsonl only; 3 SFT steps of 8 rows.
@@ -37,3 +40,9 @@ def tiny_model_config(**changes) -> ModelConfig:
 def tiny_model(seed: int = 0, **changes) -> CausalLM:
     """A randomly initialised `tiny_model_config(**changes)` model; the same seed gives the same weights."""
     return build_model(tiny_model_config(**changes), seed=seed)
+
+
+def tiny_run_model(tokenizer: CharTokenizer, seed: int = 0) -> CausalLM:
+    """The model a run with ``TINY`` trains: the built-in architecture at TINY's sizes, over the built-in
+    tokenizer's vocabulary and positions (what `scalerl train` would build, e.g. to save as a directory)."""
+    return build_model(builtin_model_config(load_config(None, TINY).model, tokenizer), seed=seed)
