@@ -4,6 +4,7 @@ import json
 
 from scalerl.cli import main
 from scalerl.demo import weak_teacher_rows
+from tests.tiny import tiny_overrides
 
 
 def test_weak_teacher_errs_at_the_configured_rate():
@@ -17,12 +18,7 @@ def test_weak_teacher_errs_at_the_configured_rate():
 
 def test_demo_command_runs_sft_then_grpo(tmp_path, capsys):
     out = tmp_path / "demo"
-    code = main([
-        "demo", f"trainer.output_dir={out}", "sft.steps=3", "trainer.total_steps=2", "trainer.eval_every=0",
-        "data.num_train=200", "data.num_val=8", "model.hidden_size=32", "model.intermediate_size=64",
-        "trainer.batch_size=4", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=8",
-        "trainer.logger=[jsonl]",
-    ])
+    code = main(["demo", *tiny_overrides("actor.ppo_micro_batch_size=8"), f"trainer.output_dir={out}"])
     assert code == 0
     result = json.loads((out / "demo_result.json").read_text())
     assert 0 <= result["heldout_accuracy_sft"] <= 1 and 0 <= result["heldout_accuracy_grpo"] <= 1

@@ -10,26 +10,22 @@ from pathlib import Path
 import pytest
 
 from scalerl.cli import main
+from tests.tiny import tiny_overrides, tiny_run_model
 
 # Small and fast: one RL step of the built-in task, or a model directory of the same size.
-TINY = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train=64", "data.num_val=8", "rollout.n=4",
-        "rollout.max_new_tokens=4", "trainer.batch_size=4", "actor.ppo_mini_batch_size=8",
-        "actor.ppo_micro_batch_size=8", "trainer.total_steps=1", "trainer.eval_every=0", "trainer.logger=[jsonl]",
-        "sft.steps=1", "sft.batch_size=8", "sft.micro_batch_size=8"]
+TINY = tiny_overrides("data.num_train=64", "rollout.max_new_tokens=4", "actor.ppo_mini_batch_size=8",
+                      "actor.ppo_micro_batch_size=8", "trainer.total_steps=1", "sft.steps=1", "sft.micro_batch_size=8")
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     """A Hugging Face directory of the built-in model (hidden 32, 4 heads, 2 kv heads, 2 layers, 512
     positions) with the built-in tokenizer's files; cases corrupt copies of it, never the original."""
-    from scalerl.core.config import ModelSection
-    from scalerl.models.decoder import build_model
     from scalerl.models.hf_checkpoint import save_pretrained
-    from scalerl.models.load import builtin_model_config
     from scalerl.models.tokenizer import CharTokenizer
 
     tokenizer = CharTokenizer()
-    model = build_model(builtin_model_config(ModelSection(hidden_size=32, intermediate_size=64), tokenizer), seed=0)
+    model = tiny_run_model(tokenizer)
     path = tmp_path_factory.mktemp("model") / "tiny"
     save_pretrained(model, path)
     tokenizer.save_pretrained(path)

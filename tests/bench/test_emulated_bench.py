@@ -6,25 +6,11 @@ from __future__ import annotations
 
 import io
 
-import pytest
-
 from scalerl.bench.matrix import BenchMatrix
 from scalerl.bench.run import run_bench
-from scalerl.launch.emulated_cluster import (
-    EmulatedClusterError,
-    list_namespaces,
-    require_root_and_iproute2,
-)
+from scalerl.launch.emulated_cluster import list_namespaces
 
 RATE_MBIT = 100
-
-
-@pytest.fixture(scope="module")
-def netns_ok():
-    try:
-        require_root_and_iproute2()
-    except EmulatedClusterError as exc:
-        pytest.skip(f"emulated cluster unavailable here: {exc}")
 
 
 def test_ddp_on_two_emulated_nodes(netns_ok, tmp_path):

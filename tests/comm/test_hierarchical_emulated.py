@@ -57,14 +57,6 @@ dist.destroy_process_group()
 """
 
 
-@pytest.fixture(scope="module")
-def netns_ok():
-    try:
-        require_root_and_iproute2()
-    except EmulatedClusterError as exc:
-        pytest.skip(f"emulated cluster unavailable here: {exc}")
-
-
 def test_hierarchical_all_reduce_on_two_emulated_nodes(netns_ok, tmp_path):
     script = tmp_path / "hierarchical.py"
     script.write_text(SCRIPT)

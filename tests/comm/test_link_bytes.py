@@ -26,6 +26,7 @@ from scalerl.launch.emulated_cluster import (
     EmulatedClusterError,
     require_root_and_iproute2,
 )
+from tests.emulated_network import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {"ddp": ["parallel.dp_replicate=2"], "fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=2"],
@@ -75,23 +76,6 @@ print("REPORT " + json.dumps(report), flush=True)
 dist.barrier()  # both ranks done before either tears its connections down (a teardown abort was seen here)
 dist.destroy_process_group()
 """
-
-
-@pytest.fixture(scope="module")
-def netns_ok():
-    try:
-        require_root_and_iproute2()
-        with EmulatedCluster(nodes=2, rate_mbit=0):
-            pass
-    except EmulatedClusterError as exc:
-        pytest.skip(f"emulated cluster unavailable here: {exc}")
-
-
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_counted_bytes_match_the_link_counters(netns_ok, tmp_path):

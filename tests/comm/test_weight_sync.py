@@ -14,15 +14,14 @@ from scalerl.comm.weights.channel import (
 from scalerl.comm.weights.receiver import TensorDictStore, WeightReceiver
 from scalerl.comm.weights.sender import WeightSender
 from scalerl.core.config import ConfigError, load_config
-from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
 from scalerl.perf.metrics import reduction_of
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
 from scalerl.rollout.weight_loading import engine_weight_receiver
+from tests.tiny import tiny_model_config
 
-CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                     num_key_value_heads=2)
+CONFIG = tiny_model_config()
 
 
 def _model(seed=0):

@@ -13,6 +13,7 @@ from scalerl.core.threads import (
     read_cpu_counters,
     threads_for,
 )
+from tests.tiny import tiny_overrides
 
 
 def _fake_proc(root: Path, busy_ticks: int, idle_ticks: int, own_ticks: int) -> Path:
@@ -77,11 +78,10 @@ def test_results_do_not_depend_on_the_thread_count(tmp_path):
 
     weights, original = [], torch.get_num_threads()
     for n in (1, 2):
-        cfg = load_config(None, [
-            "model.hidden_size=32", "model.intermediate_size=64", "data.num_train=64", "data.num_val=0",
-            "rollout.n=4", "trainer.batch_size=4", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=8",
+        cfg = load_config(None, tiny_overrides(
+            "data.num_train=64", "data.num_val=0", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=8",
             "trainer.logger=[]", f"trainer.cpu_threads={n}", f"trainer.output_dir={tmp_path / str(n)}",
-        ])
+        ))
         try:
             trainer = RLTrainer(cfg)
             trainer.train_step()

@@ -13,13 +13,12 @@ from pathlib import Path
 from scalerl.cli import main
 from scalerl.core.net import free_port
 from scalerl.doctor.cli import parse_size
+from tests.tiny import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "diagnose.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
-TINY = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train=100", "data.num_val=4",
-        "trainer.batch_size=4", "rollout.n=4", "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=16",
-        "actor.ppo_micro_batch_size=4"]
+TINY = tiny_overrides("data.num_train=100", "data.num_val=4")
 
 
 def test_both_modes_under_torchrun(tmp_path):

@@ -9,25 +9,10 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
-from scalerl.launch.emulated_cluster import (
-    EmulatedCluster,
-    EmulatedClusterError,
-    require_root_and_iproute2,
-    run_tool,
-)
+from scalerl.launch.emulated_cluster import EmulatedCluster, run_tool
 
 REPO = Path(__file__).resolve().parents[2]
 FAST_MBIT, SLOW_MBIT = 200, 25
-
-
-@pytest.fixture(scope="module")
-def netns_ok():
-    try:
-        require_root_and_iproute2()
-    except EmulatedClusterError as exc:
-        pytest.skip(f"emulated cluster unavailable here: {exc}")
 
 
 def _reshape(cluster: EmulatedCluster, node: int, mbit: int) -> None:

@@ -14,10 +14,10 @@ import pytest
 from scalerl.core.net import free_port
 from tests.doctor.test_distributed_check import alarms
 from tests.spawned_group import run_in_group
+from tests.tiny import tiny_overrides
 
-TINY = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train=200", "data.num_val=8",
-        "trainer.batch_size=8", "rollout.n=4", "rollout.max_new_tokens=24", "actor.ppo_mini_batch_size=32",
-        "actor.ppo_micro_batch_size=8", "trainer.eval_every=0"]
+TINY = tiny_overrides("trainer.batch_size=8", "rollout.max_new_tokens=24", "actor.ppo_mini_batch_size=32",
+                      "actor.ppo_micro_batch_size=8")
 SCENARIOS = ("healthy", "straggler", "data_wait", "skewed", "skewed_balanced")
 STRAGGLER_RANK, DELAY_S = 2, 1.5
 

@@ -9,34 +9,13 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from scalerl.doctor.diagnose import DoctorOptions
 from scalerl.doctor.ray_doctor import diagnose_on_ray, pending_placement_groups
+from tests.tiny import tiny_overrides
 
-OBJECT_STORE_BYTES = 128 * 2**20
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("GLOO_SOCKET_IFNAME", "lo")
-        nodes = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False})
-        try:
-            nodes.add_node(num_cpus=2, object_store_memory=OBJECT_STORE_BYTES)
-            nodes.wait_for_nodes()
-            ray.init(address=nodes.address, log_to_driver=False)
-            yield nodes
-        finally:
-            ray.shutdown()
-            nodes.shutdown()
-
-
-TINY = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train=100", "data.num_val=4",
-        "trainer.batch_size=4", "rollout.n=4", "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=16",
-        "actor.ppo_micro_batch_size=4"]
+TINY = tiny_overrides("data.num_train=100", "data.num_val=4")
 
 
 def _options(tmp_path, profile=False):
@@ -49,7 +28,7 @@ def _alarms(report):
             if leaf["status"] in ("warning", "fault")}
 
 
-def test_check_on_rank_actors_explains_a_pending_placement_group(cluster, tmp_path):
+def test_check_on_rank_actors_explains_a_pending_placement_group(ray_cluster, tmp_path):
     stuck = placement_group([{"CPU": 100.0}], strategy="PACK", name="too-big")  # can never be placed
     try:
         report = diagnose_on_ray(_options(tmp_path, profile=True), num_nodes=2, gpus_per_node=0, cpus_per_rank=1.0,
@@ -65,7 +44,7 @@ def test_check_on_rank_actors_explains_a_pending_placement_group(cluster, tmp_pa
     assert pending_placement_groups()["pending"] == []
 
 
-def test_the_doctors_own_request_that_cannot_be_placed(cluster, tmp_path):
+def test_the_doctors_own_request_that_cannot_be_placed(ray_cluster, tmp_path):
     report = diagnose_on_ray(_options(tmp_path), num_nodes=1, gpus_per_node=1, cpus_per_rank=1.0, strategy="PACK",
                              address=None)
     assert report.exit_code == 1

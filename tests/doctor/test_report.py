@@ -11,7 +11,10 @@ from pathlib import Path
 from scalerl.doctor.render import render
 from scalerl.doctor.report import SCHEMA, DoctorReport
 from scalerl.health import LEAVES, RULES, describe_rules, run_cluster_rules
-from tests.perf.recorded_measurements import healthy_cluster_measurements, healthy_facts
+from tests.health.recorded_measurements import (
+    healthy_cluster_measurements,
+    healthy_facts,
+)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "doctor.md"
 TOP_KEYS = {"schema", "created", "scalerl_version", "modes", "status", "exit_code", "world", "tree", "ranks",

@@ -24,7 +24,7 @@ from scalerl.health import (
     run_step_rules,
 )
 from scalerl.health.step_rules import reward_collapse
-from tests.perf.recorded_measurements import (
+from tests.health.recorded_measurements import (
     healthy_cluster_measurements,
     healthy_facts,
     healthy_profile,

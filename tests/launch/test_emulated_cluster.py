@@ -26,6 +26,7 @@ from scalerl.launch.emulated_cluster import (
     require_root_and_iproute2,
 )
 from scalerl.launch.emulated_ranks import RankTimeoutError, rank_layout
+from tests.emulated_network import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 RANK_ENV = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
@@ -68,25 +69,8 @@ dist.destroy_process_group()
 """
 
 
-@pytest.fixture(scope="module")
-def netns_ok():
-    try:
-        require_root_and_iproute2()
-        with EmulatedCluster(nodes=2, rate_mbit=0):
-            pass
-    except EmulatedClusterError as exc:
-        pytest.skip(f"emulated cluster unavailable here: {exc}")
-
-
 def leftovers(prefix: str) -> list[str]:
     return [n for n in list_namespaces() + list_root_links() if n.startswith(prefix)]
-
-
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)
 
 
 def pids_with_marker(marker: str) -> list[int]:

@@ -37,6 +37,7 @@ from tests.launch.k8s_schemas import (
     validate_rayjob,
     validate_trainjob,
 )
+from tests.tiny import TINY
 
 GOLDEN = Path(__file__).parent / "golden" / "k8s"
 CONFIG_YAML = "trainer:\n  total_steps: 100\n  output_dir: /runs/grpo-1\nparallel:\n  dp_shard: 8\n"
@@ -379,10 +380,7 @@ def test_rank_env_reads_an_indexed_job():
 def test_indexed_job_pods_train_as_written(tmp_path):
     """Two local processes get exactly the command and environment the manifest gives its two pods (the
     ConfigMap as the config file, pod 0 reached on loopback) and train together for two steps."""
-    overrides = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train=200", "data.num_val=8",
-                 "trainer.batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=4",
-                 "trainer.logger=[jsonl]", "trainer.total_steps=2", "trainer.eval_every=0",
-                 f"trainer.output_dir={tmp_path / 'run'}"]
+    overrides = [*TINY, f"trainer.output_dir={tmp_path / 'run'}"]
     job = job_for_config(K8sJob(kind="indexed-job", name="demo", image="img:1", nodes=2, gpus_per_node=0,
                                 cpu_only=True, config_yaml=""), load_config(None, overrides))
     docs = render_manifests(job)

@@ -14,7 +14,6 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 
 from scalerl.core.config import ConfigError  # noqa: E402
@@ -27,31 +26,18 @@ from scalerl.launch.ray_launcher import (  # noqa: E402
     rank_bundles,
     run_on_ranks,
 )
+from tests.tiny import tiny_overrides  # noqa: E402
 
-OBJECT_STORE_BYTES = 128 * 2**20
-TINY = ["trainer.total_steps=2", "model.hidden_size=32", "model.intermediate_size=64", "data.num_train=200",
-        "data.num_val=8", "trainer.batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=8",
-        "actor.ppo_micro_batch_size=4", "trainer.logger=[jsonl]"]
+TINY = tiny_overrides("actor.ppo_mini_batch_size=8")
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """Two simulated nodes; GLOO_SOCKET_IFNAME keeps gloo on loopback (and checks it is passed through)."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("GLOO_SOCKET_IFNAME", "lo")
-        nodes = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False})
-        try:
-            nodes.add_node(num_cpus=2, object_store_memory=OBJECT_STORE_BYTES)
-            nodes.wait_for_nodes()
-            ray.init(address=nodes.address, log_to_driver=False)
-            # The functions below run inside the actors; shipping them by value spares the workers from
-            # importing this test module (which they may not find on their sys.path).
-            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-            yield nodes
-        finally:
-            ray.shutdown()
-            nodes.shutdown()
+def cluster(ray_cluster):
+    """The two simulated nodes of the root conftest's `ray_cluster`. The functions below run inside the
+    actors; shipping them by value spares the workers from importing this test module (which they may not
+    find on their sys.path)."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return ray_cluster
 
 
 @pytest.fixture

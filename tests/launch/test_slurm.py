@@ -22,12 +22,11 @@ import pytest
 
 from scalerl.launch.cli import add_launch_parser
 from scalerl.launch.slurm import slurm_job_script, submit, wait_for_job
+from tests.tiny import tiny_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO / "scripts" / "slurm_test_cluster.sh"
-TINY_TRAIN = ["trainer.total_steps=2", "model.hidden_size=32", "model.intermediate_size=64", "data.num_train=200",
-              "data.num_val=8", "trainer.batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=8",
-              "actor.ppo_micro_batch_size=4", "trainer.logger=[jsonl]"]
+TINY_TRAIN = tiny_overrides("actor.ppo_mini_batch_size=8")
 # Ranks on one 2-core machine: one thread each, gloo on loopback (node names n1/n2 do not resolve).
 TEST_JOB_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
 

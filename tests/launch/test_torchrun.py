@@ -6,12 +6,7 @@ import subprocess
 import sys
 
 from scalerl.core.net import free_port
-
-TINY = [
-    "model.hidden_size=32", "model.intermediate_size=64", "data.num_train=200", "data.num_val=8",
-    "trainer.batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=4",
-    "trainer.logger=[jsonl]", "trainer.total_steps=2", "trainer.eval_every=0",
-]
+from tests.tiny import TINY
 
 
 def test_torchrun_two_ranks(tmp_path):

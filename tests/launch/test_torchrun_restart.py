@@ -12,9 +12,9 @@ from tests.launch.restart_helpers import (
     logged_steps,
     write_reward,
 )
-from tests.launch.test_torchrun import TINY
+from tests.tiny import tiny_overrides
 
-RUN = [*[o for o in TINY if not o.startswith("trainer.total_steps")], "trainer.total_steps=4", "trainer.save_every=2"]
+RUN = tiny_overrides("trainer.total_steps=4", "trainer.save_every=2")
 
 
 def torchrun(out, reward, max_restarts):

@@ -37,13 +37,10 @@ SETTINGS = [  # (name, comm overrides)
 
 
 def _model():
-    from scalerl.models.config import ModelConfig
-    from scalerl.models.decoder import build_model
+    from tests.tiny import tiny_model
 
-    cfg = ModelConfig(model_type="qwen2", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    return build_model(cfg, seed=0)
+    return tiny_model(vocab_size=32, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0)
 
 
 def _batch(rank: int, step: int) -> torch.Tensor:

@@ -16,21 +16,20 @@ def _cached_kv_heads(model) -> int:
 
 def _generate_with_tp(rank):
     from scalerl.core.config import ParallelSection
-    from scalerl.models.config import ModelConfig
-    from scalerl.models.decoder import build_model
     from scalerl.parallel.distributed import init_distributed
     from scalerl.parallel.parallelize import parallelize
     from scalerl.rollout.builtin_engine import BuiltinEngine
     from scalerl.rollout.engine import SamplingParams
+    from tests.tiny import tiny_model
 
     # 4 kv heads over tp=2: two local kv heads per rank, shared by four local query heads.
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_attention_heads=8,
-                      num_key_value_heads=4, tie_word_embeddings=False)
+    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                 tie_word_embeddings=False)
     prompts = [[1, 5, 9, 13], [1, 7], [1, 20, 21]]
     sampling = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3)
-    single = BuiltinEngine(build_model(cfg, seed=0).eval(), 0).generate(prompts, sampling)
+    single = BuiltinEngine(tiny_model(**sizes).eval(), 0).generate(prompts, sampling)
     ctx = init_distributed(ParallelSection(dp_replicate=1, tp=2), torch.device("cpu"))
-    model = build_model(cfg, seed=0).eval()
+    model = tiny_model(**sizes).eval()
     parallelize(model, ctx)
     sharded = BuiltinEngine(model, 0).generate(prompts, sampling)
     return {

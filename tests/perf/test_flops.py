@@ -14,8 +14,9 @@ from scalerl.perf.flops import (
     forward_flops_per_token,
     matmul_param_count,
 )
+from tests.tiny import tiny_model_config
 
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+MLP_WIDTH = {"intermediate_size": 48}  # the tiny model, with this file's own MLP width
 
 
 def hf_model(cfg: ModelConfig) -> torch.nn.Module:
@@ -38,10 +39,13 @@ def hf_model(cfg: ModelConfig) -> torch.nn.Module:
 @pytest.mark.parametrize(
     "cfg",
     [
-        ModelConfig(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True, **TINY),
-        ModelConfig(model_type="qwen2", num_key_value_heads=1, tie_word_embeddings=False, head_dim=16, **TINY),
-        ModelConfig(model_type="llama", num_key_value_heads=2, attention_bias=False, tie_word_embeddings=False, **TINY),
-        ModelConfig(model_type="llama", num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True, **TINY),
+        tiny_model_config(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True, **MLP_WIDTH),
+        tiny_model_config(model_type="qwen2", num_key_value_heads=1, tie_word_embeddings=False, head_dim=16,
+                          **MLP_WIDTH),
+        tiny_model_config(model_type="llama", num_key_value_heads=2, attention_bias=False, tie_word_embeddings=False,
+                          **MLP_WIDTH),
+        tiny_model_config(model_type="llama", num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True,
+                          **MLP_WIDTH),
     ],
     ids=["qwen2-tied-gqa", "qwen2-untied-mqa-headdim", "llama-untied", "llama-tied-bias"],
 )

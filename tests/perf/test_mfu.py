@@ -8,6 +8,7 @@ from scalerl.models.config import ModelConfig
 from scalerl.perf import flops
 from scalerl.perf.flops import flops_per_token, forward_flops_per_token
 from scalerl.perf.mfu import RankShare, StepWork, generation_flops, step_mfu
+from tests.tiny import tiny_overrides
 
 CFG = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=4)
 WORK = StepWork(prompt_tokens=4000, response_tokens=6000, mean_prompt_len=40, mean_response_len=60,
@@ -76,12 +77,10 @@ def test_trainer_reports_mfu_per_phase(tmp_path):
     from scalerl.core.config import load_config
     from scalerl.trainer.rl_trainer import RLTrainer
 
-    cfg = load_config(None, [
-        "model.hidden_size=32", "model.intermediate_size=64", "data.num_train=64", "data.num_val=0",
-        "rollout.n=2", "rollout.max_new_tokens=4", "trainer.batch_size=4", "actor.ppo_mini_batch_size=8",
-        "actor.ppo_micro_batch_size=8", "trainer.total_steps=1", "trainer.logger=[]",
-        f"trainer.output_dir={tmp_path}",
-    ])
+    cfg = load_config(None, tiny_overrides(
+        "data.num_train=64", "data.num_val=0", "rollout.n=2", "rollout.max_new_tokens=4", "actor.ppo_mini_batch_size=8",
+        "actor.ppo_micro_batch_size=8", "trainer.total_steps=1", "trainer.logger=[]", f"trainer.output_dir={tmp_path}",
+    ))
     metrics = RLTrainer(cfg).train_step()
     for key in ("perf/mfu", "perf/mfu/gen", "perf/mfu/update"):
         assert 0 < metrics[key] < 1, key

@@ -1,7 +1,7 @@
 """The recorded benchmark report the report tests render (tests/report/recorded_report.json: `scalerl bench
 --strategies ddp,fsdp --nodes 1,2 --rate-mbit 200 --weight-sync colocated,full,delta --steps 5 --warmup 2`
 on the 2-core development machine), optionally with a doctor report embedded (recorded facts from
-tests/perf/recorded_measurements.py), and a PNG blankness measure."""
+tests/health/recorded_measurements.py), and a PNG blankness measure."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ PNG_MIN_STD = 3.0  # grey-level standard deviation: a blank page is ~0, a page w
 def doctor_json() -> dict:
     from scalerl.doctor.report import DoctorReport
     from scalerl.health import run_cluster_rules
-    from tests.perf.recorded_measurements import (
+    from tests.health.recorded_measurements import (
         healthy_cluster_measurements,
         healthy_facts,
     )

@@ -3,19 +3,17 @@
 import pytest
 import torch
 
-from scalerl.models.config import ModelConfig
-from scalerl.models.decoder import build_model
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
 from scalerl.rollout.sampling import filter_top_k_top_p
+from tests.tiny import tiny_model
 
 PAD, EOS = 0, 2
 
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2)
-    return build_model(cfg, seed=0).eval()
+    return tiny_model(hidden_size=64, intermediate_size=112).eval()
 
 
 def _prompts():

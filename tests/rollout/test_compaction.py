@@ -5,11 +5,10 @@ import itertools
 import pytest
 import torch
 
-from scalerl.models.config import ModelConfig
-from scalerl.models.decoder import build_model
 from scalerl.models.kv_cache import KVCache
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
+from tests.tiny import tiny_model
 
 PAD, VOCAB = 0, 64
 NATURAL_STOPS = list(range(3, 9))  # 6 of 64 tokens: sampled rows stop at widely different steps
@@ -17,8 +16,7 @@ NATURAL_STOPS = list(range(3, 9))  # 6 of 64 tokens: sampled rows stop at widely
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2)
-    return build_model(cfg, seed=0).eval()
+    return tiny_model(vocab_size=VOCAB, hidden_size=64, intermediate_size=112).eval()
 
 
 def _prompts(n=12):

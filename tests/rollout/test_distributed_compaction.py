@@ -17,12 +17,9 @@ LENGTHS = [2, 2, 3, 5, 9, 12]  # rank 0 holds rows 0-2 (done by step 3), rank 1 
 
 
 def _model():
-    from scalerl.models.config import ModelConfig
-    from scalerl.models.decoder import build_model
+    from tests.tiny import tiny_model
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      tie_word_embeddings=False)
-    return build_model(cfg, seed=0).eval()
+    return tiny_model(hidden_size=64, intermediate_size=128, tie_word_embeddings=False).eval()
 
 
 def _generate(rank, layout):

@@ -12,11 +12,10 @@ from safetensors.torch import load_file
 from scalerl.rollout.engine import GenerationOutput
 from scalerl.rollout.sources import token_split
 from tests.spawned_group import run_in_group
+from tests.tiny import tiny_overrides
 
-BASE = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train=64", "data.num_val=8",
-        "rollout.n=4", "rollout.max_new_tokens=8", "trainer.batch_size=4", "actor.ppo_mini_batch_size=16",
-        "actor.ppo_micro_batch_size=8", "trainer.logger=[jsonl]", "trainer.eval_every=0", "actor.lr=1e-3",
-        "data.reward=scalerl.verify:response_length_reward"]
+BASE = tiny_overrides("data.num_train=64", "actor.ppo_micro_batch_size=8", "actor.lr=1e-3",
+                      "data.reward=scalerl.verify:response_length_reward")
 
 
 def test_token_split_is_contiguous_and_balanced():

@@ -1,14 +1,10 @@
 import pytest
 
 from scalerl.core.config import load_config
+from tests.tiny import tiny_overrides
 
-TINY = [
-    "model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=4", "model.num_key_value_heads=2",
-    "data.num_train=200", "data.num_val=16", "rollout.n=4", "rollout.max_new_tokens=8",
-    "trainer.batch_size=4", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=4", "actor.lr=1e-3",
-    "trainer.total_steps=3", "trainer.eval_every=0", "trainer.logger=[jsonl]", "sft.steps=3", "sft.batch_size=8",
-    "sft.micro_batch_size=4",
-]
+# The shared tiny run, trained a step longer with a higher learning rate (the trainer tests look for change).
+TINY = tiny_overrides("data.num_val=16", "actor.ppo_mini_batch_size=8", "actor.lr=1e-3", "trainer.total_steps=3")
 
 
 @pytest.fixture
