@@ -9,13 +9,10 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 
 from scalerl.core.net import free_port
 from scalerl.launch.emulated_cluster import (
     EmulatedCluster,
-    EmulatedClusterError,
-    require_root_and_iproute2,
 )
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,6 @@ Needs root and iproute2 (skips and says so otherwise).
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,6 @@ import pytest
 from scalerl.core.net import free_port
 from scalerl.launch.emulated_cluster import (
     EmulatedCluster,
-    EmulatedClusterError,
-    require_root_and_iproute2,
 )
 from tests.emulated_network import wait_until
 
