@@ -82,7 +82,7 @@ def test_trainer_reports_mfu_per_phase(tmp_path):
         "actor.ppo_micro_batch_size=8", "trainer.total_steps=1", "trainer.logger=[]",
         f"trainer.output_dir={tmp_path}",
     ])
-    metrics = RLTrainer(cfg).train_step()
+    metrics = RLTrainer.from_config(cfg).train_step()
     for key in ("perf/mfu", "perf/mfu/gen", "perf/mfu/update"):
         assert 0 < metrics[key] < 1, key
     assert metrics["perf/mfu/gen"] != metrics["perf/mfu/update"]
