@@ -130,81 +130,6 @@ class RLTrainer(TrainingRun):
         return VLLMEngine(source, self.tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------------------------------ one step
-    def _prompts_for(self, step: int) -> StepPrompts:
-        """The whole batch of ``step`` (every rank draws it and keeps its share later)."""
-        if self.prefetched is not None and self.prefetched.step == step:
-            batch, self.prefetched = self.prefetched, None
-            return batch
-        r = self.cfg.rollout
-        rows = self.stream.next_batch()
-        prompts = [p for p in self._encode(rows) for _ in range(r.n)]
-        # The seed is a function of the step, so a resumed run samples exactly what the original did.
-        sampling = SamplingParams(
-            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            stop_token_ids=self.tokenizer.stop_token_ids, seed=self.cfg.trainer.seed * 1_000_003 + step,
-            total_rows=len(prompts),
-        )
-        return StepPrompts(step, prompts, sampling, rows)
-
-    def _encode(self, rows: list[dict]) -> list[list[int]]:
-        prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows], self.cfg.data.chat_template)
-        limit = self.cfg.data.max_prompt_length
-        for row, ids in zip(rows, prompts):
-            if len(ids) > limit:
-                raise DataError(
-                    f"prompt of {len(ids)} tokens exceeds data.max_prompt_length={limit}: {row['prompt'][:80]!r}; "
-                    "raise data.max_prompt_length or shorten the prompts"
-                )
-        return prompts
-
-    def _prefetch_next(self) -> None:
-        """One-step asynchronous rollouts: the next step's prompts go to the workers before this update."""
-        if self.cfg.rollout.staleness and self.step + 1 < self.cfg.trainer.total_steps:
-            self.stream_state_before_prefetch = self.stream.state_dict()
-            self.prefetched = self._prompts_for(self.step + 1)
-            self.rollouts.prefetch(self.prefetched)
-
-    def _rollout(self) -> tuple[RolloutBatch, dict[str, float]]:
-        cfg, timer = self.cfg, self.timer
-        n = cfg.rollout.n
-        with timer("data"):
-            step_prompts = self._prompts_for(self.step)
-            rows = self.dist.dp_share(step_prompts.rows)  # this DP rank's share of the global batch
-        group_ids = torch.arange(len(rows)).repeat_interleave(n)
-        self.policy.eval()
-        with timer("gen"):
-            out = self.rollouts.generate(step_prompts)
-        self._prefetch_next()
-        with timer("reward"):
-            texts = self.tokenizer.batch_decode(out.response_ids.tolist())
-            scores, failures = self.reward.compute(texts, [rows[i // n] for i in range(len(rows) * n)])
-        batch = RolloutBatch.from_generation(out, group_ids, torch.tensor(scores, dtype=torch.float32))
-        lengths = out.response_lengths.float()
-        metrics = {  # per rank here; `reduce_metrics` combines them over ranks
-            "critic/score/mean": float(batch.scores.mean()),
-            "critic/score/max": float(batch.scores.max()),
-            "critic/score/min": float(batch.scores.min()),
-            "reward/num_failures": float(failures),
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
-        }
-        return batch, metrics
-
-    def _advantages(self, batch: RolloutBatch) -> None:
-        alg, micro = self.cfg.algorithm, self.cfg.actor.ppo_micro_batch_size
-        token_rewards = batch.token_rewards()
-        if self.critic is None:
-            batch.advantages, batch.returns = grpo_advantages(
-                token_rewards, batch.response_mask, batch.group_ids, norm_by_std=alg.norm_adv_by_std_in_grpo
-            )
-            return
-        batch.values = response_values(self.critic.model, batch, micro, self.autocast)
-        batch.advantages, batch.returns = gae_advantages(
-            token_rewards, batch.values, batch.response_mask, alg.gamma, alg.lam,
-            all_reduce=self.dist.all_reduce if self.dist.dp_size > 1 else None,
-        )
-
     def run_step(self) -> tuple[dict[str, float], StepWork]:
         """rollout -> reward -> old (and reference) log-probs -> advantages -> update -> weight sync."""
         cfg, timer, a = self.cfg, self.timer, self.cfg.actor
@@ -250,7 +175,82 @@ class RLTrainer(TrainingRun):
             metrics.update(self.rollouts.sync_weights())
         return metrics, work
 
-    # ------------------------------------------------------------------------------- around the loop
+    def _rollout(self) -> tuple[RolloutBatch, dict[str, float]]:
+        cfg, timer = self.cfg, self.timer
+        n = cfg.rollout.n
+        with timer("data"):
+            step_prompts = self._prompts_for(self.step)
+            rows = self.dist.dp_share(step_prompts.rows)  # this DP rank's share of the global batch
+        group_ids = torch.arange(len(rows)).repeat_interleave(n)
+        self.policy.eval()
+        with timer("gen"):
+            out = self.rollouts.generate(step_prompts)
+        self._prefetch_next()
+        with timer("reward"):
+            texts = self.tokenizer.batch_decode(out.response_ids.tolist())
+            scores, failures = self.reward.compute(texts, [rows[i // n] for i in range(len(rows) * n)])
+        batch = RolloutBatch.from_generation(out, group_ids, torch.tensor(scores, dtype=torch.float32))
+        lengths = out.response_lengths.float()
+        metrics = {  # per rank here; `reduce_metrics` combines them over ranks
+            "critic/score/mean": float(batch.scores.mean()),
+            "critic/score/max": float(batch.scores.max()),
+            "critic/score/min": float(batch.scores.min()),
+            "reward/num_failures": float(failures),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
+        }
+        return batch, metrics
+
+    def _advantages(self, batch: RolloutBatch) -> None:
+        alg, micro = self.cfg.algorithm, self.cfg.actor.ppo_micro_batch_size
+        token_rewards = batch.token_rewards()
+        if self.critic is None:
+            batch.advantages, batch.returns = grpo_advantages(
+                token_rewards, batch.response_mask, batch.group_ids, norm_by_std=alg.norm_adv_by_std_in_grpo
+            )
+            return
+        batch.values = response_values(self.critic.model, batch, micro, self.autocast)
+        batch.advantages, batch.returns = gae_advantages(
+            token_rewards, batch.values, batch.response_mask, alg.gamma, alg.lam,
+            all_reduce=self.dist.all_reduce if self.dist.dp_size > 1 else None,
+        )
+
+    def _prompts_for(self, step: int) -> StepPrompts:
+        """The whole batch of ``step`` (every rank draws it and keeps its share later)."""
+        if self.prefetched is not None and self.prefetched.step == step:
+            batch, self.prefetched = self.prefetched, None
+            return batch
+        r = self.cfg.rollout
+        rows = self.stream.next_batch()
+        prompts = [p for p in self._encode(rows) for _ in range(r.n)]
+        # The seed is a function of the step, so a resumed run samples exactly what the original did.
+        sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            stop_token_ids=self.tokenizer.stop_token_ids, seed=self.cfg.trainer.seed * 1_000_003 + step,
+            total_rows=len(prompts),
+        )
+        return StepPrompts(step, prompts, sampling, rows)
+
+    def _encode(self, rows: list[dict]) -> list[list[int]]:
+        prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows], self.cfg.data.chat_template)
+        limit = self.cfg.data.max_prompt_length
+        for row, ids in zip(rows, prompts):
+            if len(ids) > limit:
+                raise DataError(
+                    f"prompt of {len(ids)} tokens exceeds data.max_prompt_length={limit}: {row['prompt'][:80]!r}; "
+                    "raise data.max_prompt_length or shorten the prompts"
+                )
+        return prompts
+
+    def _prefetch_next(self) -> None:
+        """One-step asynchronous rollouts: the next step's prompts go to the workers before this update."""
+        if self.cfg.rollout.staleness and self.step + 1 < self.cfg.trainer.total_steps:
+            self.stream_state_before_prefetch = self.stream.state_dict()
+            self.prefetched = self._prompts_for(self.step + 1)
+            self.rollouts.prefetch(self.prefetched)
+
+    # -------------------------------------------------------------------------------- around the loop
     def evaluate(self) -> dict[str, float]:
         self.policy.eval()
         with self.timer("eval"):

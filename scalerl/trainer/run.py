@@ -67,8 +67,9 @@ def run_output_dir(cfg: Config, kind: str) -> Path:
 
 def start_run(cfg: Config, kind: str) -> DistContext:
     """The entry: ``cfg`` validated and checked against the files it names (once, before any work), then
-    the process group joined. With standalone rollout workers (RL), the world's last ``rollout.workers``
-    ranks are theirs (``ctx.is_trainer`` is False there)."""
+    the process group joined. (`load_config` validated what it parsed; validating here too costs nothing
+    and catches edits made in code since, as the demo and the doctor make.) With standalone rollout workers
+    (RL), the world's last ``rollout.workers`` ranks are theirs (``ctx.is_trainer`` is False there)."""
     cfg.validate()
     check_run_inputs(cfg, sft=kind == "sft")
     t = cfg.trainer
