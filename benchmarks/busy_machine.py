@@ -31,7 +31,7 @@ steps, threads = int(sys.argv[1]), int(sys.argv[2])
 out = tempfile.mkdtemp()
 cfg = load_config("scalerl/configs/demo.yaml", [f"trainer.cpu_threads={threads}", "trainer.logger=[]",
                   "data.num_val=0", f"trainer.total_steps={steps}", f"trainer.output_dir={out}"])
-trainer = RLTrainer(cfg)
+trainer = RLTrainer.from_config(cfg)
 times, used = [], []
 for _ in range(steps):
     start = time.perf_counter()

@@ -53,13 +53,13 @@ def _rank_main(rank: int, port: int, cfg_dict: dict, sft_model: str | None, out:
     if sft_model is None:
         sft = train_sft(copy.deepcopy(cfg))
         sft_model = sft["model_dir"]
-        result["sft_accuracy"] = sft["final"].get("val/accuracy")
+        result["sft_accuracy"] = sft["last"].get("val/accuracy")
     sft_seconds = time.perf_counter() - start
     if cfg.trainer.total_steps > 0:
         rl_cfg = copy.deepcopy(cfg)
         rl_cfg.trainer.init_from = sft_model
         rl_cfg.trainer.output_dir = str(Path(cfg.trainer.output_dir) / "grpo")
-        summary = RLTrainer(rl_cfg).fit()
+        summary = RLTrainer.from_config(rl_cfg).fit()
         result.update(grpo_initial=summary["initial"]["val/accuracy"], grpo_final=summary["last"]["val/accuracy"])
     if rank == 0:
         out.update(result, sft_seconds=sft_seconds, seconds=time.perf_counter() - start)

@@ -85,7 +85,7 @@ def grpo_bytes(sft_dir: Path, out: Path, lr: float, args) -> list[dict]:
     cfg = load_config(DEMO, [f"actor.lr={lr}", f"actor.warmup_steps={args.warmup_steps}", "data.num_val=0",
                              f"trainer.total_steps={args.grpo_steps}", "trainer.logger=[jsonl]",
                              f"trainer.output_dir={out / f'grpo_lr{lr:g}'}", f"trainer.init_from={sft_dir}"])
-    trainer = RLTrainer(cfg)
+    trainer = RLTrainer.from_config(cfg)
     policy = trainer.policy.model
     pairs = {}
     for name in args.dtypes:

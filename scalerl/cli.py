@@ -1,7 +1,9 @@
 """`scalerl <command>`: the command-line entry point (also `python -m scalerl`, which torchrun needs).
 
-Commands that run something import their module only when invoked, so `scalerl --help` stays fast and
-a missing optional piece fails only the command that needs it.
+Commands that run something import their module inside the command (plain imports, no string paths), so
+`scalerl --help` and `scalerl config` stay fast (no torch) and a missing optional piece fails only the
+command that needs it. The trainers' entries (`train`, `train_sft`) check the config against the files
+it names themselves; `scalerl config`, which runs nothing, checks it here.
 """
 
 from __future__ import annotations
@@ -67,48 +69,38 @@ def _is_main_rank() -> bool:
     return env is None or env.rank == 0
 
 
-def _load_run_config(args: argparse.Namespace, show: bool = True, default_path: Path | None = None,
-                     sft: bool | None = None) -> Any:
-    """The validated config, checked against the model directory and output directories it names
-    (`sft`: whose outputs, see `check_run_inputs`), before anything is written."""
+def _load_run_config(args: argparse.Namespace, show: bool = True, default_path: Path | None = None) -> Any:
+    """The config the arguments describe (validated as it is read), printed on the main rank if `show`."""
     path, overrides = split_config_args(args.config_args)
     path = path or default_path
     try:
         cfg = load_config(path, overrides)
     except FileNotFoundError as e:  # a missing config file is a user error, not a crash
         raise ConfigError(str(e)) from None
-    _run_target("scalerl.trainer.run_checks", "check_run_inputs")(cfg, sft=sft)
     if show and _is_main_rank():
         print(format_config(cfg), flush=True)
     return cfg
 
 
-def _run_target(module: str, function: str) -> Callable[..., Any]:
-    """Import `module.function` lazily; a missing scalerl module becomes a clear error, not a traceback."""
-    try:
-        return getattr(importlib.import_module(module), function)
-    except ModuleNotFoundError as e:
-        if e.name is not None and module.startswith(e.name):
-            raise ConfigError(f"{module} is not available in this installation ({e})") from None
-        raise
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = _load_run_config(args, sft=False)
-    _run_target("scalerl.trainer.rl_trainer", "train")(cfg)
+    from scalerl.trainer.rl_trainer import train
+
+    train(_load_run_config(args))
     return 0
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    cfg = _load_run_config(args, sft=True)
-    _run_target("scalerl.trainer.sft_trainer", "train_sft")(cfg)
+    from scalerl.trainer.sft_trainer import train_sft
+
+    train_sft(_load_run_config(args))
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from scalerl.demo import run_demo
+
     # The demo's own defaults (scalerl/configs/demo.yaml) sit under the user's overrides.
-    cfg = _load_run_config(args, show=False, default_path=DEMO_CONFIG)
-    _run_target("scalerl.demo", "run_demo")(cfg)
+    run_demo(_load_run_config(args, show=False, default_path=DEMO_CONFIG))
     return 0
 
 
@@ -116,7 +108,12 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.keys:
         print(describe_keys())
         return 0
-    print(config_to_yaml(_load_run_config(args, show=False)), end="")
+    # Light: torch is imported only when a model directory is named.
+    from scalerl.trainer.run_checks import check_run_inputs
+
+    cfg = _load_run_config(args, show=False)
+    check_run_inputs(cfg)  # what `train` or `sft` would check before any work (both trainers' outputs)
+    print(config_to_yaml(cfg), end="")
     return 0
 
 
@@ -129,7 +126,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError("--top-k must be >= 0 and --max-new-tokens >= 1")
     if args.model != "builtin" and not Path(args.model).is_dir():
         raise ConfigError(f"--model {args.model!r}: no such directory (a Hugging Face model directory or 'builtin')")
-    generate_text = _run_target("scalerl.rollout.text", "generate_text")
+    from scalerl.rollout.text import generate_text
+
     completions = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     for i, (prompt, completion) in enumerate(zip(args.prompt, completions)):
@@ -144,8 +142,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"HF_DIR {target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not args.overwrite:
         raise ConfigError(f"HF_DIR {target} is not empty: pass --overwrite to replace it, or choose another directory")
-    checkpoint = _run_target("scalerl.checkpoint.export", "find_checkpoint")(args.checkpoint)
-    _run_target("scalerl.checkpoint.export", "export_checkpoint")(checkpoint, target)
+    from scalerl.checkpoint.export import export_checkpoint, find_checkpoint
+
+    checkpoint = find_checkpoint(args.checkpoint)
+    export_checkpoint(checkpoint, target)
     print(f"exported {checkpoint} to {target}")
     return 0
 

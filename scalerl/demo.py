@@ -52,9 +52,11 @@ def _say(text: str) -> None:
 
 
 def run_demo(cfg: Config) -> dict[str, Any]:
-    from scalerl.trainer.rl_trainer import RLTrainer
+    from scalerl.trainer.rl_trainer import train
+    from scalerl.trainer.run_checks import check_run_inputs
     from scalerl.trainer.sft_trainer import train_sft
 
+    check_run_inputs(cfg)  # before the teacher writes anything; each run checks its own config again
     start = time.perf_counter()
     out = Path(cfg.trainer.output_dir)
     seed = cfg.trainer.seed
@@ -75,7 +77,7 @@ def run_demo(cfg: Config) -> dict[str, Any]:
     rl_cfg = copy.deepcopy(cfg)
     rl_cfg.trainer.init_from = sft["model_dir"]
     rl_cfg.trainer.output_dir = str(out / "grpo")
-    summary = RLTrainer(rl_cfg).fit()
+    summary = train(rl_cfg)
     before = summary["initial"]["val/accuracy"]
     after = summary["last"]["val/accuracy"]
     total = time.perf_counter() - start

@@ -69,6 +69,12 @@ def test_config_error_exits_2_naming_the_key(monkeypatch, capsys):
     assert "actor.ppo_mini_batch_size" in capsys.readouterr().err
 
 
+def test_config_checks_what_the_config_names(tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file")  # `scalerl config` runs nothing, so it checks as `train` would
+    assert main(["config", f"trainer.output_dir={tmp_path / 'taken'}"]) == 2
+    assert "trainer.output_dir" in capsys.readouterr().err
+
+
 def test_missing_config_file_exits_2(tmp_path, capsys):
     assert main(["config", str(tmp_path / "absent.yaml")]) == 2
     assert "absent.yaml" in capsys.readouterr().err

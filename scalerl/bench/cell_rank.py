@@ -44,17 +44,15 @@ def run(spec: dict[str, Any]) -> int:
     from scalerl.core.config import load_config
     from scalerl.core.device import resolve_device
     from scalerl.core.threads import read_cpu_counters
-    from scalerl.parallel.distributed import init_distributed
     from scalerl.parallel.process_group import stop_heartbeat
     from scalerl.rollout.worker import RolloutWorker
-    from scalerl.trainer.rl_trainer import RLTrainer, rollout_worker_count
+    from scalerl.trainer.rl_trainer import RLTrainer
+    from scalerl.trainer.run import start_run
 
     out_dir = Path(spec["out_dir"])
     cfg = load_config(None, spec["overrides"])
     device = resolve_device(cfg.trainer.device)
-    t = cfg.trainer
-    ctx = init_distributed(cfg.parallel, device, rollout_worker_count(cfg), dist_timeout_s=t.dist_timeout_s,
-                           rendezvous_timeout_s=t.rendezvous_timeout_s)
+    ctx = start_run(cfg, RLTrainer.kind)
     record: dict[str, Any] = {"rank": ctx.rank, "role": "trainer" if ctx.is_trainer else "rollout_worker",
                               "threads": torch.get_num_threads(), "pid": os.getpid()}
     try:
@@ -65,15 +63,9 @@ def run(spec: dict[str, Any]) -> int:
             _write_json(out_dir / f"rank{ctx.rank}.json", record)
             _leave_together(dist)
             return 0
-        trainer = RLTrainer(cfg, ctx)
         captured: dict[str, Any] = {}
-        advantages = trainer._advantages
-
-        def capture_batch(batch):  # the step's batch, with advantages, for the baselines
-            advantages(batch)
-            captured["batch"] = batch
-
-        trainer._advantages = capture_batch
+        # The step's batch, with advantages, for the baselines.
+        trainer = RLTrainer(cfg, ctx, on_batch=lambda batch: captured.update(batch=batch))
         for _ in range(spec["warmup"]):
             trainer.train_step()
             trainer.step += 1

@@ -481,7 +481,7 @@ class Config(_Section):
 
 def builtin_model_problems(cfg: Config) -> list[str]:
     """The built-in model's shape (the `model` section) against the layout and the sequence lengths; a model
-    directory's own config.json is checked the same way once it is read (`scalerl.trainer.model_checks`)."""
+    directory's own config.json is checked the same way once it is read (`scalerl.trainer.run_checks`)."""
     m, par, p = cfg.model, cfg.parallel, []
     for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if getattr(m, attr) % par.tp:

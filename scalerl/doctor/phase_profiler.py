@@ -54,7 +54,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class PhaseProfiler(StepTimer):
-    """Drop-in for the trainer's `StepTimer` (``trainer.timer = PhaseProfiler(...)``). Sections may nest
+    """Drop-in for the trainer's `StepTimer` (a trainer's ``timer=`` argument). Sections may nest
     (the optimizer step inside an update): a phase's time excludes its nested phases', and only top-level
     phases end at a barrier (nested ones run a different number of times per rank under some layouts)."""
 

@@ -1,5 +1,5 @@
-"""`--performance-profiling CONFIG`: N steps of a real config on every rank, with the trainer's step timer
-swapped for a `PhaseProfiler` and collectives timed (`CollectiveWaits`), so each rank's time splits into
+"""`--performance-profiling CONFIG`: N steps of a real config on every rank, with a `PhaseProfiler` as the
+trainer's step timer and collectives timed (`CollectiveWaits`), so each rank's time splits into
 its own work, waiting for peers and communication, per phase. Optionally a `torch.profiler` Chrome trace
 per rank; on a GPU the profiler also gives host<->device copy time.
 
@@ -40,22 +40,21 @@ def profile_config(cfg: Config, scratch: Path, steps: int, warmup: int) -> Confi
     cfg.trainer.logger, cfg.trainer.resume, cfg.trainer.monitor_every = [], "never", 0
     cfg.trainer.total_steps = max(cfg.trainer.total_steps, warmup + steps)
     cfg.sft.steps = max(cfg.sft.steps, warmup + steps)
-    cfg.validate()
-    return cfg
+    return cfg  # validated by the run's entry (`start_run`)
 
 
-def _build_trainer(cfg: Config, kind: str):
+def _trainer_class(kind: str):
     if kind == "sft":
         from scalerl.trainer.sft_trainer import SFTTrainer
 
-        return SFTTrainer(cfg)
+        return SFTTrainer
     from scalerl.trainer.rl_trainer import RLTrainer
 
-    return RLTrainer(cfg)
+    return RLTrainer
 
 
 def _state_bytes(trainer) -> int:
-    tensors = list(trainer._state_module().parameters())
+    tensors = list(trainer.state_module().parameters())
     tensors += [t for state in trainer.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
     total = 0
     for t in tensors:
@@ -77,17 +76,20 @@ def profile_rank(world: DoctorWorld, user_cfg: Config, kind: str, steps: int, wa
                  trace_dir: str | None, link_size: int) -> dict[str, Any]:
     """Run the profile on this rank; returns its record (per-step means) plus the step metrics reduced over
     ranks (the same on every rank) under ``reduced``."""
+    from scalerl.core.device import resolve_device
+    from scalerl.trainer.run import start_run
+
     cfg = profile_config(user_cfg, scratch, steps, warmup)
-    trainer = _build_trainer(cfg, kind)
-    device, ctx = trainer.device, trainer.dist
+    trainer_class = _trainer_class(kind)
+    ctx = start_run(cfg, trainer_class.kind)
+    device = resolve_device(cfg.trainer.device)
+    waits = CollectiveWaits()
+    timer = PhaseProfiler(device, waits, distributed=ctx.world_size > 1)
+    trainer = trainer_class(cfg, ctx, timer=timer, wrap_optimizer_step=lambda step: TimedOptimizerStep(step, timer))
     link_busbw = None
     if ctx.world_size > 1:
         sweep = all_reduce_sweep(None, ctx.world_size, [link_size], 3, device)
         link_busbw = sweep[0]["busbw"]
-    waits = CollectiveWaits()
-    timer = PhaseProfiler(device, waits, distributed=ctx.world_size > 1)
-    trainer.timer = timer
-    trainer.optimizer_step = TimedOptimizerStep(trainer.optimizer_step, timer)
     per_step: list[dict[str, Any]] = []
     reduced: list[dict[str, float]] = []
     copy_s = None

@@ -1,40 +1,34 @@
 """The RL trainer: GRPO by default, PPO with a critic and GAE as the second estimator.
 
-One step: prompts -> rollouts (``n`` per prompt) -> rewards -> old (and reference) log-probs ->
-advantages -> ``ppo_epochs`` x mini-batches x micro-batches of PPO-clip (`run_update`) -> weight sync to
-the engine -> metrics, reduced over ranks as each declares. The same code runs on every layout: the model
-parts from `parallelize` hide whether this rank trains a whole model or pipeline stages.
+One step (`RLTrainer.run_step`): prompts -> rollouts (``n`` per prompt) -> rewards -> old (and reference)
+log-probs -> advantages -> ``ppo_epochs`` x mini-batches x micro-batches of PPO-clip (`run_update`) ->
+weight sync to the engine. The run around it (set-up, resume, the loop, the step's tail of timings, comm
+and ``perf/*``, save and export) is `scalerl.trainer.run.TrainingRun`'s; what is RL's own is here: the
+critic and the reference, the engine and the rollout source, prompts drawn per step and prefetched one
+step ahead. The same code runs on every layout: the model parts from `parallelize` hide whether this rank
+trains a whole model or pipeline stages.
 """
 
 from __future__ import annotations
 
 import copy
-import time
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from torch import nn
 
-from scalerl import checkpoint
 from scalerl.algorithms.advantages import gae_advantages, grpo_advantages
 from scalerl.algorithms.importance import truncated_importance_weights
-from scalerl.comm.gradients.reducer import merged_comm_metrics
-from scalerl.core.config import Config, config_to_dict
-from scalerl.core.device import Autocast, grad_scaler, resolve_device
-from scalerl.core.rng_state import seed_everything
-from scalerl.core.threads import cpu_thread_governor
+from scalerl.core.config import Config
+from scalerl.core.device import resolve_device
 from scalerl.data.errors import DataError
 from scalerl.data.prompts import check_prompts, encode_prompts
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
-from scalerl.health.monitor import HealthMonitor
-from scalerl.models.hf_checkpoint import model_config_to_hf
-from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.value_model import ValueModel
-from scalerl.parallel.distributed import DistContext, init_distributed
+from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
-from scalerl.parallel.parallelize import PipelineOptions, parallelize
-from scalerl.perf.timing import StepTimer, busy_time
+from scalerl.parallel.parallelize import parallelize
+from scalerl.perf.mfu import StepWork
+from scalerl.perf.timing import StepTimer
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
@@ -44,21 +38,16 @@ from scalerl.rollout.sources import (
     StepPrompts,
 )
 from scalerl.rollout.worker import RolloutWorker
-from scalerl.tracking import MetricsLogger, plot_metrics
+from scalerl.tracking import plot_metrics
 from scalerl.trainer.evaluation import evaluate
 from scalerl.trainer.forward_passes import response_logprobs, response_values
-from scalerl.trainer.layout_checks import check_rl_layout
 from scalerl.trainer.objectives import PolicyObjective, ValueObjective
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.rollout_rebalance import rebalance_batch
-from scalerl.trainer.run_checks import check_run_inputs
-from scalerl.trainer.run_directory import (
-    CHECKPOINTS_DIR,
-    prepare_output_dir,
-    resume_from_checkpoint,
-)
-from scalerl.trainer.run_failures import SkippedStepGuard, run_reporting_failures
-from scalerl.trainer.step_measures import performance_metrics, step_work
+from scalerl.trainer.run import TrainingRun, run_output_dir, start_run, step_work
+from scalerl.trainer.run_checks import check_rl_layout
+from scalerl.trainer.run_directory import CHECKPOINTS_DIR
+from scalerl.trainer.run_failures import run_reporting_failures
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
 # Config keys a resumed run must share with the checkpoint it resumes (others, e.g. total_steps, may change).
@@ -68,48 +57,41 @@ RESUME_MUST_MATCH = [
 ]
 
 
-class RLTrainer:
-    def __init__(self, cfg: Config, ctx: DistContext | None = None):
-        cfg.validate()
-        if ctx is None:  # `train` checked them before joining the group
-            check_run_inputs(cfg, sft=False)
-        self.cfg = cfg
+class RLTrainer(TrainingRun):
+    kind, export_name, export_key, skipped_prefix = "rl", "final", "final_model", "actor"
+    eval_at_start = True
+
+    def __init__(self, cfg: Config, ctx: DistContext, *, timer: StepTimer | None = None,
+                 wrap_optimizer_step: Callable[[OptimizerStep], OptimizerStep] | None = None,
+                 on_batch: Callable[[RolloutBatch], None] | None = None):
+        """The trainer on ``ctx`` (`start_run`'s), trusting ``cfg`` (checked there). ``on_batch`` sees each
+        step's batch once its advantages are in."""
         t, a, r = cfg.trainer, cfg.actor, cfg.rollout
-        seed_everything(t.seed)
-        self.device = resolve_device(t.device)
-        self.dist = ctx or init_distributed(
-            cfg.parallel, self.device, rollout_worker_count(cfg), dist_timeout_s=t.dist_timeout_s,
-            rendezvous_timeout_s=t.rendezvous_timeout_s, trace_dir=Path(t.output_dir) / "nccl_traces")
-        check_rl_layout(cfg, self.dist)
-        self.output_dir = Path(t.output_dir)
-        resume_from = prepare_output_dir(self.output_dir, resume=t.resume, overwrite=t.overwrite,
-                                         export_dir=self.output_dir / "final", ctx=self.dist)
-        model, self.tokenizer = load_model_and_tokenizer(cfg.model, t.init_from, self.device, t.seed)
-        self.model_config = model.config
-        self.autocast = Autocast(t.precision, self.device)
+        check_rl_layout(cfg, ctx)
+        super().__init__(cfg, ctx, total_steps=t.total_steps, eval_every=t.eval_every, timer=timer)
+        self.on_batch = on_batch
+        model = self.load_model()
         # The critic and the frozen reference start as copies of the policy, made before it is laid out.
         critic = ValueModel(model) if cfg.algorithm.adv_estimator == "gae" else None
         reference = copy.deepcopy(model).requires_grad_(False) if a.use_kl_loss else None
-        layout = dict(activation_checkpointing=cfg.model.activation_checkpointing, autocast=self.autocast,
-                      pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches), comm=cfg.comm)
-        self.policy = parallelize(model, self.dist, **layout)
-        self.critic = parallelize(critic, self.dist, **layout) if critic is not None else None
-        self.reference = parallelize(reference, self.dist, trainable=False) if reference is not None else None
+        self.policy = self.lay_out(model)
+        self.critic = self.lay_out(critic) if critic is not None else None
+        self.reference = parallelize(reference, ctx, trainable=False) if reference is not None else None
         if self.reference is not None:
             self.reference.eval()
+        self.trained = {"actor": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
 
         self.train_rows = rows_from_config(cfg.data, "train", t.seed)
-        self.val_rows = self.dist.dp_share(rows_from_config(cfg.data, "test", t.seed))
+        self.val_rows = ctx.dp_share(rows_from_config(cfg.data, "test", t.seed))
         for split, rows in (("training", self.train_rows), ("validation", self.val_rows)):
             check_prompts(self.tokenizer, rows, cfg.data.chat_template, cfg.data.max_prompt_length, split)
         self.reward = reward_from_config(cfg.data)
         self.stream = PromptStream(self.train_rows, t.batch_size, t.seed, cfg.data.shuffle)
         self.engine = self._build_engine()  # generates when colocated, evaluates always
         if r.placement == "standalone":
-            self.rollouts = StandaloneRollouts(self.policy, self.dist, self.tokenizer.pad_token_id, r,
-                                               cfg.weight_sync)
+            self.rollouts = StandaloneRollouts(self.policy, ctx, self.tokenizer.pad_token_id, r, cfg.weight_sync)
         else:
-            self.rollouts = ColocatedRollouts(self.engine, self.policy, self.dist)
+            self.rollouts = ColocatedRollouts(self.engine, self.policy, ctx)
         self.prefetched: StepPrompts | None = None
         self.stream_state_before_prefetch: dict | None = None
 
@@ -118,44 +100,24 @@ class RLTrainer:
         param_sets = [(self.policy.parameters(), a.lr)]
         if self.critic is not None:
             param_sets.append((self.critic.parameters(), cfg.critic.lr))
-        self.optimizer, self.scheduler = build_optimizer(
+        self.use_optimizer(*build_optimizer(
             param_sets, a.weight_decay, betas=tuple(a.betas), warmup_steps=a.warmup_steps,
             total_steps=t.total_steps, schedule=a.lr_schedule, min_lr_ratio=a.min_lr_ratio,
-        )
-        self.scaler = grad_scaler(t.precision, self.device)
-        self.optimizer_step = OptimizerStep(self.optimizer, self.scaler, a.grad_clip)
+        ), a.grad_clip, wrap_optimizer_step)
         self.policy_objective = PolicyObjective(a, r.temperature)
         self.value_objective = ValueObjective(cfg.critic, a.loss_agg_mode)
         self.update_plan = UpdatePlan(
-            epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size // self.dist.dp_size,
+            epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size // ctx.dp_size,
             micro_batch_size=a.ppo_micro_batch_size, micro_batch_max_tokens=a.micro_batch_max_tokens,
             horizon=r.max_new_tokens, fixed_widths=(cfg.data.max_prompt_length, r.max_new_tokens),
         )
         self.update_generator = torch.Generator().manual_seed(t.seed + 1)
-        self.timer = StepTimer(self.device)
-        self.threads = cpu_thread_governor(t.cpu_threads, self.device)
-        self.step = 0
-        self.checkpoint_root = self.output_dir / CHECKPOINTS_DIR
-        self.skip_guard = SkippedStepGuard(t.max_skipped_steps, "actor", self.checkpoint_root)
-        self.reshard_history: list[dict[str, Any]] = []
-        if resume_from is not None:
-            loaded, self.reshard_history = resume_from_checkpoint(
-                resume_from, ctx=self.dist, seed=t.seed, model=self._state_module(), optimizer=self.optimizer,
-                scheduler=self.scheduler, grad_scaler=self.scaler, generators={"update": self.update_generator},
-                expected_config=config_to_dict(cfg), strict_config_keys=RESUME_MUST_MATCH,
-            )
-            self.step = loaded.step
-            self.stream.load_state_dict(loaded.trainer_state["data"])
+        self.generators = {"update": self.update_generator}
+        resumed = self.resume(RESUME_MUST_MATCH)
         # Rollouts start from the current weights: a restored pipeline replica, standalone workers' copies.
-        if resume_from is not None or r.placement == "standalone":
+        if resumed or r.placement == "standalone":
             self.rollouts.sync_weights()
-        self.logger = MetricsLogger(
-            self.output_dir, backends=t.logger if self.dist.is_main else [], total_steps=t.total_steps,
-            config=config_to_dict(cfg) if self.dist.is_main else None,
-            resume_step=self.step + 1 if resume_from is not None else 0,  # a fresh run starts fresh files
-        )
-        self.monitor = HealthMonitor.for_run(t.monitor_every, cfg, self.dist.dims, self.device, log=self.dist.is_main)
-        self.dist.comm.reset()  # set-up traffic (layouts, resume) is not a step's
+        self.start_logging()
 
     def _build_engine(self):
         if self.cfg.rollout.engine == "builtin":
@@ -167,47 +129,52 @@ class RLTrainer:
             raise DataError("rollout.engine=vllm needs model.path (vLLM loads the model directory itself)")
         return VLLMEngine(source, self.tokenizer.pad_token_id)
 
-    def _state_module(self) -> nn.Module:
-        """What a checkpoint holds on this rank: the policy (or its pipeline stages), and the critic."""
-        modules = nn.ModuleDict({"actor": self.policy.state_module()})
-        if self.critic is not None:
-            modules["critic"] = self.critic.state_module()
-        return modules
-
     # ------------------------------------------------------------------------------------------ one step
-    def _prompts_for(self, step: int) -> StepPrompts:
-        """The whole batch of ``step`` (every rank draws it and keeps its share later)."""
-        if self.prefetched is not None and self.prefetched.step == step:
-            batch, self.prefetched = self.prefetched, None
-            return batch
-        r = self.cfg.rollout
-        rows = self.stream.next_batch()
-        prompts = [p for p in self._encode(rows) for _ in range(r.n)]
-        # The seed is a function of the step, so a resumed run samples exactly what the original did.
-        sampling = SamplingParams(
-            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            stop_token_ids=self.tokenizer.stop_token_ids, seed=self.cfg.trainer.seed * 1_000_003 + step,
-            total_rows=len(prompts),
-        )
-        return StepPrompts(step, prompts, sampling, rows)
-
-    def _encode(self, rows: list[dict]) -> list[list[int]]:
-        prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows], self.cfg.data.chat_template)
-        limit = self.cfg.data.max_prompt_length
-        for row, ids in zip(rows, prompts):
-            if len(ids) > limit:
-                raise DataError(
-                    f"prompt of {len(ids)} tokens exceeds data.max_prompt_length={limit}: {row['prompt'][:80]!r}; "
-                    "raise data.max_prompt_length or shorten the prompts"
-                )
-        return prompts
-
-    def _prefetch_next(self) -> None:
-        """One-step asynchronous rollouts: the next step's prompts go to the workers before this update."""
-        if self.cfg.rollout.staleness and self.step + 1 < self.cfg.trainer.total_steps:
-            self.stream_state_before_prefetch = self.stream.state_dict()
-            self.prefetched = self._prompts_for(self.step + 1)
-            self.rollouts.prefetch(self.prefetched)
+    def run_step(self) -> tuple[dict[str, float], StepWork]:
+        """rollout -> reward -> old (and reference) log-probs -> advantages -> update -> weight sync."""
+        cfg, timer, a = self.cfg, self.timer, self.cfg.actor
+        temperature, micro = cfg.rollout.temperature or 1.0, a.ppo_micro_batch_size
+        batch, metrics = self._rollout()
+        # The rollout's log-probs equal an fp32 training forward where its source says so (with
+        # rollout.stale_logprobs=behavior, of the one-step-old policy PPO then takes its ratio against);
+        # otherwise (autocast, bf16 workers, one-step-stale weights, another engine) they are recomputed, and the
+        # rollout's own log-probs weigh the loss by truncated importance sampling.
+        reuse_logprobs = self.rollouts.logprobs_match_training_forward and cfg.trainer.precision == "fp32"
+        with timer("old_log_prob"):
+            if reuse_logprobs:
+                batch.old_logprobs = batch.rollout_logprobs
+            else:
+                batch.old_logprobs = response_logprobs(self.policy.model, batch, temperature, micro, self.autocast)
+                weights, mismatch = truncated_importance_weights(
+                    batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.rollout.tis_cap)
+                batch.is_weights = weights if cfg.rollout.tis_cap else None
+                metrics.update(mismatch)
+        if self.reference is not None:
+            with timer("ref"):
+                batch.ref_logprobs = response_logprobs(self.reference.model, batch, temperature, micro, self.autocast)
+        with timer("adv"):
+            self._advantages(batch)
+        if self.on_batch is not None:
+            self.on_batch(batch)
+        work = step_work(batch, forward_passes=int(not reuse_logprobs) + (self.reference is not None)
+                         + (self.critic is not None), update_passes=a.ppo_epochs * (2 if self.critic is not None else 1))
+        if self.dist.dp_size > 1 and cfg.trainer.balance_batch:
+            with timer("balance"):
+                batch, balance_metrics = rebalance_batch(batch, self.dist, cfg.trainer.batch_size // self.dist.dp_size)
+            metrics.update(balance_metrics)
+        metrics["perf/update_tokens"] = float(batch.attention_mask.sum())  # after balancing: this rank's share
+        if self.critic is not None:
+            with timer("update_critic"):
+                metrics.update(run_update(self.critic, self.optimizer_step, batch, self.value_objective,
+                                          self.update_plan, self.update_generator, self.dist, self.autocast))
+        with timer("update_actor"):
+            metrics.update(run_update(self.policy, self.optimizer_step, batch, self.policy_objective,
+                                      self.update_plan, self.update_generator, self.dist, self.autocast))
+        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        with timer("update_weights"):
+            self.rollouts.collect_prefetched()  # standalone, one step ahead: the workers answer in order
+            metrics.update(self.rollouts.sync_weights())
+        return metrics, work
 
     def _rollout(self) -> tuple[RolloutBatch, dict[str, float]]:
         cfg, timer = self.cfg, self.timer
@@ -250,69 +217,41 @@ class RLTrainer:
             all_reduce=self.dist.all_reduce if self.dist.dp_size > 1 else None,
         )
 
-    def train_step(self) -> dict[str, float]:
-        """One step; its metrics combined over ranks."""
-        return reduce_metrics(self.local_step(), self.dist)
+    def _prompts_for(self, step: int) -> StepPrompts:
+        """The whole batch of ``step`` (every rank draws it and keeps its share later)."""
+        if self.prefetched is not None and self.prefetched.step == step:
+            batch, self.prefetched = self.prefetched, None
+            return batch
+        r = self.cfg.rollout
+        rows = self.stream.next_batch()
+        prompts = [p for p in self._encode(rows) for _ in range(r.n)]
+        # The seed is a function of the step, so a resumed run samples exactly what the original did.
+        sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            stop_token_ids=self.tokenizer.stop_token_ids, seed=self.cfg.trainer.seed * 1_000_003 + step,
+            total_rows=len(prompts),
+        )
+        return StepPrompts(step, prompts, sampling, rows)
 
-    def local_step(self) -> dict[str, float]:
-        """One step; this rank's own metrics, before they are combined over ranks."""
-        cfg, timer, a = self.cfg, self.timer, self.cfg.actor
-        temperature, micro = cfg.rollout.temperature or 1.0, a.ppo_micro_batch_size
-        step_start = time.perf_counter()
-        threads = self.threads.update()
-        batch, metrics = self._rollout()
-        metrics["perf/cpu_threads"] = float(threads)
-        # The rollout's log-probs equal an fp32 training forward where its source says so (with
-        # rollout.stale_logprobs=behavior, of the one-step-old policy PPO then takes its ratio against);
-        # otherwise (autocast, bf16 workers, one-step-stale weights, another engine) they are recomputed, and the
-        # rollout's own log-probs weigh the loss by truncated importance sampling.
-        reuse_logprobs = self.rollouts.logprobs_match_training_forward and cfg.trainer.precision == "fp32"
-        with timer("old_log_prob"):
-            if reuse_logprobs:
-                batch.old_logprobs = batch.rollout_logprobs
-            else:
-                batch.old_logprobs = response_logprobs(self.policy.model, batch, temperature, micro, self.autocast)
-                weights, mismatch = truncated_importance_weights(
-                    batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.rollout.tis_cap)
-                batch.is_weights = weights if cfg.rollout.tis_cap else None
-                metrics.update(mismatch)
-        if self.reference is not None:
-            with timer("ref"):
-                batch.ref_logprobs = response_logprobs(self.reference.model, batch, temperature, micro, self.autocast)
-        with timer("adv"):
-            self._advantages(batch)
-        work = step_work(batch, forward_passes=int(not reuse_logprobs) + (self.reference is not None)
-                         + (self.critic is not None), update_passes=a.ppo_epochs * (2 if self.critic is not None else 1))
-        if self.dist.dp_size > 1 and cfg.trainer.balance_batch:
-            with timer("balance"):
-                batch, balance_metrics = rebalance_batch(batch, self.dist, cfg.trainer.batch_size // self.dist.dp_size)
-            metrics.update(balance_metrics)
-        metrics["perf/update_tokens"] = float(batch.attention_mask.sum())  # after balancing: this rank's share
-        if self.critic is not None:
-            with timer("update_critic"):
-                metrics.update(run_update(self.critic, self.optimizer_step, batch, self.value_objective,
-                                          self.update_plan, self.update_generator, self.dist, self.autocast))
-        with timer("update_actor"):
-            metrics.update(run_update(self.policy, self.optimizer_step, batch, self.policy_objective,
-                                      self.update_plan, self.update_generator, self.dist, self.autocast))
-        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics.update(merged_comm_metrics([p.gradient_reducer for p in (self.policy, self.critic)
-                                            if p is not None and p.gradient_reducer is not None]))
-        self.scheduler.step()
-        with timer("update_weights"):
-            self.rollouts.collect_prefetched()  # standalone, one step ahead: the workers answer in order
-            metrics.update(self.rollouts.sync_weights())
-        step_time = time.perf_counter() - step_start
-        metrics.update(self.timer.pop())
-        metrics["timing_s/step"] = step_time
-        metrics.update(performance_metrics(work, metrics, step_time, self.model_config, self.dist,
-                                           cfg.trainer.precision, cfg.model.dtype))
-        if self.dist.world_size > 1 or self.dist.rollout_ranks:  # bytes and waits since the last step's were
-            metrics.update(self.dist.comm.pop())                 # read (docs/comm-accounting.md)
-        metrics.update(busy_time(metrics))  # needs the waits just read
-        return metrics
+    def _encode(self, rows: list[dict]) -> list[list[int]]:
+        prompts = encode_prompts(self.tokenizer, [r["prompt"] for r in rows], self.cfg.data.chat_template)
+        limit = self.cfg.data.max_prompt_length
+        for row, ids in zip(rows, prompts):
+            if len(ids) > limit:
+                raise DataError(
+                    f"prompt of {len(ids)} tokens exceeds data.max_prompt_length={limit}: {row['prompt'][:80]!r}; "
+                    "raise data.max_prompt_length or shorten the prompts"
+                )
+        return prompts
 
-    # ----------------------------------------------------------------------------------------- the loop
+    def _prefetch_next(self) -> None:
+        """One-step asynchronous rollouts: the next step's prompts go to the workers before this update."""
+        if self.cfg.rollout.staleness and self.step + 1 < self.cfg.trainer.total_steps:
+            self.stream_state_before_prefetch = self.stream.state_dict()
+            self.prefetched = self._prompts_for(self.step + 1)
+            self.rollouts.prefetch(self.prefetched)
+
+    # -------------------------------------------------------------------------------- around the loop
     def evaluate(self) -> dict[str, float]:
         self.policy.eval()
         with self.timer("eval"):
@@ -323,65 +262,30 @@ class RLTrainer:
             )
         return reduce_metrics(local, self.dist)  # equal shards, so the mean of rank means is the mean
 
-    def save(self) -> Path:
-        return checkpoint.save(
-            self.checkpoint_root, self.step, ctx=self.dist, model=self._state_module(), optimizer=self.optimizer,
-            scheduler=self.scheduler, grad_scaler=self.scaler, generators={"update": self.update_generator},
-            # A prefetched step is generated again after a resume: save the stream from before its draw.
-            trainer_state={"step": self.step,
-                           "data": self.stream_state_before_prefetch if self.prefetched else self.stream.state_dict()},
-            config=config_to_dict(self.cfg), keep_last=self.cfg.trainer.keep_last,
-            model_config=model_config_to_hf(self.model_config), reshard_history=self.reshard_history,
-        )
+    def data_state(self) -> dict[str, Any]:
+        # A prefetched step is generated again after a resume: save the stream from before its draw.
+        return self.stream_state_before_prefetch if self.prefetched else self.stream.state_dict()
 
-    def fit(self) -> dict[str, Any]:
-        t = self.cfg.trainer
-        summary: dict[str, Any] = {}
-        try:
-            if self.step == 0 and self.val_rows:
-                summary["initial"] = self.evaluate()
-                self.logger.log({**summary["initial"], **reduce_metrics(self.timer.pop(), self.dist)}, step=0)
-            while self.step < t.total_steps:
-                metrics = self.train_step()
-                self.step += 1
-                metrics.update(self.monitor.observe(self.step, metrics))
-                last = self.step == t.total_steps
-                if self.val_rows and (last or (t.eval_every and self.step % t.eval_every == 0)):
-                    metrics.update(self.evaluate())
-                    metrics.update(reduce_metrics(self.timer.pop(), self.dist))
-                self.logger.log(metrics, step=self.step)
-                self.skip_guard.after_step(self.step, self.optimizer_step.consecutive_skips)
-                if (t.save_every and self.step % t.save_every == 0) or last:
-                    self.save()
-                summary["last"] = metrics
-            final_dir = checkpoint.export_hf_model(self.policy.model, self.tokenizer, self.output_dir / "final", self.dist)
-            summary["final_model"] = str(final_dir)
-            if "jsonl" in t.logger and self.dist.is_main:
-                summary["plot"] = str(plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "metrics.png"))
-        finally:
-            self.rollouts.close()
-            self.logger.close()
-        return summary
+    def export(self) -> dict[str, str]:
+        exported = super().export()
+        if "jsonl" in self.cfg.trainer.logger and self.dist.is_main:
+            exported["plot"] = str(plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "metrics.png"))
+        return exported
 
-
-def rollout_worker_count(cfg: Config) -> int:
-    return cfg.rollout.workers if cfg.rollout.placement == "standalone" else 0
+    def close(self) -> None:
+        self.rollouts.close()
+        super().close()
 
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run RL training as configured; returns initial/last metrics and output paths. With standalone
     rollout workers, the world's last ``rollout.workers`` ranks serve generation instead (and return {})."""
-    cfg.validate()
-    check_run_inputs(cfg, sft=False)
-    device = resolve_device(cfg.trainer.device)
-    t = cfg.trainer
-    ctx = init_distributed(cfg.parallel, device, rollout_worker_count(cfg), dist_timeout_s=t.dist_timeout_s,
-                           rendezvous_timeout_s=t.rendezvous_timeout_s, trace_dir=Path(t.output_dir) / "nccl_traces")
+    ctx = start_run(cfg, RLTrainer.kind)
 
     def run() -> dict[str, Any]:
         if not ctx.is_trainer:
-            RolloutWorker(cfg, device, ctx.rollout_group).serve()
+            RolloutWorker(cfg, resolve_device(cfg.trainer.device), ctx.rollout_group).serve()
             return {}
         return RLTrainer(cfg, ctx).fit()
 
-    return run_reporting_failures(run, Path(t.output_dir) / CHECKPOINTS_DIR)
+    return run_reporting_failures(run, run_output_dir(cfg, RLTrainer.kind) / CHECKPOINTS_DIR)

@@ -1,11 +1,17 @@
-"""Checks of what a config names outside itself, made before any work: the model directory's shape against
-the layout and the sequence lengths, its tokenizer, the reward function, and the output directories.
+"""Checks made before any work, each failing with a message that names the keys.
 
-`Config.validate` checks the config alone (and the built-in model, whose shape is in the config); these
-read the files it points at. The CLI (`train`, `sft`, `demo`, `config`), the launchers and the trainers all
-call `check_run_inputs`, so a bad path or an impossible layout fails in a second, naming the key, instead of
-after the model has loaded or the job has queued. A model directory that does not exist here is left to
-the trainer (a launcher may run where it does exist); nothing is created or written.
+Before the process group is joined, what a config names outside itself (`check_run_inputs`): the model
+directory's shape against the layout and the sequence lengths, its tokenizer, the reward function, and the
+output directories. `Config.validate` checks the config alone (and the built-in model, whose shape is in
+the config); these read the files it points at. The run's entry (`scalerl.trainer.run.start_run`), the
+launchers before they start ranks, the demo and `scalerl config` call it, so a bad path or an impossible
+layout fails in a second instead of after the model has loaded or the job has queued. A model directory
+that does not exist here is left to the trainer (a launcher may run where it does exist); nothing is
+created or written.
+
+Once the group is joined, what each trainer needs from the parallel layout (`check_rl_layout`,
+`check_sft_layout`): batch sizes that split over data-parallel ranks and pipeline micro-batches, and
+features that do not run distributed yet.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scalerl.core.config import BUILTIN_REWARDS, ConfigError
+
+if TYPE_CHECKING:  # the layout checks' argument; importing it pulls in torch, which `scalerl config` does not need
+    from scalerl.parallel.distributed import DistContext
 
 
 def check_run_inputs(cfg: Any, sft: bool | None = None, import_reward: bool = True) -> None:
@@ -89,3 +98,52 @@ def _read_only(directory: Path) -> bool:
         return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
     except OSError as e:
         return e.errno == errno.EROFS
+
+
+def _divides(problems: list[str], key: str, value: int, dp: int) -> None:
+    if value % dp:
+        problems.append(f"{key} ({value}) must be divisible by the data-parallel size {dp}")
+
+
+def _pipeline_problems(problems: list[str], cfg: Any, ctx: DistContext, key: str, per_rank: int) -> None:
+    dims = ctx.dims
+    if dims.pp > 1 and dims.tp > 1 and dims.dp > 1:
+        problems.append(f"pipeline parallel combines with data parallel or tensor parallel, not both yet "
+                        f"(pp={dims.pp}, dp={dims.dp}, tp={dims.tp})")
+    if dims.pp > 1 and per_rank % cfg.parallel.microbatches:
+        problems.append(f"parallel.microbatches ({cfg.parallel.microbatches}) must divide the per-rank "
+                        f"mini-batch {key} / dp = {per_rank}")
+
+
+def check_rl_layout(cfg: Any, ctx: DistContext) -> None:
+    """What the RL trainer needs from the layout; raises a LayoutError naming every problem."""
+    if ctx.world_size == 1:
+        return
+    dp, problems = ctx.dp_size, []
+    _divides(problems, "trainer.batch_size", cfg.trainer.batch_size, dp)
+    _divides(problems, "actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size, dp)
+    _pipeline_problems(problems, cfg, ctx, "actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size // dp)
+    if ctx.dims.pp > 1 and cfg.actor.micro_batch_max_tokens:
+        problems.append("actor.micro_batch_max_tokens (dynamic batch size) does not apply with parallel.pp > 1")
+    if ctx.dims.pp > 1 and cfg.algorithm.adv_estimator == "gae":
+        problems.append("algorithm.adv_estimator=gae (a critic) does not run with parallel.pp > 1 yet")
+    if cfg.rollout.engine != "builtin":
+        problems.append("rollout.engine=vllm is single-process only for now")
+    _raise_layout_problems(problems)
+
+
+def check_sft_layout(cfg: Any, ctx: DistContext) -> None:
+    """What the SFT trainer needs from the layout; raises a LayoutError naming every problem."""
+    if ctx.world_size == 1:
+        return
+    dp, problems = ctx.dp_size, []
+    _divides(problems, "sft.batch_size", cfg.sft.batch_size, dp)
+    _pipeline_problems(problems, cfg, ctx, "sft.batch_size", cfg.sft.batch_size // dp)
+    _raise_layout_problems(problems)
+
+
+def _raise_layout_problems(problems: list[str]) -> None:
+    from scalerl.parallel.mesh import LayoutError
+
+    if problems:
+        raise LayoutError("; ".join(problems))

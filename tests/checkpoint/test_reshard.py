@@ -40,7 +40,7 @@ def _dump(trainer, file: Path) -> None:
     """Full model and optimizer state of ``trainer`` (collective), written by rank 0 as safetensors."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_state, optim_state = get_state_dict(trainer._state_module(), trainer.optimizer,
+    model_state, optim_state = get_state_dict(trainer.state_module(), trainer.optimizer,
                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.dist.is_main:
         flat = {f"model/{k}": v.detach().clone().contiguous() for k, v in model_state.items()}
@@ -55,7 +55,7 @@ def _dump(trainer, file: Path) -> None:
 def _train_and_dump(out: Path, name: str, layout: str) -> None:
     from scalerl.trainer.rl_trainer import RLTrainer
 
-    trainer = RLTrainer(_config(out, name, layout))
+    trainer = RLTrainer.from_config(_config(out, name, layout))
     trainer.fit()  # the last step is saved: the dump is what the checkpoint holds
     _dump(trainer, out / f"{name}.safetensors")
 
@@ -64,7 +64,7 @@ def _resume_and_dump(out: Path, name: str, layout: str, source: str, *extra: str
     from scalerl.trainer.rl_trainer import RLTrainer
 
     checkpoint = out / source / "checkpoints" / f"step_{STEPS:08d}"
-    trainer = RLTrainer(_config(out, name, layout, f"trainer.resume={checkpoint}", *extra))
+    trainer = RLTrainer.from_config(_config(out, name, layout, f"trainer.resume={checkpoint}", *extra))
     _dump(trainer, out / f"{name}.safetensors")
     return trainer
 
@@ -97,7 +97,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("reshard")
     from scalerl.trainer.rl_trainer import RLTrainer
 
-    single = RLTrainer(_config(out, "single", "single"))
+    single = RLTrainer.from_config(_config(out, "single", "single"))
     single.fit()
     _dump(single, out / "single.safetensors")
     for world in (4, 2):

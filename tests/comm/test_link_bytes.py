@@ -55,7 +55,7 @@ pop = counter.pop
 for name, layout in layouts.items():
     cfg = load_config(None, [*verification_overrides(3), "model.hidden_size=256", "model.intermediate_size=512",
                              *layout, f"trainer.output_dir={sync / name}"])
-    trainer = RLTrainer(cfg)
+    trainer = RLTrainer.from_config(cfg)
     own = report[name] = {}
     def keep_own(own=own):  # this rank's values, before the reduction over ranks
         calls = sum(counter.calls().values())

@@ -83,7 +83,7 @@ def test_results_do_not_depend_on_the_thread_count(tmp_path):
             "trainer.logger=[]", f"trainer.cpu_threads={n}", f"trainer.output_dir={tmp_path / str(n)}",
         ))
         try:
-            trainer = RLTrainer(cfg)
+            trainer = RLTrainer.from_config(cfg)
             trainer.train_step()
         finally:
             torch.set_num_threads(original)

@@ -81,7 +81,7 @@ def test_trainer_reports_mfu_per_phase(tmp_path):
         "data.num_train=64", "data.num_val=0", "rollout.n=2", "rollout.max_new_tokens=4", "actor.ppo_mini_batch_size=8",
         "actor.ppo_micro_batch_size=8", "trainer.total_steps=1", "trainer.logger=[]", f"trainer.output_dir={tmp_path}",
     ))
-    metrics = RLTrainer(cfg).train_step()
+    metrics = RLTrainer.from_config(cfg).train_step()
     for key in ("perf/mfu", "perf/mfu/gen", "perf/mfu/update"):
         assert 0 < metrics[key] < 1, key
     assert metrics["perf/mfu/gen"] != metrics["perf/mfu/update"]

@@ -37,7 +37,7 @@ def test_grpo_run_writes_metrics_model_and_plot(tiny_config):
 
 
 def test_gae_estimator_trains_a_critic(tiny_config, length_reward):
-    trainer = RLTrainer(tiny_config("algorithm.adv_estimator=gae", "algorithm.lam=0.95", length_reward))
+    trainer = RLTrainer.from_config(tiny_config("algorithm.adv_estimator=gae", "algorithm.lam=0.95", length_reward))
     critic_before = {k: v.clone() for k, v in trainer.critic.model.state_dict().items()}
     metrics = trainer.train_step()
     assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"} <= set(metrics)
@@ -47,7 +47,7 @@ def test_gae_estimator_trains_a_critic(tiny_config, length_reward):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_steps_are_finite(tiny_config, length_reward, precision):
-    trainer = RLTrainer(tiny_config(f"trainer.precision={precision}", length_reward))
+    trainer = RLTrainer.from_config(tiny_config(f"trainer.precision={precision}", length_reward))
     before = trainer.policy.model.layers[0].mlp.up_proj.weight.clone()
     metrics = trainer.train_step()
     assert all(v == v for v in metrics.values())  # no NaN
@@ -57,20 +57,20 @@ def test_mixed_precision_steps_are_finite(tiny_config, length_reward, precision)
 
 
 def test_resume_is_bitwise_identical(tiny_config, length_reward, tmp_path):
-    straight = RLTrainer(tiny_config("trainer.total_steps=4", length_reward, f"trainer.output_dir={tmp_path / 'a'}"))
+    straight = RLTrainer.from_config(tiny_config("trainer.total_steps=4", length_reward, f"trainer.output_dir={tmp_path / 'a'}"))
     straight.fit()
-    first = RLTrainer(tiny_config(
+    first = RLTrainer.from_config(tiny_config(
         "trainer.total_steps=2", "trainer.save_every=2", length_reward, f"trainer.output_dir={tmp_path / 'b'}"
     ))
     first.fit()
-    resumed = RLTrainer(tiny_config(
+    resumed = RLTrainer.from_config(tiny_config(
         "trainer.total_steps=4", "trainer.resume=auto", length_reward, f"trainer.output_dir={tmp_path / 'b'}"
     ))
     assert resumed.step == 2
     resumed.fit()
     for (name, a), (_, b) in zip(straight.policy.model.state_dict().items(), resumed.policy.model.state_dict().items()):
         assert torch.equal(a, b), name
-    initial = RLTrainer(tiny_config(length_reward, f"trainer.output_dir={tmp_path / 'x'}")).policy.model.state_dict()
+    initial = RLTrainer.from_config(tiny_config(length_reward, f"trainer.output_dir={tmp_path / 'x'}")).policy.model.state_dict()
     assert not torch.equal(initial["embed_tokens.weight"], straight.policy.model.state_dict()["embed_tokens.weight"])
     a_rows, b_rows = _lines(tmp_path / "a" / "metrics.jsonl"), _lines(tmp_path / "b" / "metrics.jsonl")
     assert [r["step"] for r in b_rows] == [0, 1, 2, 3, 4]
@@ -80,9 +80,9 @@ def test_resume_is_bitwise_identical(tiny_config, length_reward, tmp_path):
 
 
 def test_resume_with_a_different_model_is_refused(tiny_config, tmp_path):
-    RLTrainer(tiny_config("trainer.total_steps=1", f"trainer.output_dir={tmp_path / 'c'}")).fit()
+    RLTrainer.from_config(tiny_config("trainer.total_steps=1", f"trainer.output_dir={tmp_path / 'c'}")).fit()
     with pytest.raises(CheckpointError, match="model.hidden_size"):
-        RLTrainer(tiny_config("trainer.resume=auto", "model.hidden_size=64", "model.intermediate_size=64",
+        RLTrainer.from_config(tiny_config("trainer.resume=auto", "model.hidden_size=64", "model.intermediate_size=64",
                               f"trainer.output_dir={tmp_path / 'c'}"))
 
 
@@ -94,7 +94,7 @@ def test_failing_user_reward_is_counted_not_fatal(tiny_config, tmp_path):
         "        raise RuntimeError('boom')\n"
         "    return 'not a number'\n"
     )
-    trainer = RLTrainer(tiny_config(f"data.reward={reward_file}:score"))
+    trainer = RLTrainer.from_config(tiny_config(f"data.reward={reward_file}:score"))
     metrics = trainer.train_step()
     assert metrics["reward/num_failures"] == 16  # every sample failed, scored 0, and the step completed
     assert metrics["critic/score/mean"] == 0.0
@@ -102,13 +102,13 @@ def test_failing_user_reward_is_counted_not_fatal(tiny_config, tmp_path):
 
 def test_too_long_prompt_names_the_setting(tiny_config):
     with pytest.raises(ValueError, match="training row 1: .* data.max_prompt_length=4"):  # at start, not mid-run
-        RLTrainer(tiny_config("data.max_prompt_length=4"))
+        RLTrainer.from_config(tiny_config("data.max_prompt_length=4"))
 
 
 def test_token_budget_micro_batches_in_the_trainer(tiny_config, length_reward):
-    fixed = RLTrainer(tiny_config(length_reward, "trainer.total_steps=2"))
+    fixed = RLTrainer.from_config(tiny_config(length_reward, "trainer.total_steps=2"))
     fixed.fit()
-    budget = RLTrainer(tiny_config(length_reward, "trainer.total_steps=2", "actor.micro_batch_max_tokens=40",
+    budget = RLTrainer.from_config(tiny_config(length_reward, "trainer.total_steps=2", "actor.micro_batch_max_tokens=40",
                                    f"trainer.output_dir={fixed.output_dir}-budget"))
     budget.fit()
     for (name, a), (_, b) in zip(fixed.policy.model.state_dict().items(), budget.policy.model.state_dict().items()):
@@ -116,12 +116,12 @@ def test_token_budget_micro_batches_in_the_trainer(tiny_config, length_reward):
 
 
 def test_fp16_checkpoint_keeps_the_loss_scale(tiny_config, length_reward, tmp_path):
-    first = RLTrainer(tiny_config("trainer.precision=fp16", "trainer.total_steps=1", length_reward,
+    first = RLTrainer.from_config(tiny_config("trainer.precision=fp16", "trainer.total_steps=1", length_reward,
                                   f"trainer.output_dir={tmp_path}"))
     first.scaler._init_scale = 1234.0  # a scale no fresh scaler starts from
     first.fit()
     assert first.scaler.get_scale() in (1234.0, 617.0)  # kept, or halved after an overflow
     assert (tmp_path / "checkpoints" / "step_00000001" / "grad_scaler.pt").is_file()
-    resumed = RLTrainer(tiny_config("trainer.precision=fp16", "trainer.total_steps=2", "trainer.resume=auto",
+    resumed = RLTrainer.from_config(tiny_config("trainer.precision=fp16", "trainer.total_steps=2", "trainer.resume=auto",
                                     length_reward, f"trainer.output_dir={tmp_path}"))
     assert resumed.scaler.get_scale() == first.scaler.get_scale()

@@ -32,7 +32,7 @@ def finished_run(tmp_path_factory):
     from tests.trainer.conftest import TINY
 
     run = tmp_path_factory.mktemp("finished") / "run"
-    RLTrainer(load_config(None, [*TINY, "trainer.total_steps=2", "trainer.save_every=1", "trainer.keep_last=3",
+    RLTrainer.from_config(load_config(None, [*TINY, "trainer.total_steps=2", "trainer.save_every=1", "trainer.keep_last=3",
                                  f"trainer.output_dir={run}"])).fit()
     return run
 
@@ -47,7 +47,7 @@ def run(finished_run, tmp_path):
 def test_new_run_into_another_runs_directory_is_refused_and_changes_nothing(run, tiny_config, capsys):
     before = snapshot(run)
     with pytest.raises(OutputDirectoryInUse) as refused:
-        RLTrainer(tiny_config("trainer.total_steps=1"))
+        RLTrainer.from_config(tiny_config("trainer.total_steps=1"))
     message = str(refused.value)
     for named in ("checkpoints/", "metrics.jsonl", "final/", "trainer.resume=auto", "trainer.overwrite=true"):
         assert named in message
@@ -63,21 +63,21 @@ def _cli_args(run: Path) -> list[str]:
 
 
 def test_overwrite_replaces_the_previous_run(run, tiny_config, capsys):
-    RLTrainer(tiny_config("trainer.total_steps=1", "trainer.overwrite=true")).fit()
+    RLTrainer.from_config(tiny_config("trainer.total_steps=1", "trainer.overwrite=true")).fit()
     assert "deleted the previous run's checkpoints/, metrics.jsonl, final/" in capsys.readouterr().out
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001"]
     assert steps(run) == [0, 1]
 
 
 def test_resume_auto_continues_and_says_from_where(run, tiny_config, capsys):
-    trainer = RLTrainer(tiny_config("trainer.total_steps=3", "trainer.resume=auto"))
+    trainer = RLTrainer.from_config(tiny_config("trainer.total_steps=3", "trainer.resume=auto"))
     assert trainer.step == 2
     assert f"resumed from step 2 ({run / 'checkpoints' / 'step_00000002'})" in capsys.readouterr().out
 
 
 def test_unreadable_newest_meta_falls_back_and_says_so(run, tiny_config, capsys):
     (run / "checkpoints" / "step_00000002" / "meta.json").write_text("{ not json")
-    trainer = RLTrainer(tiny_config("trainer.total_steps=3", "trainer.resume=auto"))
+    trainer = RLTrainer.from_config(tiny_config("trainer.total_steps=3", "trainer.resume=auto"))
     assert trainer.step == 1
     out, err = capsys.readouterr()
     assert "step_00000002" in err and "unreadable" in err and "falling back to step_00000001" in err
@@ -92,7 +92,7 @@ def test_leftovers_of_interrupted_saves_are_cleaned_at_the_next_start(run, tiny_
     shutil.copytree(run / "final", run / ".tmp-final-4242")  # killed while exporting the model
     shutil.copytree(run / "final", run / ".final.tmp-4242")  # the same, by an earlier scalerl version
     shutil.copytree(root, run / ".del-checkpoints-4242")  # killed while trainer.overwrite=true deleted a run
-    trainer = RLTrainer(tiny_config("trainer.total_steps=3", "trainer.resume=auto"))
+    trainer = RLTrainer.from_config(tiny_config("trainer.total_steps=3", "trainer.resume=auto"))
     out = capsys.readouterr().out
     assert "cleaned up after an interrupted save" in out and "restored step_00000002" in out
     assert trainer.step == 2
@@ -104,12 +104,12 @@ def test_a_launcher_restart_continues_only_the_run_its_first_attempt_started(run
                                                                              monkeypatch, capsys):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # as torchrun sets it in a restarted worker
     with pytest.raises(OutputDirectoryInUse):  # `run` was not started by this job: still refused
-        RLTrainer(tiny_config("trainer.total_steps=3"))
+        RLTrainer.from_config(tiny_config("trainer.total_steps=3"))
     job = f"trainer.output_dir={tmp_path / 'job'}"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # the job's first attempt claims its directory
-    RLTrainer(tiny_config("trainer.total_steps=1", job)).fit()
+    RLTrainer.from_config(tiny_config("trainer.total_steps=1", job)).fit()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    trainer = RLTrainer(tiny_config("trainer.total_steps=3", job))  # resume=never, as the job was started
+    trainer = RLTrainer.from_config(tiny_config("trainer.total_steps=3", job))  # resume=never, as the job was started
     assert trainer.step == 1
     assert "restart 1 of this job" in capsys.readouterr().out
 
@@ -120,15 +120,15 @@ def test_sft_into_another_runs_directory_is_refused(tiny_config, tmp_path):
     sft_dir = Path(cfg.trainer.output_dir) / "sft"
     before = snapshot(sft_dir)
     with pytest.raises(OutputDirectoryInUse, match=r"checkpoints/, metrics.jsonl, model/"):
-        SFTTrainer(tiny_config("sft.steps=1"))
+        SFTTrainer.from_config(tiny_config("sft.steps=1"))
     assert snapshot(sft_dir) == before
-    assert SFTTrainer(tiny_config("sft.steps=2", "trainer.resume=auto")).step == 1
+    assert SFTTrainer.from_config(tiny_config("sft.steps=2", "trainer.resume=auto")).step == 1
 
 
 def test_a_directory_without_run_outputs_is_fine(tiny_config, tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # empty: nothing to lose
     (tmp_path / "run" / "notes.txt").write_text("mine")
-    RLTrainer(tiny_config("trainer.total_steps=1"))
+    RLTrainer.from_config(tiny_config("trainer.total_steps=1"))
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
 
 
@@ -143,7 +143,7 @@ def test_everything_a_run_writes_follows_the_umask(tiny_config, tmp_path, umask)
     loggers = "[jsonl,tensorboard]" if importlib.util.find_spec("tensorboard") else "[jsonl]"
     previous = os.umask(umask)
     try:
-        RLTrainer(tiny_config("trainer.total_steps=1", f"trainer.logger={loggers}")).fit()
+        RLTrainer.from_config(tiny_config("trainer.total_steps=1", f"trainer.logger={loggers}")).fit()
     finally:
         os.umask(previous)
     run = tmp_path / "run"

@@ -43,13 +43,13 @@ def test_sft_resume_is_bitwise_identical(tiny_config, tmp_path):
     from scalerl.trainer.sft_trainer import SFTTrainer
 
     def run(out, *extra):
-        trainer = SFTTrainer(tiny_config(f"trainer.output_dir={tmp_path / out}", *extra))
+        trainer = SFTTrainer.from_config(tiny_config(f"trainer.output_dir={tmp_path / out}", *extra))
         trainer.fit()
         return trainer
 
     straight = run("a", "sft.steps=4")
     run("b", "sft.steps=2", "trainer.save_every=2")
-    resumed = SFTTrainer(tiny_config(f"trainer.output_dir={tmp_path / 'b'}", "sft.steps=4", "trainer.resume=auto"))
+    resumed = SFTTrainer.from_config(tiny_config(f"trainer.output_dir={tmp_path / 'b'}", "sft.steps=4", "trainer.resume=auto"))
     assert resumed.step == 2
     resumed.fit()
     for (name, a), (_, b) in zip(straight.policy.model.state_dict().items(), resumed.policy.model.state_dict().items()):
