@@ -49,6 +49,7 @@ def test_test_modules_at_the_root_test_root_modules_or_the_whole_package():
     """tests/test_<name>.py at the root: scalerl/<name>.py, or a check across the tree (named, with why)."""
     across = {
         "test_layers": "the import layers of every module",
+        "test_docs_links": "every relative link and anchor of README.md and docs/",
         "test_mirror": "the test tree's shape (this file)",
         "test_examples": "examples/ at the repository root: the configs, the seed article's launch script",
         "test_train_cli_files": "the user's path through cli.py: sft then train on JSONL files",
