@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from scalerl.algorithms.advantages import grpo_advantages
-from scalerl.models.config import ModelConfig
-from scalerl.models.decoder import build_model
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import single_process_context
 from scalerl.parallel.parallelize import parallelize
@@ -18,6 +16,7 @@ from scalerl.rollout.engine import SamplingParams
 from scalerl.trainer.forward_passes import response_logprobs
 from scalerl.trainer.objectives import PolicyObjective, ValueObjective
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
+from tests.tiny import tiny_model
 
 
 def update_policy(model, opt, batch, cfg, temperature, horizon, generator, scaler=None):
@@ -48,8 +47,7 @@ def _batch(model, seed=0):
 
 
 def _model():
-    cfg = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
-    return build_model(cfg, seed=0)
+    return tiny_model(vocab_size=16)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
