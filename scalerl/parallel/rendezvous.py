@@ -94,8 +94,10 @@ def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: 
         raise RendezvousError(f"rank {rank} of {world_size} could not reach the rendezvous at {where} {limit} "
                               f"({last_error}): is rank 0 running, and are MASTER_ADDR/MASTER_PORT right?")
     try:
+        # wait_for_workers=True on a client too: that is where it adds itself to the count rank 0 waits for
+        # (TCPStore::waitForWorkers); without it rank 0 waits out its whole limit for a rank already here.
         return connect_store(master_addr, master_port, is_master=False, world_size=world_size,
-                             timeout_s=max(1.0, deadline - time.monotonic()))
+                             timeout_s=max(1.0, deadline - time.monotonic()), wait_for_workers=True)
     except (dist.DistError, StoreDeadlineError) as e:
         raise RendezvousError(f"rank {rank} of {world_size} reached {where} but could not join the rendezvous "
                               f"{limit}: {e}") from None

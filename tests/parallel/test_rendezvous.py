@@ -34,6 +34,30 @@ def test_rank_zero_waits_only_the_limit_for_missing_ranks():
     assert "trainer.rendezvous_timeout_s=1" in message
 
 
+def test_ranks_that_come_are_counted_and_the_store_forms_at_once():
+    """Rank 0 returns as soon as every rank has joined (each client adds itself to the count rank 0 waits
+    for), not after its limit: a client that did not count itself left rank 0 waiting the whole 120 s."""
+    port, world = free_port(), 3
+    stores, errors = {}, []
+
+    def join(rank: int) -> None:
+        try:
+            stores[rank] = rendezvous_store("127.0.0.1", port, rank=rank, world_size=world, timeout_s=20.0)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors and sorted(stores) == [0, 1, 2]
+    assert time.monotonic() - start < 10, "rank 0 waited for ranks that had already joined"
+    stores[1].set("from-1", "x")
+    assert stores[2].get("from-1") == b"x"
+
+
 def test_unreachable_master_is_named_after_the_limit():
     port = free_port()  # nobody listens there
     start = time.monotonic()
