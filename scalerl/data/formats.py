@@ -52,7 +52,7 @@ class ColumnNames:
         """The top-level columns that identify `format_name` in a file."""
         return {
             "verl": (self.prompt, "reward_model"),
-            "rows": (self.prompt, self.ground_truth_for("rows").split(".")[0]),
+            "rows": (self.prompt, "ground_truth"),  # the native format's own column, whatever ground_truth says
             "gsm8k": ("question", "answer"),
             "math": ("problem", "solution"),
             "trl": (self.prompt,),
