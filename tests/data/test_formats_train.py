@@ -51,3 +51,13 @@ def test_train_on_trl_dataset_saved_to_disk(tmp_path):
                  f"data.train_files=[{tmp_path / 'ds'}]", "data.split=train", "data.ground_truth_key=solution"]) == 0
     (step,) = [row for row in _metrics(run) if "critic/score/mean" in row]
     assert step["critic/score/mean"] == 1.0 and step["reward/num_failures"] == 0
+
+
+def test_sft_on_trl_prompt_completion_jsonl(tmp_path):
+    records = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+                "completion": [{"role": "assistant", "content": f" {i + 1}"}]} for i in range(8)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    run = tmp_path / "run"
+    assert main(["sft", *TINY, f"trainer.output_dir={run}", f"data.train_files=[{tmp_path / 'sft.jsonl'}]",
+                 "sft.steps=2", "sft.batch_size=4", "sft.micro_batch_size=4"]) == 0
+    assert (run / "sft" / "model" / "model.safetensors").is_file()
