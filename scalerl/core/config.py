@@ -47,6 +47,7 @@ __all__ = [
 
 DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("arithmetic", "gsm8k", "math")
+DATA_FORMATS = ("auto", "gsm8k", "math", "rows", "verl", "trl")
 ROLLOUT_ENGINES = ("builtin", "vllm")
 ROLLOUT_PLACEMENTS = ("colocated", "standalone")
 LR_SCHEDULES = ("constant", "cosine")
@@ -110,6 +111,16 @@ class DataSection(_Section):
     train_files: list[str] = opt(help="training prompt files (parquet/jsonl); empty = generate/download", factory=list)
     val_files: list[str] = opt(help="validation prompt files", factory=list)
     prompt_template: str | None = opt(None, "format string for the prompt; null = the task's default")
+    # Data file formats and their column names (docs/configuration.md#data-formats; verl's key names).
+    format: str = opt("auto", "data file format: " + " | ".join(DATA_FORMATS) + "; auto = told from each file's "
+                      "columns, the task's own format first")
+    prompt_key: str = opt("prompt", "column holding the prompt (rows, verl, trl): text or chat messages "
+                          "[{role, content}], the latter rendered with the tokenizer's chat template")
+    ground_truth_key: str | None = opt(None, "column holding the ground truth, dotted for a nested field; "
+                                       "null = reward_model.ground_truth (verl), ground_truth (rows, trl)")
+    reward_fn_key: str = opt("data_source", "verl's: the column handed to the reward as data_source")
+    split: str = opt("train", "split read from a DatasetDict.save_to_disk directory in data.train_files")
+    val_split: str = opt("test", "split read from a DatasetDict.save_to_disk directory in data.val_files")
     difficulty: list[int] = opt(help="arithmetic task: difficulty levels to sample", factory=lambda: [1, 2])
     num_train: int = opt(4000, "generated tasks: number of training prompts")
     num_val: int = opt(200, "generated tasks: number of validation prompts")
@@ -129,6 +140,13 @@ class DataSection(_Section):
         _check(p, self.num_train >= 1, "data.num_train", ">= 1", self.num_train)
         _check(p, self.num_val >= 0, "data.num_val", ">= 0", self.num_val)
         _check(p, self.max_prompt_length >= 1, "data.max_prompt_length", ">= 1", self.max_prompt_length)
+        _check_choice(p, "data.format", self.format, DATA_FORMATS)
+        for key in ("prompt_key", "ground_truth_key", "reward_fn_key", "split", "val_split"):
+            value = getattr(self, key)  # only ground_truth_key may be null; the type check sees to that
+            _check(p, value is None or bool(value.strip()), f"data.{key}", "a non-empty column or split name", value)
+        if self.format != "auto" and self.task == "arithmetic" and not self.train_files:
+            p.append(f"data.format={self.format} is not used by data.task=arithmetic without data.train_files (the "
+                     "built-in task makes its own rows); remove it, or give data files")
         if self.reward not in BUILTIN_REWARDS and ":" not in self.reward:
             p.append(f"data.reward must be one of {', '.join(BUILTIN_REWARDS)}, 'module:function' or "
                      f"'file.py:function'; got {self.reward!r}")

@@ -1,5 +1,6 @@
-"""Built-in arithmetic task, GSM8K/MATH-style loaders, answer extraction and reward functions (each call
-within `data.reward_timeout_s`: `reward_calls`)."""
+"""Built-in arithmetic task, data files (GSM8K/MATH, verl's and TRL's formats, Hugging Face datasets; the row
+contract: `loaders`), answer extraction and reward functions (each call within `data.reward_timeout_s`:
+`reward_calls`)."""
 
 from scalerl.data.answers import (
     extract_boxed,
@@ -12,6 +13,7 @@ from scalerl.data.arithmetic import (
     make_arithmetic_rows,
 )
 from scalerl.data.errors import DataError
+from scalerl.data.formats import ColumnNames, reward_columns
 from scalerl.data.loaders import DEFAULT_PROMPT_TEMPLATE, load_rows
 from scalerl.data.rewards import (
     BUILTIN_REWARDS,
@@ -23,7 +25,8 @@ from scalerl.data.rewards import (
 )
 
 __all__ = [
-    "BUILTIN_REWARDS", "DEFAULT_PROMPT_TEMPLATE", "DataError", "LEVEL_DESCRIPTIONS", "RewardComputer",
+    "BUILTIN_REWARDS", "ColumnNames", "DEFAULT_PROMPT_TEMPLATE", "DataError", "LEVEL_DESCRIPTIONS", "RewardComputer",
     "RewardFunctionError", "count_arithmetic_problems", "extract_boxed", "extract_hash_answer", "gsm8k_reward",
     "load_reward_fn", "load_rows", "make_arithmetic_rows", "math_reward", "normalize_math_answer",
+    "reward_columns",
 ]

@@ -1,40 +1,67 @@
-"""Read GSM8K-style and MATH-style problems from JSONL or Parquet files into the package's row format.
+"""Read data files (JSON lines, Parquet, Arrow, Hugging Face `save_to_disk` directories) into rows.
 
-Output rows are `{"prompt": str, "response": str, "ground_truth": str}` (see `scalerl.data.arithmetic`):
+Every row is a dict; what a reward and the trainer may read from it (the row contract):
 
-    kind="gsm8k"  input {"question", "answer"}   the answer ends in "#### <number>"
-                  -> prompt = template(question), response = " " + answer, ground_truth = the number
-    kind="math"   input {"problem", "solution"}  the solution contains "\\boxed{...}"; an "answer"
-                  field, where present (as in MATH-500), is used as the ground truth instead
-                  -> prompt = template(problem), response = " " + solution, ground_truth = the boxed text
-    kind="rows"   input already {"prompt", "ground_truth"} and optionally "response"; passed through
-    kind="auto"   chosen per file from its columns
+    "prompt"        str, or chat messages [{"role", "content"}, ...] (roles system/user/assistant/tool,
+                    text content). Text is encoded as it is (BOS first; with `data.chat_template=true` as
+                    one user message); messages always go through the tokenizer's chat template, with the
+                    generation prompt appended (`scalerl.data.prompts`).
+    "ground_truth"  what rule rewards compare against: str for gsm8k, math and rows files (and the built-in
+                    task); for verl rows, and TRL rows with a ground truth, the value as written (text in
+                    verl's own scripts; numbers, lists and dicts reach custom reward functions unchanged).
+                    Every format has it except TRL rows, which have it when `data.ground_truth_key` names
+                    a column or the dataset has a "ground_truth" column.
+    "response"      str, optional: a reference answer (SFT trains on it); TRL's "completion".
+  verl rows also carry, under verl's names, what verl's reward managers hand to `compute_score`:
+    "data_source"   the `data.reward_fn_key` column (default "data_source"): str, or None when absent
+    "ability"       str or None
+    "reward_model"  dict ({"style", "ground_truth"}) or None
+    "extra_info"    dict; {} when absent or null, as verl's RLHFDataset makes it
+  verl and TRL rows also carry:
+    "columns"       dict: every column of the record except the prompt (and TRL's "completion"), as
+                    read. TRL's GRPOTrainer passes exactly these to `reward_fn(prompts, completions,
+                    **columns)`; `scalerl.data.formats.reward_columns(row)` gives them for any row.
+  rows-format files keep every field of the record top-level, as written.
 
-`prompt_template` is a `str.format` template with one field, `{question}` (the MATH problem too);
-the default, `DEFAULT_PROMPT_TEMPLATE`, is "Question: {question}\\nAnswer:". Responses start with a
-space so that prompt + response reads naturally and BPE tokenizers see " word" tokens.
+The formats and their columns are `scalerl.data.formats`. `kind` (`data.format`) is one of `KINDS`;
+"auto" tells it per file from the columns, trying `prefer` (the task's own format, `data.task=gsm8k` or
+`math`) first. `prompt_template` is a `str.format` template with one field, `{question}`, for gsm8k and
+math files; the default, `DEFAULT_PROMPT_TEMPLATE`, is "Question: {question}\\nAnswer:".
 
-Files are read with `pyarrow` (a core dependency): `.jsonl`/`.json`/`.ndjson` as JSON lines, `.parquet`
-as Parquet. A path may be a file, a directory (all such files in it, sorted) or a glob pattern. Any bad
-row raises `DataError` naming the file, the 1-based row number (blank lines are not counted) and the field.
+Files are read with `pyarrow` (a core dependency; `datasets` is not needed to read): `.jsonl`/`.json`/
+`.ndjson` as JSON lines, `.parquet`, `.arrow` (the Arrow IPC stream `datasets` writes, or an Arrow IPC
+file). A path may be a file, a glob pattern, or a directory: one written by `Dataset.save_to_disk`
+(its `state.json` lists its shards), one written by `DatasetDict.save_to_disk` (`split` picks the split,
+`data.split` / `data.val_split`), or any other directory (all such files in it, sorted). Nothing is
+downloaded: a Hub name is an error saying how to get a local copy. Any bad row raises `DataError` naming
+the file, the 1-based row number (blank lines are not counted) and the field.
 """
 
 from __future__ import annotations
 
 import glob
+import json
+import re
 import string
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from scalerl.data.answers import extract_boxed, extract_hash_answer
 from scalerl.data.errors import DataError
+from scalerl.data.formats import (
+    CONVERTERS,
+    FORMATS,
+    OWN_PROMPT_FORMATS,
+    ColumnNames,
+    RowContext,
+    detect_format,
+)
 
 DEFAULT_PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
-KINDS = ("auto", "gsm8k", "math", "rows")
+KINDS = FORMATS
 JSON_LINES_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
-# The columns that identify each kind, in the order "auto" tries them.
-_KIND_COLUMNS = {"rows": ("prompt", "ground_truth"), "gsm8k": ("question", "answer"), "math": ("problem", "solution")}
+ARROW_SUFFIXES = (".arrow",)
+DATA_SUFFIXES = JSON_LINES_SUFFIXES + PARQUET_SUFFIXES + ARROW_SUFFIXES
 
 
 def load_rows(
@@ -42,6 +69,10 @@ def load_rows(
     kind: str = "auto",
     prompt_template: str | None = None,
     limit: int | None = None,
+    *,
+    columns: ColumnNames | None = None,
+    split: str = "train",
+    prefer: str | None = None,
 ) -> list[dict]:
     """All rows of the given files (in order), converted to the row format; at most `limit` of them."""
     if kind not in KINDS:
@@ -50,86 +81,31 @@ def load_rows(
     _check_template(template)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise DataError(f"limit={limit!r} must be a non-negative integer or None")
+    names = columns or ColumnNames()
     rows: list[dict] = []
-    for path in _expand_paths(path_or_paths):
-        for row in _convert_file(path, kind, template, template_given=prompt_template is not None):
+    for path in _expand_paths(path_or_paths, split):
+        for row in _convert_file(path, kind, template, prompt_template is not None, names, prefer):
             if limit is not None and len(rows) >= limit:
                 return rows
             rows.append(row)
     return rows
 
 
-def _convert_file(path: Path, kind: str, template: str, template_given: bool) -> Iterator[dict]:
-    records = _read_records(path)
-    file_kind = kind if kind != "auto" else _detect_kind(path, records)
-    if file_kind == "rows" and template_given:  # such rows keep their own prompt: a template would do nothing
-        raise DataError(f"{path}: its rows already hold a 'prompt' field, so data.prompt_template={template!r} "
-                        "would be ignored; remove data.prompt_template, or give question/answer rows")
-    convert = {"gsm8k": _gsm8k_row, "math": _math_row, "rows": _passthrough_row}[file_kind]
+def _convert_file(path: Path, kind: str, template: str, template_given: bool, names: ColumnNames,
+                  prefer: str | None) -> Iterator[dict]:
+    file_columns, records = _read_records(path)
+    file_kind = kind if kind != "auto" else detect_format(path, file_columns, names, prefer)
+    if file_kind in OWN_PROMPT_FORMATS and template_given:  # such rows keep their own prompt
+        raise DataError(f"{path}: its rows already hold a {names.prompt!r} field ({file_kind} format), so "
+                        f"data.prompt_template={template!r} would be ignored; remove data.prompt_template, or "
+                        "give question/answer rows")
+    convert = CONVERTERS[file_kind]
     for number, record in enumerate(records, start=1):
-        yield convert(_RowContext(path, number, record), template)
+        yield convert(RowContext(path, number, record), template, names)
 
 
-class _RowContext:
-    """One input record and where it came from, so every error can name the file and row."""
-
-    def __init__(self, path: Path, number: int, record: dict[str, Any]):
-        self.path, self.number, self.record = path, number, record
-
-    def error(self, message: str) -> DataError:
-        return DataError(f"{self.path}, row {self.number}: {message}")
-
-    def text_field(self, field: str, kind: str) -> str:
-        """The text in `field`; a missing (or null) field or a non-text value raises `DataError`."""
-        value = self.record.get(field)
-        if value is None:
-            present = sorted(key for key, value in self.record.items() if value is not None)
-            raise self.error(f"missing field {field!r} needed for {kind} rows (fields present: {present})")
-        if not isinstance(value, str):
-            raise self.error(f"field {field!r} should be text, got {type(value).__name__} {value!r:.60}")
-        return value
-
-
-def _gsm8k_row(row: _RowContext, template: str) -> dict:
-    question, answer = row.text_field("question", "gsm8k"), row.text_field("answer", "gsm8k")
-    ground_truth = extract_hash_answer(answer)
-    if ground_truth is None:
-        raise row.error(f"field 'answer' has no '#### <number>' final answer: {answer[-80:]!r}")
-    return {"prompt": template.format(question=question), "response": " " + answer, "ground_truth": ground_truth}
-
-
-def _math_row(row: _RowContext, template: str) -> dict:
-    problem, solution = row.text_field("problem", "math"), row.text_field("solution", "math")
-    ground_truth = row.record.get("answer")
-    if ground_truth is None:
-        ground_truth = extract_boxed(solution)
-        if ground_truth is None:
-            raise row.error(f"field 'solution' has no complete \\boxed{{...}} answer: {solution[-80:]!r}")
-    elif not isinstance(ground_truth, str):
-        ground_truth = str(ground_truth)
-    return {"prompt": template.format(question=problem), "response": " " + solution, "ground_truth": ground_truth}
-
-
-def _passthrough_row(row: _RowContext, template: str) -> dict:
-    converted = dict(row.record)
-    for field in ("prompt", "ground_truth"):
-        converted[field] = row.text_field(field, "prompt/ground_truth")
-    if converted.get("response") is None:
-        converted.pop("response", None)
-    return converted
-
-
-def _detect_kind(path: Path, records: list[dict]) -> str:
-    columns = set(records[0]) if records else set()
-    for kind, needed in _KIND_COLUMNS.items():
-        if set(needed) <= columns:
-            return kind
-    expected = "; ".join(f"{kind}: {', '.join(fields)}" for kind, fields in _KIND_COLUMNS.items())
-    raise DataError(f"{path}: cannot tell the data kind from its fields {sorted(columns)}; expected ({expected})")
-
-
-def _read_records(path: Path) -> list[dict[str, Any]]:
-    """The file's records as dicts, read with pyarrow."""
+def _read_records(path: Path) -> tuple[set[str], list[dict[str, Any]]]:
+    """The file's column names and its records as dicts, read with pyarrow."""
     suffix = path.suffix.lower()
     try:
         if suffix in JSON_LINES_SUFFIXES:
@@ -140,41 +116,89 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
             import pyarrow.parquet
 
             table = pyarrow.parquet.read_table(path)
+        elif suffix in ARROW_SUFFIXES:
+            table = _read_arrow(path)
         else:
             raise DataError(
-                f"{path}: unsupported file type {suffix!r}; use JSON lines ({', '.join(JSON_LINES_SUFFIXES)}) "
-                f"or Parquet ({', '.join(PARQUET_SUFFIXES)})"
+                f"{path}: unsupported file type {suffix!r}; use JSON lines ({', '.join(JSON_LINES_SUFFIXES)}), "
+                f"Parquet ({', '.join(PARQUET_SUFFIXES)}) or Arrow ({', '.join(ARROW_SUFFIXES)})"
             )
     except DataError:
         raise
     except Exception as error:  # pyarrow.ArrowInvalid and friends; pyarrow counts rows from 0
-        expected = "JSON lines (one object per line)" if suffix in JSON_LINES_SUFFIXES else "Parquet"
+        if suffix in JSON_LINES_SUFFIXES:
+            return _read_json_lines(path)
+        expected = ("JSON lines (one object per line)" if suffix in JSON_LINES_SUFFIXES
+                    else "Parquet" if suffix in PARQUET_SUFFIXES else "Arrow IPC (stream or file)")
         raise DataError(f"{path}: cannot be read as {expected} (pyarrow counts rows from 0): {error}") from error
     try:
-        return table.to_pylist()
+        return set(table.column_names), table.to_pylist()
     except UnicodeDecodeError as error:  # pyarrow reads the bytes unchecked and fails only when converting
-        raise DataError(f"{path}{_first_non_utf8_row(path)}: text is not UTF-8 ({error.reason}); convert the "
+        raise DataError(f"{path}{_first_non_utf8(table)}: text is not UTF-8 ({error.reason}); convert the "
                         "file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
-def _first_non_utf8_row(path: Path) -> str:
-    """", row N" for the first JSON line that is not UTF-8 (blank lines not counted); "" for other files."""
-    if path.suffix.lower() not in JSON_LINES_SUFFIXES:
-        return ""
-    number = 0
+def _read_json_lines(path: Path) -> tuple[set[str], list[dict[str, Any]]]:
+    """JSON lines that pyarrow refuses, read line by line: pyarrow wants one type per column, JSON lets a
+    field's type vary by row, so such a file reads here and a wrong type is named by its row and field.
+    Missing fields become None, as pyarrow makes them."""
+    records, number = [], 0
     with open(path, "rb") as lines:
         for line in lines:
             if not line.strip():
                 continue
             number += 1
             try:
-                line.decode("utf-8")
+                record = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}, row {number}: text is not UTF-8 ({error.reason}); convert the file to "
+                                "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}, row {number}: cannot be read as JSON lines (one object per line): "
+                                f"{error}") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}, row {number}: cannot be read as JSON lines (one object per line): it "
+                                f"is a {type(record).__name__}, not an object")
+            records.append(record)
+    columns = list(dict.fromkeys(key for record in records for key in record))
+    return set(columns), [{key: record.get(key) for key in columns} for record in records]
+
+
+def _read_arrow(path: Path) -> Any:
+    """An Arrow IPC stream (what `datasets` writes) or an Arrow IPC file."""
+    import pyarrow
+    import pyarrow.ipc
+
+    with pyarrow.memory_map(str(path)) as source:
+        try:
+            return pyarrow.ipc.open_stream(source).read_all()
+        except pyarrow.ArrowInvalid:
+            source.seek(0)
+            return pyarrow.ipc.open_file(source).read_all()
+
+
+def _first_non_utf8(table: Any) -> str:
+    """", row N, field 'F'" for the first value that is not UTF-8 (rows 1-based, as pyarrow read them)."""
+    for name in table.column_names:
+        column = table.column(name)
+        try:
+            column.to_pylist()
+            continue
+        except UnicodeDecodeError:
+            pass
+        good, bad = 0, len(column)  # rows [0, good) convert; rows [0, bad) do not
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            try:
+                column.slice(0, middle).to_pylist()
+                good = middle
             except UnicodeDecodeError:
-                return f", row {number}"
+                bad = middle
+        return f", row {bad}, field {name!r}"
     return ""
 
 
-def _expand_paths(path_or_paths: str | Path | Sequence[str | Path]) -> list[Path]:
+def _expand_paths(path_or_paths: str | Path | Sequence[str | Path], split: str = "train") -> list[Path]:
     entries = [path_or_paths] if isinstance(path_or_paths, (str, Path)) else list(path_or_paths)
     if not entries:
         raise DataError("no data files given")
@@ -182,10 +206,7 @@ def _expand_paths(path_or_paths: str | Path | Sequence[str | Path]) -> list[Path
     for entry in entries:
         entry = Path(entry)
         if entry.is_dir():
-            found = sorted(p for p in entry.iterdir() if p.suffix.lower() in JSON_LINES_SUFFIXES + PARQUET_SUFFIXES)
-            if not found:
-                raise DataError(f"directory {entry} holds no .jsonl, .json, .ndjson or .parquet files")
-            paths.extend(found)
+            paths.extend(_directory_files(entry, split))
         elif entry.is_file():
             paths.append(entry)
         elif glob.has_magic(str(entry)):
@@ -194,8 +215,57 @@ def _expand_paths(path_or_paths: str | Path | Sequence[str | Path]) -> list[Path
                 raise DataError(f"pattern {str(entry)!r} matches no files")
             paths.extend(found)
         else:
-            raise DataError(f"data file {str(entry)!r} does not exist (relative to {Path.cwd()})")
+            raise DataError(f"data file {str(entry)!r} does not exist (relative to {Path.cwd()}){_hub_hint(entry)}")
     return paths
+
+
+def _directory_files(directory: Path, split: str) -> list[Path]:
+    """A `save_to_disk` directory's shards (the `split` of a DatasetDict), or every data file in it."""
+    if (directory / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: one Dataset directory per split
+        splits = _read_json(directory / "dataset_dict.json").get("splits")
+        if not isinstance(splits, list):
+            raise DataError(f"{directory / 'dataset_dict.json'} has no 'splits' list; was it written by "
+                            "DatasetDict.save_to_disk?")
+        if split not in splits:
+            raise DataError(f"{directory} is a DatasetDict with splits {splits}, not {split!r}; set data.split "
+                            "(data.val_split for data.val_files) to one of them")
+        return _directory_files(directory / split, split)
+    if (directory / "state.json").is_file():  # Dataset.save_to_disk: state.json lists the Arrow shards in order
+        shards = _read_json(directory / "state.json").get("_data_files")
+        if not isinstance(shards, list) or not all(isinstance(s, dict) and "filename" in s for s in shards):
+            raise DataError(f"{directory / 'state.json'} has no '_data_files' list of {{'filename'}}; was it "
+                            "written by Dataset.save_to_disk?")
+        files = [directory / shard["filename"] for shard in shards]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise DataError(f"{directory} is a saved dataset whose shards {missing} are missing; save it again")
+        return files
+    found = sorted(p for p in directory.iterdir() if p.suffix.lower() in DATA_SUFFIXES)
+    if not found:
+        raise DataError(f"directory {directory} holds no {', '.join(DATA_SUFFIXES)} files, and is not a "
+                        "directory written by Dataset.save_to_disk or DatasetDict.save_to_disk")
+    return found
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(content, dict):
+        raise DataError(f"{path} should hold a JSON object, got {type(content).__name__}")
+    return content
+
+
+def _hub_hint(entry: Path) -> str:
+    """How to get a Hub dataset's files, for a missing path that could be a Hub name (`openai/gsm8k`)."""
+    name = str(entry)
+    if entry.is_absolute() or entry.suffix.lower() in DATA_SUFFIXES or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
+        return ""
+    return (f"; nothing is downloaded, so if {name!r} is a Hugging Face Hub dataset, save a local copy first: "
+            f"python -c \"import datasets; datasets.load_dataset('{name}').save_to_disk('DIR')\" (then "
+            f"data.train_files=[DIR], with data.split for the split), or huggingface-cli download {name} "
+            "--repo-type dataset --local-dir DIR (then point data.train_files at its .parquet files)")
 
 
 def _check_template(template: str) -> None:

@@ -8,16 +8,36 @@ from scalerl.data.errors import DataError
 from scalerl.models.tokenizer import TokenizerError
 
 
-def encode_prompts(tokenizer: Any, prompts: list[str], chat_template: bool = False) -> list[list[int]]:
-    """Prompt token ids. Plain: the tokenizer's BOS (when it has one) + the text. With ``chat_template``,
-    each prompt becomes a user message rendered by the tokenizer's chat template with the generation prompt
-    appended (instruct models); the template supplies its own special tokens, so no BOS is added."""
+def encode_prompts(tokenizer: Any, prompts: list[str | list[dict]], chat_template: bool = False) -> list[list[int]]:
+    """Prompt token ids. Text: the tokenizer's BOS (when it has one) + the text; with ``chat_template``, the
+    text becomes one user message rendered by the tokenizer's chat template with the generation prompt
+    appended (instruct models), and the template supplies its own special tokens, so no BOS is added.
+    Chat messages (verl's and TRL's conversational prompts) always go through the chat template that way.
+    The built-in character tokenizer's template is the messages' contents joined, roles dropped."""
+    return [_encode_prompt(tokenizer, prompt, chat_template) for prompt in prompts]
+
+
+def _encode_prompt(tokenizer: Any, prompt: str | list[dict], chat_template: bool) -> list[int]:
+    if isinstance(prompt, list):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise TokenizerError(
+                f"this prompt is a list of chat messages, which needs the tokenizer's chat template, but tokenizer "
+                f"{getattr(tokenizer, 'name_or_path', tokenizer)!r} has none: use an instruct model's tokenizer "
+                "(model.tokenizer=<directory>), add `chat_template` to its tokenizer_config.json, or give text "
+                "prompts"
+            )
+        return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
     if chat_template:
-        rendered = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-                    for p in prompts]
-        return [tokenizer.encode(text) for text in rendered]
+        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                              add_generation_prompt=True))
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return [bos + tokenizer.encode(p) for p in prompts]
+    return bos + tokenizer.encode(prompt)
+
+
+def prompt_preview(prompt: str | list[dict], width: int = 80) -> str:
+    """The start of a prompt for an error message: the text, or the last message's content."""
+    text = prompt if isinstance(prompt, str) else f"[{prompt[-1]['role']}] {prompt[-1]['content']}"
+    return repr(text[:width])
 
 
 def encode_demonstration(tokenizer: Any, row: dict, chat_template: bool = False) -> tuple[list[int], list[int]]:
@@ -36,7 +56,7 @@ def check_prompts(tokenizer: Any, rows: list[dict], chat_template: bool, max_len
             raise DataError(f"{split} row {number}: {e}") from None
         if len(ids) > max_length:
             raise DataError(f"{split} row {number}: its prompt has {len(ids)} tokens, more than "
-                            f"data.max_prompt_length={max_length}: {row['prompt'][:80]!r}; raise "
+                            f"data.max_prompt_length={max_length}: {prompt_preview(row['prompt'])}; raise "
                             "data.max_prompt_length or shorten the prompts")
 
 
@@ -47,13 +67,14 @@ def encode_demonstrations(tokenizer: Any, rows: list[dict], chat_template: bool,
     examples = []
     for number, row in enumerate(rows, start=1):
         if not isinstance(row.get("response"), str):
-            raise DataError(f"SFT row {number} has no 'response' text to train on: {row.get('prompt', '')[:80]!r}")
+            raise DataError(f"SFT row {number} has no 'response' text to train on: {prompt_preview(row['prompt'])}")
         try:
             prompt, response = encode_demonstration(tokenizer, row, chat_template)
         except TokenizerError as e:
             raise DataError(f"SFT row {number}: {e}") from None
         if len(prompt) + len(response) > max_positions:
             raise DataError(f"SFT row {number}: prompt + response = {len(prompt)} + {len(response)} tokens exceeds "
-                            f"the model's {max_positions} positions: {row['prompt'][:60]!r}; shorten or drop it")
+                            f"the model's {max_positions} positions: {prompt_preview(row['prompt'], 60)}; shorten or "
+                            "drop it")
         examples.append((prompt, response))
     return examples

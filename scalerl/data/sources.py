@@ -7,10 +7,12 @@ from typing import Any
 
 from scalerl.data.arithmetic import make_arithmetic_rows
 from scalerl.data.errors import DataError
+from scalerl.data.formats import ColumnNames
 from scalerl.data.loaders import load_rows
 from scalerl.data.rewards import RewardComputer
 
 _SPLIT_FILES = {"train": "train_files", "test": "val_files"}
+_SPLIT_OF_SAVED_DATASET = {"train": "split", "test": "val_split"}  # a DatasetDict directory's split to read
 _TASK_REWARDS = {"arithmetic": "gsm8k", "gsm8k": "gsm8k", "math": "math"}
 
 
@@ -23,10 +25,13 @@ def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
     if not files and split == "test":
         return []  # no held-out set: evaluation is skipped
     if not files:
-        raise DataError(f"data.task={data_cfg.task!r} needs data.{_SPLIT_FILES[split]} (JSONL or Parquet paths)")
-    kind = data_cfg.task if data_cfg.task in ("gsm8k", "math") else "auto"
+        raise DataError(f"data.task={data_cfg.task!r} needs data.{_SPLIT_FILES[split]} (JSONL, Parquet or Arrow "
+                        "files, or a save_to_disk directory)")
     limit = data_cfg.num_train if split == "train" else data_cfg.num_val
-    return load_rows(files, kind=kind, prompt_template=data_cfg.prompt_template, limit=limit)
+    columns = ColumnNames(data_cfg.prompt_key, data_cfg.ground_truth_key, data_cfg.reward_fn_key)
+    return load_rows(files, kind=data_cfg.format, prompt_template=data_cfg.prompt_template, limit=limit,
+                     columns=columns, split=getattr(data_cfg, _SPLIT_OF_SAVED_DATASET[split]),
+                     prefer=data_cfg.task if data_cfg.task in ("gsm8k", "math") else None)
 
 
 def reward_from_config(data_cfg: Any) -> RewardComputer:

@@ -143,6 +143,13 @@ def _index_escaping(ctx: Ctx) -> list[str]:
     return train(ctx, f"model.path={model}")
 
 
+def _without_chat_template(model: Path) -> Path:
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    return model
+
+
 def _example_script(*flags: str) -> Callable[[Ctx], list[str]]:
     """The seed article's launch script is bash: run it as a subprocess, hand back its result as argv=None."""
     def build(ctx: Ctx) -> list[str]:
@@ -227,6 +234,23 @@ CASES = [
          ("rows.jsonl", "JSON lines")),
     Case("data-row-missing-field", lambda c: train(c, "data.task=gsm8k", "data.train_files=[" + str(c.write(
         "rows.jsonl", '{"question": "1+1"}\n')) + "]"), ("rows.jsonl", "row 1", "'answer'")),
+    # verl's, TRL's and Hugging Face formats (docs/configuration.md#data-formats)
+    Case("verl-row-missing-ground-truth", lambda c: train(c, "data.train_files=[" + str(c.write("verl.jsonl", json.dumps(
+        {"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"style": "rule"}}) + "\n")) + "]"),
+         ("verl.jsonl", "row 1", "'reward_model.ground_truth'")),
+    Case("chat-message-unknown-role", lambda c: train(c, "data.train_files=[" + str(c.write("verl.jsonl", json.dumps(
+        {"prompt": [{"role": "robot", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}) + "\n")) + "]"),
+         ("verl.jsonl", "row 1", "'prompt[0].role'", "'robot'")),
+    Case("chat-prompt-tokenizer-without-template", lambda c: train(
+        c, f"model.path={_without_chat_template(c.model())}", "data.train_files=[" + str(c.write("trl.jsonl", json.dumps(
+            {"prompt": [{"role": "user", "content": "1+1?"}], "ground_truth": "2"}) + "\n")) + "]",
+        "trainer.batch_size=1", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=4"),
+         ("training row 1", "chat template")),
+    Case("hub-dataset-name", lambda c: train(c, "data.train_files=[openai/gsm8k]"),
+         ("'openai/gsm8k' does not exist", "huggingface-cli download openai/gsm8k", "save_to_disk")),
+    Case("saved-dataset-unknown-split", lambda c: train(c, "data.split=validation", "data.train_files=[" + str(
+        c.write("dataset_dict.json", '{"splits": ["train", "test"]}').parent) + "]"),
+         ("splits ['train', 'test']", "'validation'", "data.split")),
     Case("sft-batch-exceeds-rows", lambda c: ["sft", *TINY, c.out(), "data.num_train=4", "sft.batch_size=8"],
          ("sft.batch_size=8",)),
     Case("reward-module-missing", lambda c: train(c, "data.reward=no_such_module_xyz:score"),

@@ -50,3 +50,9 @@ def test_weight_sync_choices():
 
     assert set(config.ROLLOUT_DTYPES) == set(ROLLOUT_DTYPES)
     assert set(config.WEIGHT_SYNC_MODES) == set(MODES)
+
+
+def test_data_formats():
+    from scalerl.data.loaders import KINDS
+
+    assert set(config.DATA_FORMATS) == set(KINDS)
