@@ -96,6 +96,7 @@ class BatchCalls:
 
         def work() -> None:
             try:
+                state.go.wait()
                 while True:
                     with state.lock:
                         if state.stopped or state.next_index >= len(calls):
@@ -117,8 +118,11 @@ class BatchCalls:
             except BaseException:  # a stopping RewardTimeout that landed after the call: its slot is filled
                 pass
 
+        # All threads start before any call runs: starting one costs a hand-over of the interpreter lock,
+        # which calls spinning in Python would make slow for every later thread.
         for _ in range(min(self.threads, len(calls))):
             threading.Thread(target=work, name="scalerl-reward-call", daemon=True).start()
+        state.go.set()
         state.all_finished.wait(deadline_s)
         with state.lock:
             state.stopped = True
@@ -139,7 +143,7 @@ class _SharedCalls:
 
     def __init__(self, count: int):
         self.lock = threading.Lock()
-        self.all_finished = threading.Event()
+        self.go, self.all_finished = threading.Event(), threading.Event()
         self.next_index = self.finished = 0
         self.stopped = count == 0
         self.running: dict[int, int] = {}  # thread id -> index of the call it runs
