@@ -13,7 +13,8 @@ From there on the reward is taken to hang: the rest of the batch is started at o
 `OVERLAP_THREADS` threads sharing one deadline, `timeout_s` plus the time the remaining calls took at the
 pace of earlier calls that returned. So a reward that never returns costs about two timeouts for the
 first batch and one for each later batch, however many samples there are, instead of samples x timeout;
-a batch with no timeout sends the next one back to one-at-a-time calls.
+a batch with no timeout sends the next one back to one-at-a-time calls. (So a reward's calls may run
+concurrently, in threads, once one has timed out.)
 """
 
 from __future__ import annotations

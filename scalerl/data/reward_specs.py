@@ -33,9 +33,17 @@ from scalerl.data.answers import (
     same_number,
 )
 from scalerl.data.errors import DataError
-from scalerl.data.reward_functions import RewardFunction, RewardFunctionError, reward_inputs
-from scalerl.data.verl_scorers import UnknownDataSource, default_compute_score, is_known_data_source, \
-    unknown_data_source_message
+from scalerl.data.reward_functions import (
+    RewardFunction,
+    RewardFunctionError,
+    reward_inputs,
+)
+from scalerl.data.verl_scorers import (
+    UnknownDataSource,
+    default_compute_score,
+    is_known_data_source,
+    unknown_data_source_message,
+)
 
 RewardFn = Callable[..., float]
 

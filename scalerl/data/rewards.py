@@ -25,10 +25,25 @@ from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 from scalerl.core.errors import RunFailure
-from scalerl.data.answers import extract_boxed, extract_hash_answer, normalize_math_answer
+from scalerl.data.answers import (
+    extract_boxed,
+    extract_hash_answer,
+    normalize_math_answer,
+)
 from scalerl.data.errors import DataError
-from scalerl.data.reward_calls import BatchCalls, RewardExit, RewardTimeout, call_with_limit
-from scalerl.data.reward_functions import RewardFunction, RewardFunctionError, Score, read_score, reward_inputs
+from scalerl.data.reward_calls import (
+    BatchCalls,
+    RewardExit,
+    RewardTimeout,
+    call_with_limit,
+)
+from scalerl.data.reward_functions import (
+    RewardFunction,
+    RewardFunctionError,
+    Score,
+    read_score,
+    reward_inputs,
+)
 from scalerl.data.reward_specs import (
     BUILTIN_REWARDS,
     TASK_REWARDS,
