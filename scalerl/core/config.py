@@ -126,10 +126,17 @@ class DataSection(_Section):
     num_val: int = opt(200, "generated tasks: number of validation prompts")
     max_prompt_length: int = opt(64, "longest prompt in tokens; a longer one stops the run with an error naming it")
     chat_template: bool = opt(False, "send each prompt as a user message through the tokenizer's chat template")
-    reward: str = opt("auto", "auto (by task) | gsm8k | math | module:function (searched in the current directory "
-                      "first, then sys.path) | file.py:function (relative to the current directory)")
-    reward_timeout_s: float = opt(30.0, "limit for one reward call; a call that runs longer scores 0 and counts "
-                                  "in reward/num_failures, like one that raises", above=0)
+    reward: str = opt("auto", "auto (verl's scorer by each row's data_source; rows without one: the task's) | "
+                      "gsm8k | math | module:function (searched in the current directory first, then sys.path) | "
+                      "file.py:function (relative to the current directory); the function may have scalerl's, "
+                      "verl's (compute_score, single or batched) or TRL's signature; several comma-separated are "
+                      "added up with data.reward_weights")
+    reward_timeout_s: float = opt(30.0, "limit for one reward call (a batched function: for the batch); a call that "
+                                  "runs longer scores 0 and counts in reward/num_failures, like one that raises; "
+                                  "after a timeout the batch's other calls overlap under one deadline", above=0)
+    reward_weights: list[float] = opt(help="one weight per data.reward function; empty = 1 each", factory=list)
+    max_reward_failures: int = opt(256, "stop the run once this many samples in a row failed to score (raised, "
+                                   "timed out, not a number); 0 = never stop", at_least=0)
     shuffle: bool = opt(True, "shuffle training prompts every epoch")
 
     def problems(self) -> list[str]:
@@ -147,9 +154,13 @@ class DataSection(_Section):
         if self.format != "auto" and self.task == "arithmetic" and not self.train_files:
             p.append(f"data.format={self.format} is not used by data.task=arithmetic without data.train_files (the "
                      "built-in task makes its own rows); remove it, or give data files")
-        if self.reward not in BUILTIN_REWARDS and ":" not in self.reward:
+        specs = [spec.strip() for spec in self.reward.split(",")]
+        if not all(spec in BUILTIN_REWARDS or ":" in spec for spec in specs):
             p.append(f"data.reward must be one of {', '.join(BUILTIN_REWARDS)}, 'module:function' or "
-                     f"'file.py:function'; got {self.reward!r}")
+                     f"'file.py:function' (or several, comma-separated); got {self.reward!r}")
+        if self.reward_weights and len(self.reward_weights) != len(specs):
+            p.append(f"data.reward_weights has {len(self.reward_weights)} weights for the {len(specs)} functions of "
+                     f"data.reward={self.reward!r}; give one per function, or none")
         if self.prompt_template is not None and self.task == "arithmetic" and not self.train_files:
             # the built-in task writes its own prompts; a template given for it would silently do nothing
             p.append(f"data.prompt_template={self.prompt_template!r} is not used by data.task=arithmetic without "

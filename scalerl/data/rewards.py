@@ -1,271 +1,239 @@
-"""Reward functions: the built-in GSM8K and MATH checkers, user functions by name, and failure-safe scoring.
+"""Scoring a batch of responses: one reward function or several with weights, failure-safe, with the extra
+metrics verl-style functions return, and a stop once the reward keeps failing.
 
-A reward function is any callable `fn(response: str, ground_truth: str) -> float` (a `bool` or
-NumPy number is fine too). If it also accepts a keyword argument `row` (or `**kwargs`), it receives the
-whole data row, so it can use extra fields. Name one in a config with `load_reward_fn`:
+A reward is named by a spec (`scalerl.data.reward_specs`: "gsm8k", "math", "auto", "module:function",
+"file.py:function", or several of them comma-separated) or given as a callable, in any of the accepted
+signatures (`scalerl.data.reward_functions`: scalerl's `fn(response, ground_truth)`, verl's
+`compute_score(data_source, solution_str, ground_truth, extra_info)` and its batched form, TRL's
+`fn(prompts, completions, **columns)`). `default_compute_score` is verl's scorer by data source.
 
-    "gsm8k"                         exact numeric match of the last `#### <number>`
-    "math"                          match of the last `\\boxed{...}` after light normalization
-    "my_package.rewards:score"      a function in an importable module
-    "path/to/rewards.py:score"      a function in a Python file
-
-`RewardComputer` calls the function once per sample; a call that raises, calls `sys.exit`, runs longer
-than its limit (`data.reward_timeout_s`), or returns something that is not a finite number, scores 0.0 and is
-counted (`reward/num_failures` in the trainer's metrics) and logged once per kind of failure, so one bad
-sample never stops or hangs a run.
-
-A "module:function" spec is imported with the current directory first on `sys.path` (put there once, as
-`python -m` does), so `scalerl ...` and `python -m scalerl ...` import the same module, and the module's own
-imports of files beside it work under both; a "file.py:function" path is relative to the current directory.
+`RewardComputer.compute(responses, rows)` returns `(rewards, num_failures)`. A call that raises, calls
+`sys.exit`, runs longer than its limit (`data.reward_timeout_s`; `scalerl.data.reward_calls` overlaps the
+timeouts of a batch), or returns something that is not a finite number, scores 0.0 and is counted
+(`reward/num_failures` in the trainer's metrics) and logged once per kind of failure, so one bad sample
+never stops or hangs a run; `max_consecutive_failures` samples failing in a row (`data.max_reward_failures`)
+stop it with `RewardFailureLimit`, naming the function. Several functions add up as TRL adds them: the
+weighted sum of the scores that are not None (a failed term counts 0 and the sample as one failure).
+After each call `last_metrics` holds `reward/extra/<name>` means: the numbers beside "score" in returned
+dicts and, with several functions, each function's mean (Nones left out, as TRL's `rewards/<name>/mean`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import inspect
 import logging
-import math
-import numbers
-import os
-import sys
-from pathlib import Path
+from collections import defaultdict
 from typing import Any, Callable, Sequence
 
-from scalerl.core.errors import UserError
+from scalerl.core.errors import RunFailure
 from scalerl.data.answers import (
     extract_boxed,
     extract_hash_answer,
     normalize_math_answer,
-    same_number,
 )
 from scalerl.data.errors import DataError
-from scalerl.data.reward_calls import RewardExit, RewardTimeout, call_with_limit
+from scalerl.data.reward_calls import (
+    BatchCalls,
+    RewardExit,
+    RewardTimeout,
+    call_with_limit,
+)
+from scalerl.data.reward_functions import (
+    RewardFunction,
+    RewardFunctionError,
+    Score,
+    read_score,
+    reward_inputs,
+)
+from scalerl.data.reward_specs import (
+    BUILTIN_REWARDS,
+    TASK_REWARDS,
+    RewardFn,
+    gsm8k_reward,
+    load_reward_fn,
+    load_reward_fns,
+    math_reward,
+)
+from scalerl.data.verl_scorers import default_compute_score
 
 logger = logging.getLogger(__name__)
-
-RewardFn = Callable[..., float]
-
-
-class RewardFunctionError(UserError, ValueError):
-    """A reward spec that names no usable function; the message names the spec and what is missing."""
+EXTRA_METRIC_PREFIX = "reward/extra/"
 
 
-def gsm8k_reward(response: str, ground_truth: str, format_score: float = 0.0) -> float:
-    """1.0 when the last `#### <number>` of `response` equals `ground_truth` as a number, else 0.0.
-
-    `ground_truth` is a number ("1,234" and "1234.0" are fine) or a full GSM8K answer ending in `####`.
-    `format_score` is given instead of 0.0 to a response that has a `####` answer that is wrong.
-    """
-    answer = extract_hash_answer(response)
-    if answer is None:
-        return 0.0
-    expected = extract_hash_answer(ground_truth) if "####" in ground_truth else ground_truth.strip()
-    match = same_number(answer, expected)
-    correct = match if match is not None else answer == expected
-    return 1.0 if correct else float(format_score)
-
-
-def math_reward(response: str, ground_truth: str, format_score: float = 0.0) -> float:
-    """1.0 when the last `\\boxed{...}` of `response` matches `ground_truth` after `normalize_math_answer`.
-
-    `ground_truth` is the answer itself or a MATH solution containing `\\boxed{...}`. Numbers compare by
-    value (`5` == `5.0`), everything else as normalized strings, so `0.5` vs `\\frac{1}{2}` scores 0.
-    `format_score` is given instead of 0.0 to a response that has a boxed answer that is wrong.
-    """
-    answer = extract_boxed(response)
-    if answer is None:
-        return 0.0
-    expected = extract_boxed(ground_truth) if "\\boxed" in ground_truth or "\\fbox" in ground_truth else ground_truth
-    if expected is None:
-        raise ValueError(f"ground truth {ground_truth[:80]!r} has an unclosed \\boxed{{...}}")
-    answer, expected = normalize_math_answer(answer), normalize_math_answer(expected)
-    correct = answer == expected or bool(same_number(answer, expected))
-    return 1.0 if correct else float(format_score)
-
-
-BUILTIN_REWARDS: dict[str, RewardFn] = {"gsm8k": gsm8k_reward, "math": math_reward}
-
-
-def load_reward_fn(spec: str) -> RewardFn:
-    """The reward function named by `spec`: "gsm8k", "math", "module:function" or "path/to/file.py:function".
-
-    Raises `RewardFunctionError` naming the spec when the module, file or function is missing, the
-    file fails to import, or the object is not callable with `(response, ground_truth)`.
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise RewardFunctionError(f"reward spec {spec!r} must be a non-empty string such as 'gsm8k'")
-    spec = spec.strip()
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    if ":" not in spec:
-        raise RewardFunctionError(
-            f"reward {spec!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}) and not of the form "
-            f"'module:function' or 'path/to/file.py:function'"
-        )
-    target, name = spec.rsplit(":", 1)
-    is_file = target.endswith(".py") or "/" in target or "\\" in target
-    module = _import_file(Path(target), spec) if is_file else _import_module(target, spec)
-    fn = getattr(module, name, None)
-    if fn is None:
-        available = sorted(key for key, value in vars(module).items() if callable(value) and not key.startswith("_"))
-        raise RewardFunctionError(f"reward {spec!r}: {target} has no attribute {name!r} (callables there: {available})")
-    if not callable(fn):
-        raise RewardFunctionError(f"reward {spec!r}: {name} is a {type(fn).__name__}, not a function")
-    try:
-        row_keyword = {"row": {}} if _accepts_row_keyword(fn) else {}
-        inspect.signature(fn).bind("response", "ground_truth", **row_keyword)
-    except TypeError as error:
-        raise RewardFunctionError(
-            f"reward {spec!r}: {name} must accept (response, ground_truth) positionally, "
-            f"plus optionally row=: {error}"
-        ) from error
-    except ValueError:  # some builtins have no inspectable signature; trust them
-        pass
-    return fn
+class RewardFailureLimit(RunFailure):
+    """The reward failed on `data.max_reward_failures` samples in a row; the message names the function,
+    the last failure and (where the trainer says) the last good checkpoint."""
 
 
 class RewardComputer:
-    """Scores a batch of responses with one reward function, never letting a failing sample crash the run.
+    """Scores a batch of responses with one or several reward functions, never letting a failing sample
+    crash or hang the run (see the module's docstring).
 
-    `compute(responses, rows)` returns `(rewards, num_failures)`: one float per response and how many
-    samples failed (the function raised, called sys.exit, took longer than `timeout_s`, or returned a
-    non-number, NaN or inf) and so got 0.0. Each kind of failure is logged once per `RewardComputer`, with
-    its traceback, not once per sample.
+    `reward_fn` is a spec, a callable, or a list of them; `weights` one number per function (default 1);
+    `task` the data task whose built-in "auto" uses for rows without a data_source. The trainer may set
+    `last_good_checkpoint` to a function describing it, for the message of `RewardFailureLimit`.
     """
 
-    def __init__(self, reward_fn: RewardFn | str, timeout_s: float = 30.0):
+    def __init__(self, reward_fn: RewardFn | str | Sequence[RewardFn | str], timeout_s: float = 30.0, *,
+                 weights: Sequence[float] | None = None, max_consecutive_failures: int = 0,
+                 task: str | None = "arithmetic"):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
-        self.reward_fn = load_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
-        if not callable(self.reward_fn):
-            raise RewardFunctionError(f"reward function {reward_fn!r} is not callable")
-        self.name = getattr(self.reward_fn, "__qualname__", repr(self.reward_fn))
-        self.passes_row = _accepts_row_keyword(self.reward_fn)
-        self.total_failures = 0
+        self.functions = _unique_names(_functions_of(reward_fn, task))
+        self.weights = [1.0] * len(self.functions) if weights is None else [float(w) for w in weights]
+        if len(self.weights) != len(self.functions):
+            raise RewardFunctionError(f"data.reward_weights has {len(self.weights)} weights for "
+                                      f"{len(self.functions)} reward functions; give one per function")
+        if max_consecutive_failures < 0:
+            raise ValueError(f"max_consecutive_failures must be >= 0, got {max_consecutive_failures}")
+        self.max_consecutive_failures = max_consecutive_failures
+        self.reward_fn = self.functions[0].fn
+        self.name = " + ".join(getattr(f.fn, "__qualname__", f.name) for f in self.functions)
+        self.passes_row = self.functions[0].passes_row
+        self.total_failures = self.consecutive_failures = 0
+        self.last_metrics: dict[str, float] = {}
+        self.last_good_checkpoint: Callable[[], str] | None = None
+        self._calls = [BatchCalls(timeout_s) for _ in self.functions]
         self._logged_failure_kinds: set[str] = set()
+        self._last_failure = ""
 
-    def compute(self, responses: Sequence[str], rows: Sequence[dict]) -> tuple[list[float], int]:
-        """One reward per response; `rows[i]` is the data row (with "ground_truth") that `responses[i]` answers."""
+    def compute(self, responses: Sequence[str], rows: Sequence[dict],
+                completion_ids: Sequence[Sequence[int]] | None = None) -> tuple[list[float], int]:
+        """One reward per response; `rows[i]` is the data row `responses[i]` answers (with "ground_truth" for
+        scalerl-style functions); `completion_ids`, where given, reach TRL functions that ask for them."""
         if len(responses) != len(rows):
             raise ValueError(f"got {len(responses)} responses but {len(rows)} rows; pass one row per response")
+        self._check_rows(rows)
+        per_function = [self._scores(f, calls, responses, rows, completion_ids)
+                        for f, calls in zip(self.functions, self._calls)]
         rewards, failures = [], 0
-        for index, (response, row) in enumerate(zip(responses, rows)):
-            if "ground_truth" not in row:
-                raise DataError(f"row {index} given to reward {self.name} has no 'ground_truth' (keys: {sorted(row)})")
-            reward = self._score(response, row)
-            if reward is None:
+        for index, response in enumerate(responses):
+            scores = [column[index] for column in per_function]
+            if any(score.problem for score in scores):
                 failures += 1
-                reward = 0.0
-            rewards.append(reward)
+                self.consecutive_failures += 1
+            else:
+                self.consecutive_failures = 0
+                if all(score.value is None for score in scores) and "all None" not in self._logged_failure_kinds:
+                    self._logged_failure_kinds.add("all None")
+                    logger.warning("every reward function returned None (not applicable) for response %r; it scores "
+                                   "0.0 (further such samples are not logged)", response[:120])
+            rewards.append(sum(w * s.value for w, s in zip(self.weights, scores) if s.value is not None) + 0.0)
         self.total_failures += failures
+        self.last_metrics = self._extra_metrics(per_function)
+        if self.max_consecutive_failures and self.consecutive_failures >= self.max_consecutive_failures:
+            raise RewardFailureLimit(self._failure_limit_message())
         return rewards, failures
 
-    def _score(self, response: str, row: dict) -> float | None:
-        """The reward of one sample, or None (after logging the first of its kind) when the function failed."""
-        kwargs = {"row": row} if self.passes_row else {}
-        try:
-            value = call_with_limit(self.reward_fn, (response, row["ground_truth"]), kwargs, self.timeout_s)
-        except (RewardTimeout, RewardExit) as error:  # no traceback: the message says it all
-            self._log_failure(type(error).__name__, str(error), response)
-            return None
-        except Exception as error:  # any user bug: score 0, count, carry on
-            self._log_failure(type(error).__name__, f"raised {error!r}", response, exc_info=True)
-            return None
-        number = _finite_float(value)
-        if number is None:
-            kind = f"returned {type(value).__name__}" if not _is_number(value) else f"returned {value!r}"
-            self._log_failure(kind, f"returned {value!r:.80} instead of a finite number", response)
-        return number
+    def _check_rows(self, rows: Sequence[dict]) -> None:
+        for f in self.functions:
+            if f.style == "scalerl":
+                for index, row in enumerate(rows):
+                    if not reward_inputs(row).has_ground_truth:
+                        raise DataError(f"row {index} given to reward {f.name} has no 'ground_truth' "
+                                        f"(keys: {sorted(row)})")
+            check_rows = getattr(f.fn, "check_rows", None)
+            if check_rows is not None:
+                check_rows(rows)
 
-    def _log_failure(self, kind: str, what: str, response: str, exc_info: bool = False) -> None:
+    def _scores(self, f: RewardFunction, calls: BatchCalls, responses: Sequence[str], rows: Sequence[dict],
+                completion_ids: Sequence[Sequence[int]] | None) -> list[Score]:
+        """`f`'s score of each sample; a failure is a Score with a `problem`, logged once per kind."""
+        if f.per_sample:
+            outcomes = calls.run(f.fn, [f.sample_call(r, row) for r, row in zip(responses, rows)])
+            return [self._score_of(f, o.value, o.error, r) for o, r in zip(outcomes, responses)]
+        args, kwargs = f.batch_call(responses, rows, completion_ids)
+        try:
+            values = call_with_limit(f.fn, args, kwargs, self.timeout_s)
+        except (RewardTimeout, Exception) as error:
+            return [self._score_of(f, None, error, responses[0] if responses else "")] * len(responses)
+        if not isinstance(values, (list, tuple)) and hasattr(values, "tolist"):
+            values = values.tolist()  # a NumPy array or a tensor
+        if not isinstance(values, (list, tuple)) or len(values) != len(responses):
+            count = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+            what = f"returned {count} for {len(responses)} samples; a batched reward returns one value per sample"
+            self._log_failure(f"{f.name}: wrong count", what, responses[0] if responses else "", name=f.name)
+            return [Score(problem=what, kind="wrong count")] * len(responses)
+        return [self._score_of(f, v, None, r) for v, r in zip(values, responses)]
+
+    def _score_of(self, f: RewardFunction, value: Any, error: BaseException | None, response: str) -> Score:
+        if isinstance(error, (RewardTimeout, RewardExit)):  # no traceback: the message says it all
+            score = Score(problem=str(error), kind=type(error).__name__)
+        elif error is not None:  # any user bug: score 0, count, carry on
+            score = Score(problem=f"raised {error!r}", kind=type(error).__name__)
+            self._log_failure(f"{f.name}: {score.kind}", score.problem, response, error, f.name)
+            return score
+        else:
+            score = read_score(value, none_means_not_applicable=f.style == "trl")
+        if score.problem:
+            self._log_failure(f"{f.name}: {score.kind}", score.problem, response, name=f.name)
+        return score
+
+    def _extra_metrics(self, per_function: list[list[Score]]) -> dict[str, float]:
+        several = len(self.functions) > 1
+        metrics: dict[str, float] = {}
+        for f, scores in zip(self.functions, per_function):
+            prefix = EXTRA_METRIC_PREFIX + (f"{f.name}/" if several else "")
+            values = [s.value for s in scores if s.value is not None]
+            if several and values:
+                metrics[EXTRA_METRIC_PREFIX + f.name] = sum(values) / len(values)
+            extras: dict[str, list[float]] = defaultdict(list)
+            for score in scores:
+                for key, number in score.extras.items():
+                    extras[key].append(number)
+            metrics.update({prefix + key: sum(numbers) / len(numbers) for key, numbers in sorted(extras.items())})
+        return metrics
+
+    def _log_failure(self, kind: str, what: str, response: str, exc_info: BaseException | None = None,
+                     name: str | None = None) -> None:
+        self._last_failure = f"{name or self.name} {what}"
         if kind in self._logged_failure_kinds:
             return
         self._logged_failure_kinds.add(kind)
         logger.warning(
             "reward function %s %s for response %r; scoring it 0.0 (counted in reward/num_failures, "
             "further %s failures are not logged)",
-            self.name, what, response[:120], kind, exc_info=exc_info,
+            name or self.name, what, response[:120], kind, exc_info=exc_info,
         )
 
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) or (
-        hasattr(value, "__float__") and not isinstance(value, (str, bytes))  # e.g. a 1-element tensor
-    )
-
-
-def _finite_float(value: Any) -> float | None:
-    if not _is_number(value):
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
+    def _failure_limit_message(self) -> str:
+        where = f" Last good checkpoint: {self.last_good_checkpoint()}" if self.last_good_checkpoint else ""
+        named = " + ".join(repr(f.spec) if f.spec else f.name for f in self.functions)
+        return (f"reward {named} failed on the last {self.consecutive_failures} samples in a row "
+                f"(data.max_reward_failures={self.max_consecutive_failures}), the last one because {self._last_failure}; "
+                "the run stops rather than train on zero rewards. Fix the reward function, or raise "
+                f"data.max_reward_failures (0 = never stop).{where}")
 
 
-def _accepts_row_keyword(fn: Callable) -> bool:
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(
-        (parameter.name == "row" and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY))
-        or parameter.kind == parameter.VAR_KEYWORD
-        for parameter in parameters
-    )
+def reward_from_config(data_cfg: Any) -> RewardComputer:
+    """The reward a run's `data` config section asks for."""
+    return RewardComputer(data_cfg.reward, timeout_s=data_cfg.reward_timeout_s,
+                          weights=list(data_cfg.reward_weights) or None,
+                          max_consecutive_failures=data_cfg.max_reward_failures, task=data_cfg.task)
 
 
-def _import_module(module_name: str, spec: str) -> Any:
-    cwd = os.getcwd()
-    if not sys.path or os.path.abspath(sys.path[0] or os.curdir) != cwd:
-        sys.path.insert(0, cwd)  # the documented rule: the current directory first, under every entry point
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name and module_name.startswith(error.name):
-            raise RewardFunctionError(
-                f"reward {spec!r}: no module named {module_name!r} (is it installed or on PYTHONPATH? "
-                f"for a file write 'path/to/file.py:function')"
-            ) from error
-        raise RewardFunctionError(f"reward {spec!r}: importing {module_name} failed: {error}") from error
-    except Exception as error:
-        raise RewardFunctionError(f"reward {spec!r}: importing {module_name} failed: {error!r}") from error
+def _functions_of(reward_fn: Any, task: str | None) -> list[RewardFunction]:
+    if isinstance(reward_fn, str):
+        return load_reward_fns(reward_fn, task)
+    if isinstance(reward_fn, (list, tuple)):
+        if not reward_fn:
+            raise RewardFunctionError("no reward function given")
+        return [f for item in reward_fn for f in _functions_of(item, task)]
+    return [RewardFunction(reward_fn)]
 
 
-def _import_file(path: Path, spec: str) -> Any:
-    if not path.is_file():
-        raise RewardFunctionError(f"reward {spec!r}: file {str(path)!r} does not exist (relative to {Path.cwd()})")
-    resolved = path.resolve()
-    # A stable, unique module name per file, so two files both called rewards.py do not collide.
-    module_name = f"scalerl_user_reward_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    module_spec = importlib.util.spec_from_file_location(module_name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardFunctionError(f"reward {spec!r}: {path} cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look modules up here
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:
-        del sys.modules[module_name]
-        raise RewardFunctionError(f"reward {spec!r}: running {path} failed: {error!r}") from error
-    return module
+def _unique_names(functions: list[RewardFunction]) -> list[RewardFunction]:
+    """Two functions with one name (`score` from two files) get `score`, `score_2` in their metrics."""
+    seen: dict[str, int] = {}
+    for f in functions:
+        seen[f.name] = seen.get(f.name, 0) + 1
+        if seen[f.name] > 1:
+            f.name = f"{f.name}_{seen[f.name]}"
+    return functions
 
 
 __all__ = [
-    "BUILTIN_REWARDS",
-    "RewardComputer",
-    "RewardFn",
-    "RewardFunctionError",
-    "extract_boxed",
-    "extract_hash_answer",
-    "gsm8k_reward",
-    "load_reward_fn",
-    "math_reward",
-    "normalize_math_answer",
+    "BUILTIN_REWARDS", "EXTRA_METRIC_PREFIX", "TASK_REWARDS", "RewardComputer", "RewardFailureLimit", "RewardFn",
+    "RewardFunctionError", "default_compute_score", "extract_boxed", "extract_hash_answer", "gsm8k_reward",
+    "load_reward_fn", "load_reward_fns", "math_reward", "normalize_math_answer", "reward_from_config",
 ]

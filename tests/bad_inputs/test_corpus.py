@@ -190,6 +190,10 @@ CASES = [
     Case("prompt-exceeds-builtin-positions", lambda c: ["config", "data.max_prompt_length=600"],
          ("data.max_prompt_length", "512")),
     Case("reward-timeout-zero", lambda c: ["config", "data.reward_timeout_s=0"], ("data.reward_timeout_s",)),
+    Case("reward-weights-count", lambda c: ["config", "data.reward=gsm8k,math", "data.reward_weights=[1]"],
+         ("data.reward_weights", "2 functions")),
+    Case("max-reward-failures-negative", lambda c: ["config", "data.max_reward_failures=-1"],
+         ("data.max_reward_failures",)),
     Case("dist-timeout-negative", lambda c: ["config", "trainer.dist_timeout_s=-5"], ("trainer.dist_timeout_s",)),
     Case("max-skipped-negative", lambda c: ["config", "trainer.max_skipped_steps=-1"], ("trainer.max_skipped_steps",)),
     Case("override-without-equals", lambda c: ["config", "actor.lr"], ("actor.lr", "key=value")),
@@ -255,6 +259,8 @@ CASES = [
          ("sft.batch_size=8",)),
     Case("reward-module-missing", lambda c: train(c, "data.reward=no_such_module_xyz:score"),
          ("no_such_module_xyz",)),
+    Case("reward-signature-unknown", lambda c: train(c, "data.reward=" + str(c.write("r.py", "def score(x):\n    return 1"))
+                                                        + ":score"), ("r.py:score", "compute_score(data_source")),
     # ------------------------------------------------------------------------------ environment and flags
     Case("device-cuda-without-gpu", lambda c: train(c, "trainer.device=cuda") if not torch.cuda.is_available()
          else pytest.skip("a GPU is visible"), ("trainer.device=cuda",)),

@@ -87,3 +87,69 @@ def test_outside_the_main_thread_the_call_is_abandoned_not_waited_for():
 
 def test_timeout_is_not_an_exception_a_reward_can_swallow():
     assert not issubclass(RewardTimeout, Exception)
+
+
+def hangs_on_some(response, truth):
+    if response == "hang":
+        time.sleep(60)
+    time.sleep(0.005)
+    return 1.0
+
+
+def _reward_threads(other_than: set = frozenset()) -> int:
+    return sum(t.name == "scalerl-reward-call" and t.is_alive() and t not in other_than for t in threading.enumerate())
+
+
+def test_a_reward_hanging_on_every_call_ends_a_batch_of_64_within_about_one_timeout():
+    """The first timeout turns the rest of the batch into overlapping calls under one deadline (not 64 x 0.5 s
+    = 32 s); the next batch starts overlapped; the hung threads are stopped, not left spinning."""
+    sleeping_from_other_tests = set(threading.enumerate())
+    computer = RewardComputer(spins, timeout_s=0.5)
+    for batch, most_seconds in ((1, 2.5 * 0.5 + 0.5), (2, 1.5 * 0.5 + 0.5)):
+        start = time.monotonic()
+        assert computer.compute(["a"] * 64, ROWS * 64) == ([0.0] * 64, 64)
+        assert time.monotonic() - start < most_seconds, batch
+    deadline = time.monotonic() + 5
+    while _reward_threads(sleeping_from_other_tests) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _reward_threads(sleeping_from_other_tests) == 0  # each spinning call got a RewardTimeout at its next instruction
+
+
+def test_calls_that_return_are_scored_while_others_hang():
+    computer = RewardComputer(hangs_on_some, timeout_s=0.5)
+    responses = ["ok"] * 10 + ["hang"] + ["ok"] * 20 + ["hang"] + ["ok"] * 10
+    start = time.monotonic()
+    scores, failures = computer.compute(responses, ROWS * len(responses))
+    assert time.monotonic() - start < 2.5 * 0.5 + 0.5
+    assert failures == 2 and [i for i, s in enumerate(scores) if s == 0.0] == [10, 31]
+    assert computer.compute(["ok"] * 3, ROWS * 3) == ([1.0] * 3, 0)  # an overlapped batch without timeouts...
+    assert not computer._calls[0].overlapping  # ...sends the next one back to one call at a time
+
+
+def test_a_hanging_batched_reward_is_one_call_within_the_limit():
+    def trl_hangs(prompts, completions, **columns):
+        time.sleep(60)
+
+    start = time.monotonic()
+    assert RewardComputer(trl_hangs, timeout_s=0.3).compute(["a"] * 8, [{"prompt": "p"}] * 8) == ([0.0] * 8, 8)
+    assert time.monotonic() - start < 2.0
+
+
+def test_consecutive_failures_stop_the_run_naming_the_reward_and_the_checkpoint(tmp_path):
+    from scalerl.core.errors import RunFailure
+    from scalerl.data.rewards import RewardFailureLimit
+
+    reward_file = tmp_path / "broken_reward.py"
+    reward_file.write_text("def score(response, truth):\n    if response == 'good':\n        return 1.0\n"
+                           "    raise KeyError('missing field')\n")
+    computer = RewardComputer(f"{reward_file}:score", max_consecutive_failures=5)
+    computer.last_good_checkpoint = lambda: "/runs/x/checkpoints/step_4 (continue from it with trainer.resume=auto)"
+    assert computer.compute(["bad"] * 4 + ["good"] + ["bad"] * 4, ROWS * 9)[1] == 8  # a success resets the count
+    with pytest.raises(RewardFailureLimit) as raised:
+        computer.compute(["bad"], ROWS)
+    message = str(raised.value)
+    assert isinstance(raised.value, RunFailure) and raised.value.exit_code == 1
+    assert f"'{reward_file}:score'" in message and "5 samples in a row" in message
+    assert "data.max_reward_failures=5" in message and "KeyError('missing field')" in message
+    assert message.endswith("Last good checkpoint: /runs/x/checkpoints/step_4 (continue from it with trainer.resume=auto)")
+    assert RewardComputer(exits).compute(["a"] * 300, ROWS * 300)[1] == 300  # 0 = never stop (the default here)
