@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from scalerl.data import rewards
 from scalerl.data.arithmetic import make_arithmetic_rows
 from scalerl.data.errors import DataError
 from scalerl.data.formats import ColumnNames
@@ -13,7 +14,6 @@ from scalerl.data.rewards import RewardComputer
 
 _SPLIT_FILES = {"train": "train_files", "test": "val_files"}
 _SPLIT_OF_SAVED_DATASET = {"train": "split", "test": "val_split"}  # a DatasetDict directory's split to read
-_TASK_REWARDS = {"arithmetic": "gsm8k", "gsm8k": "gsm8k", "math": "math"}
 
 
 def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
@@ -35,8 +35,9 @@ def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
 
 
 def reward_from_config(data_cfg: Any) -> RewardComputer:
-    spec = _TASK_REWARDS[data_cfg.task] if data_cfg.reward == "auto" else data_cfg.reward
-    return RewardComputer(spec, timeout_s=data_cfg.reward_timeout_s)
+    """The reward the ``data`` section asks for (`scalerl.data.rewards.reward_from_config`: ``auto`` scores by
+    each row's data_source, falling back to the task's built-in)."""
+    return rewards.reward_from_config(data_cfg)
 
 
 class PromptStream:

@@ -3,6 +3,8 @@ all-gather: every rank contributes its vector of values, every rank computes the
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from scalerl.parallel.distributed import DistContext
@@ -19,7 +21,7 @@ def reduce_metrics(metrics: dict[str, float], ctx: DistContext) -> dict[str, flo
             if kinds[k] == "spread":
                 out[f"{k}/max"] = out[f"{k}/min"] = float(metrics[k])
         out.update({f"{k}/slowest_rank": 0.0 for k in RANKED if k in metrics})
-        return out
+        return {k: v for k, v in out.items() if not (kinds.get(k) == "measured_mean" and math.isnan(v))}
     local = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=ctx.device)
     # Counted in the next step's metrics (this step's were read before this gather).
     gathered = ctx.all_gather(local, over="trainer").view(ctx.world_size, len(keys))
@@ -38,6 +40,10 @@ def reduce_metrics(metrics: dict[str, float], ctx: DistContext) -> dict[str, flo
             out[k] = float(column.max())
         elif kind == "min":
             out[k] = float(column.min())
+        elif kind == "measured_mean":
+            measured = column[~column.isnan()]
+            if len(measured):
+                out[k] = float(measured.mean())
         else:  # mean, spread
             out[k] = float(column.mean())
         if kind == "spread":

@@ -9,6 +9,9 @@ that says where to declare it.
 - ``sum``: over data-parallel ranks, e.g. tokens per step (each DP rank processed its own);
 - ``sum_all_ranks``: over every rank, e.g. bytes each rank received;
 - ``max`` / ``min``: over all ranks;
+- ``measured_mean``: the mean over the ranks that measured it (a rank that did not reports NaN), left out
+  when none did, e.g. ``reward/extra/*``, the numbers a reward function returns beside its score, which a
+  step whose every call failed does not have;
 - ``spread``: timings. The mean over all ranks under the name itself, plus ``<name>/max``,
   ``<name>/min``; for the names in ``RANKED`` also ``<name>/slowest_rank``, so a straggler is visible.
   ``timing_s/busy`` is a rank's own work (the step minus its time blocked in collectives), which tells a
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-REDUCTIONS = ("mean", "sum", "sum_all_ranks", "max", "min", "spread")
+REDUCTIONS = ("mean", "sum", "sum_all_ranks", "max", "min", "measured_mean", "spread")
 
 # Exact names first, then glob patterns (first match wins).
 METRIC_REDUCTIONS: dict[str, str] = {
@@ -36,6 +39,7 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "critic/score/min": "min",
     "response_length/max": "max",
     "reward/num_failures": "sum",
+    "reward/extra/*": "measured_mean",
     "perf/total_num_tokens": "sum",
     "perf/throughput": "sum",
     "perf/max_memory_gb": "max",

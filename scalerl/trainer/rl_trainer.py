@@ -12,6 +12,7 @@ trains a whole model or pipeline stages.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Callable
 
 import torch
@@ -47,7 +48,7 @@ from scalerl.trainer.rollout_rebalance import rebalance_batch
 from scalerl.trainer.run import TrainingRun, run_output_dir, start_run, step_work
 from scalerl.trainer.run_checks import check_rl_layout
 from scalerl.trainer.run_directory import CHECKPOINTS_DIR
-from scalerl.trainer.run_failures import run_reporting_failures
+from scalerl.trainer.run_failures import last_good_checkpoint, run_reporting_failures
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
 # Config keys a resumed run must share with the checkpoint it resumes (others, e.g. total_steps, may change).
@@ -86,6 +87,8 @@ class RLTrainer(TrainingRun):
         for split, rows in (("training", self.train_rows), ("validation", self.val_rows)):
             check_prompts(self.tokenizer, rows, cfg.data.chat_template, cfg.data.max_prompt_length, split)
         self.reward = reward_from_config(cfg.data)
+        self.reward.last_good_checkpoint = lambda: last_good_checkpoint(self.checkpoint_root)
+        self.reward_extra_names: set[str] = set()
         self.stream = PromptStream(self.train_rows, t.batch_size, t.seed, cfg.data.shuffle)
         self.engine = self._build_engine()  # generates when colocated, evaluates always
         if r.placement == "standalone":
@@ -201,6 +204,10 @@ class RLTrainer(TrainingRun):
             "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
         }
+        # A reward's extra numbers, under every name seen so far: the same keys on every rank each step (the
+        # metrics gather needs them), NaN where this rank's calls gave none (reduced over the ranks that did).
+        self.reward_extra_names.update(self.reward.last_metrics)
+        metrics.update({k: self.reward.last_metrics.get(k, math.nan) for k in sorted(self.reward_extra_names)})
         return batch, metrics
 
     def _advantages(self, batch: RolloutBatch) -> None:

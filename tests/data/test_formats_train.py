@@ -7,11 +7,11 @@ import pytest
 
 from scalerl.cli import main
 from tests.data.test_formats import verl_gsm8k_dataset
+from tests.tiny import tiny_overrides
 
-# One or two RL steps of the built-in model, small enough for a busy CPU.
-TINY = ["model.hidden_size=32", "model.intermediate_size=64", "rollout.n=4", "rollout.max_new_tokens=8",
-        "trainer.batch_size=4", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=8",
-        "trainer.eval_every=0", "trainer.logger=[jsonl]", "data.max_prompt_length=128"]
+# One or two RL steps of the built-in model, small enough for a busy CPU (prompts of real data are longer).
+TINY = tiny_overrides("actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=8", "trainer.eval_every=0",
+                      "trainer.logger=[jsonl]", "data.max_prompt_length=128")
 
 
 def _problems(count, offset=0):
@@ -61,3 +61,24 @@ def test_sft_on_trl_prompt_completion_jsonl(tmp_path):
     assert main(["sft", *TINY, f"trainer.output_dir={run}", f"data.train_files=[{tmp_path / 'sft.jsonl'}]",
                  "sft.steps=2", "sft.batch_size=4", "sft.micro_batch_size=4"]) == 0
     assert (run / "sft" / "model" / "model.safetensors").is_file()
+
+
+def test_verl_job_as_it_is_parquet_reward_file_and_auto_scorer(tmp_path):
+    """verl's data and a verl reward file returning a dict: the score trains, its extra numbers are logged
+    as ``reward/extra/*``; with ``data.reward=auto`` the rows' data_source picks verl's GSM8K scorer."""
+    verl_gsm8k_dataset(_problems(16)).to_parquet(str(tmp_path / "train.parquet"))
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    assert data_source == 'openai/gsm8k' and extra_info['split'] == 'train'\n"
+                      "    return {'score': 0.25, 'chars': float(len(solution_str)), 'has_hash': '#' in solution_str}\n")
+    run = tmp_path / "run"
+    assert main(["train", *TINY, f"trainer.output_dir={run}", "trainer.total_steps=1",
+                 f"data.reward={reward}:compute_score", f"data.train_files=[{tmp_path / 'train.parquet'}]"]) == 0
+    (step,) = [row for row in _metrics(run) if "critic/score/mean" in row]
+    assert step["critic/score/mean"] == 0.25 and step["reward/num_failures"] == 0
+    assert 0 < step["reward/extra/chars"] and 0 <= step["reward/extra/has_hash"] <= 1
+    auto = tmp_path / "auto"
+    assert main(["train", *TINY, f"trainer.output_dir={auto}", "trainer.total_steps=1", "data.reward=auto",
+                 f"data.train_files=[{tmp_path / 'train.parquet'}]"]) == 0
+    (step,) = [row for row in _metrics(auto) if "critic/score/mean" in row]
+    assert step["reward/num_failures"] == 0 and 0 <= step["critic/score/mean"] <= 1
