@@ -134,7 +134,9 @@ class DataSection(_Section):
     reward_timeout_s: float = opt(30.0, "limit for one reward call (a batched function: for the batch); a call that "
                                   "runs longer scores 0 and counts in reward/num_failures, like one that raises; "
                                   "after a timeout the batch's other calls overlap under one deadline", above=0)
-    reward_weights: list[float] = opt(help="one weight per data.reward function; empty = 1 each", factory=list)
+    # Negative weights are allowed (TRL uses them for penalties); beyond a million is taken for a typo.
+    reward_weights: list[float] = opt(help="one weight per data.reward function; empty = 1 each", factory=list,
+                                      at_least=-1e6, at_most=1e6)
     max_reward_failures: int = opt(256, "stop the run once this many samples in a row failed to score (raised, "
                                    "timed out, not a number); 0 = never stop", at_least=0)
     shuffle: bool = opt(True, "shuffle training prompts every epoch")

@@ -24,6 +24,7 @@ _FAILURE_SIGNATURES = (
 _TORCH_DISTRIBUTED = f"{Path(dist.__file__).parent}"
 _SCALERL = str(Path(__file__).resolve().parents[1])
 _WRAPPER_NAMES = ("wrapper", "inner", "_fn", "decorate_context")
+_FACADE_FILES = (str(Path(__file__).resolve().parent / "distributed.py"),)
 
 
 def is_collective_failure(error: BaseException) -> bool:
@@ -46,9 +47,15 @@ def failed_call(error: BaseException) -> tuple[str, str, str]:
     caller = "unknown"
     first_torch = frames.index(torch_frames[0]) if torch_frames else len(frames)
     ours = [(f, line) for f, line in frames[:first_torch] if f.f_code.co_filename.startswith(_SCALERL)]
-    if ours:
-        frame, line = ours[-1]
+    # The counted facade (`DistContext.all_gather`...) is how every caller issues a collective: name the code
+    # that called it, and the facade method it went through.
+    callers = [(f, line) for f, line in ours if f.f_code.co_filename not in _FACADE_FILES] or ours
+    if callers:
+        frame, line = callers[-1]
         caller = f"{Path(frame.f_code.co_filename).relative_to(Path(_SCALERL).parent)}:{line} in {frame.f_code.co_name}"
+        via = [f.f_code.co_name for f, _ in ours[ours.index((frame, line)) + 1:] if f.f_code.co_filename in _FACADE_FILES]
+        if via:
+            caller += f" (through DistContext.{via[0]})"
     return collective, group, caller
 
 

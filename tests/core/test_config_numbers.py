@@ -28,7 +28,7 @@ def test_every_float_key_declares_its_bounds():
 @pytest.mark.parametrize("spelling", ["inf", "-inf", ".inf", "Infinity", "nan", ".NaN", "1e400"])
 def test_every_float_key_refuses_non_finite_values(spelling):
     for key, _ in _float_fields():
-        value = f"[{spelling},0.5]" if key == "actor.betas" else spelling
+        value = f"[{spelling},0.5]" if key in ("actor.betas", "data.reward_weights") else spelling
         with pytest.raises(ConfigError, match=rf"{key}(\[0\])? must be a finite number"):
             load_config(None, [f"{key}={value}"])
 
