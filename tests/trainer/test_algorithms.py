@@ -1,7 +1,7 @@
 """Every advantage estimator and policy loss by name in the RL trainer: each runs two tiny steps in-process and
 really changes the update (the batch's advantages through the `on_batch` seam, the trained weights); vanilla
-is today's dual-clip objective bit for bit; clip_cov's random picks repeat on resume; and a DP=2 run with a
-non-default loss and an estimator that whitens over the global batch equals the single process."""
+is today's dual-clip objective bit for bit; clip_cov's random picks repeat on resume; and DP=2 runs with a
+non-default loss, an estimator that whitens over the global batch and remax equal the single process."""
 
 import json
 
@@ -148,13 +148,14 @@ def test_estimators_without_groups_take_one_sample_per_prompt():
                                   "actor.ppo_mini_batch_size=16"]).rollout.n == 1
 
 
-# The DP=2 comparison: gspo on GRPO's advantages, and REINFORCE++-baseline's whitening over the global batch
-# (all-reduced) under vanilla; `scalerl verify`'s overrides, compared as `scalerl verify` compares, but for
+# The DP=2 comparison: gspo on GRPO's advantages, REINFORCE++-baseline's whitening over the global batch
+# (all-reduced) and remax's greedy baselines (each rank generates its share) under vanilla; `scalerl verify`'s overrides, compared as `scalerl verify` compares, but for
 # the first on-policy pg_loss: with these advantages it is 0 up to rounding (a sequence mean of group-centred
 # scores, a token mean of whitened returns), nothing to compare relatively.
 DP_METRICS = tuple(k for k in COMPARED_METRICS["grpo"] if k != "actor/pg_loss")
 DP_RUNS = {"gspo": ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"],
-           "rpp_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"]}
+           "rpp_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
+           "remax": ["algorithm.adv_estimator=remax"]}
 
 
 def _dp_rank(rank, out_dir):
