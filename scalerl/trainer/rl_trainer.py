@@ -102,6 +102,7 @@ class RLTrainer(TrainingRun):
             self.rollouts = ColocatedRollouts(self.engine, self.policy, ctx)
         self.prefetched: StepPrompts | None = None
         self.stream_state_before_prefetch: dict | None = None
+        self.step_rows: list[dict] = []  # this rank's data rows of the current step
 
         # One optimizer for the policy and the critic; each update zeroes all gradients first, so a step
         # only moves the parameters that got gradients.
@@ -143,11 +144,11 @@ class RLTrainer(TrainingRun):
         """rollout -> reward -> old (and reference) log-probs -> advantages -> update -> weight sync."""
         cfg, timer, a = self.cfg, self.timer, self.cfg.actor
         temperature, micro = cfg.rollout.temperature or 1.0, a.ppo_micro_batch_size
-        batch, metrics, rows = self._rollout()
+        batch, metrics = self._rollout()
         reward_baselines = None
         if needs_greedy_baseline(cfg.algorithm.adv_estimator):
             with timer("gen_max"):  # verl's name for ReMax's greedy generation
-                reward_baselines = self._greedy_baselines(rows, metrics)
+                reward_baselines = self._greedy_baselines(self.step_rows, metrics)
         # The rollout's log-probs equal an fp32 training forward where its source says so (with
         # rollout.stale_logprobs=behavior, of the one-step-old policy PPO then takes its ratio against);
         # otherwise (autocast, bf16 workers, one-step-stale weights, another engine) they are recomputed, and the
@@ -193,13 +194,13 @@ class RLTrainer(TrainingRun):
             metrics.update(self.rollouts.sync_weights())
         return metrics, work
 
-    def _rollout(self) -> tuple[RolloutBatch, dict[str, float], list[dict]]:
-        """This rank's rollouts with their scores, the step's metrics so far, and this rank's data rows."""
+    def _rollout(self) -> tuple[RolloutBatch, dict[str, float]]:
         cfg, timer = self.cfg, self.timer
         n = cfg.rollout.n
         with timer("data"):
             step_prompts = self._prompts_for(self.step)
             rows = self.dist.dp_share(step_prompts.rows)  # this DP rank's share of the global batch
+            self.step_rows = rows  # remax scores its greedy baselines against them
         group_ids = torch.arange(len(rows)).repeat_interleave(n)
         self.policy.eval()
         with timer("gen"):
@@ -219,19 +220,7 @@ class RLTrainer(TrainingRun):
             "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
         }
-        return batch, metrics, rows
-
-    def _greedy_baselines(self, rows: list[dict], metrics: dict[str, float]) -> torch.Tensor:
-        """ReMax's baseline: the reward of one greedy response per prompt, from the engine that evaluates
-        (the current weights on every placement), repeated for the prompt's ``n`` samples ([B])."""
-        sampling = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0,
-                                  stop_token_ids=self.tokenizer.stop_token_ids, seed=self.cfg.trainer.seed)
-        out = self.engine.generate(self._encode(rows), sampling)
-        scores, failures = self.reward.compute(self.tokenizer.batch_decode(out.response_ids.tolist()), rows)
-        baselines = torch.tensor(scores, dtype=torch.float32)
-        metrics["critic/reward_baseline/mean"] = float(baselines.mean())
-        metrics["reward/num_failures"] += float(failures)
-        return baselines.repeat_interleave(self.cfg.rollout.n)
+        return batch, metrics
 
     def _advantages(self, batch: RolloutBatch, reward_baselines: torch.Tensor | None = None) -> None:
         """``algorithm.adv_estimator`` on this rank's batch: critic values first where it needs them; whole
@@ -247,6 +236,18 @@ class RLTrainer(TrainingRun):
             all_reduce=self.dist.all_reduce if self.dist.dp_size > 1 else None,
         )
         batch.advantages, batch.returns = get_advantage_estimator(alg.adv_estimator)(inputs)
+
+    def _greedy_baselines(self, rows: list[dict], metrics: dict[str, float]) -> torch.Tensor:
+        """ReMax's baseline: the reward of one greedy response per prompt, from the engine that evaluates
+        (the current weights on every placement), repeated for the prompt's ``n`` samples ([B])."""
+        sampling = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0,
+                                  stop_token_ids=self.tokenizer.stop_token_ids, seed=self.cfg.trainer.seed)
+        out = self.engine.generate(self._encode(rows), sampling)
+        scores, failures = self.reward.compute(self.tokenizer.batch_decode(out.response_ids.tolist()), rows)
+        baselines = torch.tensor(scores, dtype=torch.float32)
+        metrics["critic/reward_baseline/mean"] = float(baselines.mean())
+        metrics["reward/num_failures"] += float(failures)
+        return baselines.repeat_interleave(self.cfg.rollout.n)
 
     def _prompts_for(self, step: int) -> StepPrompts:
         """The whole batch of ``step`` (every rank draws it and keeps its share later)."""
