@@ -29,6 +29,7 @@ from scalerl.bench.progress import BenchProgress
 from scalerl.bench.schema import new_report, write_report
 from scalerl.bench.summary import scaling_efficiency, stats, summarize
 from scalerl.bench.validation import validate_cells, validation_summary
+from scalerl.core.algorithm_names import needs_critic
 from scalerl.core.config import ConfigError, load_config
 from scalerl.core.errors import UserError
 from scalerl.launch.emulated_cluster import (
@@ -54,7 +55,8 @@ def _shape(cfg: Any) -> dict[str, Any]:
     recompute = cfg.trainer.precision != "fp32" or (cfg.rollout.placement == "standalone" and not standalone_exact)
     return {"micro_rows": cfg.actor.ppo_micro_batch_size, "mini_rows": cfg.actor.ppo_mini_batch_size,
             "epochs": cfg.actor.ppo_epochs,
-            "forward_passes": int(recompute) + int(cfg.actor.use_kl_loss) + int(cfg.algorithm.adv_estimator == "gae"),
+            "forward_passes": (int(recompute) + int(cfg.actor.use_kl_loss)
+                               + int(needs_critic(cfg.algorithm.adv_estimator))),
             "pp_width": cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
             "pp_microbatches": cfg.parallel.microbatches}
 

@@ -18,6 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from scalerl.core import config_tree
+from scalerl.core.algorithm_names import (
+    ADVANTAGE_ESTIMATOR_NAMES,
+    POLICY_LOSS_NAMES,
+    choices_help,
+    needs_critic,
+    needs_greedy_baseline,
+    needs_groups,
+    policy_loss_choices,
+)
 from scalerl.core.config_tree import (  # re-exported: `scalerl.core.config` is the public config API
     ConfigError,
     _check,
@@ -53,7 +62,8 @@ ROLLOUT_PLACEMENTS = ("colocated", "standalone")
 LR_SCHEDULES = ("constant", "cosine")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-ADV_ESTIMATORS = ("grpo", "gae")
+ADV_ESTIMATORS = tuple(ADVANTAGE_ESTIMATOR_NAMES)  # verl's names (`scalerl.core.algorithm_names`)
+POLICY_LOSSES = tuple(policy_loss_choices())
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -276,6 +286,18 @@ class ActorSection(_Section):
     use_kl_loss: bool = opt(False, "add a KL penalty to a frozen reference model to the loss")
     kl_loss_coef: float = opt(0.001, "KL penalty coefficient", at_least=0)
     kl_loss_type: str = opt("low_var_kl", " | ".join(KL_LOSS_TYPES) + "; a trailing '+' uses the straight-through form")
+    policy_loss: str = opt("vanilla", "policy loss by verl's name (docs/algorithms-formulas.md); verl's recipes pair "
+                           "gspo, sapo and geo_mean with actor.loss_agg_mode=seq-mean-token-mean:"
+                           + choices_help(POLICY_LOSS_NAMES))
+    # verl's option names for the other losses (read by the loss named in its description)
+    tau_pos: float = opt(1.0, "sapo: sigmoid temperature for positive advantages", above=0)
+    tau_neg: float = opt(1.05, "sapo: sigmoid temperature for negative advantages", above=0)
+    clip_cov_ratio: float = opt(0.0002, "clip_cov: share of tokens whose gradient is cut", above=0, at_most=1)
+    clip_cov_lb: float = opt(1.0, "clip_cov: lower bound of the covariance of the tokens it may cut", at_least=0)
+    clip_cov_ub: float = opt(5.0, "clip_cov: upper bound of the covariance of the tokens it may cut", above=0)
+    kl_cov_ratio: float = opt(0.0002, "kl_cov: share of tokens (highest covariance) given the |log r| penalty",
+                              above=0, at_most=1)
+    ppo_kl_coef: float = opt(0.1, "kl_cov: coefficient of the |log r| penalty", at_least=0)
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -285,6 +307,9 @@ class ActorSection(_Section):
         _check(p, self.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", ">= 1", self.ppo_mini_batch_size)
         _check(p, self.ppo_micro_batch_size >= 1, "actor.ppo_micro_batch_size", ">= 1", self.ppo_micro_batch_size)
         _check_choice(p, "actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_choice(p, "actor.policy_loss", self.policy_loss, POLICY_LOSSES)
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            p.append(f"actor.clip_cov_lb ({self.clip_cov_lb}) must be below actor.clip_cov_ub ({self.clip_cov_ub})")
         if self.kl_loss_type.removesuffix("+") not in KL_LOSS_TYPES:
             p.append(f"actor.kl_loss_type must be one of {', '.join(KL_LOSS_TYPES)} (optionally with a "
                      f"trailing '+'); got {self.kl_loss_type!r}")
@@ -296,7 +321,7 @@ class ActorSection(_Section):
 
 @dataclass
 class CriticSection(_Section):
-    """Value model settings; used when algorithm.adv_estimator == "gae"."""
+    """Value model settings; used when algorithm.adv_estimator needs a critic (gae)."""
 
     name = "critic"
     lr: float = opt(1e-4, "critic learning rate", above=0)
@@ -304,12 +329,24 @@ class CriticSection(_Section):
     value_loss_coef: float = opt(0.5, "value loss weight", at_least=0)
 
 
+def _estimator_help() -> str:
+    """`algorithm.adv_estimator`'s help: every name with its line and what it needs beyond the rollouts."""
+    rows = {}
+    for name, entry in ADVANTAGE_ESTIMATOR_NAMES.items():
+        needs = ("trains a critic" if needs_critic(name) else
+                 "one greedy response per prompt as the baseline" if needs_greedy_baseline(name) else
+                 "" if needs_groups(name) else "no groups: rollout.n may be 1")
+        rows[name] = entry.description + (f" [{needs}]" if needs else "")
+    return ("advantage estimator by verl's name (docs/algorithms-formulas.md); unless marked, it compares the "
+            "rollout.n >= 2 samples of each prompt:" + choices_help(rows))
+
+
 @dataclass
 class AlgorithmSection(_Section):
     name = "algorithm"
-    adv_estimator: str = opt("grpo", "advantage estimator: grpo (group-normalized) | gae (PPO with a critic)")
+    adv_estimator: str = opt("grpo", _estimator_help())
     norm_adv_by_std_in_grpo: bool = opt(True, "GRPO: divide by the group's reward std (false = Dr. GRPO)")
-    gamma: float = opt(1.0, "GAE discount", at_least=0, at_most=1)
+    gamma: float = opt(1.0, "discount: gae, reinforce_plus_plus", at_least=0, at_most=1)
     lam: float = opt(1.0, "GAE lambda", at_least=0, at_most=1)
 
     def problems(self) -> list[str]:
@@ -497,13 +534,15 @@ class Config(_Section):
         if rollouts % self.actor.ppo_mini_batch_size:
             p.append(f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must divide "
                      f"trainer.batch_size * rollout.n = {self.trainer.batch_size} * {self.rollout.n} = {rollouts}")
-        if self.algorithm.adv_estimator == "grpo" and self.rollout.n < 2:
-            # a group of one has zero spread, so every GRPO advantage would be 0 and nothing would learn
-            p.append(f"rollout.n must be >= 2 when algorithm.adv_estimator is 'grpo', got {self.rollout.n}")
-        if self.algorithm.adv_estimator == "grpo" and self.rollout.temperature == 0:
-            # greedy decoding gives a prompt's n samples the same text and reward: zero advantage everywhere
-            p.append("rollout.temperature=0 (greedy) makes the rollout.n samples of a prompt identical, so every "
-                     "GRPO advantage is 0 and nothing trains; use rollout.temperature > 0 (e.g. 1.0)")
+        estimator = self.algorithm.adv_estimator
+        if needs_groups(estimator) and self.rollout.n < 2:
+            # a group of one has no other sample to compare with, so every advantage would be 0 (or baseline-free)
+            p.append(f"rollout.n must be >= 2 when algorithm.adv_estimator is {estimator!r} (it compares the "
+                     f"samples of a prompt), got {self.rollout.n}")
+        if (needs_groups(estimator) or needs_greedy_baseline(estimator)) and self.rollout.temperature == 0:
+            # greedy decoding gives a prompt's samples (and remax's greedy baseline) the same text and reward
+            p.append(f"rollout.temperature=0 (greedy) makes the rollout.n samples of a prompt identical, so every "
+                     f"{estimator} advantage is 0 and nothing trains; use rollout.temperature > 0 (e.g. 1.0)")
         if self.model.path is None and self.trainer.init_from is None:
             p += builtin_model_problems(self)
         p += _comm_layout_problems(self.comm, self.parallel)

@@ -1,5 +1,5 @@
-"""The micro-batch losses of the trainers: PPO-clip for the policy, clipped value regression for the critic,
-token-mean cross-entropy for SFT.
+"""The micro-batch losses of the trainers: the policy loss chosen by name (`actor.policy_loss`, dual-clip PPO
+by default), clipped value regression for the critic, token-mean cross-entropy for SFT.
 
 Each is called as ``loss(output, target)`` on one micro-batch, by a plain forward or by the last pipeline
 stage alike: ``output`` is the model's output whose last positions cover the response (logits, or values
@@ -17,7 +17,8 @@ import torch
 
 from scalerl.algorithms.entropy import entropy_from_logits, logprobs_from_logits
 from scalerl.algorithms.kl import kl_penalty
-from scalerl.algorithms.losses import aggregate_loss, policy_loss, value_loss
+from scalerl.algorithms.loss_registry import POLICY_LOSSES, PolicyLoss, PolicyLossOptions
+from scalerl.algorithms.losses import aggregate_loss, value_loss
 from scalerl.rollout.batch import RolloutBatch
 
 
@@ -69,16 +70,36 @@ class MicroBatchObjective:
         return output[:, -response_len - 1 : -1].float()
 
 
+def policy_loss_options(actor_cfg: Any) -> PolicyLossOptions:
+    """The `actor` keys the policy losses read, under verl's names (each loss reads its own)."""
+    return PolicyLossOptions(
+        clip_ratio_low=actor_cfg.clip_ratio_low, clip_ratio_high=actor_cfg.clip_ratio_high,
+        clip_ratio_c=actor_cfg.clip_ratio_c, tau_pos=actor_cfg.tau_pos, tau_neg=actor_cfg.tau_neg,
+        clip_cov_ratio=actor_cfg.clip_cov_ratio, clip_cov_lb=actor_cfg.clip_cov_lb, clip_cov_ub=actor_cfg.clip_cov_ub,
+        kl_cov_ratio=actor_cfg.kl_cov_ratio, ppo_kl_coef=actor_cfg.ppo_kl_coef,
+    )
+
+
 class PolicyObjective(MicroBatchObjective):
-    """Dual-clip PPO with an optional entropy bonus and KL penalty to a reference policy.
-    ``target[..., :]`` = (response ids, mask, old log-prob, advantage, reference log-prob, importance weight)."""
+    """A policy loss from `POLICY_LOSSES` (default dual-clip PPO) with an optional entropy bonus and KL penalty
+    to a reference policy, aggregated by ``actor.loss_agg_mode`` over the whole mini-batch's counts.
+    ``target[..., :]`` = (response ids, mask, old log-prob, advantage, reference log-prob, importance weight).
 
-    metric_names = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl",
-                    "actor/pg_clipfrac_lower")
+    ``options`` default to the dual clip's keys of ``actor_cfg``. ``generator`` draws the random token picks of
+    clip_cov; the trainer reseeds it every step from (seed, step, DP rank), so a resumed run repeats them."""
 
-    def __init__(self, actor_cfg: Any, temperature: float):
+    def __init__(self, actor_cfg: Any, temperature: float, loss: PolicyLoss = POLICY_LOSSES["vanilla"],
+                 options: PolicyLossOptions | None = None):
         super().__init__()
         self.cfg, self.temperature = actor_cfg, temperature or 1.0
+        self.loss = loss
+        self.options = options or PolicyLossOptions(clip_ratio_low=actor_cfg.clip_ratio_low,
+                                                    clip_ratio_high=actor_cfg.clip_ratio_high,
+                                                    clip_ratio_c=actor_cfg.clip_ratio_c)
+        self.generator: torch.Generator | None = None
+        # verl's metric names: each loss logs its own (gpg none, kl_cov only ppo_kl)
+        self.metric_names = ("actor/pg_loss", "actor/entropy", "actor/kl_loss",
+                             *(f"actor/{name}" for name in loss.metric_names))
 
     @staticmethod
     def target(batch: RolloutBatch) -> torch.Tensor:
@@ -94,10 +115,8 @@ class PolicyObjective(MicroBatchObjective):
             logits = logits / self.temperature  # log-probs of what the sampler drew at this temperature
         ids, mask, old, adv, ref, weights = target[..., 0].long(), *target[..., 1:].unbind(-1)
         logp = logprobs_from_logits(logits, ids)
-        pg_loss, pg_metrics = policy_loss(
-            old, logp, adv, mask, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
-            clip_c=cfg.clip_ratio_c, agg=cfg.loss_agg_mode, **self.agg, token_weights=weights,
-        )
+        pg_loss, pg_metrics = self.loss(old, logp, adv, mask, cfg.loss_agg_mode, self.options, **self.agg,
+                                        token_weights=weights, generator=self.generator)
         loss = pg_loss
         if cfg.entropy_coeff:
             entropy = entropy_from_logits(logits)

@@ -1,8 +1,9 @@
-"""The RL trainer: GRPO by default, PPO with a critic and GAE as the second estimator.
+"""The RL trainer: any advantage estimator and policy loss by verl's name (`algorithm.adv_estimator`,
+`actor.policy_loss`): GRPO with dual-clip PPO by default, PPO with a critic for gae.
 
-One step (`RLTrainer.run_step`): prompts -> rollouts (``n`` per prompt) -> rewards -> old (and reference)
-log-probs -> advantages -> ``ppo_epochs`` x mini-batches x micro-batches of PPO-clip (`run_update`) ->
-weight sync to the engine. The run around it (set-up, resume, the loop, the step's tail of timings, comm
+One step (`RLTrainer.run_step`): prompts -> rollouts (``n`` per prompt; remax adds one greedy response per
+prompt) -> rewards -> old (and reference) log-probs -> advantages -> ``ppo_epochs`` x mini-batches x
+micro-batches of the policy loss (`run_update`) -> weight sync to the engine. The run around it (set-up, resume, the loop, the step's tail of timings, comm
 and ``perf/*``, save and export) is `scalerl.trainer.run.TrainingRun`'s; what is RL's own is here: the
 critic and the reference, the engine and the rollout source, prompts drawn per step and prefetched one
 step ahead. The same code runs on every layout: the model parts from `parallelize` hide whether this rank
@@ -17,8 +18,10 @@ from typing import Any, Callable
 
 import torch
 
-from scalerl.algorithms.advantages import gae_advantages, grpo_advantages
+from scalerl.algorithms.estimator_registry import AdvantageInputs, get_advantage_estimator
 from scalerl.algorithms.importance import truncated_importance_weights
+from scalerl.algorithms.loss_registry import get_policy_loss
+from scalerl.core.algorithm_names import needs_critic, needs_greedy_baseline
 from scalerl.core.config import Config
 from scalerl.core.device import resolve_device
 from scalerl.data.errors import DataError
@@ -42,7 +45,7 @@ from scalerl.rollout.worker import RolloutWorker
 from scalerl.tracking import plot_metrics
 from scalerl.trainer.evaluation import evaluate
 from scalerl.trainer.forward_passes import response_logprobs, response_values
-from scalerl.trainer.objectives import PolicyObjective, ValueObjective
+from scalerl.trainer.objectives import PolicyObjective, ValueObjective, policy_loss_options
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.rollout_rebalance import rebalance_batch
 from scalerl.trainer.run import TrainingRun, run_output_dir, start_run, step_work
@@ -56,6 +59,11 @@ RESUME_MUST_MATCH = [
     "model.path", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
     "model.num_key_value_heads", "model.intermediate_size", "algorithm.adv_estimator", "trainer.init_from",
 ]
+
+
+def loss_draw_seed(seed: int, step: int, dp_rank: int) -> int:
+    """The seed of a step's policy-loss draws on one DP rank (distinct per step and rank, fixed by both)."""
+    return ((seed * 1_000_003 + step) * 10_007 + dp_rank) % 2**63
 
 
 class RLTrainer(TrainingRun):
@@ -73,7 +81,7 @@ class RLTrainer(TrainingRun):
         self.on_batch = on_batch
         model = self.load_model()
         # The critic and the frozen reference start as copies of the policy, made before it is laid out.
-        critic = ValueModel(model) if cfg.algorithm.adv_estimator == "gae" else None
+        critic = ValueModel(model) if needs_critic(cfg.algorithm.adv_estimator) else None
         reference = copy.deepcopy(model).requires_grad_(False) if a.use_kl_loss else None
         self.policy = self.lay_out(model)
         self.critic = self.lay_out(critic) if critic is not None else None
@@ -97,6 +105,7 @@ class RLTrainer(TrainingRun):
             self.rollouts = ColocatedRollouts(self.engine, self.policy, ctx)
         self.prefetched: StepPrompts | None = None
         self.stream_state_before_prefetch: dict | None = None
+        self.step_rows: list[dict] = []  # this rank's data rows of the current step
 
         # One optimizer for the policy and the critic; each update zeroes all gradients first, so a step
         # only moves the parameters that got gradients.
@@ -107,7 +116,8 @@ class RLTrainer(TrainingRun):
             param_sets, a.weight_decay, betas=tuple(a.betas), warmup_steps=a.warmup_steps,
             total_steps=t.total_steps, schedule=a.lr_schedule, min_lr_ratio=a.min_lr_ratio,
         ), a.grad_clip, wrap_optimizer_step)
-        self.policy_objective = PolicyObjective(a, r.temperature)
+        self.policy_objective = PolicyObjective(a, r.temperature, get_policy_loss(a.policy_loss),
+                                                policy_loss_options(a))
         self.value_objective = ValueObjective(cfg.critic, a.loss_agg_mode)
         self.update_plan = UpdatePlan(
             epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size // ctx.dp_size,
@@ -138,6 +148,10 @@ class RLTrainer(TrainingRun):
         cfg, timer, a = self.cfg, self.timer, self.cfg.actor
         temperature, micro = cfg.rollout.temperature or 1.0, a.ppo_micro_batch_size
         batch, metrics = self._rollout()
+        reward_baselines = None
+        if needs_greedy_baseline(cfg.algorithm.adv_estimator):
+            with timer("gen_max"):  # verl's name for ReMax's greedy generation
+                reward_baselines = self._greedy_baselines(self.step_rows, metrics)
         # The rollout's log-probs equal an fp32 training forward where its source says so (with
         # rollout.stale_logprobs=behavior, of the one-step-old policy PPO then takes its ratio against);
         # otherwise (autocast, bf16 workers, one-step-stale weights, another engine) they are recomputed, and the
@@ -156,7 +170,7 @@ class RLTrainer(TrainingRun):
             with timer("ref"):
                 batch.ref_logprobs = response_logprobs(self.reference.model, batch, temperature, micro, self.autocast)
         with timer("adv"):
-            self._advantages(batch)
+            self._advantages(batch, reward_baselines)
         if self.on_batch is not None:
             self.on_batch(batch)
         work = step_work(batch, forward_passes=int(not reuse_logprobs) + (self.reference is not None)
@@ -170,6 +184,10 @@ class RLTrainer(TrainingRun):
             with timer("update_critic"):
                 metrics.update(run_update(self.critic, self.optimizer_step, batch, self.value_objective,
                                           self.update_plan, self.update_generator, self.dist, self.autocast))
+        # The losses' random draws (clip_cov's token picks): a function of the step and the DP rank, so a
+        # resumed run repeats them; TP/PP peers hold the same rows and draw the same.
+        self.policy_objective.generator = torch.Generator().manual_seed(
+            loss_draw_seed(cfg.trainer.seed, self.step, self.dist.dp_rank))
         with timer("update_actor"):
             metrics.update(run_update(self.policy, self.optimizer_step, batch, self.policy_objective,
                                       self.update_plan, self.update_generator, self.dist, self.autocast))
@@ -185,6 +203,7 @@ class RLTrainer(TrainingRun):
         with timer("data"):
             step_prompts = self._prompts_for(self.step)
             rows = self.dist.dp_share(step_prompts.rows)  # this DP rank's share of the global batch
+            self.step_rows = rows  # remax scores its greedy baselines against them
         group_ids = torch.arange(len(rows)).repeat_interleave(n)
         self.policy.eval()
         with timer("gen"):
@@ -210,19 +229,32 @@ class RLTrainer(TrainingRun):
         metrics.update({k: self.reward.last_metrics.get(k, math.nan) for k in sorted(self.reward_extra_names)})
         return batch, metrics
 
-    def _advantages(self, batch: RolloutBatch) -> None:
+    def _advantages(self, batch: RolloutBatch, reward_baselines: torch.Tensor | None = None) -> None:
+        """``algorithm.adv_estimator`` on this rank's batch: critic values first where it needs them; whole
+        groups are on one rank, and the estimators that whiten or count over the batch all-reduce over DP."""
         alg, micro = self.cfg.algorithm, self.cfg.actor.ppo_micro_batch_size
-        token_rewards = batch.token_rewards()
-        if self.critic is None:
-            batch.advantages, batch.returns = grpo_advantages(
-                token_rewards, batch.response_mask, batch.group_ids, norm_by_std=alg.norm_adv_by_std_in_grpo
-            )
-            return
-        batch.values = response_values(self.critic.model, batch, micro, self.autocast)
-        batch.advantages, batch.returns = gae_advantages(
-            token_rewards, batch.values, batch.response_mask, alg.gamma, alg.lam,
+        if self.critic is not None:
+            batch.values = response_values(self.critic.model, batch, micro, self.autocast)
+        device = batch.response_mask.device
+        inputs = AdvantageInputs(
+            batch.token_rewards(), batch.response_mask, index=batch.group_ids, values=batch.values,
+            reward_baselines=reward_baselines.to(device) if reward_baselines is not None else None,
+            gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
             all_reduce=self.dist.all_reduce if self.dist.dp_size > 1 else None,
         )
+        batch.advantages, batch.returns = get_advantage_estimator(alg.adv_estimator)(inputs)
+
+    def _greedy_baselines(self, rows: list[dict], metrics: dict[str, float]) -> torch.Tensor:
+        """ReMax's baseline: the reward of one greedy response per prompt, from the engine that evaluates
+        (the current weights on every placement), repeated for the prompt's ``n`` samples ([B])."""
+        sampling = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0,
+                                  stop_token_ids=self.tokenizer.stop_token_ids, seed=self.cfg.trainer.seed)
+        out = self.engine.generate(self._encode(rows), sampling)
+        scores, failures = self.reward.compute(self.tokenizer.batch_decode(out.response_ids.tolist()), rows)
+        baselines = torch.tensor(scores, dtype=torch.float32)
+        metrics["critic/reward_baseline/mean"] = float(baselines.mean())
+        metrics["reward/num_failures"] += float(failures)
+        return baselines.repeat_interleave(self.cfg.rollout.n)
 
     def _prompts_for(self, step: int) -> StepPrompts:
         """The whole batch of ``step`` (every rank draws it and keeps its share later)."""

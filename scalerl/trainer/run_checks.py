@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from scalerl.core.algorithm_names import needs_critic
 from scalerl.core.config import BUILTIN_REWARDS, ConfigError
 
 if TYPE_CHECKING:  # the layout checks' argument; importing it pulls in torch, which `scalerl config` does not need
@@ -125,8 +126,9 @@ def check_rl_layout(cfg: Any, ctx: DistContext) -> None:
     _pipeline_problems(problems, cfg, ctx, "actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size // dp)
     if ctx.dims.pp > 1 and cfg.actor.micro_batch_max_tokens:
         problems.append("actor.micro_batch_max_tokens (dynamic batch size) does not apply with parallel.pp > 1")
-    if ctx.dims.pp > 1 and cfg.algorithm.adv_estimator == "gae":
-        problems.append("algorithm.adv_estimator=gae (a critic) does not run with parallel.pp > 1 yet")
+    if ctx.dims.pp > 1 and needs_critic(cfg.algorithm.adv_estimator):
+        problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a critic) does not run with "
+                        "parallel.pp > 1 yet")
     if cfg.rollout.engine != "builtin":
         problems.append("rollout.engine=vllm is single-process only for now")
     _raise_layout_problems(problems)
