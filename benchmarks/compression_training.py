@@ -85,7 +85,7 @@ def run_setting(setting: str, base: list[str], out_dir: Path, teacher_file: Path
 
 
 def _records(path: Path) -> list[dict]:
-    from scalerl.tracking.jsonl_backend import read_metrics_jsonl
+    from scalerl.tracking.backends import read_metrics_jsonl
 
     return read_metrics_jsonl(path)
 

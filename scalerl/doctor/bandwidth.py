@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from scalerl.doctor.world import DoctorWorld
-from scalerl.health.nodes import node_names
+from scalerl.health.node_rules import node_names
 
 MiB = 2**20
 

@@ -31,7 +31,7 @@ from scalerl.doctor.world import (
     single_world,
 )
 from scalerl.health.cluster_rules import run_cluster_rules
-from scalerl.health.nodes import node_names, nodes
+from scalerl.health.node_rules import node_names, nodes
 from scalerl.health.step_rules import StepView, run_step_rules
 from scalerl.health.tree import NOT_MEASURED, Finding
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from scalerl.doctor.world import DoctorWorld
-from scalerl.health.nodes import node_names
+from scalerl.health.node_rules import node_names
 
 WRITE_CHUNK = 4 * 2**20
 

@@ -2,14 +2,13 @@
 monitor and `scalerl doctor` share them and tests feed them recorded measurements.
 
 - `tree`: the leaves (communication / compute load / resources / training signal), `Finding`, roll-up,
-  exit code, ``health/*`` metrics;
+  exit code, ``health/*`` metrics, and `StepView`, what the step rules read;
 - `thresholds`: every rule's leaf, thresholds with reasons, and fix, as data (`RULES`);
-- `step_rules`: rules on step metrics (a `StepView`, `view`), by branch in `compute_rules` (stragglers,
-  token imbalance, granularity), `comm_rules` (communication share, achieved bandwidth), `resource_rules`
-  (memory, host-device copies, data wait, checkpoint interval), `training_rules` (non-finite values,
-  reward collapse);
+- `step_rules`: rules on step metrics: communication share, achieved bandwidth, memory, host-device
+  copies, data wait, checkpoint interval, non-finite values, reward collapse, and `run_step_rules`; compute
+  load (stragglers, token imbalance, granularity) in `compute_rules`;
 - `cluster_rules`: rules on the distributed check's facts and measurements (communication), with
-  `node_rules` (devices, memory, copies, storage) and `nodes` (which ranks share a node, node names);
+  `node_rules` (which ranks share a node and its name; devices, memory, copies, storage);
 - `wording`: findings built from the rules' data, numbers as text;
 - `monitor`: `HealthMonitor`, the online monitor the trainers run every ``trainer.monitor_every`` steps.
 """

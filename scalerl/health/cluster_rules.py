@@ -18,9 +18,10 @@ from scalerl.health.node_rules import (
     device_memory,
     device_models,
     host_device_copy,
+    node_names,
+    nodes,
     storage,
 )
-from scalerl.health.nodes import node_names, nodes
 from scalerl.health.thresholds import RULES
 from scalerl.health.tree import FAULT, NOT_MEASURED, OK, Finding, worst
 from scalerl.health.wording import finding, ranges, rate, size_text

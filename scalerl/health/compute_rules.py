@@ -9,8 +9,7 @@ from typing import Any
 
 from scalerl.comm.counting.collective_bytes import wire_bytes
 from scalerl.health.thresholds import RULES
-from scalerl.health.tree import NOT_MEASURED, OK, Finding
-from scalerl.health.view import PROFILE_HINT, StepView
+from scalerl.health.tree import NOT_MEASURED, OK, PROFILE_HINT, Finding, StepView
 from scalerl.health.wording import finding, fix_text
 
 

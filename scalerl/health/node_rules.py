@@ -1,15 +1,39 @@
-"""Distributed-check rules on what each node holds: device models, free device memory, host-device
-copies, storage (free space, write speed, paths shared across nodes)."""
+"""Cluster rules on the nodes: which ranks share a node and what to call it, devices, memory, host-device
+copies and storage, from the distributed check's facts."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Any
 
-from scalerl.health.nodes import node_names
 from scalerl.health.thresholds import RULES
 from scalerl.health.tree import NOT_MEASURED, OK, Finding
 from scalerl.health.wording import finding, ranges
+
+
+def node_names(facts: list[dict[str, Any]]) -> dict[str, str]:
+    """node_id -> a readable name: the hostname, or hostname[address] where several nodes share a hostname
+    (network namespaces on one machine, cloned images)."""
+    hosts: dict[str, str] = {}
+    for f in facts:
+        hosts.setdefault(f["node_id"], f["hostname"])
+    clash = {h for h, n in Counter(hosts.values()).items() if n > 1}
+    names = {}
+    for f in facts:
+        if f["node_id"] in names:
+            continue
+        address = (f.get("socket") or {}).get("address") or f"node{f.get('node_rank', 0)}"
+        names[f["node_id"]] = f"{f['hostname']}[{address}]" if f["hostname"] in clash else f["hostname"]
+    return names
+
+
+def nodes(facts: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Readable node name -> its ranks, nodes in order of their lowest rank."""
+    names = node_names(facts)
+    placement: dict[str, list[int]] = defaultdict(list)
+    for f in sorted(facts, key=lambda f: f["rank"]):
+        placement[names[f["node_id"]]].append(f["rank"])
+    return dict(placement)
 
 
 def device_models(facts: list[dict[str, Any]]) -> list[Finding]:

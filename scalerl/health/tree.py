@@ -1,4 +1,5 @@
-"""The troubleshooting tree every finding lands on, as data, and how findings roll up into it.
+"""The troubleshooting tree every finding lands on, as data, how findings roll up into it, and what the step
+rules read (`StepView`).
 
 The first three branches are the seed's tree of distributed performance; the fourth holds what the online
 monitor watches besides speed (non-finite values, reward collapse). A leaf's status is the worst of its
@@ -133,3 +134,29 @@ def health_metrics(findings: Iterable[Finding]) -> dict[str, float]:
     """``health/<leaf>`` = 0 (ok), 1 (warning), 2 (fault) for every measured leaf, for metrics backends."""
     return {f"health/{leaf_id}": float(LEVELS[result.status]) for leaf_id, result in roll_up(findings).items()
             if result.status in LEVELS}
+
+
+PROFILE_HINT = "scalerl doctor --performance-profiling CONFIG measures it"
+
+
+@dataclass
+class StepView:
+    """What the step rules read.
+
+    ``metrics``: one step's metrics reduced over ranks (the trainer's names; spreads as ``<name>/max``...).
+    ``per_rank``: when profiled, one dict per rank: ``rank``, ``host``, ``step_s``, ``busy_s`` (own work) and
+    ``busy_by_step``, ``wait_s`` (blocked on peers and in collectives), ``comm_s`` (in collectives after peers arrived),
+    ``update_tokens``, ``copy_s``, ``phases`` ({phase: {time_s, busy_s, wait_s, peak_gb}}), ``capacity_gb``.
+    ``context``: facts from the config and the machine (see each rule).
+    ``history``: the reduced metrics of the last steps, oldest first (the online monitor's memory), so a
+    rule can ask whether something holds step after step.
+    """
+
+    metrics: dict[str, float]
+    per_rank: list[dict[str, Any]] | None = None
+    context: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.context.get("world_size", len(self.per_rank) if self.per_rank else 1))

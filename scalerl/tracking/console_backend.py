@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Any
 
-from scalerl.tracking.backend import format_metric_value
+from scalerl.tracking.backends import format_metric_value
 
 logger = logging.getLogger("scalerl.tracking")
 

@@ -10,11 +10,15 @@ from typing import Any, Iterable
 
 import yaml
 
-from scalerl.tracking.backend import MetricsBackend, to_python_scalar
+from scalerl.tracking.backends import (
+    JsonlBackend,
+    MetricsBackend,
+    MlflowBackend,
+    TensorBoardBackend,
+    WandbBackend,
+    to_python_scalar,
+)
 from scalerl.tracking.console_backend import ConsoleBackend
-from scalerl.tracking.jsonl_backend import JsonlBackend
-from scalerl.tracking.service_backends import MlflowBackend, WandbBackend
-from scalerl.tracking.tensorboard_backend import TensorBoardBackend
 
 VALID_BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 DEFAULT_BACKENDS = ("console", "jsonl", "tensorboard")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 from pathlib import Path
 
-from scalerl.tracking.jsonl_backend import read_metrics_jsonl
+from scalerl.tracking.backends import read_metrics_jsonl
 
 DEFAULT_PLOT_KEYS = ("critic/score/mean", "val/accuracy")
 
