@@ -542,7 +542,8 @@ class Config(_Section):
         if (needs_groups(estimator) or needs_greedy_baseline(estimator)) and self.rollout.temperature == 0:
             # greedy decoding gives a prompt's samples (and remax's greedy baseline) the same text and reward
             p.append(f"rollout.temperature=0 (greedy) makes the rollout.n samples of a prompt identical, so every "
-                     f"{estimator} advantage is 0 and nothing trains; use rollout.temperature > 0 (e.g. 1.0)")
+                     f"advantage of algorithm.adv_estimator={estimator} is 0 and nothing trains; use rollout.temperature > 0 "
+                     "(e.g. 1.0)")
         if self.model.path is None and self.trainer.init_from is None:
             p += builtin_model_problems(self)
         p += _comm_layout_problems(self.comm, self.parallel)

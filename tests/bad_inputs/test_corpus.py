@@ -181,7 +181,7 @@ CASES = [
     Case("beta-out-of-range", lambda c: ["config", "actor.betas=[0.9,1.0]"], ("actor.betas[1]", "[0, 1)")),
     Case("top-p-zero", lambda c: ["config", "rollout.top_p=0"], ("rollout.top_p",)),
     Case("sft-lr-negative", lambda c: ["sft", "sft.lr=-1"], ("sft.lr", "> 0")),
-    Case("grpo-greedy", lambda c: ["config", "rollout.temperature=0"], ("rollout.temperature", "GRPO")),
+    Case("grpo-greedy", lambda c: ["config", "rollout.temperature=0"], ("rollout.temperature", "adv_estimator=grpo")),
     Case("output-dir-empty", lambda c: ["train", "trainer.output_dir="], ("trainer.output_dir",)),
     Case("tp-does-not-divide-heads", lambda c: ["config", "parallel.tp=3"], ("parallel.tp=3", "num_attention_heads")),
     Case("pp-does-not-divide-layers", lambda c: ["config", "parallel.pp=3"], ("parallel.pp=3", "num_hidden_layers")),
