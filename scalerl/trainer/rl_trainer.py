@@ -43,7 +43,7 @@ from scalerl.rollout.sources import (
 )
 from scalerl.rollout.worker import RolloutWorker
 from scalerl.tracking import plot_metrics
-from scalerl.trainer.evaluation import evaluate
+from scalerl.trainer.evaluation import data_source_of, evaluate, evaluate_sampled
 from scalerl.trainer.forward_passes import response_logprobs, response_values
 from scalerl.trainer.objectives import PolicyObjective, ValueObjective, policy_loss_options
 from scalerl.trainer.optim import build_optimizer
@@ -94,7 +94,11 @@ class RLTrainer(TrainingRun):
         self.trained = {"actor": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
 
         self.train_rows = rows_from_config(cfg.data, "train", t.seed)
-        self.val_rows = ctx.dp_share(rows_from_config(cfg.data, "test", t.seed))
+        all_val_rows = rows_from_config(cfg.data, "test", t.seed)
+        self.val_rows = ctx.dp_share(all_val_rows)
+        # Sampled evaluation's data sources, of the rows all ranks evaluate: every rank reports the same keys.
+        evaluated = all_val_rows[: len(self.val_rows) * ctx.dp_size]
+        self.val_sources = sorted({data_source_of(row, cfg.data.task) for row in evaluated})
         for split, rows in (("training", self.train_rows), ("validation", self.val_rows)):
             check_prompts(self.tokenizer, rows, cfg.data.chat_template, cfg.data.max_prompt_length, split)
         self.reward = reward_from_config(cfg.data)
@@ -310,7 +314,18 @@ class RLTrainer(TrainingRun):
                 temperature=self.cfg.rollout.val_temperature, seed=self.cfg.trainer.seed,
                 chat_template=self.cfg.data.chat_template,
             )
+            if self.cfg.trainer.val_n > 1:  # every rank holds the whole set's values: their mean is the value
+                local.update(self._evaluate_sampled())
         return reduce_metrics(local, self.dist)  # equal shards, so the mean of rank means is the mean
+
+    def _evaluate_sampled(self) -> dict[str, float]:
+        cfg, share = self.cfg, len(self.val_rows)
+        return evaluate_sampled(
+            self.engine, self.tokenizer, self.val_rows, self.reward, cfg.rollout.max_new_tokens, cfg.trainer.val_n,
+            cfg.rollout.val_temperature, self.val_sources, cfg.data.task, seed=cfg.trainer.seed,
+            chat_template=cfg.data.chat_template, row_offset=self.dist.dp_rank * share,
+            total_rows=share * self.dist.dp_size, all_reduce=self.dist.all_reduce if self.dist.dp_size > 1 else None,
+        )
 
     def trainer_state(self) -> dict[str, Any]:
         return {**super().trainer_state(), **self.shaping.state_dict()}
