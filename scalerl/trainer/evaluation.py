@@ -24,14 +24,20 @@ def evaluate(
     batch_size: int = 256,
     seed: int = 0,
     chat_template: bool = False,
+    row_offset: int = 0,
+    total_rows: int | None = None,
 ) -> dict[str, float]:
-    """``val/accuracy`` (share of rows whose reward is >= 1, i.e. exactly right) and ``val/score/mean``."""
+    """``val/accuracy`` (share of rows whose reward is >= 1, i.e. exactly right) and ``val/score/mean``.
+    ``rows`` may be a share of the set, starting at its row ``row_offset`` of ``total_rows``: at a temperature
+    > 0 a row's sample then depends only on its place in the whole set (any DP split samples the same)."""
     scores: list[float] = []
     lengths: list[float] = []
+    total_rows = len(rows) if total_rows is None else total_rows
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         sampling = SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=tokenizer.stop_token_ids, seed=seed
+            max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=tokenizer.stop_token_ids, seed=seed,
+            row_offset=row_offset + start, total_rows=total_rows,
         )
         out = engine.generate(encode_prompts(tokenizer, [r["prompt"] for r in chunk], chat_template), sampling)
         texts = tokenizer.batch_decode(out.response_ids.tolist())

@@ -312,7 +312,8 @@ class RLTrainer(TrainingRun):
             local = evaluate(
                 self.engine, self.tokenizer, self.val_rows, self.reward, self.cfg.rollout.max_new_tokens,
                 temperature=self.cfg.rollout.val_temperature, seed=self.cfg.trainer.seed,
-                chat_template=self.cfg.data.chat_template,
+                chat_template=self.cfg.data.chat_template, row_offset=self.dist.dp_rank * len(self.val_rows),
+                total_rows=len(self.val_rows) * self.dist.dp_size,
             )
             if self.cfg.trainer.val_n > 1:  # every rank holds the whole set's values: their mean is the value
                 local.update(self._evaluate_sampled())

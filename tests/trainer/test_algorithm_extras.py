@@ -159,3 +159,112 @@ def test_adaptive_kl_coefficient_survives_resume(tmp_path, run):
     assert rows[0][-1]["step"] == rows[1][-1]["step"] == 3
     for key in ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "actor/pg_loss"):
         assert rows[0][-1][key] == rows[1][-1][key], key
+
+
+# --- sampled evaluation --------------------------------------------------------------------------------
+
+# Uneven data sources: five "alpha" rows then three "beta" rows, so a DP=2 split gives rank 0 only alpha.
+VAL_ROWS = [{"prompt": f"{a}+{b}=", "ground_truth": str(a + b), "data_source": source}
+            for a, b, source in [(1, 2, "alpha"), (2, 2, "alpha"), (3, 4, "alpha"), (5, 1, "alpha"), (6, 2, "alpha"),
+                                 (1, 1, "beta"), (4, 4, "beta"), (2, 5, "beta")]]
+
+
+class ScriptedEngine:
+    """Answers sample ``g`` of the whole set (its global row) with ``"9" * (1 + g % 3)`` (+ ``"7"`` when g % 5
+    is 0): the samples depend only on their place in the set, as the built-in engine's do."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @staticmethod
+    def text(g):
+        return "9" * (1 + g % 3) + ("7" if g % 5 == 0 else "")
+
+    def generate(self, prompts, sampling):
+        from scalerl.rollout.engine import GenerationOutput, left_pad
+
+        texts = [self.text(sampling.row_offset + i) for i in range(len(prompts))]
+        ids = [self.tokenizer.encode(t) for t in texts]
+        width = max(map(len, ids))
+        response = torch.tensor([r + [self.tokenizer.pad_token_id] * (width - len(r)) for r in ids])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
+        prompt_ids, prompt_mask = left_pad(prompts, self.tokenizer.pad_token_id)
+        return GenerationOutput(prompt_ids, prompt_mask, response, mask, torch.zeros(mask.shape), ["stop"] * len(ids))
+
+
+@pytest.fixture
+def val_file(tmp_path):
+    path = tmp_path / "val.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in VAL_ROWS))
+    return path
+
+
+def _parity_reward(tmp_path):
+    reward = tmp_path / "parity_reward.py"
+    reward.write_text("def score(response, ground_truth):\n    return float(len(response) % 2)\n")
+    return reward_from_config(load_config(None, [f"data.reward={reward}:score"]).data)
+
+
+def test_sampled_evaluation_is_sampled_eval_metrics_over_the_whole_set_however_split(tmp_path):
+    from scalerl.models.tokenizer import CharTokenizer
+
+    tokenizer, reward, n = CharTokenizer(), _parity_reward(tmp_path), 4
+    engine = ScriptedEngine(tokenizer)
+
+    def evaluate(rows, offset, all_reduce=None):
+        return evaluate_sampled(engine, tokenizer, rows, reward, 8, n, 1.0, ["alpha", "beta", "gamma"][:2],
+                                "arithmetic", row_offset=offset, total_rows=len(VAL_ROWS), batch_size=8,
+                                all_reduce=all_reduce)
+
+    whole = evaluate(VAL_ROWS, 0)
+    texts = [engine.text(g) for g in range(len(VAL_ROWS) * n)]
+    scores = [float(len(t) % 2) for t in texts]
+    rows = [row for row in VAL_ROWS for _ in range(n)]
+    expected = sampled_eval_metrics([r["data_source"] for r in rows], [g // n for g in range(len(texts))], scores,
+                                    [s >= 1 for s in scores], k=n, predictions=texts)
+    expected.update({f"val/{name}@{n}": sum(expected[f"val/{s}/{name}@{n}"] * c for s, c in (("alpha", 5), ("beta", 3))) / 8
+                     for name in ("pass", "mean", "maj")})
+    assert whole.keys() == expected.keys() and all(whole[k] == pytest.approx(expected[k], abs=1e-12) for k in whole)
+    assert 0 < whole["val/alpha/pass@4"] and whole["val/alpha/mean@4"] != whole["val/beta/mean@4"]
+    # Two DP shares (rank 0 has no beta row): the SUM all-reduce of their sums gives the same keys and values.
+    shares = [(VAL_ROWS[:4], 0), (VAL_ROWS[4:], 4)]
+    sent = []
+    for rows_, offset in shares:
+        evaluate(rows_, offset, all_reduce=lambda t: sent.append(t.clone()) or t)
+    total = sent[0] + sent[1]
+    for rows_, offset in shares:
+        split = evaluate(rows_, offset, all_reduce=lambda t: total.clone())
+        assert split.keys() == whole.keys() and all(split[k] == pytest.approx(whole[k], abs=1e-12) for k in whole)
+
+
+def _val_trainer(out, val_file, tmp_path, *extra):
+    reward = tmp_path / "parity_reward.py"
+    reward.write_text("def score(response, ground_truth):\n    return float(len(response) % 2)\n")
+    return RLTrainer.from_config(load_config(None, tiny_overrides(
+        f"data.val_files=[{val_file}]", f"data.reward={reward}:score", "rollout.val_temperature=1.0",
+        f"trainer.output_dir={out}", *extra)))
+
+
+def test_val_n_adds_pass_mean_maj_per_data_source_next_to_the_accuracy(tmp_path, val_file):
+    plain = _val_trainer(tmp_path / "plain", val_file, tmp_path).evaluate()
+    trainer = _val_trainer(tmp_path / "sampled", val_file, tmp_path, "trainer.val_n=4")
+    sampled = trainer.evaluate()
+    assert trainer.val_sources == ["alpha", "beta"]
+    assert set(sampled) - set(plain) == {f"val/{s}{m}@4" for s in ("", "alpha/", "beta/") for m in ("pass", "mean", "maj")}
+    assert all(sampled[k] == plain[k] for k in plain)  # val/accuracy and the rest unchanged
+    assert sampled["val/mean@4"] == pytest.approx((5 * sampled["val/alpha/mean@4"] + 3 * sampled["val/beta/mean@4"]) / 8)
+    assert all(sampled[f"val/{s}mean@4"] <= sampled[f"val/{s}pass@4"] for s in ("", "alpha/", "beta/"))
+    with pytest.raises(ConfigError, match="trainer.val_n=4 samples per prompt at rollout.val_temperature=0"):
+        load_config(None, ["trainer.val_n=4"])
+
+
+def _dp_evaluate(rank, out, val_file, tmp_path):
+    return _val_trainer(out, val_file, tmp_path, "trainer.val_n=4", "parallel.dp_replicate=2").evaluate()
+
+
+def test_sampled_evaluation_under_dp2_equals_the_single_process(tmp_path, val_file):
+    single = _val_trainer(tmp_path / "single", val_file, tmp_path, "trainer.val_n=4").evaluate()
+    ranks = run_in_group(_dp_evaluate, 2, tmp_path / "dp2", val_file, tmp_path)
+    for metrics in ranks:  # rank 0's share has no beta row: same keys, the whole set's values
+        assert metrics.keys() == single.keys()
+        assert all(metrics[k] == pytest.approx(single[k], abs=1e-9) for k in single), {k: (metrics[k], single[k]) for k in single}
