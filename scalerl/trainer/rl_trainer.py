@@ -178,11 +178,11 @@ class RLTrainer(TrainingRun):
                 batch.ref_logprobs = response_logprobs(self.reference.model, batch, temperature, micro, self.autocast)
         with timer("adv"):
             self._advantages(batch, reward_baselines, metrics)
-        self.shaping.mask_loss(batch)  # actor.mask_truncated_completions: after the advantages, before the loss
         if self.on_batch is not None:
             self.on_batch(batch)
         work = step_work(batch, forward_passes=int(not reuse_logprobs) + (self.reference is not None)
                          + (self.critic is not None), update_passes=a.ppo_epochs * (2 if self.critic is not None else 1))
+        self.shaping.mask_loss(batch)  # actor.mask_truncated_completions: the loss's mask (perf/* counted them)
         if self.dist.dp_size > 1 and cfg.trainer.balance_batch:
             with timer("balance"):
                 batch, balance_metrics = rebalance_batch(batch, self.dist, cfg.trainer.batch_size // self.dist.dp_size)

@@ -9,15 +9,16 @@ import json
 import pytest
 import torch
 
-from scalerl.algorithms import get_advantage_estimator, AdvantageInputs
+from scalerl.algorithms import AdvantageInputs, get_advantage_estimator
 from scalerl.algorithms.dapo import overlong_penalty
 from scalerl.algorithms.pass_at_k import sampled_eval_metrics
 from scalerl.core.config import ConfigError, load_config
 from scalerl.data.sources import reward_from_config
-from scalerl.rollout.builtin_engine import BuiltinEngine
+from scalerl.trainer import rl_trainer
 from scalerl.trainer.evaluation import evaluate_sampled
 from scalerl.trainer.reward_shaping import truncated_rows
 from scalerl.trainer.rl_trainer import RLTrainer
+from scalerl.trainer.update import run_update
 from tests.algorithms import verl_reference as verl
 from tests.spawned_group import run_in_group
 from tests.tiny import tiny_overrides
@@ -88,10 +89,19 @@ def test_overlong_buffer_len_is_checked_against_the_response_limit():
         load_config(None, tiny_overrides("algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=9"))
 
 
-def test_mask_truncated_completions_drops_exactly_the_truncated_responses(run):
+def test_mask_truncated_completions_drops_exactly_the_truncated_responses(run, monkeypatch):
     plain, plain_batches, _ = run(steps=1)
-    masked, batches, _ = run("actor.mask_truncated_completions=true", steps=1)
-    before, after = plain_batches[0], batches[0]
+    updated = []  # the batches the updates train on
+
+    def spy(parts, optimizer_step, batch, *args):
+        updated.append(batch.select(torch.arange(len(batch))))
+        return run_update(parts, optimizer_step, batch, *args)
+
+    monkeypatch.setattr(rl_trainer, "run_update", spy)
+    masked, batches, metrics = run("actor.mask_truncated_completions=true", steps=1)
+    before, after = plain_batches[0], updated[0]
+    assert torch.equal(batches[0].response_mask, before.response_mask)  # the same rollouts, seen unmasked
+    assert metrics[0]["perf/total_num_tokens"] == float(before.attention_mask.sum())  # generated tokens count
     truncated = before.response_mask.sum(-1) == 8  # the tiny run's rollout.max_new_tokens, no stop token within
     stop_ids = masked.tokenizer.stop_token_ids
     truncated &= ~torch.isin(before.response_ids.gather(1, (before.response_mask.sum(-1).long() - 1)[:, None])[:, 0],
@@ -212,7 +222,7 @@ def test_sampled_evaluation_is_sampled_eval_metrics_over_the_whole_set_however_s
     engine = ScriptedEngine(tokenizer)
 
     def evaluate(rows, offset, all_reduce=None):
-        return evaluate_sampled(engine, tokenizer, rows, reward, 8, n, 1.0, ["alpha", "beta", "gamma"][:2],
+        return evaluate_sampled(engine, tokenizer, rows, reward, 8, n, 1.0, ["alpha", "beta"],
                                 "arithmetic", row_offset=offset, total_rows=len(VAL_ROWS), batch_size=8,
                                 all_reduce=all_reduce)
 
@@ -268,3 +278,4 @@ def test_sampled_evaluation_under_dp2_equals_the_single_process(tmp_path, val_fi
     for metrics in ranks:  # rank 0's share has no beta row: same keys, the whole set's values
         assert metrics.keys() == single.keys()
         assert all(metrics[k] == pytest.approx(single[k], abs=1e-9) for k in single), {k: (metrics[k], single[k]) for k in single}
+
