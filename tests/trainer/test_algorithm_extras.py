@@ -19,6 +19,13 @@ from scalerl.trainer.evaluation import evaluate_sampled
 from scalerl.trainer.reward_shaping import truncated_rows
 from scalerl.trainer.rl_trainer import RLTrainer
 from scalerl.trainer.update import run_update
+from scalerl.verify import (
+    TOLERANCE,
+    max_metric_diff,
+    max_weight_diff,
+    run_kind,
+    verification_overrides,
+)
 from tests.algorithms import verl_reference as verl
 from tests.spawned_group import run_in_group
 from tests.tiny import tiny_overrides
@@ -279,3 +286,26 @@ def test_sampled_evaluation_under_dp2_equals_the_single_process(tmp_path, val_fi
         assert metrics.keys() == single.keys()
         assert all(metrics[k] == pytest.approx(single[k], abs=1e-9) for k in single), {k: (metrics[k], single[k]) for k in single}
 
+
+
+# Every shaping option at once, the adaptive coefficient moving fast: its KL and n_steps are the global batch's.
+SHAPED = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.5",
+          "algorithm.kl_ctrl.horizon=64", "algorithm.kl_ctrl.target_kl=0.01", "algorithm.overlong_buffer.enable=true",
+          "algorithm.overlong_buffer.len=4", "actor.mask_truncated_completions=true", "trainer.total_steps=3"]
+SHAPED_METRICS = ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "reward/overlong_penalty/mean",
+                  "critic/score/mean", "actor/grad_norm", "actor/entropy")
+
+
+def _dp_shaped(rank, out):
+    run_kind("grpo", [*verification_overrides(3), *SHAPED, "parallel.dp_replicate=2"], out)
+
+
+def test_reward_shaping_under_dp2_equals_the_single_process(tmp_path):
+    single = run_kind("grpo", [*verification_overrides(3), *SHAPED], tmp_path / "single")
+    run_in_group(_dp_shaped, 2, tmp_path / "dp2")
+    rows = [[r for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+            for run in ("single", "dp2")]
+    assert len(rows[1]) == 3 and rows[0][-1]["actor/reward_kl_penalty_coeff"] != 0.5
+    assert rows[0][-1]["reward/overlong_penalty/mean"] < 0
+    assert max_metric_diff(*rows, SHAPED_METRICS) <= TOLERANCE
+    assert max_weight_diff(single, tmp_path / "dp2" / "final") <= TOLERANCE
