@@ -62,6 +62,7 @@ ROLLOUT_PLACEMENTS = ("colocated", "standalone")
 LR_SCHEDULES = ("constant", "cosine")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_CONTROLLER_TYPES = ("fixed", "adaptive")  # scalerl.algorithms.kl_reward's (core sits below algorithms)
 ADV_ESTIMATORS = tuple(ADVANTAGE_ESTIMATOR_NAMES)  # verl's names (`scalerl.core.algorithm_names`)
 POLICY_LOSSES = tuple(policy_loss_choices())
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -298,6 +299,8 @@ class ActorSection(_Section):
     kl_cov_ratio: float = opt(0.0002, "kl_cov: share of tokens (highest covariance) given the |log r| penalty",
                               above=0, at_most=1)
     ppo_kl_coef: float = opt(0.1, "kl_cov: coefficient of the |log r| penalty", at_least=0)
+    mask_truncated_completions: bool = opt(False, "TRL's: responses cut off at rollout.max_new_tokens count in no "
+                                           "loss and no token count (their share: response_length/clip_ratio)")
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -342,16 +345,51 @@ def _estimator_help() -> str:
 
 
 @dataclass
+class OverlongBufferSection(_Section):
+    """DAPO's soft overlong punishment (verl's reward_model.overlong_buffer): 0 up to rollout.max_new_tokens - len
+    response tokens, then linearly down to -penalty_factor at rollout.max_new_tokens, added to the score."""
+
+    name = "algorithm.overlong_buffer"
+    enable: bool = opt(False, "add the overlong penalty to every score (reward/overlong_penalty/mean)")
+    len: int = opt(0, "the buffer: the last len tokens before rollout.max_new_tokens are penalised", at_least=0)
+    penalty_factor: float = opt(1.0, "the penalty at rollout.max_new_tokens tokens", at_least=0)
+
+
+@dataclass
+class KLControlSection(_Section):
+    """The coefficient beta of KL in the reward (verl's algorithm.kl_ctrl), read with algorithm.use_kl_in_reward."""
+
+    name = "algorithm.kl_ctrl"
+    type: str = opt("fixed", "fixed (beta = kl_coef) | adaptive (beta moves to keep the KL at target_kl)")
+    kl_coef: float = opt(0.001, "beta (adaptive: its initial value)", at_least=0)
+    target_kl: float = opt(0.1, "adaptive: the KL beta steers toward", above=0)
+    horizon: int = opt(10000, "adaptive: sequences over which beta moves by up to 20%", at_least=1)
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check_choice(p, "algorithm.kl_ctrl.type", self.type, KL_CONTROLLER_TYPES)
+        return p
+
+
+@dataclass
 class AlgorithmSection(_Section):
     name = "algorithm"
     adv_estimator: str = opt("grpo", _estimator_help())
     norm_adv_by_std_in_grpo: bool = opt(True, "GRPO: divide by the group's reward std (false = Dr. GRPO)")
     gamma: float = opt(1.0, "discount: gae, reinforce_plus_plus", at_least=0, at_most=1)
     lam: float = opt(1.0, "GAE lambda", at_least=0, at_most=1)
+    # Reward shaping (scalerl/trainer/reward_shaping.py; verl's names, docs/algorithms.md#reward-shaping)
+    use_kl_in_reward: bool = opt(False, "subtract beta * KL(policy || reference) from the token rewards (builds the "
+                                 "reference model; beta from algorithm.kl_ctrl)")
+    kl_penalty: str = opt("kl", "the KL estimate in the reward: " + " | ".join(KL_LOSS_TYPES))
+    kl_ctrl: KLControlSection = field(default_factory=KLControlSection)
+    overlong_buffer: OverlongBufferSection = field(default_factory=OverlongBufferSection)
 
     def problems(self) -> list[str]:
         p: list[str] = []
         _check_choice(p, "algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        _check_choice(p, "algorithm.kl_penalty", self.kl_penalty, KL_LOSS_TYPES)
+        p += self.kl_ctrl.all_problems() + self.overlong_buffer.all_problems()
         return p
 
 
@@ -408,6 +446,8 @@ class TrainerSection(_Section):
                                 "the run with an error naming the collective and the silent ranks)", above=0)
     rendezvous_timeout_s: float = opt(120.0, "distributed runs: limit for joining the process group at "
                                       "MASTER_ADDR:MASTER_PORT (an unreachable master or a missing rank)", above=0)
+    val_n: int = opt(1, "evaluation samples per prompt at rollout.val_temperature; > 1 adds val/pass@n, "
+                     "val/mean@n, val/maj@n (and per data source) to the greedy val/accuracy", at_least=1)
     monitor_every: int = opt(10, "online health monitor: every N steps run scalerl doctor's rules on the step "
                                  "metrics (one warning with its fix per crossing; health/* levels to the metric "
                                  "sinks); 0 = off")
@@ -544,6 +584,7 @@ class Config(_Section):
             p.append(f"rollout.temperature=0 (greedy) makes the rollout.n samples of a prompt identical, so every "
                      f"advantage of algorithm.adv_estimator={estimator} is 0 and nothing trains; use rollout.temperature > 0 "
                      "(e.g. 1.0)")
+        p += _shaping_problems(self)
         if self.model.path is None and self.trainer.init_from is None:
             p += builtin_model_problems(self)
         p += _comm_layout_problems(self.comm, self.parallel)
@@ -568,6 +609,18 @@ def builtin_model_problems(cfg: Config) -> list[str]:
                  "positions")
     return p
 
+
+
+def _shaping_problems(cfg: Config) -> list[str]:
+    """The overlong buffer within the response limit; sampled evaluation that samples."""
+    p, buffer, limit = [], cfg.algorithm.overlong_buffer, cfg.rollout.max_new_tokens
+    if buffer.enable and not 0 < buffer.len <= limit:
+        p.append(f"algorithm.overlong_buffer.len must be in (0, rollout.max_new_tokens={limit}] with "
+                 f"algorithm.overlong_buffer.enable=true, got {buffer.len}")
+    if cfg.trainer.val_n > 1 and cfg.rollout.val_temperature == 0:
+        p.append(f"trainer.val_n={cfg.trainer.val_n} samples per prompt at rollout.val_temperature=0 (greedy) are "
+                 "all the same response; set rollout.val_temperature > 0 (e.g. 1.0) or trainer.val_n=1")
+    return p
 
 
 def _comm_layout_problems(comm: CommSection, par: ParallelSection) -> list[str]:

@@ -40,6 +40,7 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "response_length/max": "max",
     "reward/num_failures": "sum",
     "reward/extra/*": "measured_mean",
+    "reward/overlong_penalty/*": "mean",  # DAPO's overlong buffer (scalerl/trainer/reward_shaping.py), equal shares
     "perf/total_num_tokens": "sum",
     "perf/throughput": "sum",
     "perf/max_memory_gb": "max",

@@ -43,10 +43,11 @@ from scalerl.rollout.sources import (
 )
 from scalerl.rollout.worker import RolloutWorker
 from scalerl.tracking import plot_metrics
-from scalerl.trainer.evaluation import evaluate
+from scalerl.trainer.evaluation import data_source_of, evaluate, evaluate_sampled
 from scalerl.trainer.forward_passes import response_logprobs, response_values
 from scalerl.trainer.objectives import PolicyObjective, ValueObjective, policy_loss_options
 from scalerl.trainer.optim import build_optimizer
+from scalerl.trainer.reward_shaping import RewardShaping
 from scalerl.trainer.rollout_rebalance import rebalance_batch
 from scalerl.trainer.run import TrainingRun, run_output_dir, start_run, step_work
 from scalerl.trainer.run_checks import check_rl_layout
@@ -80,9 +81,11 @@ class RLTrainer(TrainingRun):
         super().__init__(cfg, ctx, total_steps=t.total_steps, eval_every=t.eval_every, timer=timer)
         self.on_batch = on_batch
         model = self.load_model()
+        self.shaping = RewardShaping(cfg, self.tokenizer.stop_token_ids,
+                                     all_reduce=ctx.all_reduce if ctx.dp_size > 1 else None)
         # The critic and the frozen reference start as copies of the policy, made before it is laid out.
         critic = ValueModel(model) if needs_critic(cfg.algorithm.adv_estimator) else None
-        reference = copy.deepcopy(model).requires_grad_(False) if a.use_kl_loss else None
+        reference = copy.deepcopy(model).requires_grad_(False) if a.use_kl_loss or self.shaping.needs_reference else None
         self.policy = self.lay_out(model)
         self.critic = self.lay_out(critic) if critic is not None else None
         self.reference = parallelize(reference, ctx, trainable=False) if reference is not None else None
@@ -91,7 +94,11 @@ class RLTrainer(TrainingRun):
         self.trained = {"actor": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
 
         self.train_rows = rows_from_config(cfg.data, "train", t.seed)
-        self.val_rows = ctx.dp_share(rows_from_config(cfg.data, "test", t.seed))
+        all_val_rows = rows_from_config(cfg.data, "test", t.seed)
+        self.val_rows = ctx.dp_share(all_val_rows)
+        # Sampled evaluation's data sources, of the rows all ranks evaluate: every rank reports the same keys.
+        evaluated = all_val_rows[: len(self.val_rows) * ctx.dp_size]
+        self.val_sources = sorted({data_source_of(row, cfg.data.task) for row in evaluated})
         for split, rows in (("training", self.train_rows), ("validation", self.val_rows)):
             check_prompts(self.tokenizer, rows, cfg.data.chat_template, cfg.data.max_prompt_length, split)
         self.reward = reward_from_config(cfg.data)
@@ -170,11 +177,12 @@ class RLTrainer(TrainingRun):
             with timer("ref"):
                 batch.ref_logprobs = response_logprobs(self.reference.model, batch, temperature, micro, self.autocast)
         with timer("adv"):
-            self._advantages(batch, reward_baselines)
+            self._advantages(batch, reward_baselines, metrics)
         if self.on_batch is not None:
             self.on_batch(batch)
         work = step_work(batch, forward_passes=int(not reuse_logprobs) + (self.reference is not None)
                          + (self.critic is not None), update_passes=a.ppo_epochs * (2 if self.critic is not None else 1))
+        self.shaping.mask_loss(batch)  # actor.mask_truncated_completions: the loss's mask (perf/* counted them)
         if self.dist.dp_size > 1 and cfg.trainer.balance_batch:
             with timer("balance"):
                 batch, balance_metrics = rebalance_batch(batch, self.dist, cfg.trainer.batch_size // self.dist.dp_size)
@@ -213,6 +221,7 @@ class RLTrainer(TrainingRun):
             texts = self.tokenizer.batch_decode(out.response_ids.tolist())
             scores, failures = self.reward.compute(texts, [rows[i // n] for i in range(len(rows) * n)])
         batch = RolloutBatch.from_generation(out, group_ids, torch.tensor(scores, dtype=torch.float32))
+        shaping_metrics = self.shaping.shape_scores(batch)  # the overlong buffer, part of the score from here on
         lengths = out.response_lengths.float()
         metrics = {  # per rank here; `reduce_metrics` combines them over ranks
             "critic/score/mean": float(batch.scores.mean()),
@@ -222,6 +231,7 @@ class RLTrainer(TrainingRun):
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
+            **shaping_metrics,
         }
         # A reward's extra numbers, under every name seen so far: the same keys on every rank each step (the
         # metrics gather needs them), NaN where this rank's calls gave none (reduced over the ranks that did).
@@ -229,15 +239,20 @@ class RLTrainer(TrainingRun):
         metrics.update({k: self.reward.last_metrics.get(k, math.nan) for k in sorted(self.reward_extra_names)})
         return batch, metrics
 
-    def _advantages(self, batch: RolloutBatch, reward_baselines: torch.Tensor | None = None) -> None:
+    def _advantages(self, batch: RolloutBatch, reward_baselines: torch.Tensor | None = None,
+                    metrics: dict[str, float] | None = None) -> None:
         """``algorithm.adv_estimator`` on this rank's batch: critic values first where it needs them; whole
-        groups are on one rank, and the estimators that whiten or count over the batch all-reduce over DP."""
+        groups are on one rank, and the estimators that whiten or count over the batch all-reduce over DP.
+        With ``algorithm.use_kl_in_reward`` the token rewards carry the KL penalty (its metrics to ``metrics``)."""
         alg, micro = self.cfg.algorithm, self.cfg.actor.ppo_micro_batch_size
         if self.critic is not None:
             batch.values = response_values(self.critic.model, batch, micro, self.autocast)
         device = batch.response_mask.device
+        token_rewards, kl_metrics = self.shaping.token_rewards(batch)
+        if metrics is not None:
+            metrics.update(kl_metrics)
         inputs = AdvantageInputs(
-            batch.token_rewards(), batch.response_mask, index=batch.group_ids, values=batch.values,
+            token_rewards, batch.response_mask, index=batch.group_ids, values=batch.values,
             reward_baselines=reward_baselines.to(device) if reward_baselines is not None else None,
             gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
             all_reduce=self.dist.all_reduce if self.dist.dp_size > 1 else None,
@@ -297,9 +312,28 @@ class RLTrainer(TrainingRun):
             local = evaluate(
                 self.engine, self.tokenizer, self.val_rows, self.reward, self.cfg.rollout.max_new_tokens,
                 temperature=self.cfg.rollout.val_temperature, seed=self.cfg.trainer.seed,
-                chat_template=self.cfg.data.chat_template,
+                chat_template=self.cfg.data.chat_template, row_offset=self.dist.dp_rank * len(self.val_rows),
+                total_rows=len(self.val_rows) * self.dist.dp_size,
             )
+            if self.cfg.trainer.val_n > 1:  # every rank holds the whole set's values: their mean is the value
+                local.update(self._evaluate_sampled())
         return reduce_metrics(local, self.dist)  # equal shards, so the mean of rank means is the mean
+
+    def _evaluate_sampled(self) -> dict[str, float]:
+        cfg, share = self.cfg, len(self.val_rows)
+        return evaluate_sampled(
+            self.engine, self.tokenizer, self.val_rows, self.reward, cfg.rollout.max_new_tokens, cfg.trainer.val_n,
+            cfg.rollout.val_temperature, self.val_sources, cfg.data.task, seed=cfg.trainer.seed,
+            chat_template=cfg.data.chat_template, row_offset=self.dist.dp_rank * share,
+            total_rows=share * self.dist.dp_size, all_reduce=self.dist.all_reduce if self.dist.dp_size > 1 else None,
+        )
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {**super().trainer_state(), **self.shaping.state_dict()}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        super().load_trainer_state(state)
+        self.shaping.load_state_dict(state)
 
     def data_state(self) -> dict[str, Any]:
         # A prefetched step is generated again after a resume: save the stream from before its draw.

@@ -157,7 +157,7 @@ class TrainingRun:
             expected_config=config_to_dict(self.cfg), strict_config_keys=must_match,
         )
         self.step = loaded.step
-        self.stream.load_state_dict(loaded.trainer_state["data"])
+        self.load_trainer_state(loaded.trainer_state)
         return True
 
     def start_logging(self) -> None:
@@ -260,6 +260,14 @@ class TrainingRun:
         timings = self.timer.pop()
         return reduce_metrics(timings, self.dist) if timings else {}
 
+    def trainer_state(self) -> dict[str, Any]:
+        """The loop's own state a checkpoint saves: the step, the data position (a subclass adds its own)."""
+        return {"step": self.step, "data": self.data_state()}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        """`trainer_state` of a checkpoint, restored."""
+        self.stream.load_state_dict(state["data"])
+
     def data_state(self) -> dict[str, Any]:
         """The data position a checkpoint saves."""
         return self.stream.state_dict()
@@ -268,7 +276,7 @@ class TrainingRun:
         return checkpoint.save(
             self.checkpoint_root, self.step, ctx=self.dist, model=self.state_module(), optimizer=self.optimizer,
             scheduler=self.scheduler, grad_scaler=self.scaler, generators=self.generators,
-            trainer_state={"step": self.step, "data": self.data_state()},
+            trainer_state=self.trainer_state(),
             config=config_to_dict(self.cfg), keep_last=self.cfg.trainer.keep_last,
             model_config=model_config_to_hf(self.model_config), reshard_history=self.reshard_history,
         )
