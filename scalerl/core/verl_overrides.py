@@ -144,7 +144,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey("data.tokenizer", NO_DEFAULT, "model.tokenizer"),
     VerlKey("data.filter_overlong_prompts", False, None, "scalerl drops no prompt: one longer than "
             "data.max_prompt_length stops the run with an error naming it (the run never trains on other data)"),
-    VerlKey("data.truncation", "error", None, "a prompt over data.max_prompt_length is an error", inert="error"),
+    VerlKey("data.truncation", "error", None, "with filter_overlong_prompts no prompt is truncated; here a prompt "
+            "over data.max_prompt_length is an error", inert="error",
+            only_if=lambda verl: not verl["data.filter_overlong_prompts"]),
     VerlKey("data.train_max_samples", -1, None, inert=-1),
     VerlKey("data.custom_cls.path", None, None, inert=None),
     VerlKey("data.apply_chat_template_kwargs", {}, None, inert={}),
@@ -166,6 +168,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey(OPT + "lr_scheduler_type", "constant", "actor.lr_schedule"),
     VerlKey(OPT + "warmup_style", None, "actor.lr_schedule", "verl's older name of lr_scheduler_type",
             only_if=lambda verl: verl[OPT + "warmup_style"] is not None),
+    VerlKey(OPT + "lr_decay_style", None, "actor.lr_schedule", "verl's Megatron name of lr_scheduler_type",
+            only_if=lambda verl: verl[OPT + "lr_decay_style"] is not None),
     VerlKey(OPT + "min_lr_ratio", 0.0, "actor.min_lr_ratio"),
     VerlKey(OPT + "num_cycles", 0.5, None, "scalerl's cosine is the half cycle", inert=0.5),
     VerlKey(OPT + "optimizer", "AdamW", None, inert="AdamW"),
@@ -223,7 +227,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey("custom_reward_function.name", "compute_score", None, "read by custom_reward_function.path",
             only_if=lambda verl: False),
     VerlKey("custom_reward_function.reward_kwargs", {}, None, inert={}),
-    VerlKey("reward_model.enable", False, None, inert=False),
+    VerlKey("reward_model.enable", False, "data.reward_model.path", "verl scores with the reward model's "
+            "checkpoint (reward_model.model.path)", lambda v, verl: verl.get("reward_model.model.path") if v else None,
+            inert=False),
+    VerlKey("reward_model.model.path", NO_DEFAULT, None, "read by reward_model.enable", only_if=lambda verl: False),
     VerlKey("reward_model.reward_manager", "naive", None, "scalerl calls the reward per sample or batched, "
             "as its signature says", inert=NO_DEFAULT),
     VerlKey("reward_model.reward_kwargs.overlong_buffer_cfg.enable", False, None, inert=False),
@@ -285,7 +292,8 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("*.use_shm", "loading through shared memory"), ("*.trust_remote_code", "scalerl loads known architectures"),
     ("actor_rollout_ref.hybrid_engine", "scalerl colocates by default (rollout.placement)"),
     ("*.strategy", "fsdp/megatron backend; scalerl's layout is parallel.*"), (A + "shuffle", "mini-batch order"),
-    (A + "checkpoint.*", "checkpoint contents"), (A + "freeze_vision_tower", "text models only"),
+    (A + "checkpoint.*", "checkpoint contents"), (A + "entropy_from_logits_with_chunking", "memory only"),
+    (A + "entropy_checkpointing", "memory only"), (A + "freeze_vision_tower", "text models only"),
     (A + "optim.override_optimizer_config.*", "Megatron optimiser offload"),
     (A + "optim.total_training_steps", "verl fills it in from the trainer"),
     ("critic.ppo_micro_batch_size_per_gpu", "the critic's update uses actor.ppo_micro_batch_size (memory only)"),
@@ -305,6 +313,11 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
      "with the actor's (trainer.keep_last)"), ("trainer.default_hdfs_dir", "remote copy"),
     ("trainer.ray_wait_register_center_timeout", "Ray start-up"), ("trainer.esi_redundant_time", "preemption"),
     ("trainer.rollout_data_dir", "dumps"), ("trainer.validation_data_dir", "dumps"),
+    ("actor_rollout_ref.model.lora*", "LoRA settings, read only with lora_rank > 0 (an error here)"),
+    ("actor_rollout_ref.model.target_modules", "LoRA settings, read only with lora_rank > 0 (an error here)"),
+    ("actor_rollout_ref.model.exclude_modules", "LoRA settings, read only with lora_rank > 0 (an error here)"),
+    ("algorithm.pf_ppo.*", "read only with algorithm.use_pf_ppo=true (an error here)"),
+    ("reward_model.sandbox_fusion.max_concurrent", "read only with sandbox_fusion.url (an error here)"),
     ("global_profiler.*", "profiling only"), ("ray_kwargs.*", "Ray start-up"), ("transfer_queue.*", "verl internals"),
 )
 

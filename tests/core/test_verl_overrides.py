@@ -150,6 +150,11 @@ def test_a_key_that_changes_the_run_without_an_equivalent_is_an_error(override, 
         translate(["actor_rollout_ref.model.path=m", override])
 
 
+def test_truncation_is_moot_when_verl_filters_long_prompts():
+    rows = _rows(translate(["data.filter_overlong_prompts=True", "data.truncation=left"]))
+    assert rows["data.truncation"].startswith("no effect here: with filter_overlong_prompts no prompt is truncated")
+
+
 def test_engine_tuning_is_reported_and_sglang_runs_on_vllm():
     translation = translate(["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.enforce_eager=True",
                              "actor_rollout_ref.rollout.free_cache_engine=False",
@@ -178,7 +183,7 @@ def test_every_table_target_is_a_scalerl_key_or_absent_on_purpose():
     keys = set(_all_keys(Config))
     # targets not in scalerl yet (use_kl_in_reward, kl_ctrl) are accepted only at their inert value
     missing = {k.target for k in VERL_KEYS if k.target and k.target not in keys}
-    assert missing <= {"algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl.type",
+    assert missing <= {"data.reward_model.path", "algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl.type",
                        "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl"}
 
 
