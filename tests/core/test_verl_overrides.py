@@ -106,9 +106,10 @@ def test_ppo_example_script_translates_to_the_same_run(tmp_path):
 
 @pytest.mark.parametrize("prompts, mini_prompts, n", [(1024, 256, 5), (64, 16, 8), (32, 32, 1)])
 def test_optimizer_steps_per_training_step_match_verl(prompts, mini_prompts, n):
-    cfg, _ = load_verl_config([f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size="
-                               f"{mini_prompts}", f"actor_rollout_ref.rollout.n={n}", "algorithm.adv_estimator=rloo"
-                               if n > 1 else "algorithm.adv_estimator=reinforce_plus_plus",
+    estimator = "rloo" if n > 1 else "reinforce_plus_plus"
+    cfg, _ = load_verl_config([f"data.train_batch_size={prompts}", f"actor_rollout_ref.rollout.n={n}",
+                               f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_prompts}",
+                               f"algorithm.adv_estimator={estimator}",
                                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", MODEL])
     # verl: train_batch_size / ppo_mini_batch_size updates per step (both in prompts); scalerl in sequences
     assert cfg.trainer.batch_size * cfg.rollout.n // cfg.actor.ppo_mini_batch_size == prompts // mini_prompts
@@ -129,7 +130,7 @@ def test_total_epochs_count_the_training_rows(tmp_path):
     cfg, _ = load_verl_config([MODEL, "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
                                "data.train_batch_size=32", "trainer.total_epochs=3",
                                "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                               f"data.train_files=[{_rows_parquet(tmp_path / 'a.parquet', 70)},"
+                               f"data.train_files=[{_rows_parquet(tmp_path / 'a.parquet', 70)},"  # noqa: ISC004
                                f"{_rows_parquet(tmp_path / 'b.parquet', 30)}]"])
     assert cfg.trainer.total_steps == 100 // 32 * 3
     with pytest.raises(ConfigError, match="total_epochs needs its row count|not a file"):
@@ -148,6 +149,14 @@ def test_total_epochs_count_the_training_rows(tmp_path):
 def test_a_key_that_changes_the_run_without_an_equivalent_is_an_error(override, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.").replace("=", "=")):
         translate(["actor_rollout_ref.model.path=m", override])
+
+
+def test_critic_optimiser_keys_must_match_the_actors_shared_optimiser():
+    shared = ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05", "critic.optim.lr_warmup_steps_ratio=0.05",
+              "trainer.total_training_steps=20"]
+    assert _rows(translate(shared))["critic.optim.lr_warmup_steps_ratio"].startswith("no effect here: ")
+    with pytest.raises(ConfigError, match=r"critic\.optim\.lr_warmup_steps_ratio=0\.05 changes the run"):
+        translate(shared[1:])  # verl would warm up the critic alone
 
 
 def test_truncation_is_moot_when_verl_filters_long_prompts():
