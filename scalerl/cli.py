@@ -71,6 +71,8 @@ def _is_main_rank() -> bool:
 
 def _load_run_config(args: argparse.Namespace, show: bool = True, default_path: Path | None = None) -> Any:
     """The config the arguments describe (validated as it is read), printed on the main rank if `show`."""
+    if getattr(args, "from_verl", False):
+        return _load_verl_config(args, show)
     path, overrides = split_config_args(args.config_args)
     path = path or default_path
     try:
@@ -80,6 +82,26 @@ def _load_run_config(args: argparse.Namespace, show: bool = True, default_path: 
     if show and _is_main_rank():
         print(format_config(cfg), flush=True)
     return cfg
+
+
+def _load_verl_config(args: argparse.Namespace, show: bool) -> Any:
+    """`--from-verl <verl overrides> [-- <scalerl overrides>]`: the translation table, then the config."""
+    from scalerl.core.verl_overrides import load_verl_config
+
+    cfg, translation = load_verl_config(args.config_args, getattr(args, "scalerl_overrides", []))
+    if _is_main_rank():
+        print(translation.table(), flush=True)
+        if show:
+            print(format_config(cfg), flush=True)
+    return cfg
+
+
+def _split_from_verl(argv: list[str]) -> tuple[list[str], list[str]]:
+    """With --from-verl, what follows the first '--' after it is scalerl overrides (argparse would drop '--')."""
+    if "--from-verl" in argv and "--" in argv[argv.index("--from-verl"):]:
+        i = argv.index("--", argv.index("--from-verl"))
+        return argv[:i], argv[i + 1:]
+    return argv, []
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -111,7 +133,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     # Light: torch is imported only when a model directory is named.
     from scalerl.trainer.run_checks import check_run_inputs
 
-    cfg = _load_run_config(args, show=False)
+    cfg = _load_run_config(args, show=False)  # --from-verl: prints the translation table first
     check_run_inputs(cfg)  # what `train` or `sft` would check before any work (both trainers' outputs)
     print(config_to_yaml(cfg), end="")
     return 0
@@ -188,6 +210,13 @@ def _add_config_args(parser: argparse.ArgumentParser, extra_usage: str = "") -> 
                         help="optional YAML config file first, then dotted key=value overrides")
 
 
+def _add_from_verl_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from-verl", action="store_true",
+                        help="the arguments are a verl command line's Hydra overrides (verl's key names), "
+                             "translated key by key (the table is printed); scalerl overrides may follow "
+                             "a '--': --from-verl data.train_batch_size=64 ... -- model.path=null")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from scalerl.trainer.run_checks import output_dir_problems
     from scalerl.verify import LAYOUTS, format_rows, run_verification
@@ -256,16 +285,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    _add_config_args(add("train", cmd_train, "RL training (GRPO, or PPO with algorithm.adv_estimator=gae)",
-                         OVERRIDE_HELP + "\nexamples:\n  scalerl train run.yaml actor.lr=1e-6 rollout.n=8\n"
-                         "  torchrun --nproc-per-node 8 -m scalerl train run.yaml trainer.resume=auto\n"))
+    train = add("train", cmd_train, "RL training (GRPO, or PPO with algorithm.adv_estimator=gae)",
+                OVERRIDE_HELP + "\nexamples:\n  scalerl train run.yaml actor.lr=1e-6 rollout.n=8\n"
+                "  torchrun --nproc-per-node 8 -m scalerl train run.yaml trainer.resume=auto\n"
+                "  scalerl train --from-verl algorithm.adv_estimator=grpo data.train_files=train.parquet ...\n")
+    _add_config_args(train, " [--from-verl]")
+    _add_from_verl_arg(train)
     _add_config_args(add("sft", cmd_sft, "supervised fine-tuning (uses the data.* and sft.* keys)",
                          OVERRIDE_HELP + "\nexamples:\n  scalerl sft run.yaml sft.steps=500 sft.lr=1e-4\n"))
     _add_config_args(add("demo", cmd_demo, "small end-to-end run on the built-in model and task (CPU friendly)",
                          OVERRIDE_HELP + "\nexamples:\n  scalerl demo\n  scalerl demo trainer.total_steps=50\n"))
     config = add("config", cmd_config, "print the resolved config as YAML (checks a config and overrides)",
                  OVERRIDE_HELP + "\nexamples:\n  scalerl config run.yaml actor.lr=1e-6\n  scalerl config --keys\n")
-    _add_config_args(config, " [--keys]")
+    _add_config_args(config, " [--keys] [--from-verl]")
+    _add_from_verl_arg(config)
     config.add_argument("--keys", action="store_true", help="list every key with its type, default and meaning")
 
     gen = add("generate", cmd_generate, "sample completions from a model for quick inspection",
@@ -335,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     returns 2; a run that cannot go on (`RunFailure`: a lost or frozen rank, repeated skipped steps) prints
     `error: ...` and returns 1. Neither shows a traceback: the message names the cause and the fix."""
     parser = build_parser()
+    argv, scalerl_overrides = _split_from_verl(sys.argv[1:] if argv is None else list(argv))
     args, extra = parser.parse_known_args(argv)
+    args.scalerl_overrides = scalerl_overrides
     if extra and getattr(args, "command", None) in ("doctor", "launch") and all(
             "=" in e and not e.startswith("-") or e.endswith((".yaml", ".yml")) for e in extra):
         args.config_args += extra  # `doctor --performance-profiling run.yaml --steps 5 parallel.tp=2`

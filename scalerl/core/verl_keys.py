@@ -1,0 +1,336 @@
+"""verl's keys, as data: for each its default (verl's `_generated_ppo_trainer.yaml`, v0.9), the scalerl key it
+sets and how the value changes on the way (`VERL_KEYS`), and verl's engine and memory tuning that has no
+counterpart here, with the reason (`NO_EFFECT`, patterns). Extending `--from-verl` is adding a row here;
+`verl_overrides.py` reads the table.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scalerl.core.config_tree import ConfigError
+
+NO_DEFAULT = object()  # the key only counts when the command line gives it
+Verl = dict[str, Any]  # the verl run's values by dotted key: its defaults <- the command line
+
+
+@dataclass(frozen=True)
+class VerlKey:
+    """One verl key: `target` is the scalerl key set from `transform(value, verl)` (None: nothing set).
+
+    `inert` is the value that changes nothing here; any other value of a key with no target is an error.
+    `only_if(verl)` false: verl itself ignores the key in this run (e.g. kl_ctrl without use_kl_in_reward)."""
+
+    verl: str
+    default: Any
+    target: str | None
+    note: str = ""
+    transform: Callable[[Any, Verl], Any] | None = None
+    inert: Any = NO_DEFAULT
+    only_if: Callable[[Verl], bool] | None = None
+
+
+A, R, OPT = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.actor.optim."
+SHARED_WITH_ACTOR = "scalerl trains the critic with the actor's optimiser and schedule: only the actor's value is accepted"
+SCALERL_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+ENGINES = {"vllm": "vllm", "sglang": "vllm", "trtllm": "vllm", "hf": "builtin"}
+
+
+def _samples_per_mini_batch(value: int, verl: Verl) -> int:
+    # verl counts prompts per mini-batch and multiplies by rollout.n; scalerl counts sequences (global)
+    return int(value) * int(verl[R + "n"])
+
+
+def _top_k(value: int, verl: Verl) -> int:
+    return max(int(value), 0)  # verl's -1 = off is scalerl's 0
+
+
+def _freq(value: int, verl: Verl) -> int:
+    return max(int(value), 0)  # verl's -1 = never during training; scalerl's 0 = only at the end
+
+
+def _val_temperature(value: float, verl: Verl) -> float:
+    return float(value) if verl[R + "val_kwargs.do_sample"] else 0.0  # verl: do_sample=false is greedy
+
+
+def _loggers(value: Any, verl: Verl) -> list[str]:
+    names = [value] if isinstance(value, str) else list(value)
+    # jsonl is scalerl's own metrics file (read by `scalerl doctor`); loggers with no sink here are dropped
+    return [n for n in names if n in SCALERL_LOGGERS] + ([] if "jsonl" in names else ["jsonl"])
+
+
+def _output_dir(value: Any, verl: Verl) -> str:
+    if value is not None:
+        return str(value)
+    return f"checkpoints/{verl['trainer.project_name']}/{verl['trainer.experiment_name']}"  # verl's default
+
+
+def _resume(value: str, verl: Verl) -> str:
+    if value == "resume_path":
+        return str(verl["trainer.resume_from_path"])
+    if value not in ("auto", "disable"):
+        raise ConfigError(f"trainer.resume_mode={value!r}: expected auto | disable | resume_path")
+    return "never" if value == "disable" else "auto"
+
+
+def _engine(value: str, verl: Verl) -> str:
+    if value not in ENGINES:
+        raise ConfigError(f"{R}name={value!r}: no such rollout engine here; scalerl runs builtin | vllm "
+                          f"(verl's {' | '.join(ENGINES)} are translated)")
+    return ENGINES[value]
+
+
+def _reward(value: Any, verl: Verl) -> str:
+    return f"{value}:{verl['custom_reward_function.name']}"
+
+
+def _total_steps(value: Any, verl: Verl) -> int:
+    if verl["trainer.total_training_steps"] is not None:
+        return int(verl["trainer.total_training_steps"])  # verl: it wins over total_epochs
+    files = verl.get("data.train_files", NO_DEFAULT)
+    if files is NO_DEFAULT:
+        raise ConfigError("trainer.total_epochs needs data.train_files (verl: steps = rows // train_batch_size "
+                          "x epochs); give data.train_files or trainer.total_training_steps")
+    rows = sum(count_rows(f) for f in _file_list(files))
+    per_epoch = rows // int(verl["data.train_batch_size"])  # verl's train dataloader drops the last batch
+    if per_epoch < 1:
+        raise ConfigError(f"data.train_files hold {rows} rows, fewer than data.train_batch_size="
+                          f"{verl['data.train_batch_size']}: verl would train 0 steps")
+    return per_epoch * int(value)
+
+
+def _warmup_steps(steps: int, verl: Verl) -> int:
+    ratio = float(verl[OPT + "lr_warmup_steps_ratio"])
+    if steps >= 0 or ratio == 0:
+        return max(steps, 0)
+    return int(ratio * _total_steps(verl["trainer.total_epochs"], verl))  # verl: int(ratio x total steps)
+
+
+def _file_list(value: Any) -> list[str]:
+    return [str(value)] if isinstance(value, str) else [str(v) for v in value]
+
+
+def _policy_loss_key(name: str) -> VerlKey:
+    return VerlKey(A + "policy_loss." + name, NO_DEFAULT, "actor." + name)
+
+
+def _uses_kl_in_reward(verl: Verl) -> bool:
+    return bool(verl["algorithm.use_kl_in_reward"])
+
+
+VERL_KEYS: tuple[VerlKey, ...] = (
+    # data
+    VerlKey("data.train_files", NO_DEFAULT, "data.train_files", transform=lambda v, _: _file_list(v)),
+    VerlKey("data.val_files", NO_DEFAULT, "data.val_files", transform=lambda v, _: _file_list(v)),
+    VerlKey("data.train_batch_size", 1024, "trainer.batch_size", "prompts per step, as in verl"),
+    VerlKey("data.max_prompt_length", 512, "data.max_prompt_length"),
+    VerlKey("data.max_response_length", 512, "rollout.max_new_tokens"),
+    VerlKey("data.prompt_key", "prompt", "data.prompt_key"),
+    VerlKey("data.reward_fn_key", "data_source", "data.reward_fn_key"),
+    VerlKey("data.shuffle", True, "data.shuffle"),
+    VerlKey("data.seed", NO_DEFAULT, "trainer.seed"),
+    VerlKey("data.tokenizer", NO_DEFAULT, "model.tokenizer"),
+    VerlKey("data.filter_overlong_prompts", False, None, "scalerl drops no prompt: one longer than "
+            "data.max_prompt_length stops the run with an error naming it (the run never trains on other data)"),
+    VerlKey("data.truncation", "error", None, "with filter_overlong_prompts no prompt is truncated; here a prompt "
+            "over data.max_prompt_length is an error", inert="error",
+            only_if=lambda verl: not verl["data.filter_overlong_prompts"]),
+    VerlKey("data.train_max_samples", -1, None, inert=-1),
+    VerlKey("data.custom_cls.path", None, None, inert=None),
+    VerlKey("data.apply_chat_template_kwargs", {}, None, inert={}),
+    # model
+    VerlKey("actor_rollout_ref.model.path", NO_DEFAULT, "model.path"),
+    VerlKey("actor_rollout_ref.model.enable_gradient_checkpointing", False, "model.activation_checkpointing"),
+    VerlKey("actor_rollout_ref.model.lora_rank", 0, None, inert=0),
+    VerlKey("actor_rollout_ref.model.lora.rank", 0, None, inert=0),
+    # actor optimiser (verl steps its schedule once per training step, as scalerl does)
+    VerlKey(OPT + "lr", 1e-6, "actor.lr"),
+    VerlKey(OPT + "weight_decay", 0.01, "actor.weight_decay"),
+    VerlKey(OPT + "betas", [0.9, 0.999], "actor.betas"),
+    VerlKey(OPT + "clip_grad", 1.0, "actor.grad_clip"),
+    VerlKey(A + "grad_clip", NO_DEFAULT, "actor.grad_clip", "verl's older name of optim.clip_grad"),
+    VerlKey(OPT + "lr_warmup_steps", -1, "actor.warmup_steps", "-1: from lr_warmup_steps_ratio",
+            transform=lambda v, verl: _warmup_steps(int(v), verl)),
+    VerlKey(OPT + "lr_warmup_steps_ratio", 0.0, None, "read by lr_warmup_steps (x total steps)",
+            only_if=lambda verl: False),
+    VerlKey(OPT + "lr_scheduler_type", "constant", "actor.lr_schedule"),
+    VerlKey(OPT + "warmup_style", None, "actor.lr_schedule", "verl's older name of lr_scheduler_type",
+            only_if=lambda verl: verl[OPT + "warmup_style"] is not None),
+    VerlKey(OPT + "lr_decay_style", None, "actor.lr_schedule", "verl's Megatron name of lr_scheduler_type",
+            only_if=lambda verl: verl[OPT + "lr_decay_style"] is not None),
+    VerlKey(OPT + "min_lr_ratio", 0.0, "actor.min_lr_ratio"),
+    VerlKey(OPT + "num_cycles", 0.5, None, "scalerl's cosine is the half cycle", inert=0.5),
+    VerlKey(OPT + "optimizer", "AdamW", None, inert="AdamW"),
+    # actor PPO
+    VerlKey(A + "ppo_mini_batch_size", 256, "actor.ppo_mini_batch_size",
+            "verl: prompts per mini-batch; scalerl: sequences (x rollout.n)", _samples_per_mini_batch),
+    VerlKey(A + "ppo_micro_batch_size_per_gpu", NO_DEFAULT, "actor.ppo_micro_batch_size",
+            "sequences per forward/backward on each GPU (rank), as in verl"),
+    VerlKey(A + "ppo_epochs", 1, "actor.ppo_epochs"),
+    VerlKey(A + "clip_ratio", 0.2, None, "verl reads it only where clip_ratio_low/high are null; they are 0.2",
+            only_if=lambda verl: False),
+    VerlKey(A + "clip_ratio_low", 0.2, "actor.clip_ratio_low"),
+    VerlKey(A + "clip_ratio_high", 0.2, "actor.clip_ratio_high"),
+    VerlKey(A + "clip_ratio_c", 3.0, "actor.clip_ratio_c"),
+    VerlKey(A + "loss_agg_mode", "token-mean", "actor.loss_agg_mode"),
+    VerlKey(A + "entropy_coeff", 0.0, "actor.entropy_coeff"),
+    VerlKey(A + "use_kl_loss", False, "actor.use_kl_loss"),
+    VerlKey(A + "kl_loss_coef", 0.001, "actor.kl_loss_coef"),
+    VerlKey(A + "kl_loss_type", "low_var_kl", "actor.kl_loss_type"),
+    VerlKey(A + "policy_loss.loss_mode", "vanilla", "actor.policy_loss"),
+    *(_policy_loss_key(k) for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")),
+    VerlKey(A + "tau_pos", NO_DEFAULT, "actor.tau_pos"),
+    VerlKey(A + "tau_neg", NO_DEFAULT, "actor.tau_neg"),
+    VerlKey(A + "loss_scale_factor", None, None, inert=None),
+    # rollout
+    VerlKey(R + "n", 1, "rollout.n"),
+    VerlKey(R + "temperature", 1.0, "rollout.temperature"),
+    VerlKey(R + "top_p", 1.0, "rollout.top_p"),
+    VerlKey(R + "top_k", -1, "rollout.top_k", "verl's -1 (off) is scalerl's 0", _top_k),
+    VerlKey(R + "response_length", NO_DEFAULT, "rollout.max_new_tokens", "verl's default: data.max_response_length"),
+    VerlKey(R + "name", NO_DEFAULT, "rollout.engine", "sglang and trtllm run on vllm here (same sampling)", _engine),
+    VerlKey(R + "val_kwargs.temperature", 0.0, "rollout.val_temperature", "0 unless val_kwargs.do_sample",
+            _val_temperature),
+    VerlKey(R + "val_kwargs.do_sample", False, None, "read by val_kwargs.temperature", only_if=lambda verl: False),
+    VerlKey(R + "ignore_eos", False, None, inert=False),
+    VerlKey(R + "multi_turn.enable", False, None, inert=False),
+    # critic: a copy of the policy trained by the actor's optimiser (one schedule)
+    VerlKey("critic.optim.lr", 1e-5, "critic.lr"),
+    VerlKey("critic.cliprange_value", 0.5, "critic.cliprange_value"),
+    *(VerlKey("critic." + k, NO_DEFAULT, None, SHARED_WITH_ACTOR, inert="$" + a)
+      for k, a in (("optim.weight_decay", OPT + "weight_decay"), ("optim.lr_warmup_steps_ratio",
+                   OPT + "lr_warmup_steps_ratio"), ("optim.lr_warmup_steps", OPT + "lr_warmup_steps"),
+                   ("optim.lr_scheduler_type", OPT + "lr_scheduler_type"), ("ppo_epochs", A + "ppo_epochs"),
+                   ("ppo_mini_batch_size", A + "ppo_mini_batch_size"))),
+    VerlKey("critic.model.path", NO_DEFAULT, None, "scalerl's critic starts from the policy's weights",
+            inert="$actor_rollout_ref.model.path"),
+    # algorithm
+    VerlKey("algorithm.adv_estimator", "gae", "algorithm.adv_estimator"),
+    VerlKey("algorithm.norm_adv_by_std_in_grpo", True, "algorithm.norm_adv_by_std_in_grpo"),
+    VerlKey("algorithm.gamma", 1.0, "algorithm.gamma"),
+    VerlKey("algorithm.lam", 1.0, "algorithm.lam"),
+    VerlKey("algorithm.use_kl_in_reward", False, "algorithm.use_kl_in_reward", inert=False),
+    *(VerlKey("algorithm." + k, d, "algorithm." + k, only_if=_uses_kl_in_reward)
+      for k, d in (("kl_penalty", "kl"), ("kl_ctrl.type", "fixed"), ("kl_ctrl.kl_coef", 0.001),
+                   ("kl_ctrl.horizon", 10000), ("kl_ctrl.target_kl", 0.1))),
+    VerlKey("algorithm.use_pf_ppo", False, None, inert=False),
+    # rewards
+    VerlKey("custom_reward_function.path", None, "data.reward", "file.py:name, verl's signature", _reward,
+            only_if=lambda verl: verl["custom_reward_function.path"] is not None),
+    VerlKey("custom_reward_function.name", "compute_score", None, "read by custom_reward_function.path",
+            only_if=lambda verl: False),
+    VerlKey("custom_reward_function.reward_kwargs", {}, None, inert={}),
+    VerlKey("reward_model.enable", False, "data.reward_model.path", "verl scores with the reward model's "
+            "checkpoint (reward_model.model.path)", lambda v, verl: verl.get("reward_model.model.path") if v else None,
+            inert=False),
+    VerlKey("reward_model.model.path", NO_DEFAULT, None, "read by reward_model.enable", only_if=lambda verl: False),
+    VerlKey("reward_model.reward_manager", "naive", None, "scalerl calls the reward per sample or batched, "
+            "as its signature says", inert=NO_DEFAULT),
+    VerlKey("reward_model.reward_kwargs.overlong_buffer_cfg.enable", False, None, inert=False),
+    VerlKey("reward_model.sandbox_fusion.url", None, None, inert=None),
+    # trainer
+    VerlKey("trainer.total_epochs", 30, "trainer.total_steps", "rows // train_batch_size x epochs, or "
+            "trainer.total_training_steps", _total_steps,
+            only_if=lambda verl: "data.train_files" in verl or verl["trainer.total_training_steps"] is not None),
+    VerlKey("trainer.total_training_steps", None, None, "read by trainer.total_epochs", only_if=lambda verl: False),
+    VerlKey("trainer.save_freq", -1, "trainer.save_every", "-1: scalerl still saves the final checkpoint", _freq),
+    VerlKey("trainer.test_freq", -1, "trainer.eval_every", "-1: evaluation before and after training", _freq),
+    VerlKey("trainer.logger", ["console", "wandb"], "trainer.logger", "+ jsonl, scalerl's metrics file; "
+            "W&B's project: WANDB_PROJECT", _loggers),
+    VerlKey("trainer.default_local_dir", None, "trainer.output_dir", "verl's default: "
+            "checkpoints/<project_name>/<experiment_name>", _output_dir),
+    VerlKey("trainer.project_name", "verl_examples", None, "read by trainer.default_local_dir",
+            only_if=lambda verl: False),
+    VerlKey("trainer.experiment_name", "gsm8k", None, "read by trainer.default_local_dir",
+            only_if=lambda verl: False),
+    VerlKey("trainer.resume_mode", "auto", "trainer.resume", transform=_resume),
+    VerlKey("trainer.resume_from_path", None, None, "read by trainer.resume_mode", only_if=lambda verl: False),
+    VerlKey("trainer.max_actor_ckpt_to_keep", NO_DEFAULT, "trainer.keep_last"),
+    VerlKey("trainer.balance_batch", True, "trainer.balance_batch"),
+    VerlKey("trainer.critic_warmup", 0, None, inert=0),
+    VerlKey("trainer.val_only", False, None, inert=False),
+    VerlKey("trainer.nnodes", 1, None, "the launcher sets the world size: torchrun --nnodes N "
+            "--nproc-per-node G -m scalerl train --from-verl ...", only_if=lambda verl: False),
+    VerlKey("trainer.n_gpus_per_node", 8, None, "the launcher sets the world size (torchrun --nproc-per-node)",
+            only_if=lambda verl: False),
+    VerlKey("trainer.val_before_train", True, None, "scalerl evaluates before training (metrics only)",
+            only_if=lambda verl: False),
+    VerlKey("actor_rollout_ref.nccl_timeout", 600, "trainer.dist_timeout_s"),
+)
+
+# verl's engine, memory and speed tuning: reported, with why it changes nothing here.
+NO_EFFECT: tuple[tuple[str, str], ...] = (
+    ("*.fsdp_config.*", "FSDP offload/prefetch/precision tuning; scalerl lays out with parallel.*"),
+    ("*.megatron.*", "Megatron layout; scalerl lays out with parallel.* (tp, pp, dp_shard)"),
+    ("*profiler*", "profiling only"),
+    ("actor_rollout_ref.ref.*", "the frozen reference's batching/offload; scalerl's reference is the policy's copy"),
+    (R + "log_prob_*", "log-prob recompute batching (memory only)"),
+    (R + "tensor_model_parallel_size", "the rollout engine's layout follows rollout.placement"),
+    (R + "gpu_memory_utilization", "vLLM memory fraction"), (R + "enforce_eager", "vLLM CUDA graphs"),
+    (R + "free_cache_engine", "vLLM KV cache release"), (R + "enable_chunked_prefill", "vLLM scheduling"),
+    (R + "max_num_batched_tokens", "vLLM scheduling"), (R + "max_num_seqs", "vLLM scheduling"),
+    (R + "load_format", "vLLM weight loading"), (R + "engine_kwargs.*", "engine-specific arguments"),
+    (R + "mode", "sync/async server: scalerl's choice is rollout.placement"), (R + "dtype", "engine precision"),
+    (R + "prompt_length", "verl's default: data.max_prompt_length"), (R + "enable_prefix_caching", "vLLM cache"),
+    (R + "layered_summon", "FSDP weight gathering"), (R + "multi_stage_wake_up", "vLLM memory"),
+    (R + "checkpoint_engine.*", "weight-sync buckets: weight_sync.bucket_mb"),
+    (R + "calculate_log_probs", "scalerl keeps rollout log-probs"), (R + "*_parallel_size", "engine layout"),
+    (R + "val_kwargs.*", "evaluation sampling (one sample per prompt here); training is unchanged"),
+    (R + "multi_turn.*", "multi-turn settings; multi_turn.enable is checked"),
+    ("*.use_remove_padding", "padding-free kernels (speed)"), ("*.use_fused_kernels", "fused kernels (speed)"),
+    ("*.fused_kernel_options.*", "fused kernels (speed)"), ("*.use_torch_compile", "compilation (speed)"),
+    ("*.use_dynamic_bsz", "token-budget micro-batches (memory); actor.micro_batch_max_tokens is scalerl's"),
+    ("*max_token_len_per_gpu", "token-budget micro-batches (memory)"),
+    ("*.ulysses_sequence_parallel_size", "sequence parallelism (memory)"),
+    ("*.use_shm", "loading through shared memory"), ("*.trust_remote_code", "scalerl loads known architectures"),
+    ("actor_rollout_ref.hybrid_engine", "scalerl colocates by default (rollout.placement)"),
+    ("*.strategy", "fsdp/megatron backend; scalerl's layout is parallel.*"), (A + "shuffle", "mini-batch order"),
+    (A + "checkpoint.*", "checkpoint contents"), (A + "entropy_from_logits_with_chunking", "memory only"),
+    (A + "entropy_checkpointing", "memory only"), (A + "freeze_vision_tower", "text models only"),
+    (A + "optim.override_optimizer_config.*", "Megatron optimiser offload"),
+    (A + "optim.total_training_steps", "verl fills it in from the trainer"),
+    ("critic.ppo_micro_batch_size_per_gpu", "the critic's update uses actor.ppo_micro_batch_size (memory only)"),
+    ("critic.model.*", "critic engine tuning; critic.model.path is checked"), ("critic.checkpoint.*", "checkpoints"),
+    ("critic.forward_micro_batch_size*", "memory only"),
+    ("reward_model.model.*", "reward model engine"), ("reward_model.rollout.*", "reward model engine"),
+    ("reward_model.micro_batch_size_per_gpu", "memory only"), ("reward_model.num_workers", "reward workers"),
+    ("reward_model.use_reward_loop", "reward scheduling"), ("reward_model.launch_reward_fn_async", "scheduling"),
+    ("reward_model.reward_kwargs.*", "overlong_buffer_cfg.enable is checked"),
+    ("data.return_raw_chat", "scalerl keeps the messages"), ("data.return_*", "dataset return fields"),
+    ("data.dataloader_num_workers", "loader processes"), ("data.val_batch_size", "evaluation batching"),
+    ("data.image_key", "text data only here"), ("data.video_key", "text data only here"),
+    ("data.filter_overlong_prompts_workers", "filter processes"), ("data.validation_shuffle", "evaluation order"),
+    ("data.custom_cls.name", "read with data.custom_cls.path"),
+    ("trainer.use_legacy_worker_impl", "verl worker choice"), ("trainer.log_val_generations", "logging"),
+    ("trainer.device", "trainer.device=auto picks the accelerator"), ("trainer.max_critic_ckpt_to_keep",
+                                                                      "kept with the actor's (trainer.keep_last)"), ("trainer.default_hdfs_dir", "remote copy"),
+    ("trainer.ray_wait_register_center_timeout", "Ray start-up"), ("trainer.esi_redundant_time", "preemption"),
+    ("trainer.rollout_data_dir", "dumps"), ("trainer.validation_data_dir", "dumps"),
+    ("actor_rollout_ref.model.lora*", "LoRA settings, read only with lora_rank > 0 (an error here)"),
+    ("actor_rollout_ref.model.target_modules", "LoRA settings, read only with lora_rank > 0 (an error here)"),
+    ("actor_rollout_ref.model.exclude_modules", "LoRA settings, read only with lora_rank > 0 (an error here)"),
+    ("algorithm.pf_ppo.*", "read only with algorithm.use_pf_ppo=true (an error here)"),
+    ("reward_model.sandbox_fusion.max_concurrent", "read only with sandbox_fusion.url (an error here)"),
+    ("global_profiler.*", "profiling only"), ("ray_kwargs.*", "Ray start-up"), ("transfer_queue.*", "verl internals"),
+)
+
+
+def count_rows(path: str) -> int:
+    """Rows in a parquet or JSON-lines file, read from its metadata or lines (for verl's total_epochs)."""
+    p = Path(os.path.expanduser(path))
+    if not p.is_file():
+        raise ConfigError(f"data.train_files: {path} is not a file; trainer.total_epochs needs its row count "
+                          "(or give trainer.total_training_steps)")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq  # only here: verl's data is parquet
+
+        return pq.ParquetFile(p).metadata.num_rows
+    if p.suffix in (".jsonl", ".json"):
+        with open(p, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    raise ConfigError(f"data.train_files: cannot count the rows of {path} (parquet or jsonl); give "
+                      "trainer.total_training_steps")
