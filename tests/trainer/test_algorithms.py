@@ -134,7 +134,7 @@ def test_clip_cov_picks_repeat_on_resume(tiny_config, length_reward, tmp_path):
     ("algorithm.adv_estimator=ppo", r"algorithm.adv_estimator must be one of gae, grpo, .*remax, rloo"),
     ("actor.policy_loss=ppo2", r"actor.policy_loss must be one of vanilla, gspo, .*dppo_kl, clip-cov, kl-cov"),
     ("algorithm.adv_estimator=rloo rollout.n=1", r"rollout.n must be >= 2 when algorithm.adv_estimator is 'rloo'"),
-    ("algorithm.adv_estimator=remax rollout.temperature=0", r"every remax advantage is 0"),
+    ("algorithm.adv_estimator=remax rollout.temperature=0", r"advantage of algorithm.adv_estimator=remax is 0"),
     ("actor.clip_cov_lb=6", r"actor.clip_cov_lb \(6.0\) must be below actor.clip_cov_ub \(5.0\)"),
 ])
 def test_wrong_algorithm_settings_fail_at_config_time(override, message):
