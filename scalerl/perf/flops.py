@@ -60,6 +60,17 @@ def decoder_param_count(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers * per_layer + embedding + lm_head + hidden  # + final norm
 
 
+def decoder_layer_tensor_count(cfg: ModelConfig) -> int:
+    """Parameter tensors of one decoder layer (q/k/v/o, gate/up/down, two norms, and the biases the config
+    has), equal to ``len(list(layer.parameters()))`` of the built model: what a per-tensor copy moves."""
+    count = 4 + 3 + 2
+    if cfg.attention_bias:
+        count += 3 + (1 if cfg.model_type == "llama" else 0)
+    if _mlp_has_bias(cfg):
+        count += 3
+    return count
+
+
 def _attention_flops_per_token(cfg: ModelConfig, seq_len: float) -> float:
     """Forward FLOPs of QK^T and AV for one token attending over ``seq_len`` positions, all layers."""
     return 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len

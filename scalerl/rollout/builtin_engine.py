@@ -32,6 +32,11 @@ from scalerl.rollout.sampling import sample_tokens
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
+# Decode steps between finish votes (an all-reduce when ranks decode in lockstep): on a CPU a step is slow and
+# the vote cheap, on a GPU the vote's sync would stall the launch queue. The cost model imports these.
+FINISH_CHECK_EVERY_CPU = 4
+FINISH_CHECK_EVERY_GPU = 16
+
 @dataclass
 class DecodingRows:
     """The per-row state of the rows still decoding; ``select`` compacts all of it at once."""
@@ -139,7 +144,7 @@ class BuiltinEngine:
             )
         generator, uniforms = _random_draws(sampling, batch, device)
         stop_ids = torch.as_tensor(list(sampling.stop_token_ids), dtype=torch.long, device=device)
-        check_every = self.finish_check_every or (4 if device.type == "cpu" else 16)
+        check_every = self.finish_check_every or (FINISH_CHECK_EVERY_CPU if device.type == "cpu" else FINISH_CHECK_EVERY_GPU)
 
         cache = KVCache.for_model(model, batch, total_len)
         rows = DecodingRows.start(prompt_mask, total_len, uniforms)

@@ -29,6 +29,12 @@ def _header(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+def header_bytes(tensor_dims: list[int] | tuple[int, ...]) -> int:
+    """Bytes a message of tensors with these numbers of dimensions sends before its payload: the header's
+    length, then the header (the count, then per tensor its dtype code, rank and sizes), int64 each."""
+    return 8 * (1 + 1 + sum(2 + d for d in tensor_dims))
+
+
 def _layout(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     values = header.tolist()
     count, pos, out = values[0], 1, []

@@ -49,6 +49,10 @@ def decode_request(message: list[torch.Tensor]) -> tuple[SamplingParams, list[li
     return sampling, [row[width - n :] for row, n in zip(prompt_ids.tolist(), lengths.tolist())]
 
 
+# Dimensions of the tensors `encode_output` sends: prompt ids and mask, response ids and mask, log-probs, stopped.
+OUTPUT_TENSOR_DIMS = (2, 2, 2, 2, 2, 1)
+
+
 def encode_output(out: GenerationOutput) -> list[torch.Tensor]:
     stopped = torch.tensor([r == "stop" for r in out.finish_reasons], dtype=torch.bool)
     return [out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, out.logprobs, stopped]

@@ -33,15 +33,18 @@ from dataclasses import dataclass, field
 
 from scalerl.bench.cost_model.collective_cost import sent_bytes
 from scalerl.models.config import ModelConfig
-from scalerl.perf.flops import decoder_param_count
+from scalerl.perf.flops import decoder_layer_tensor_count, decoder_param_count
+from scalerl.rollout.builtin_engine import FINISH_CHECK_EVERY_CPU
+from scalerl.rollout.messages import header_bytes
 from scalerl.rollout.sources import (
     MIN_ROWS_PER_PIPELINE_RANK,  # the behaviour modelled, defined by the code
 )
+from scalerl.rollout.worker_protocol import OUTPUT_TENSOR_DIMS
 
-FINISH_CHECK_EVERY = 4  # the built-in engine's finish vote on CPUs (scalerl.rollout.builtin_engine)
+# Megatron's count, as scalerl/parallel/tensor_parallel.py lays TP out: a row-parallel output all-reduce per block
+# forward (attention, MLP), one input-gradient all-reduce per block backward.
 TP_ALL_REDUCES_FORWARD, TP_ALL_REDUCES_BACKWARD = 2, 2
-ROLLOUT_HEADER_BYTES = 8 * (2 + 5 * (2 + 2) + (2 + 1))  # a generation output's tensor-message header
-TENSORS_PER_LAYER = 12  # q/k/v weights + biases, o, gate, up, down, 2 norms (the replica's broadcasts)
+ROLLOUT_HEADER_BYTES = header_bytes(OUTPUT_TENSOR_DIMS)  # a generation output's tensor-message header
 
 
 @dataclass(frozen=True)
@@ -255,7 +258,7 @@ def _pipeline(model: ModelConfig, step: StepShape, layout: Layout, p_bytes: floa
     activation = micro * width * model.hidden_size * step.act_bytes
     boundary_sends = step.optimizer_steps * step.pp_microbatches  # per mini-batch, every micro-batch
     full = decoder_param_count(model) * step.param_bytes / layout.tp
-    tensors = TENSORS_PER_LAYER * model.num_hidden_layers + 2
+    tensors = decoder_layer_tensor_count(model) * model.num_hidden_layers + 2
     out = [
         # each of the k-1 boundaries: one forward send and one backward send per micro-batch, over k ranks
         Collective("pp", "send", activation, 2 * boundary_sends,
@@ -281,7 +284,7 @@ def _control(step: StepShape, layout: Layout, gen_forwards: float) -> list[Colle
     world = GroupPlacement(layout.world, nodes=layout.nodes, share=1)
     dp = layout.placement("dp")
     out = [Collective("metrics", "all_gather", 8 * 64 * layout.world, 1, world, layout.backend),
-           Collective("metrics", "all_reduce", 4, math.ceil(gen_forwards / FINISH_CHECK_EVERY), world,
+           Collective("metrics", "all_reduce", 4, math.ceil(gen_forwards / FINISH_CHECK_EVERY_CPU), world,
                       layout.backend)]
     if layout.dp > 1:
         out.append(Collective("metrics", "all_reduce", 8, step.optimizer_steps, dp, layout.backend))

@@ -95,3 +95,28 @@ def test_pipeline_ranks_split_generation_from_16_rows_each():
     assert "rollout" not in bytes_by_kind(step_collectives(MODEL, STEP, Layout(pp=2)))
     wide = replace(STEP, rows=32, mini_rows=16)
     assert bytes_by_kind(step_collectives(MODEL, wide, Layout(pp=2)))["rollout"] == 16 * (16 * 11 + 20 * 16 + 1) + 200
+
+
+def test_the_constants_it_mirrors_come_from_the_code():
+    """The message header and the per-layer tensor count the model uses are the code's own: a real encoded
+    generation output's header, and the built models' parameters per layer (Qwen2 with q/k/v bias, Llama)."""
+    import torch
+
+    from scalerl.bench.cost_model.step_traffic import ROLLOUT_HEADER_BYTES
+    from scalerl.models.decoder import build_model
+    from scalerl.perf.flops import decoder_layer_tensor_count
+    from scalerl.rollout.engine import GenerationOutput
+    from scalerl.rollout.messages import _header
+    from scalerl.rollout.worker_protocol import encode_output
+
+    out = GenerationOutput(torch.zeros(3, 5, dtype=torch.long), torch.ones(3, 5, dtype=torch.long),
+                           torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4), torch.zeros(3, 4),
+                           ["stop", "length", "stop"])
+    header = _header(encode_output(out))
+    assert ROLLOUT_HEADER_BYTES == 8 * (1 + header.numel())  # the length slot, then the header itself
+    for cfg in (ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                            num_key_value_heads=2),
+                ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                            num_key_value_heads=2, model_type="llama", attention_bias=False)):
+        layer = build_model(cfg, seed=0).layers[0]
+        assert decoder_layer_tensor_count(cfg) == len(list(layer.parameters())), cfg.model_type
