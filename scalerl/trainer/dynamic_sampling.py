@@ -39,12 +39,13 @@ class GeneratedRound:
 
 
 def fill_with_signal(first: GeneratedRound, next_round: Callable[[int], GeneratedRound], ctx: DistContext, *,
-                     n: int, groups_per_rank: int, max_rounds: int,
-                     pad_token_id: int) -> tuple[GeneratedRound, dict[str, float]]:
+                     n: int, groups_per_rank: int, max_rounds: int, pad_token_id: int,
+                     groups_multiple: int = 1) -> tuple[GeneratedRound, dict[str, float]]:
     """This rank's groups with signal from ``first`` and as many further rounds as needed
     (``next_round(k)`` generates round ``k``, counting from 0 = ``first``); ``max_rounds`` 0 = no limit.
-    Returns the kept rows as one round (``failures`` summed over every round) and the ``filter/*``
-    metrics, the same on every rank."""
+    A short batch keeps a multiple of ``groups_multiple`` groups (a pipeline's schedule takes whole
+    mini-batches only). Returns the kept rows as one round (``failures`` summed over every round)
+    and the ``filter/*`` metrics, the same on every rank."""
     kept_by_round: list[tuple[GeneratedRound, list[int]]] = []  # each round with this rank's kept groups
     kept_per_rank = torch.zeros(ctx.dp_size, dtype=torch.int64)
     kept = dropped = failures = 0
@@ -64,6 +65,8 @@ def fill_with_signal(first: GeneratedRound, next_round: Callable[[int], Generate
             break
         current, rounds = next_round(rounds), rounds + 1
     take = min(int(kept_per_rank.min()), groups_per_rank)
+    if take < groups_per_rank:
+        take -= take % groups_multiple
     metrics = {"filter/kept_groups": float(kept), "filter/dropped_groups": float(dropped),
                "filter/gen_batches": float(rounds), "filter/trained_groups": float(max(take, 0) * ctx.dp_size),
                "filter/batch_full": float(take == groups_per_rank)}

@@ -216,7 +216,8 @@ class RLTrainer(TrainingRun):
         if filtering.enable:  # DAPO's dynamic sampling: further rounds until the batch has signal
             generated, filter_metrics = fill_with_signal(
                 generated, self._next_round, self.dist, n=n, groups_per_rank=cfg.trainer.batch_size // self.dist.dp_size,
-                max_rounds=filtering.max_num_gen_batches, pad_token_id=self.tokenizer.pad_token_id)
+                max_rounds=filtering.max_num_gen_batches, pad_token_id=self.tokenizer.pad_token_id,
+                groups_multiple=self._pipeline_groups_multiple())
             self._prefetch_next()  # after every draw of this step, so the saved stream position is exact
         rows, out, scores, failures = generated.rows, generated.out, generated.scores, generated.failures
         self.step_rows = rows  # remax scores its greedy baselines against them
@@ -238,6 +239,12 @@ class RLTrainer(TrainingRun):
         metrics.update({k: self.reward.last_metrics.get(k, math.nan) for k in sorted(self.reward_extra_names)})
         metrics.update(filter_metrics)
         return batch, metrics
+
+    def _pipeline_groups_multiple(self) -> int:
+        """The fewest groups that fill whole mini-batches (1 without a pipeline, whose schedule runs one
+        mini-batch shape)."""
+        rows, n = self.update_plan.mini_batch_size, self.cfg.rollout.n
+        return math.lcm(rows, n) // n if self.dist.dims.pp > 1 else 1
 
     def _generate_round(self, step_prompts: StepPrompts, prefetch_after_gen: bool = False) -> GeneratedRound:
         """This DP rank's share of ``step_prompts`` generated and scored (with ``prefetch_after_gen``, the

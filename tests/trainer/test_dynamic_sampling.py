@@ -149,6 +149,10 @@ def _spawned_runs(rank: int, out: str, reward: str) -> dict:
                         "async_first": ["rollout.placement=standalone", "rollout.staleness=1",
                                         "trainer.total_steps=2", "trainer.save_every=2"]}.items():
         train(load_config(None, [*base, *extra, f"trainer.output_dir={out}/{name}"]))
+    # A pipeline's schedule takes whole mini-batches (8 rows: 4 groups of 2): short batches keep 4 of the 8 groups.
+    train(load_config(None, [*base, "parallel.pp=2", "rollout.n=2", "trainer.batch_size=8",
+                             "algorithm.filter_groups.max_num_gen_batches=1", "trainer.total_steps=4",
+                             f"trainer.output_dir={out}/pipeline"]))
     train(load_config(None, [*base, "rollout.placement=standalone", "rollout.staleness=1", "trainer.total_steps=4",
                              "trainer.resume=auto", f"trainer.output_dir={out}/async_first"]))
     return dp2
@@ -194,3 +198,13 @@ def test_one_step_async_filters_and_saves_the_position_after_every_draw(spawned)
     resumed = _lines(out / "async_first")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4] and all(r["filter/batch_full"] == 1 for r in resumed)
     assert [r["filter/gen_batches"] for r in resumed[:2]] == [r["filter/gen_batches"] for r in rows[:2]]
+
+
+def test_a_pipeline_trains_short_batches_it_can_split(spawned):
+    out, _ = spawned
+    rows = _lines(out / "pipeline")
+    assert len(rows) == 4 and all(r["filter/gen_batches"] == 1 for r in rows)
+    for r in rows:  # whole mini-batches of kept groups; fewer than one: the unfiltered batch
+        kept = r["filter/kept_groups"]
+        assert r["filter/trained_groups"] == (4 if 4 <= kept < 8 else 8), r
+    assert any(r["filter/batch_full"] == 0 for r in rows)
