@@ -5,8 +5,8 @@ One step (`RLTrainer.run_step`): prompts -> rollouts (``n`` per prompt; remax ad
 prompt) -> rewards -> old (and reference) log-probs -> advantages -> ``ppo_epochs`` x mini-batches x
 micro-batches of the policy loss (`run_update`) -> weight sync to the engine. The run around it (set-up, resume, the loop, the step's tail of timings, comm
 and ``perf/*``, save and export) is `scalerl.trainer.run.TrainingRun`'s; what is RL's own is here: the
-critic and the reference, the engine and the rollout source, prompts drawn per step and prefetched one
-step ahead. The same code runs on every layout: the model parts from `parallelize` hide whether this rank
+critic and the reference, the engine and the rollout source, prompts drawn per step (more rounds with
+dynamic sampling, `scalerl.trainer.dynamic_sampling`) and prefetched one step ahead. The same code runs on every layout: the model parts from `parallelize` hide whether this rank
 trains a whole model or pipeline stages.
 """
 
