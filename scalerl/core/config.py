@@ -46,6 +46,7 @@ from scalerl.core.config_tree import (
 
 __all__ = [
     "ActorSection", "AlgorithmSection", "CommSection", "Config", "ConfigError", "CriticSection", "DataSection",
+    "FilterGroupsSection",
     "ModelSection", "ParallelSection", "RolloutSection", "SFTSection", "TrainerSection", "WeightSyncSection",
     "apply_override", "config_from_dict",
     "config_to_dict", "config_to_yaml", "describe_keys", "format_config", "load_config", "opt", "save_config",
@@ -344,6 +345,30 @@ def _estimator_help() -> str:
             "rollout.n >= 2 samples of each prompt:" + choices_help(rows))
 
 
+FILTER_GROUPS_METRICS = ("score",)  # per-sample values dynamic sampling can test for zero variance
+
+
+@dataclass
+class FilterGroupsSection(_Section):
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups): drop the prompt groups whose metric has zero
+    variance and draw more prompts until the batch is full (docs/algorithms.md, Dynamic sampling)."""
+
+    name = "algorithm.filter_groups"
+    enable: bool = opt(False, "drop groups whose samples all share one metric value (their GRPO advantages are 0) "
+                              "and generate further batches until trainer.batch_size groups remain")
+    metric: str = opt("score", "the per-sample value tested: " + " | ".join(FILTER_GROUPS_METRICS)
+                               + " (the reward before any shaping)")
+    max_num_gen_batches: int = opt(10, "most generation rounds per step; once reached the step trains on the groups "
+                                       "kept so far (filter/batch_full=0); 0 = no limit")
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check_choice(p, "algorithm.filter_groups.metric", self.metric, FILTER_GROUPS_METRICS)
+        _check(p, self.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches", ">= 0 (0 = no limit)",
+               self.max_num_gen_batches)
+        return p
+
+
 @dataclass
 class OverlongBufferSection(_Section):
     """DAPO's soft overlong punishment (verl's reward_model.overlong_buffer): 0 up to rollout.max_new_tokens - len
@@ -384,12 +409,14 @@ class AlgorithmSection(_Section):
     kl_penalty: str = opt("kl", "the KL estimate in the reward: " + " | ".join(KL_LOSS_TYPES))
     kl_ctrl: KLControlSection = field(default_factory=KLControlSection)
     overlong_buffer: OverlongBufferSection = field(default_factory=OverlongBufferSection)
+    filter_groups: FilterGroupsSection = field(default_factory=FilterGroupsSection)
 
     def problems(self) -> list[str]:
         p: list[str] = []
         _check_choice(p, "algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
         _check_choice(p, "algorithm.kl_penalty", self.kl_penalty, KL_LOSS_TYPES)
         p += self.kl_ctrl.all_problems() + self.overlong_buffer.all_problems()
+        p += self.filter_groups.all_problems()
         return p
 
 

@@ -61,6 +61,8 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "comm/grad/*": "mean",
     "comm/allreduce/*": "max",
     "comm/compression/*": "mean",
+    # Dynamic sampling (scalerl/trainer/dynamic_sampling.py): decided over DP, the same on every rank.
+    "filter/*": "max",
     "actor/*": "mean",
     "critic/*": "mean",
     "sft/*": "mean",

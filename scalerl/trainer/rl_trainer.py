@@ -5,8 +5,8 @@ One step (`RLTrainer.run_step`): prompts -> rollouts (``n`` per prompt; remax ad
 prompt) -> rewards -> old (and reference) log-probs -> advantages -> ``ppo_epochs`` x mini-batches x
 micro-batches of the policy loss (`run_update`) -> weight sync to the engine. The run around it (set-up, resume, the loop, the step's tail of timings, comm
 and ``perf/*``, save and export) is `scalerl.trainer.run.TrainingRun`'s; what is RL's own is here: the
-critic and the reference, the engine and the rollout source, prompts drawn per step and prefetched one
-step ahead. The same code runs on every layout: the model parts from `parallelize` hide whether this rank
+critic and the reference, the engine and the rollout source, prompts drawn per step (more rounds with
+dynamic sampling, `scalerl.trainer.dynamic_sampling`) and prefetched one step ahead. The same code runs on every layout: the model parts from `parallelize` hide whether this rank
 trains a whole model or pipeline stages.
 """
 
@@ -43,6 +43,7 @@ from scalerl.rollout.sources import (
 )
 from scalerl.rollout.worker import RolloutWorker
 from scalerl.tracking import plot_metrics
+from scalerl.trainer.dynamic_sampling import GeneratedRound, fill_with_signal
 from scalerl.trainer.evaluation import data_source_of, evaluate, evaluate_sampled
 from scalerl.trainer.forward_passes import response_logprobs, response_values
 from scalerl.trainer.objectives import PolicyObjective, ValueObjective, policy_loss_options
@@ -65,6 +66,13 @@ RESUME_MUST_MATCH = [
 def loss_draw_seed(seed: int, step: int, dp_rank: int) -> int:
     """The seed of a step's policy-loss draws on one DP rank (distinct per step and rank, fixed by both)."""
     return ((seed * 1_000_003 + step) * 10_007 + dp_rank) % 2**63
+
+
+def rollout_seed(seed: int, step: int, round_index: int = 0) -> int:
+    """The sampling seed of a step's generation round (round 0: every step's one round without dynamic
+    sampling; further rounds get seeds of their own, fixed by the step and round)."""
+    base = seed * 1_000_003 + step
+    return base if round_index == 0 else (base * 1_009 + round_index) % 2**63
 
 
 class RLTrainer(TrainingRun):
@@ -185,7 +193,7 @@ class RLTrainer(TrainingRun):
         self.shaping.mask_loss(batch)  # actor.mask_truncated_completions: the loss's mask (perf/* counted them)
         if self.dist.dp_size > 1 and cfg.trainer.balance_batch:
             with timer("balance"):
-                batch, balance_metrics = rebalance_batch(batch, self.dist, cfg.trainer.batch_size // self.dist.dp_size)
+                batch, balance_metrics = rebalance_batch(batch, self.dist, len(self.step_rows))
             metrics.update(balance_metrics)
         metrics["perf/update_tokens"] = float(batch.attention_mask.sum())  # after balancing: this rank's share
         if self.critic is not None:
@@ -207,19 +215,21 @@ class RLTrainer(TrainingRun):
 
     def _rollout(self) -> tuple[RolloutBatch, dict[str, float]]:
         cfg, timer = self.cfg, self.timer
-        n = cfg.rollout.n
+        n, filtering = cfg.rollout.n, cfg.algorithm.filter_groups
         with timer("data"):
             step_prompts = self._prompts_for(self.step)
-            rows = self.dist.dp_share(step_prompts.rows)  # this DP rank's share of the global batch
-            self.step_rows = rows  # remax scores its greedy baselines against them
-        group_ids = torch.arange(len(rows)).repeat_interleave(n)
         self.policy.eval()
-        with timer("gen"):
-            out = self.rollouts.generate(step_prompts)
-        self._prefetch_next()
-        with timer("reward"):
-            texts = self.tokenizer.batch_decode(out.response_ids.tolist())
-            scores, failures = self.reward.compute(texts, [rows[i // n] for i in range(len(rows) * n)])
+        generated = self._generate_round(step_prompts, prefetch_after_gen=not filtering.enable)
+        filter_metrics: dict[str, float] = {}
+        if filtering.enable:  # DAPO's dynamic sampling: further rounds until the batch has signal
+            generated, filter_metrics = fill_with_signal(
+                generated, self._next_round, self.dist, n=n, groups_per_rank=cfg.trainer.batch_size // self.dist.dp_size,
+                max_rounds=filtering.max_num_gen_batches, pad_token_id=self.tokenizer.pad_token_id,
+                groups_multiple=self._pipeline_groups_multiple())
+            self._prefetch_next()  # after every draw of this step, so the saved stream position is exact
+        rows, out, scores, failures = generated.rows, generated.out, generated.scores, generated.failures
+        self.step_rows = rows  # remax scores its greedy baselines against them
+        group_ids = torch.arange(len(rows)).repeat_interleave(n)
         batch = RolloutBatch.from_generation(out, group_ids, torch.tensor(scores, dtype=torch.float32))
         shaping_metrics = self.shaping.shape_scores(batch)  # the overlong buffer, part of the score from here on
         lengths = out.response_lengths.float()
@@ -237,7 +247,34 @@ class RLTrainer(TrainingRun):
         # metrics gather needs them), NaN where this rank's calls gave none (reduced over the ranks that did).
         self.reward_extra_names.update(self.reward.last_metrics)
         metrics.update({k: self.reward.last_metrics.get(k, math.nan) for k in sorted(self.reward_extra_names)})
+        metrics.update(filter_metrics)
         return batch, metrics
+
+    def _pipeline_groups_multiple(self) -> int:
+        """The fewest groups that fill whole mini-batches (1 without a pipeline, whose schedule runs one
+        mini-batch shape)."""
+        rows, n = self.update_plan.mini_batch_size, self.cfg.rollout.n
+        return math.lcm(rows, n) // n if self.dist.dims.pp > 1 else 1
+
+    def _generate_round(self, step_prompts: StepPrompts, prefetch_after_gen: bool = False) -> GeneratedRound:
+        """This DP rank's share of ``step_prompts`` generated and scored (with ``prefetch_after_gen``, the
+        next step's prompts go to the workers before the reward runs)."""
+        n = self.cfg.rollout.n
+        rows = self.dist.dp_share(step_prompts.rows)  # this DP rank's share of the global batch
+        with self.timer("gen"):
+            out = self.rollouts.generate(step_prompts)
+        if prefetch_after_gen:
+            self._prefetch_next()
+        with self.timer("reward"):
+            texts = self.tokenizer.batch_decode(out.response_ids.tolist())
+            scores, failures = self.reward.compute(texts, [rows[i // n] for i in range(len(rows) * n)])
+        return GeneratedRound(rows, out, scores, failures)
+
+    def _next_round(self, round_index: int) -> GeneratedRound:
+        """Dynamic sampling's round ``round_index`` (> 0) of this step: a further batch drawn and generated."""
+        with self.timer("data"):
+            step_prompts = self._prompts_for(self.step, round_index)
+        return self._generate_round(step_prompts)
 
     def _advantages(self, batch: RolloutBatch, reward_baselines: torch.Tensor | None = None,
                     metrics: dict[str, float] | None = None) -> None:
@@ -271,18 +308,19 @@ class RLTrainer(TrainingRun):
         metrics["reward/num_failures"] += float(failures)
         return baselines.repeat_interleave(self.cfg.rollout.n)
 
-    def _prompts_for(self, step: int) -> StepPrompts:
-        """The whole batch of ``step`` (every rank draws it and keeps its share later)."""
-        if self.prefetched is not None and self.prefetched.step == step:
+    def _prompts_for(self, step: int, round_index: int = 0) -> StepPrompts:
+        """The whole batch of ``step`` (every rank draws it and keeps its share later); dynamic sampling's
+        further rounds (``round_index`` > 0) draw the stream's next batches."""
+        if self.prefetched is not None and self.prefetched.step == step and round_index == 0:
             batch, self.prefetched = self.prefetched, None
             return batch
         r = self.cfg.rollout
         rows = self.stream.next_batch()
         prompts = [p for p in self._encode(rows) for _ in range(r.n)]
-        # The seed is a function of the step, so a resumed run samples exactly what the original did.
+        # The seed is a function of the step (and round), so a resumed run samples exactly what the original did.
         sampling = SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            stop_token_ids=self.tokenizer.stop_token_ids, seed=self.cfg.trainer.seed * 1_000_003 + step,
+            stop_token_ids=self.tokenizer.stop_token_ids, seed=rollout_seed(self.cfg.trainer.seed, step, round_index),
             total_rows=len(prompts),
         )
         return StepPrompts(step, prompts, sampling, rows)
