@@ -69,7 +69,7 @@ def test_apply_kl_penalty_sharded_updates_like_full_batch():
     scores, old, ref, mask = kl_batch(9)
     full = AdaptiveKLController(0.05, 0.01, 100)
     apply_kl_penalty(scores, old, ref, mask, full, "kl")
-    barrier, slots, values = threading.Barrier(2), [None, None], [None, None]
+    barrier, slots, values = threading.Barrier(2, timeout=60), [None, None], [None, None]
 
     def rank_main(rank, rows):
         def all_reduce(t):

@@ -114,7 +114,7 @@ def test_registry_lists_verl_names_with_descriptions():
 
 def run_on_two_ranks(fn, shards):
     """fn(shard, all_reduce) on two threads whose all_reduce is a SUM over both, as over two DP ranks."""
-    barrier, slots, results = threading.Barrier(2), [None, None], [None, None]
+    barrier, slots, results = threading.Barrier(2, timeout=60), [None, None], [None, None]
 
     def rank_main(rank):
         def all_reduce(t):
