@@ -4,8 +4,9 @@ which run as separate processes and say how far they got through marker files.""
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from scalerl.launch.emulated_cluster import (
     EmulatedCluster,
@@ -32,3 +33,11 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
     while not condition():
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         time.sleep(0.02)
+
+
+def rank_reports(results: list[Any]) -> list[dict[str, Any]]:
+    """Each rank's ``REPORT {json}`` line (rank scripts print one when done), in the order of ``results``;
+    every rank must have exited 0 (else the ranks' output tails are the assertion's message)."""
+    assert [r.returncode for r in results] == [0] * len(results), [r.output[-3000:] for r in results]
+    return [json.loads(next(line for line in r.output.splitlines() if line.startswith("REPORT "))[7:])
+            for r in results]

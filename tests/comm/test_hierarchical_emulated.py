@@ -5,15 +5,14 @@ hierarchical when told the link's rate and stays flat, saying why, when the veth
 Needs root and iproute2 (skips otherwise).
 """
 
-import json
 import sys
 from pathlib import Path
-
 
 from scalerl.core.net import free_port
 from scalerl.launch.emulated_cluster import (
     EmulatedCluster,
 )
+from tests.emulated_network import rank_reports
 
 REPO = Path(__file__).resolve().parents[2]
 SIZE = 2**20  # fp32 elements: 4 MiB
@@ -60,8 +59,7 @@ def test_hierarchical_all_reduce_on_two_emulated_nodes(netns_ok, tmp_path):
     env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     with EmulatedCluster(nodes=2, rate_mbit=1000, master_port=free_port()) as cluster:
         results = cluster.run_ranks([sys.executable, str(script)], ranks_per_node=2, env=env, timeout_s=120)
-    assert [r.returncode for r in results] == [0, 0, 0, 0], [r.output[-2000:] for r in results]
-    reports = [json.loads(next(l for l in r.output.splitlines() if l.startswith("REPORT "))[7:]) for r in results]
+    reports = rank_reports(results)
     for report in reports:
         assert report["exact"] == [True, True, True]
         assert report["auto_told"][0] == "hierarchical" and "comm.inter_node_mbit" in report["auto_told"][1]

@@ -23,7 +23,7 @@ from scalerl.core.net import free_port
 from scalerl.launch.emulated_cluster import (
     EmulatedCluster,
 )
-from tests.emulated_network import wait_until
+from tests.emulated_network import rank_reports, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {"ddp": ["parallel.dp_replicate=2"], "fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=2"],
@@ -95,9 +95,7 @@ def test_counted_bytes_match_the_link_counters(netns_ok, tmp_path):
             link[name] = [cluster.link_counters(k)["tx_bytes"] - b for k, b in zip(range(2), before)]
             (tmp_path / f"next_{name}").touch()
         results = group.wait(timeout_s=120)
-        assert [r.returncode for r in results] == [0, 0], [r.output for r in results]
-    reports = [json.loads(next(line for line in r.output.splitlines() if line.startswith("REPORT "))[7:])
-               for r in results]
+    reports = rank_reports(results)
     for name in LAYOUTS:
         for rank in range(2):  # rank k runs on node k
             counted, sent = reports[rank][name]["comm/bytes/total"], link[name][rank]
@@ -214,8 +212,7 @@ def test_wire_bytes_match_the_link_counters_per_collective(netns_ok, tmp_path):
     env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     with EmulatedCluster(nodes=2, rate_mbit=0, master_port=free_port()) as cluster:
         results = cluster.run_ranks([sys.executable, str(script)], ranks_per_node=2, env=env, timeout_s=300)
-    assert [r.returncode for r in results] == [0, 0, 0, 0], [r.output[-3000:] for r in results]
-    reports = [json.loads(next(l for l in r.output.splitlines() if l.startswith("REPORT "))[7:]) for r in results]
+    reports = rank_reports(results)
     reports.sort(key=lambda r: r["rank"])
     header = 8 * 3  # the tensor message's length and header (count, dtype, ndim, size) as int64
     for name, per_rank in COUNTED.items():
