@@ -84,7 +84,7 @@ def hanging_store(monkeypatch):
 
     def never_returns(*args, **kwargs):
         calls.append((args, kwargs))
-        release.wait()
+        release.wait(120)  # set at teardown; bounded all the same
         raise RuntimeError("released at teardown")
 
     monkeypatch.setattr(dist, "TCPStore", never_returns)
