@@ -69,7 +69,7 @@ POLICY_LOSSES = tuple(policy_loss_choices())
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-BUILTIN_REWARDS = ("auto", "gsm8k", "math")
+BUILTIN_REWARDS = ("auto", "gsm8k", "math", "none")  # none: data.reward_model alone
 ROLLOUT_DTYPES = ("bf16", "fp32")
 STALE_LOGPROBS = ("recompute", "behavior")
 WEIGHT_SYNC_MODES = ("full", "delta", "auto")
@@ -117,6 +117,31 @@ class ModelSection(_Section):
 
 
 @dataclass
+class RewardModelSection(_Section):
+    """A reward model scored on the trainer ranks (`scalerl.data.reward_model`; verl's reward_model.*):
+    docs/configuration.md#reward-model."""
+
+    name = "data.reward_model"
+    path: str | None = opt(None, "directory of a Qwen2/Llama *ForSequenceClassification checkpoint with one label, "
+                                 "as transformers' save_pretrained writes it; null = no reward model")
+    tokenizer: str | None = opt(None, "its tokenizer directory; null = data.reward_model.path")
+    weight: float = opt(1.0, "the reward is data.reward's (weighted) score + weight x the model's score; with "
+                             "data.reward=none the model's alone", at_least=-1e6, at_most=1e6)
+    micro_batch_size: int = opt(8, "sequences per forward pass of the reward model", at_least=1)
+    max_length: int | None = opt(None, "longest prompt + response in the reward model's tokens; a longer sample "
+                                       "stops the run with an error naming it; null = the checkpoint's "
+                                       "max_position_embeddings", at_least=1)
+    dtype: str = opt("float32", "parameter dtype: " + " | ".join(DTYPES))
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check_choice(p, "data.reward_model.dtype", self.dtype, DTYPES)
+        _check(p, self.path is None or bool(self.path.strip()), "data.reward_model.path", "a directory or null",
+               self.path)
+        return p
+
+
+@dataclass
 class DataSection(_Section):
     name = "data"
     task: str = opt("arithmetic", "built-in task: " + " | ".join(TASKS))
@@ -152,9 +177,10 @@ class DataSection(_Section):
     max_reward_failures: int = opt(256, "stop the run once this many samples in a row failed to score (raised, "
                                    "timed out, not a number); 0 = never stop", at_least=0)
     shuffle: bool = opt(True, "shuffle training prompts every epoch")
+    reward_model: RewardModelSection = field(default_factory=RewardModelSection)
 
     def problems(self) -> list[str]:
-        p: list[str] = []
+        p: list[str] = self.reward_model.all_problems()
         _check_choice(p, "data.task", self.task, TASKS)
         _check(p, len(self.difficulty) >= 1 and all(d >= 1 for d in self.difficulty), "data.difficulty",
                "a non-empty list of levels >= 1", self.difficulty)
@@ -169,6 +195,7 @@ class DataSection(_Section):
             p.append(f"data.format={self.format} is not used by data.task=arithmetic without data.train_files (the "
                      "built-in task makes its own rows); remove it, or give data files")
         specs = [spec.strip() for spec in self.reward.split(",")]
+        p += _reward_model_problems(self.reward, self.reward_model.path)
         if not all(spec in BUILTIN_REWARDS or ":" in spec for spec in specs):
             p.append(f"data.reward must be one of {', '.join(BUILTIN_REWARDS)}, 'module:function' or "
                      f"'file.py:function' (or several, comma-separated); got {self.reward!r}")
@@ -180,6 +207,16 @@ class DataSection(_Section):
             p.append(f"data.prompt_template={self.prompt_template!r} is not used by data.task=arithmetic without "
                      "data.train_files (the built-in task writes its own prompts); remove it, or give data files")
         return p
+
+
+def _reward_model_problems(reward: str, model_path: str | None) -> list[str]:
+    """data.reward=none (the reward model's score alone) needs the model, and stands alone."""
+    specs = [spec.strip() for spec in reward.split(",")]
+    if "none" in specs and len(specs) > 1:
+        return [f"data.reward={reward!r}: 'none' (no rule reward) cannot be combined with other rewards"]
+    if specs == ["none"] and not model_path:
+        return ["data.reward=none needs data.reward_model.path (a reward model to score with)"]
+    return []
 
 
 @dataclass

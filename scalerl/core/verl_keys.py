@@ -88,6 +88,16 @@ def _reward(value: Any, verl: Verl) -> str:
     return f"{value}:{verl['custom_reward_function.name']}"
 
 
+def _uses_reward_model(verl: Verl) -> bool:
+    return bool(verl["reward_model.enable"])
+
+
+def _reward_model_only(value: Any, verl: Verl) -> str:
+    if "reward_model.model.path" not in verl:
+        raise ConfigError("reward_model.enable=true needs reward_model.model.path (the reward model's checkpoint)")
+    return "none"  # verl's reward manager returns the model's scores as they are
+
+
 def _total_steps(value: Any, verl: Verl) -> int:
     if verl["trainer.total_training_steps"] is not None:
         return int(verl["trainer.total_training_steps"])  # verl: it wins over total_epochs
@@ -224,10 +234,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey("custom_reward_function.name", "compute_score", None, "read by custom_reward_function.path",
             only_if=lambda verl: False),
     VerlKey("custom_reward_function.reward_kwargs", {}, None, inert={}),
-    VerlKey("reward_model.enable", False, "data.reward_model.path", "verl scores with the reward model's "
-            "checkpoint (reward_model.model.path)", lambda v, verl: verl.get("reward_model.model.path") if v else None,
-            inert=False),
-    VerlKey("reward_model.model.path", NO_DEFAULT, None, "read by reward_model.enable", only_if=lambda verl: False),
+    VerlKey("reward_model.enable", False, "data.reward", "verl's reward is then the model's score alone; with "
+            "custom_reward_function.path scalerl adds that function's score", _reward_model_only,
+            only_if=lambda verl: bool(verl["reward_model.enable"]) and verl["custom_reward_function.path"] is None),
+    *(VerlKey("reward_model." + k, NO_DEFAULT, "data.reward_model." + t, only_if=_uses_reward_model)
+      for k, t in (("model.path", "path"), ("micro_batch_size_per_gpu", "micro_batch_size"),
+                   ("max_length", "max_length"))),
     VerlKey("reward_model.reward_manager", "naive", None, "scalerl calls the reward per sample or batched, "
             "as its signature says", inert=NO_DEFAULT),
     VerlKey("reward_model.reward_kwargs.overlong_buffer_cfg.enable", False, None, inert=False),
@@ -297,7 +309,7 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("critic.model.*", "critic engine tuning; critic.model.path is checked"), ("critic.checkpoint.*", "checkpoints"),
     ("critic.forward_micro_batch_size*", "memory only"),
     ("reward_model.model.*", "reward model engine"), ("reward_model.rollout.*", "reward model engine"),
-    ("reward_model.micro_batch_size_per_gpu", "memory only"), ("reward_model.num_workers", "reward workers"),
+    ("reward_model.num_workers", "reward workers"),
     ("reward_model.use_reward_loop", "reward scheduling"), ("reward_model.launch_reward_fn_async", "scheduling"),
     ("reward_model.reward_kwargs.*", "overlong_buffer_cfg.enable is checked"),
     ("data.return_raw_chat", "scalerl keeps the messages"), ("data.return_*", "dataset return fields"),

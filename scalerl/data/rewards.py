@@ -16,6 +16,8 @@ stop it with `RewardFailureLimit`, naming the function. Several functions add up
 weighted sum of the scores that are not None (a failed term counts 0 and the sample as one failure).
 After each call `last_metrics` holds `reward/extra/<name>` means: the numbers beside "score" in returned
 dicts and, with several functions, each function's mean (Nones left out, as TRL's `rewards/<name>/mean`).
+A reward model (`scalerl.data.reward_model`, `data.reward_model.path`) adds `model_weight` x its score to each
+sample's (`data.reward=none`: its score alone), logged as `reward/extra/reward_model`; it never fails quietly.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from scalerl.data.reward_functions import (
     read_score,
     reward_inputs,
 )
+from scalerl.data.reward_model import RewardModel, reward_model_from_config
 from scalerl.data.reward_specs import (
     BUILTIN_REWARDS,
     TASK_REWARDS,
@@ -57,6 +60,7 @@ from scalerl.data.verl_scorers import default_compute_score
 
 logger = logging.getLogger(__name__)
 EXTRA_METRIC_PREFIX = "reward/extra/"
+MODEL_SCORE_METRIC = EXTRA_METRIC_PREFIX + "reward_model"
 
 
 class RewardFailureLimit(RunFailure):
@@ -75,11 +79,14 @@ class RewardComputer:
 
     def __init__(self, reward_fn: RewardFn | str | Sequence[RewardFn | str], timeout_s: float = 30.0, *,
                  weights: Sequence[float] | None = None, max_consecutive_failures: int = 0,
-                 task: str | None = "arithmetic"):
+                 task: str | None = "arithmetic", model: RewardModel | None = None, model_weight: float = 1.0):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
-        self.functions = _unique_names(_functions_of(reward_fn, task))
+        self.model, self.model_weight = model, float(model_weight)  # `scalerl.data.reward_model`: its score is added
+        if reward_fn == "none" and model is None:
+            raise RewardFunctionError("data.reward=none needs data.reward_model.path (a reward model to score with)")
+        self.functions = [] if reward_fn == "none" else _unique_names(_functions_of(reward_fn, task))
         self.weights = [1.0] * len(self.functions) if weights is None else [float(w) for w in weights]
         if len(self.weights) != len(self.functions):
             raise RewardFunctionError(f"data.reward_weights has {len(self.weights)} weights for "
@@ -87,9 +94,10 @@ class RewardComputer:
         if max_consecutive_failures < 0:
             raise ValueError(f"max_consecutive_failures must be >= 0, got {max_consecutive_failures}")
         self.max_consecutive_failures = max_consecutive_failures
-        self.reward_fn = self.functions[0].fn
-        self.name = " + ".join(getattr(f.fn, "__qualname__", f.name) for f in self.functions)
-        self.passes_row = self.functions[0].passes_row
+        self.reward_fn = self.functions[0].fn if self.functions else None
+        self.name = " + ".join([getattr(f.fn, "__qualname__", f.name) for f in self.functions]
+                               + ([f"reward model {model.path}"] if model is not None else []))
+        self.passes_row = self.functions[0].passes_row if self.functions else False
         self.total_failures = self.consecutive_failures = 0
         self.last_metrics: dict[str, float] = {}
         self.last_good_checkpoint: Callable[[], str] | None = None
@@ -106,6 +114,7 @@ class RewardComputer:
         self._check_rows(rows)
         per_function = [self._scores(f, calls, responses, rows, completion_ids)
                         for f, calls in zip(self.functions, self._calls)]
+        model_scores = self.model.score([reward_inputs(row).prompt for row in rows], responses) if self.model else None
         rewards, failures = [], 0
         for index, response in enumerate(responses):
             scores = [column[index] for column in per_function]
@@ -114,13 +123,16 @@ class RewardComputer:
                 self.consecutive_failures += 1
             else:
                 self.consecutive_failures = 0
-                if all(score.value is None for score in scores) and "all None" not in self._logged_failure_kinds:
+                if scores and all(s.value is None for s in scores) and "all None" not in self._logged_failure_kinds:
                     self._logged_failure_kinds.add("all None")
                     logger.warning("every reward function returned None (not applicable) for response %r; it scores "
                                    "0.0 (further such samples are not logged)", response[:120])
-            rewards.append(sum(w * s.value for w, s in zip(self.weights, scores) if s.value is not None) + 0.0)
+            rewards.append(sum(w * s.value for w, s in zip(self.weights, scores) if s.value is not None) + 0.0
+                           + (self.model_weight * model_scores[index] if model_scores is not None else 0.0))
         self.total_failures += failures
         self.last_metrics = self._extra_metrics(per_function)
+        if model_scores:  # the model's own score, before data.reward_model.weight
+            self.last_metrics[MODEL_SCORE_METRIC] = sum(model_scores) / len(model_scores)
         if self.max_consecutive_failures and self.consecutive_failures >= self.max_consecutive_failures:
             raise RewardFailureLimit(self._failure_limit_message())
         return rewards, failures
@@ -205,11 +217,14 @@ class RewardComputer:
                 f"data.max_reward_failures (0 = never stop).{where}")
 
 
-def reward_from_config(data_cfg: Any) -> RewardComputer:
-    """The reward a run's `data` config section asks for."""
+def reward_from_config(data_cfg: Any, device: Any = "cpu") -> RewardComputer:
+    """The reward a run's `data` config section asks for (its reward model, if any, on `device`)."""
+    section = getattr(data_cfg, "reward_model", None)  # absent from sections built by hand without one
+    model = reward_model_from_config(section, getattr(data_cfg, "chat_template", False), device) if section else None
     return RewardComputer(data_cfg.reward, timeout_s=data_cfg.reward_timeout_s,
                           weights=list(data_cfg.reward_weights) or None,
-                          max_consecutive_failures=data_cfg.max_reward_failures, task=data_cfg.task)
+                          max_consecutive_failures=data_cfg.max_reward_failures, task=data_cfg.task,
+                          model=model, model_weight=section.weight if model else 1.0)
 
 
 def _functions_of(reward_fn: Any, task: str | None) -> list[RewardFunction]:

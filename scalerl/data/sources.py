@@ -34,10 +34,10 @@ def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
                      prefer=data_cfg.task if data_cfg.task in ("gsm8k", "math") else None)
 
 
-def reward_from_config(data_cfg: Any) -> RewardComputer:
+def reward_from_config(data_cfg: Any, device: Any = "cpu") -> RewardComputer:
     """The reward the ``data`` section asks for (`scalerl.data.rewards.reward_from_config`: ``auto`` scores by
-    each row's data_source, falling back to the task's built-in)."""
-    return rewards.reward_from_config(data_cfg)
+    each row's data_source, falling back to the task's built-in; a reward model runs on ``device``)."""
+    return rewards.reward_from_config(data_cfg, device)
 
 
 class PromptStream:

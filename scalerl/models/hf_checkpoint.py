@@ -208,6 +208,11 @@ def _weight_files(path: Path) -> list[Path]:
     )
 
 
+def checkpoint_weight_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a model directory: its index's shards, or the single file."""
+    return _weight_files(Path(path))
+
+
 def from_pretrained(
     path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
 ) -> CausalLM:

@@ -109,7 +109,7 @@ class RLTrainer(TrainingRun):
         self.val_sources = sorted({data_source_of(row, cfg.data.task) for row in evaluated})
         for split, rows in (("training", self.train_rows), ("validation", self.val_rows)):
             check_prompts(self.tokenizer, rows, cfg.data.chat_template, cfg.data.max_prompt_length, split)
-        self.reward = reward_from_config(cfg.data)
+        self.reward = reward_from_config(cfg.data, self.device)
         self.reward.last_good_checkpoint = lambda: last_good_checkpoint(self.checkpoint_root)
         self.reward_extra_names: set[str] = set()
         self.stream = PromptStream(self.train_rows, t.batch_size, t.seed, cfg.data.shuffle)

@@ -78,7 +78,7 @@ class SFTTrainer(TrainingRun):
             shuffle=False, fixed_widths=(max(len(p) for p, _ in self.examples), max(len(r) for _, r in self.examples)),
         )
         self.engine = BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=ctx.all_finished)
-        self.reward = reward_from_config(cfg.data)
+        self.reward = reward_from_config(cfg.data, self.device)
         self.resume(RESUME_MUST_MATCH)
         self.start_logging()
 
