@@ -17,6 +17,8 @@ from scalerl.data.reward_model import RewardModel, score_positions
 from scalerl.data.rewards import MODEL_SCORE_METRIC, RewardComputer
 from scalerl.models.hf_checkpoint import CheckpointFormatError
 from scalerl.models.tokenizer import CharTokenizer, TokenizerNotFound
+from scalerl.verify import run_kind
+from tests.spawned_group import run_in_group
 from tests.tiny import tiny_overrides
 
 transformers = pytest.importorskip("transformers")
@@ -229,3 +231,24 @@ def test_a_training_run_scores_with_the_reward_model_and_the_rule(tmp_path):
     # The arithmetic rule scores 0 or 1, so the mean reward is the rule's mean + 2 x the model's mean.
     rule_mean = step["critic/score/mean"] - 2.0 * model_mean
     assert 0 <= rule_mean + 1e-6 and rule_mean <= 1 + 1e-6
+
+
+def _scores_of_run(run_dir):
+    (step,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if "critic/score/mean" in line]
+    return step["critic/score/mean"], step[MODEL_SCORE_METRIC]
+
+
+def _data_parallel_rank(rank, overrides, run_dir):
+    run_kind("grpo", [*overrides, "parallel.dp_replicate=2"], run_dir)
+
+
+def test_data_parallel_ranks_score_their_shares_to_the_single_process_means(tmp_path):
+    _save_classifier(tmp_path / "rm", "qwen2")
+    overrides = [*tiny_overrides("trainer.total_steps=1"), f"data.reward_model.path={tmp_path / 'rm'}",
+                 "data.reward=none"]
+    run_kind("grpo", overrides, tmp_path / "single")
+    run_in_group(_data_parallel_rank, 2, overrides, tmp_path / "dp2")
+    single, dp2 = _scores_of_run(tmp_path / "single"), _scores_of_run(tmp_path / "dp2")
+    assert single[0] == pytest.approx(single[1], abs=1e-6)  # data.reward=none: the score is the model's
+    assert dp2 == pytest.approx(single, abs=1e-5)
