@@ -31,6 +31,7 @@ import json
 import math
 import socket
 import ssl
+import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +94,7 @@ class ServerCalls:
         self._https, self._host, self._port = parsed.scheme == "https", parsed.hostname, parsed.port
         self._target = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
         self.requests = self.retried = 0  # over this object's life
+        self._count_lock = threading.Lock()
 
     def run(self, reward: ServerReward, responses: Sequence[str], rows: Sequence[dict]) -> list[tuple[int, int, CallOutcome]]:
         """`(start, stop, outcome)` per request: the outcome's value one entry per sample (a score, or the
@@ -119,7 +121,8 @@ class ServerCalls:
 
     def _post_with_retries(self, body: bytes, count: int) -> list[Any]:
         for attempt in range(self.retries + 1):
-            self.requests += 1
+            with self._count_lock:
+                self.requests += 1
             try:
                 status, reply = self._post(body)
             except (TimeoutError, socket.timeout):
@@ -135,7 +138,8 @@ class ServerCalls:
             if attempt == self.retries:
                 raise RewardRequestFailed(f"reward server {self.url}: {why}, after {attempt + 1} attempt(s) "
                                           f"(data.reward_retries={self.retries})")
-            self.retried += 1
+            with self._count_lock:
+                self.retried += 1
             time.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** attempt))
         raise AssertionError("unreachable")
 

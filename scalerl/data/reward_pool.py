@@ -36,6 +36,7 @@ from scalerl.data.reward_functions import RewardFunctionError
 START_METHOD = "spawn"  # a clean interpreter: no copy of the trainer's threads, locks or CUDA state
 KILL_GRACE_S = 1.0  # how long past its limit a call may take to report its own timeout before it is killed
 STARTUP_DEATHS = 3  # workers in a row dying before they are ready: the pool cannot start
+STARTUP_LIMIT_S = 300.0  # a worker not ready this long after it started: importing the reward hangs
 _PARENT_CHECK_S = 1.0
 
 
@@ -61,6 +62,7 @@ class _Worker:
     ready: bool = False
     task: int | None = None  # index of the call it runs
     sent_at: float = 0.0
+    started_at: float = 0.0
 
 
 class RewardPool:
@@ -95,8 +97,11 @@ class RewardPool:
             for worker in self._workers:
                 if worker.ready and worker.task is None and pending:
                     self._send(worker, pending.popleft(), calls)
+            idle_since = None if any(w.ready for w in self._workers) else time.monotonic()
             self._wait(deadline)
             now = time.monotonic()
+            if idle_since is not None and deadline is not None:
+                deadline += now - idle_since  # no worker was up: starting them is not the calls' time
             for worker in list(self._workers):
                 error = self._collect(worker, results, now)
                 if isinstance(error, RewardTimeout):
@@ -150,7 +155,8 @@ class RewardPool:
 
     def _wait(self, deadline: float | None) -> None:
         """Until a worker reports or dies, the first running call passes its kill limit, or the deadline."""
-        limits = [w.sent_at + self.timeout_s + KILL_GRACE_S for w in self._workers if w.task is not None]
+        limits = [w.sent_at + self.timeout_s + KILL_GRACE_S if w.task is not None else w.started_at + STARTUP_LIMIT_S
+                  for w in self._workers if w.task is not None or not w.ready]
         if deadline is not None:
             limits.append(deadline)
         timeout = max(0.0, min(limits) - time.monotonic()) if limits else None
@@ -178,6 +184,10 @@ class RewardPool:
                     self._returned_after(now - worker.sent_at)
                 results[worker.task], worker.task, error = outcome, None, outcome.error
             return error
+        if not worker.ready and now > worker.started_at + STARTUP_LIMIT_S:
+            self.close()
+            raise RewardPoolError(f"a reward worker was not ready {STARTUP_LIMIT_S:g} s after it started (importing "
+                                  f"{', '.join(self.specs)} hangs?)")
         if not worker.process.is_alive():
             code = worker.process.exitcode
             if worker.task is not None:
@@ -220,7 +230,7 @@ class RewardPool:
                                         name="scalerl-reward-worker", daemon=True)
         process.start()
         child_conn.close()
-        self._workers.append(_Worker(process, parent_conn))
+        self._workers.append(_Worker(process, parent_conn, started_at=time.monotonic()))
 
     def _replace(self, worker: _Worker) -> None:
         if worker.process.is_alive():

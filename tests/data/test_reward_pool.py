@@ -7,6 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -181,6 +185,33 @@ def test_close_ends_every_worker(rewards_file):
     assert not any(p.is_alive() for p in processes)
     with pytest.raises(RuntimeError, match="closed"):
         pool.run([(0, ("1", "1"), {})])
+
+
+def test_workers_exit_when_their_trainer_is_killed(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text("import os, signal\n"
+                      "from scalerl.data.reward_pool import RewardPool\n"
+                      "if __name__ == '__main__':\n"
+                      "    pool = RewardPool(['gsm8k'], None, 2, 5.0)\n"
+                      "    pool.run([(0, ('#### 1', '1'), {})] * 4)\n"
+                      "    print(' '.join(str(w.process.pid) for w in pool._workers), flush=True)\n"
+                      "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    pids = [int(pid) for pid in result.stdout.split()]
+    assert len(pids) == 2 and result.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_reward_that_cannot_load_in_the_workers_is_an_error_naming_why(tmp_path):
