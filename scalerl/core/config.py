@@ -167,7 +167,9 @@ class DataSection(_Section):
                       "gsm8k | math | module:function (searched in the current directory first, then sys.path) | "
                       "file.py:function (relative to the current directory); the function may have scalerl's, "
                       "verl's (compute_score, single or batched) or TRL's signature; several comma-separated are "
-                      "added up with data.reward_weights")
+                      "added up with data.reward_weights | http(s)://host:port/path (a reward server, "
+                      "docs/configuration.md#reward-workers-and-reward-servers) | none (with data.reward_model.path: the "
+                      "reward model's score alone)")
     reward_timeout_s: float = opt(30.0, "limit for one reward call (a batched function: for the batch); a call that "
                                   "runs longer scores 0 and counts in reward/num_failures, like one that raises; "
                                   "after a timeout the batch's other calls overlap under one deadline", above=0)
@@ -176,6 +178,12 @@ class DataSection(_Section):
                                       at_least=-1e6, at_most=1e6)
     max_reward_failures: int = opt(256, "stop the run once this many samples in a row failed to score (raised, "
                                    "timed out, not a number); 0 = never stop", at_least=0)
+    reward_workers: int = opt(0, "score in this many worker processes per trainer rank, each importing data.reward "
+                              "from its spec (0 = in the trainer's process); a reward server gets this many "
+                              "requests in flight (0 = 1)", at_least=0)
+    reward_batch_size: int = opt(64, "reward server: samples per request", at_least=1)
+    reward_retries: int = opt(2, "reward server: retries of a request that timed out, could not connect or got "
+                              "HTTP 429/5xx, after 0.5 s, 1 s, 2 s...", at_least=0)
     shuffle: bool = opt(True, "shuffle training prompts every epoch")
     reward_model: RewardModelSection = field(default_factory=RewardModelSection)
 
@@ -199,6 +207,9 @@ class DataSection(_Section):
         if not all(spec in BUILTIN_REWARDS or ":" in spec for spec in specs):
             p.append(f"data.reward must be one of {', '.join(BUILTIN_REWARDS)}, 'module:function' or "
                      f"'file.py:function' (or several, comma-separated); got {self.reward!r}")
+        for spec in specs:
+            if "://" in spec and not spec.startswith(("http://", "https://")):
+                p.append(f"data.reward {spec!r}: only http:// and https:// reward servers are accepted")
         if self.reward_weights and len(self.reward_weights) != len(specs):
             p.append(f"data.reward_weights has {len(self.reward_weights)} weights for the {len(specs)} functions of "
                      f"data.reward={self.reward!r}; give one per function, or none")

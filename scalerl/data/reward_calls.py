@@ -34,8 +34,16 @@ class RewardTimeout(BaseException):
     `Exception` in a retry loop cannot swallow it and run on."""
 
 
-class RewardExit(Exception):
+class CallFailure(Exception):
+    """A call that gave no value for a reason its message says in full (no traceback worth logging)."""
+
+
+class RewardExit(CallFailure):
     """The reward function called `sys.exit` (or raised SystemExit) instead of returning a score."""
+
+
+class RewardCrash(CallFailure):
+    """The process running the reward call (a pool worker) ended before the call returned."""
 
 
 @dataclass

@@ -10,6 +10,7 @@ comma-separated list of specs (`data.reward=a.py:format,a.py:accuracy`), each wi
                                     the task's built-in (`TASK_REWARDS`); only in `load_reward_fns`
     "my_package.rewards:score"      a function in an importable module
     "path/to/rewards.py:score"      a function in a Python file
+    "http://127.0.0.1:8000/score"   a reward server (`scalerl.data.reward_http`); only in `load_reward_fns`
 
 A "module:function" spec is imported with the current directory first on `sys.path` (put there once, as
 `python -m` does), so `scalerl ...` and `python -m scalerl ...` import the same module, and the module's own
@@ -38,6 +39,7 @@ from scalerl.data.reward_functions import (
     RewardFunctionError,
     reward_inputs,
 )
+from scalerl.data.reward_http import ServerReward
 from scalerl.data.verl_scorers import (
     UnknownDataSource,
     default_compute_score,
@@ -46,6 +48,7 @@ from scalerl.data.verl_scorers import (
 )
 
 RewardFn = Callable[..., float]
+USER_MODULE_PREFIX = "scalerl_user_reward_"  # the module of a "file.py:function" spec's file
 
 
 def gsm8k_reward(response: str, ground_truth: str, format_score: float = 0.0) -> float:
@@ -152,7 +155,9 @@ def load_reward_fns(spec: str, task: str | None = "arithmetic") -> list[RewardFu
         raise RewardFunctionError(f"reward spec {spec!r} has an empty entry; separate specs with single commas")
     functions = []
     for part in parts:
-        if part == "auto":
+        if "://" in part:
+            functions.append(ServerReward(part))  # type: ignore[arg-type]  # scored by requests, not calls
+        elif part == "auto":
             fallback = BUILTIN_REWARDS[TASK_REWARDS[task]] if task is not None else None
             functions.append(RewardFunction(ScoreByDataSource(fallback), part, "auto"))
         else:
@@ -182,7 +187,7 @@ def _import_file(path: Path, spec: str) -> Any:
         raise RewardFunctionError(f"reward {spec!r}: file {str(path)!r} does not exist (relative to {Path.cwd()})")
     resolved = path.resolve()
     # A stable, unique module name per file, so two files both called rewards.py do not collide.
-    module_name = f"scalerl_user_reward_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
+    module_name = f"{USER_MODULE_PREFIX}{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     module_spec = importlib.util.spec_from_file_location(module_name, resolved)

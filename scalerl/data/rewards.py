@@ -7,9 +7,13 @@ signatures (`scalerl.data.reward_functions`: scalerl's `fn(response, ground_trut
 `compute_score(data_source, solution_str, ground_truth, extra_info)` and its batched form, TRL's
 `fn(prompts, completions, **columns)`). `default_compute_score` is verl's scorer by data source.
 
+With `workers` (`data.reward_workers`) the functions run in a pool of processes (`scalerl.data.reward_pool`);
+a spec that is a URL is a reward server (`scalerl.data.reward_http`: the schema, batching and retries);
+`close()` ends the pool.
+
 `RewardComputer.compute(responses, rows)` returns `(rewards, num_failures)`. A call that raises, calls
 `sys.exit`, runs longer than its limit (`data.reward_timeout_s`; `scalerl.data.reward_calls` overlaps the
-timeouts of a batch), or returns something that is not a finite number, scores 0.0 and is counted
+timeouts of a batch), ends its worker process, fails as a server request, or returns something that is not a finite number, scores 0.0 and is counted
 (`reward/num_failures` in the trainer's metrics) and logged once per kind of failure, so one bad sample
 never stops or hangs a run; `max_consecutive_failures` samples failing in a row (`data.max_reward_failures`)
 stop it with `RewardFailureLimit`, naming the function. Several functions add up as TRL adds them: the
@@ -23,6 +27,7 @@ sample's (`data.reward=none`: its score alone), logged as `reward/extra/reward_m
 from __future__ import annotations
 
 import logging
+import sys
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
@@ -35,10 +40,13 @@ from scalerl.data.answers import (
 from scalerl.data.errors import DataError
 from scalerl.data.reward_calls import (
     BatchCalls,
-    RewardExit,
+    CallFailure,
+    CallOutcome,
     RewardTimeout,
     call_with_limit,
 )
+from scalerl.data.reward_http import ServerCalls
+from scalerl.data.reward_pool import RewardPool
 from scalerl.data.reward_functions import (
     RewardFunction,
     RewardFunctionError,
@@ -50,6 +58,7 @@ from scalerl.data.reward_model import RewardModel, reward_model_from_config
 from scalerl.data.reward_specs import (
     BUILTIN_REWARDS,
     TASK_REWARDS,
+    USER_MODULE_PREFIX,
     RewardFn,
     gsm8k_reward,
     load_reward_fn,
@@ -79,7 +88,8 @@ class RewardComputer:
 
     def __init__(self, reward_fn: RewardFn | str | Sequence[RewardFn | str], timeout_s: float = 30.0, *,
                  weights: Sequence[float] | None = None, max_consecutive_failures: int = 0,
-                 task: str | None = "arithmetic", model: RewardModel | None = None, model_weight: float = 1.0):
+                 task: str | None = "arithmetic", workers: int = 0, server_batch_size: int = 64,
+                 server_retries: int = 2, model: RewardModel | None = None, model_weight: float = 1.0):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -102,6 +112,14 @@ class RewardComputer:
         self.last_metrics: dict[str, float] = {}
         self.last_good_checkpoint: Callable[[], str] | None = None
         self._calls = [BatchCalls(timeout_s) for _ in self.functions]
+        # `workers` > 0: the functions run in a pool of processes (`reward_pool`), reward servers get that
+        # many requests in flight (`reward_http`); the pool lives until `close()`.
+        self._servers = {i: ServerCalls(f.url, timeout_s, server_retries, server_batch_size, max(1, workers))
+                         for i, f in enumerate(self.functions) if f.style == "http"}
+        pooled = [i for i in range(len(self.functions)) if i not in self._servers] if workers else []
+        self._pool_index = {i: position for position, i in enumerate(pooled)}
+        self.pool = RewardPool([_pool_spec(self.functions[i]) for i in pooled], task, workers, timeout_s) \
+            if pooled else None
         self._logged_failure_kinds: set[str] = set()
         self._last_failure = ""
 
@@ -111,9 +129,7 @@ class RewardComputer:
         scalerl-style functions); `completion_ids`, where given, reach TRL functions that ask for them."""
         if len(responses) != len(rows):
             raise ValueError(f"got {len(responses)} responses but {len(rows)} rows; pass one row per response")
-        self._check_rows(rows)
-        per_function = [self._scores(f, calls, responses, rows, completion_ids)
-                        for f, calls in zip(self.functions, self._calls)]
+        per_function = self.sample_scores(responses, rows, completion_ids)
         model_scores = self.model.score([reward_inputs(row).prompt for row in rows], responses) if self.model else None
         rewards, failures = [], 0
         for index, response in enumerate(responses):
@@ -137,6 +153,17 @@ class RewardComputer:
             raise RewardFailureLimit(self._failure_limit_message())
         return rewards, failures
 
+    def sample_scores(self, responses: Sequence[str], rows: Sequence[dict],
+                      completion_ids: Sequence[Sequence[int]] | None = None) -> list[list[Score]]:
+        """Each function's `Score` of each sample (what `compute` adds up), failures logged, not counted."""
+        self._check_rows(rows)
+        return [self._scores(index, f, responses, rows, completion_ids) for index, f in enumerate(self.functions)]
+
+    def close(self) -> None:
+        """Stop the worker processes, if any (the run's end); in-process scoring needs no closing."""
+        if self.pool is not None:
+            self.pool.close()
+
     def _check_rows(self, rows: Sequence[dict]) -> None:
         for f in self.functions:
             if f.style == "scalerl":
@@ -148,17 +175,45 @@ class RewardComputer:
             if check_rows is not None:
                 check_rows(rows)
 
-    def _scores(self, f: RewardFunction, calls: BatchCalls, responses: Sequence[str], rows: Sequence[dict],
+    def _scores(self, index: int, f: RewardFunction, responses: Sequence[str], rows: Sequence[dict],
                 completion_ids: Sequence[Sequence[int]] | None) -> list[Score]:
         """`f`'s score of each sample; a failure is a Score with a `problem`, logged once per kind."""
         if f.per_sample:
-            outcomes = calls.run(f.fn, [f.sample_call(r, row) for r, row in zip(responses, rows)])
+            calls = [f.sample_call(r, row) for r, row in zip(responses, rows)]
+            if index in self._pool_index:
+                outcomes = self.pool.run([(self._pool_index[index], args, kwargs) for args, kwargs in calls])
+            else:
+                outcomes = self._calls[index].run(f.fn, calls)
             return [self._score_of(f, o.value, o.error, r) for o, r in zip(outcomes, responses)]
+        scores: list[Score] = []
+        for start, stop, outcome in self._batch_outcomes(index, f, responses, rows, completion_ids):
+            scores += self._batch_scores(f, outcome, responses[start:stop])
+        return scores
+
+    def _batch_outcomes(self, index: int, f: RewardFunction, responses: Sequence[str], rows: Sequence[dict],
+                        completion_ids: Sequence[Sequence[int]] | None) -> list[tuple[int, int, CallOutcome]]:
+        """`(start, stop, outcome)` of each call a batched function's batch is scored in: the whole batch in
+        this process, one part per worker in a pool, requests of `data.reward_batch_size` for a server."""
+        if index in self._servers:
+            return self._servers[index].run(f, responses, rows)
+        if index in self._pool_index:
+            size = -(-len(responses) // self.pool.size) if responses else 1
+            bounds = [(start, min(start + size, len(responses))) for start in range(0, len(responses), size)]
+            calls = [(self._pool_index[index], *f.batch_call(responses[a:b], rows[a:b],
+                                                             completion_ids[a:b] if completion_ids else None))
+                     for a, b in bounds]
+            return [(a, b, outcome) for (a, b), outcome in zip(bounds, self.pool.run(calls))]
         args, kwargs = f.batch_call(responses, rows, completion_ids)
         try:
-            values = call_with_limit(f.fn, args, kwargs, self.timeout_s)
+            return [(0, len(responses), CallOutcome(call_with_limit(f.fn, args, kwargs, self.timeout_s)))]
         except (RewardTimeout, Exception) as error:
-            return [self._score_of(f, None, error, responses[0] if responses else "")] * len(responses)
+            return [(0, len(responses), CallOutcome(error=error))]
+
+    def _batch_scores(self, f: RewardFunction, outcome: CallOutcome, responses: Sequence[str]) -> list[Score]:
+        """The scores of one batched call's samples: each value read, or the call's failure for them all."""
+        if outcome.error is not None:
+            return [self._score_of(f, None, outcome.error, responses[0] if responses else "")] * len(responses)
+        values = outcome.value
         if not isinstance(values, (list, tuple)) and hasattr(values, "tolist"):
             values = values.tolist()  # a NumPy array or a tensor
         if not isinstance(values, (list, tuple)) or len(values) != len(responses):
@@ -166,10 +221,11 @@ class RewardComputer:
             what = f"returned {count} for {len(responses)} samples; a batched reward returns one value per sample"
             self._log_failure(f"{f.name}: wrong count", what, responses[0] if responses else "", name=f.name)
             return [Score(problem=what, kind="wrong count")] * len(responses)
-        return [self._score_of(f, v, None, r) for v, r in zip(values, responses)]
+        return [self._score_of(f, None, v, r) if isinstance(v, CallFailure) else self._score_of(f, v, None, r)
+                for v, r in zip(values, responses)]
 
     def _score_of(self, f: RewardFunction, value: Any, error: BaseException | None, response: str) -> Score:
-        if isinstance(error, (RewardTimeout, RewardExit)):  # no traceback: the message says it all
+        if isinstance(error, (RewardTimeout, CallFailure)):  # no traceback: the message says it all
             score = Score(problem=str(error), kind=type(error).__name__)
         elif error is not None:  # any user bug: score 0, count, carry on
             score = Score(problem=f"raised {error!r}", kind=type(error).__name__)
@@ -224,7 +280,26 @@ def reward_from_config(data_cfg: Any, device: Any = "cpu") -> RewardComputer:
     return RewardComputer(data_cfg.reward, timeout_s=data_cfg.reward_timeout_s,
                           weights=list(data_cfg.reward_weights) or None,
                           max_consecutive_failures=data_cfg.max_reward_failures, task=data_cfg.task,
+                          # a section without the keys (written before they came) scores as it did
+                          workers=getattr(data_cfg, "reward_workers", 0),
+                          server_batch_size=getattr(data_cfg, "reward_batch_size", 64),
+                          server_retries=getattr(data_cfg, "reward_retries", 2),
                           model=model, model_weight=section.weight if model else 1.0)
+
+
+def _pool_spec(f: RewardFunction) -> str:
+    """The spec a pool worker imports `f` from: its own, or `module:name` of a module-level function."""
+    if f.spec:
+        return f.spec
+    module, name = getattr(f.fn, "__module__", None), getattr(f.fn, "__qualname__", "")
+    path = getattr(sys.modules.get(module or ""), "__file__", None)
+    if module and module.startswith(USER_MODULE_PREFIX) and path and name.isidentifier():
+        return f"{path}:{name}"  # loaded from a file: the worker loads the same file
+    if not module or module == "__main__" or not name.isidentifier():
+        raise RewardFunctionError(
+            f"reward {f.name} cannot run in data.reward_workers processes: a worker imports it by name, so give a "
+            "spec ('file.py:function' or 'module:function') or a function defined at the top of an importable module")
+    return f"{module}:{name}"
 
 
 def _functions_of(reward_fn: Any, task: str | None) -> list[RewardFunction]:

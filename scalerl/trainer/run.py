@@ -288,6 +288,7 @@ class TrainingRun:
         return {self.export_key: str(path)}
 
     def close(self) -> None:
+        self.reward.close()  # its worker processes, with data.reward_workers
         self.logger.close()
 
 
