@@ -129,7 +129,9 @@ def test_a_reward_that_always_hangs_costs_about_one_timeout_per_batch_not_sample
     computer = RewardComputer(f"{rewards_file}:misbehaves", timeout_s=1.0, workers=2)
     rows = [{"ground_truth": "1"}] * 16
     try:
+        started = time.monotonic()
         computer.compute(["1"], rows[:1])
+        startup_s = time.monotonic() - started  # spawning the workers: the second batch starts fresh ones
         durations = []
         for _ in range(2):
             started = time.monotonic()
@@ -137,8 +139,9 @@ def test_a_reward_that_always_hangs_costs_about_one_timeout_per_batch_not_sample
             durations.append(time.monotonic() - started)
     finally:
         computer.close()
-    # One call after another: 16 s a batch; spread over the 2 workers: 8 s. Overlapped: ~2 s, then ~1 s.
-    assert durations[0] < 4.0 and durations[1] < 3.0, durations
+    # One call after another: 16 s a batch; spread over the 2 workers: 8 s. Overlapped: ~2 s, then ~1 s plus
+    # starting the workers that replace the two killed at the first batch's deadline (slow on a busy machine).
+    assert durations[0] < 4.0 and durations[1] < 3.0 + startup_s, (durations, startup_s)
 
 
 def test_a_crashed_worker_fails_its_call_and_the_pool_recovers(rewards_file, caplog):
