@@ -35,8 +35,8 @@ def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
         raise DataError(f"data.task={data_cfg.task!r} needs data.{_SPLIT_FILES[split]} (JSONL, Parquet or Arrow "
                         "files, or a save_to_disk directory)")
     if split == "train" and data_cfg.streaming:
-        raise DataError("data.streaming=true streams the training files through the RL trainer's prompt stream; "
-                        "this run reads data.train_files whole (SFT does): set data.streaming=false")
+        raise DataError("data.streaming=true is for RL runs (scalerl train), whose prompt stream reads the files "
+                        "lazily; SFT reads data.train_files whole: set data.streaming=false")
     limit = data_cfg.num_train if split == "train" else data_cfg.num_val
     columns = ColumnNames(data_cfg.prompt_key, data_cfg.ground_truth_key, data_cfg.reward_fn_key)
     return load_rows(files, kind=data_cfg.format, prompt_template=data_cfg.prompt_template, limit=limit,

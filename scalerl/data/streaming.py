@@ -3,7 +3,7 @@ group by row group, each data-parallel rank reading only its own share, shuffled
 
 The share: the rows of all files (in the order `expand_paths` gives them, then row groups) are numbered
 0..N-1 from the files' footers alone; of R data-parallel ranks, rank r reads rows [r*S, (r+1)*S) with
-S = N // R, and only the row groups overlapping that range. The shares are disjoint and equal, and cover
+S = N // R, and only the row groups overlapping that range (its TP/PP peers read the same). The shares are disjoint and equal, and cover
 all rows but the last N mod R (fewer than R; `DistContext.dp_share` drops a batch's remainder the same
 way). Every batch takes batch_size / R rows from each share, so all ranks draw the same number of rows per
 step and their epochs (S rows each) end together; `next_batch` gathers the shares, in rank order, into the
@@ -30,6 +30,8 @@ cannot find its share without reading the whole file): convert them to Parquet o
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,6 +190,7 @@ class StreamingPromptStream:
         self._window_key: tuple[int, int] | None = None
         self._window: list[dict] = []
         self._cached: tuple[int, int, Any] | None = None  # the last row group read: (file, index, table)
+        self._epoch_order: tuple[int, list[Piece], list[int]] | None = None
 
     def _share_pieces(self, lo: int, hi: int) -> list[Piece]:
         """The pieces holding global rows [lo, hi): the row groups overlapping them, cut at the ends."""
@@ -201,11 +204,15 @@ class StreamingPromptStream:
                 offset, first_row = offset + length, first_row + length
         return pieces
 
-    def _order(self, epoch: int) -> list[Piece]:
-        order = list(self.pieces)
-        if self.shuffle:
-            random.Random(f"stream:{self.seed}:{epoch}:{self.rank}").shuffle(order)
-        return order
+    def _order(self, epoch: int) -> tuple[list[Piece], list[int]]:
+        """The epoch's pieces in order, and where each starts in the epoch (kept for the epoch)."""
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            order = list(self.pieces)
+            if self.shuffle:
+                random.Random(f"stream:{self.seed}:{epoch}:{self.rank}").shuffle(order)
+            starts = list(itertools.accumulate((p.stop - p.start for p in order[:-1]), initial=0))
+            self._epoch_order = (epoch, order, starts)
+        return self._epoch_order[1], self._epoch_order[2]
 
     def _load_window(self, epoch: int, window: int) -> list[dict]:
         """Rows [window * W, (window + 1) * W) of the epoch's order (W = shuffle_buffer), shuffled."""
@@ -213,15 +220,15 @@ class StreamingPromptStream:
             return self._window
         self._window, self._window_key = [], None  # the old window goes before the new one is read
         lo, hi = window * self.window_rows, min((window + 1) * self.window_rows, self.share_rows)
-        rows, offset = [], 0
-        for piece in self._order(epoch):
-            length = piece.stop - piece.start
-            if offset < hi and offset + length > lo:
-                start = piece.start + max(lo - offset, 0)
-                rows.extend(self._read(piece, start, piece.start + min(hi - offset, length)))
-            offset += length
+        order, starts = self._order(epoch)
+        rows = []
+        for position in range(bisect.bisect_right(starts, lo) - 1, len(order)):
+            piece, offset = order[position], starts[position]
             if offset >= hi:
                 break
+            length = piece.stop - piece.start
+            start = piece.start + max(lo - offset, 0)
+            rows.extend(self._read(piece, start, piece.start + min(hi - offset, length)))
         if self.shuffle:
             random.Random(f"stream:{self.seed}:{epoch}:{self.rank}:{window}").shuffle(rows)
         self._window, self._window_key = rows, (epoch, window)

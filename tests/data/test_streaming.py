@@ -9,6 +9,7 @@ import pytest
 from scalerl.core.config import ConfigError, load_config
 from scalerl.data.errors import DataError
 from scalerl.data.loaders import load_rows
+from scalerl.data.sources import rows_from_config
 from scalerl.data.streaming import StreamingPromptStream
 from scalerl.trainer.rl_trainer import RLTrainer
 from tests.data.test_formats import verl_record
@@ -178,6 +179,9 @@ def test_unsupported_inputs_and_settings_are_errors_naming_the_fix(tmp_path, two
         load_config(None, [f"data.train_files=[{two_files[0]}]", "data.streaming=true", "data.shuffle_buffer=0"])
     with pytest.raises(ConfigError, match=r"data.streaming=true streams data.train_files, and there are none"):
         load_config(None, ["data.streaming=true"])
+    sft = load_config(None, [f"data.train_files=[{two_files[0]}]", "data.streaming=true"])
+    with pytest.raises(DataError, match=r"data.streaming=true is for RL runs.*SFT reads data.train_files whole"):
+        rows_from_config(sft.data, "train", 0)  # what the SFT trainer reads its rows with
 
 
 # --------------------------------------------------------------------------------------- through the trainer
