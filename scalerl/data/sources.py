@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pickle
 import random
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -44,13 +44,18 @@ def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
                      prefer=data_cfg.task if data_cfg.task in ("gsm8k", "math") else None)
 
 
-def prompt_stream_from_config(data_cfg: Any, batch_size: int, seed: int,
-                              ctx: DistContext) -> PromptStream | StreamingPromptStream:
-    """The training prompt stream: `PromptStream` over `rows_from_config`'s rows, or with
-    ``data.streaming=true`` a `StreamingPromptStream` over the training files, each data-parallel rank of
-    ``ctx`` reading its own share and the batch gathered over them (validation rows stay loaded whole)."""
+def prompt_stream_from_config(data_cfg: Any, batch_size: int, seed: int, ctx: DistContext,
+                              check_rows: Callable[[list[dict]], None] | None = None,
+                              ) -> PromptStream | StreamingPromptStream:
+    """The training prompt stream: `PromptStream` over `rows_from_config`'s rows (given to ``check_rows``
+    first), or with ``data.streaming=true`` a `StreamingPromptStream` over the training files, each
+    data-parallel rank of ``ctx`` reading its own share and the batch gathered over them (its rows are
+    checked as they are drawn; validation rows stay loaded whole)."""
     if not data_cfg.streaming:
-        return PromptStream(rows_from_config(data_cfg, "train", seed), batch_size, seed, data_cfg.shuffle)
+        rows = rows_from_config(data_cfg, "train", seed)
+        if check_rows is not None:
+            check_rows(rows)
+        return PromptStream(rows, batch_size, seed, data_cfg.shuffle)
     if not data_cfg.train_files:
         raise DataError("data.streaming=true streams data.train_files; give them (Parquet or Arrow files, or a "
                         "save_to_disk directory), or set data.streaming=false")

@@ -3,12 +3,12 @@ group by row group, each data-parallel rank reading only its own share, shuffled
 
 The share: the rows of all files (in the order `expand_paths` gives them, then row groups) are numbered
 0..N-1 from the files' footers alone; of R data-parallel ranks, rank r reads rows [r*S, (r+1)*S) with
-S = N // R, and only the row groups overlapping that range (its TP/PP peers read the same). The shares are disjoint and equal, and cover
-all rows but the last N mod R (fewer than R; `DistContext.dp_share` drops a batch's remainder the same
-way). Every batch takes batch_size / R rows from each share, so all ranks draw the same number of rows per
-step and their epochs (S rows each) end together; `next_batch` gathers the shares, in rank order, into the
-step's whole batch (what `PromptStream.next_batch` returns), which the trainer's `dp_share` cuts back into
-each rank's own rows.
+S = N // R, and only the row groups overlapping that range (its TP/PP peers read the same). The shares
+are disjoint and equal, and cover all rows but the last N mod R (fewer than R; `DistContext.dp_share`
+drops a batch's remainder the same way). Every batch takes batch_size / R rows from each share, so all
+ranks draw the same number of rows per step and their epochs (S rows each) end together; `next_batch`
+gathers the shares, in rank order, into the step's whole batch (what `PromptStream.next_batch` returns),
+which the trainer's `dp_share` cuts back into each rank's own rows.
 
 The order of an epoch: the share's pieces (row groups, or the parts of the two row groups at the share's
 ends) in an order seeded by (seed, epoch, rank), their rows cut into windows of ``shuffle_buffer`` rows, and

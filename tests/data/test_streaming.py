@@ -231,6 +231,6 @@ def test_trainer_resumes_the_stream_with_two_data_parallel_ranks(tmp_path):
     for rank, result in enumerate(ranks):
         assert len(result["expected"]) == 5 and result["after"] == result["expected"][2:]
         assert all(len(step) == 2 for step in result["expected"])
-        share = range(0, 5) if rank == 0 else range(5, 10)  # 11 // 2 rows each; row 10 is the remainder
+        share = range(5) if rank == 0 else range(5, 10)  # 11 // 2 rows each; row 10 is the remainder
         assert {i for step in result["expected"] for i in step} <= set(share)
         assert result["position"] == 5 * 4
