@@ -256,6 +256,11 @@ class StreamingPromptStream:
                                                             names=names, prefer=prefer)
         return self._converters[file_index]
 
+    @property
+    def held_rows(self) -> int:
+        """Converted rows held now: the current window's (at most ``shuffle_buffer``)."""
+        return len(self._window)
+
     def next_share(self) -> list[dict]:
         """This rank's part of the next batch: batch_size / ranks rows of its share."""
         share: list[dict] = []

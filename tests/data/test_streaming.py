@@ -62,7 +62,7 @@ def test_the_window_bounds_what_is_held_and_epochs_are_permutations(two_files):
     drawn = []
     for _ in range(60):  # 240 rows: two epochs of 103 and a part
         drawn.extend(truths(s.next_batch()))
-        assert len(s._window) <= 10
+        assert 0 < s.held_rows <= 10
         assert s.converted_rows <= s.position + 10  # never more than one window ahead of what was drawn
     first, second = drawn[:103], drawn[103:206]
     assert sorted(first) == sorted(second) == list(range(103))
