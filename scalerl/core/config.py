@@ -186,6 +186,11 @@ class DataSection(_Section):
                               "HTTP 429/5xx, after 0.5 s, 1 s, 2 s...", at_least=0)
     shuffle: bool = opt(True, "shuffle training prompts every epoch")
     reward_model: RewardModelSection = field(default_factory=RewardModelSection)
+    streaming: bool = opt(False, "read data.train_files (Parquet, Arrow, save_to_disk) lazily by row group, each "
+                          "data-parallel rank its own share, instead of whole into memory; data.num_train does "
+                          "not apply, validation files are still read whole")
+    shuffle_buffer: int = opt(10000, "data.streaming: rows held and shuffled together (a window of the stream); "
+                              "memory grows with it, not with the dataset", at_least=1)
 
     def problems(self) -> list[str]:
         p: list[str] = self.reward_model.all_problems()
@@ -213,6 +218,9 @@ class DataSection(_Section):
         if self.reward_weights and len(self.reward_weights) != len(specs):
             p.append(f"data.reward_weights has {len(self.reward_weights)} weights for the {len(specs)} functions of "
                      f"data.reward={self.reward!r}; give one per function, or none")
+        if self.streaming and not self.train_files:
+            p.append("data.streaming=true streams data.train_files, and there are none (the built-in task makes "
+                     "its rows in memory); give data.train_files, or set data.streaming=false")
         if self.prompt_template is not None and self.task == "arithmetic" and not self.train_files:
             # the built-in task writes its own prompts; a template given for it would silently do nothing
             p.append(f"data.prompt_template={self.prompt_template!r} is not used by data.task=arithmetic without "

@@ -44,7 +44,7 @@ import json
 import re
 import string
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from scalerl.data.errors import DataError
 from scalerl.data.formats import (
@@ -83,25 +83,30 @@ def load_rows(
         raise DataError(f"limit={limit!r} must be a non-negative integer or None")
     names = columns or ColumnNames()
     rows: list[dict] = []
-    for path in _expand_paths(path_or_paths, split):
-        for row in _convert_file(path, kind, template, prompt_template is not None, names, prefer):
+    for path in expand_paths(path_or_paths, split):
+        file_columns, records = _read_records(path)
+        convert = record_converter(path, file_columns, kind, prompt_template, names=names, prefer=prefer)
+        for number, record in enumerate(records, start=1):
             if limit is not None and len(rows) >= limit:
                 return rows
-            rows.append(row)
+            rows.append(convert(number, record))
     return rows
 
 
-def _convert_file(path: Path, kind: str, template: str, template_given: bool, names: ColumnNames,
-                  prefer: str | None) -> Iterator[dict]:
-    file_columns, records = _read_records(path)
+def record_converter(path: Path, file_columns: set[str], kind: str = "auto", prompt_template: str | None = None,
+                     *, names: ColumnNames | None = None, prefer: str | None = None) -> Callable[[int, dict], dict]:
+    """``convert(number, record) -> row`` for the records of `path`, whose columns are `file_columns`: the
+    format told from them (`kind` "auto") or `kind`; `number` is the record's 1-based row in the file, which
+    its errors name. The whole-file loader and the streamed one (`scalerl.data.streaming`) both convert here."""
+    names = names or ColumnNames()
+    template = DEFAULT_PROMPT_TEMPLATE if prompt_template is None else prompt_template
     file_kind = kind if kind != "auto" else detect_format(path, file_columns, names, prefer)
-    if file_kind in OWN_PROMPT_FORMATS and template_given:  # such rows keep their own prompt
+    if file_kind in OWN_PROMPT_FORMATS and prompt_template is not None:  # such rows keep their own prompt
         raise DataError(f"{path}: its rows already hold a {names.prompt!r} field ({file_kind} format), so "
                         f"data.prompt_template={template!r} would be ignored; remove data.prompt_template, or "
                         "give question/answer rows")
     convert = CONVERTERS[file_kind]
-    for number, record in enumerate(records, start=1):
-        yield convert(RowContext(path, number, record), template, names)
+    return lambda number, record: convert(RowContext(path, number, record), template, names)
 
 
 def _read_records(path: Path) -> tuple[set[str], list[dict[str, Any]]]:
@@ -131,11 +136,17 @@ def _read_records(path: Path) -> tuple[set[str], list[dict[str, Any]]]:
         expected = ("JSON lines (one object per line)" if suffix in JSON_LINES_SUFFIXES
                     else "Parquet" if suffix in PARQUET_SUFFIXES else "Arrow IPC (stream or file)")
         raise DataError(f"{path}: cannot be read as {expected} (pyarrow counts rows from 0): {error}") from error
+    return set(table.column_names), table_records(path, table)
+
+
+def table_records(path: Path, table: Any, first_row: int = 1) -> list[dict[str, Any]]:
+    """The records of `table` (a pyarrow table read from `path`, its first row being row `first_row` of the
+    file) as dicts; text that is not UTF-8 raises `DataError` naming the file's row and the field."""
     try:
-        return set(table.column_names), table.to_pylist()
+        return table.to_pylist()
     except UnicodeDecodeError as error:  # pyarrow reads the bytes unchecked and fails only when converting
-        raise DataError(f"{path}{_first_non_utf8(table)}: text is not UTF-8 ({error.reason}); convert the "
-                        "file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+        raise DataError(f"{path}{_first_non_utf8(table, first_row - 1)}: text is not UTF-8 ({error.reason}); "
+                        "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
 def _read_json_lines(path: Path) -> tuple[set[str], list[dict[str, Any]]]:
@@ -177,8 +188,9 @@ def _read_arrow(path: Path) -> Any:
             return pyarrow.ipc.open_file(source).read_all()
 
 
-def _first_non_utf8(table: Any) -> str:
-    """", row N, field 'F'" for the first value that is not UTF-8 (rows 1-based, as pyarrow read them)."""
+def _first_non_utf8(table: Any, rows_before: int = 0) -> str:
+    """", row N, field 'F'" for the first value that is not UTF-8 (rows 1-based, counted from the file's
+    start: the table begins after `rows_before` rows of it)."""
     for name in table.column_names:
         column = table.column(name)
         try:
@@ -194,11 +206,13 @@ def _first_non_utf8(table: Any) -> str:
                 good = middle
             except UnicodeDecodeError:
                 bad = middle
-        return f", row {bad}, field {name!r}"
+        return f", row {rows_before + bad}, field {name!r}"
     return ""
 
 
-def _expand_paths(path_or_paths: str | Path | Sequence[str | Path], split: str = "train") -> list[Path]:
+def expand_paths(path_or_paths: str | Path | Sequence[str | Path], split: str = "train") -> list[Path]:
+    """The data files named by files, glob patterns and directories (a saved dataset's shards, the `split` of
+    a DatasetDict), in order."""
     entries = [path_or_paths] if isinstance(path_or_paths, (str, Path)) else list(path_or_paths)
     if not entries:
         raise DataError("no data files given")

@@ -1,16 +1,23 @@
-"""Rows and the reward function a run's `data` config section asks for, and the seeded prompt stream."""
+"""Rows and the reward function a run's `data` config section asks for, and the seeded prompt stream: the
+rows in memory (`PromptStream`), or, with ``data.streaming=true``, read lazily from the files
+(`scalerl.data.streaming.StreamingPromptStream`); `prompt_stream_from_config` is where the choice is made."""
 
 from __future__ import annotations
 
+import pickle
 import random
-from typing import Any
+from typing import Any, Callable
+
+import torch.distributed as dist
 
 from scalerl.data import rewards
 from scalerl.data.arithmetic import make_arithmetic_rows
 from scalerl.data.errors import DataError
 from scalerl.data.formats import ColumnNames
-from scalerl.data.loaders import load_rows
+from scalerl.data.loaders import expand_paths, load_rows
 from scalerl.data.rewards import RewardComputer
+from scalerl.data.streaming import StreamingPromptStream
+from scalerl.parallel.distributed import DistContext
 
 _SPLIT_FILES = {"train": "train_files", "test": "val_files"}
 _SPLIT_OF_SAVED_DATASET = {"train": "split", "test": "val_split"}  # a DatasetDict directory's split to read
@@ -27,11 +34,50 @@ def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
     if not files:
         raise DataError(f"data.task={data_cfg.task!r} needs data.{_SPLIT_FILES[split]} (JSONL, Parquet or Arrow "
                         "files, or a save_to_disk directory)")
+    if split == "train" and data_cfg.streaming:
+        raise DataError("data.streaming=true is for RL runs (scalerl train), whose prompt stream reads the files "
+                        "lazily; SFT reads data.train_files whole: set data.streaming=false")
     limit = data_cfg.num_train if split == "train" else data_cfg.num_val
     columns = ColumnNames(data_cfg.prompt_key, data_cfg.ground_truth_key, data_cfg.reward_fn_key)
     return load_rows(files, kind=data_cfg.format, prompt_template=data_cfg.prompt_template, limit=limit,
                      columns=columns, split=getattr(data_cfg, _SPLIT_OF_SAVED_DATASET[split]),
                      prefer=data_cfg.task if data_cfg.task in ("gsm8k", "math") else None)
+
+
+def prompt_stream_from_config(data_cfg: Any, batch_size: int, seed: int, ctx: DistContext,
+                              check_rows: Callable[[list[dict]], None] | None = None,
+                              ) -> PromptStream | StreamingPromptStream:
+    """The training prompt stream: `PromptStream` over `rows_from_config`'s rows (given to ``check_rows``
+    first), or with ``data.streaming=true`` a `StreamingPromptStream` over the training files, each
+    data-parallel rank of ``ctx`` reading its own share and the batch gathered over them (its rows are
+    checked as they are drawn; validation rows stay loaded whole)."""
+    if not data_cfg.streaming:
+        rows = rows_from_config(data_cfg, "train", seed)
+        if check_rows is not None:
+            check_rows(rows)
+        return PromptStream(rows, batch_size, seed, data_cfg.shuffle)
+    if not data_cfg.train_files:
+        raise DataError("data.streaming=true streams data.train_files; give them (Parquet or Arrow files, or a "
+                        "save_to_disk directory), or set data.streaming=false")
+    return StreamingPromptStream(
+        expand_paths(data_cfg.train_files, data_cfg.split), batch_size, seed, shuffle=data_cfg.shuffle,
+        shuffle_buffer=data_cfg.shuffle_buffer, rank=ctx.dp_rank, ranks=ctx.dp_size,
+        gather=lambda share: _gathered_over_dp(ctx, share), kind=data_cfg.format,
+        prompt_template=data_cfg.prompt_template,
+        columns=ColumnNames(data_cfg.prompt_key, data_cfg.ground_truth_key, data_cfg.reward_fn_key),
+        prefer=data_cfg.task if data_cfg.task in ("gsm8k", "math") else None)
+
+
+def _gathered_over_dp(ctx: DistContext, share: list[dict]) -> list[dict]:
+    """Every data-parallel rank's ``share``, concatenated in rank order (TP/PP peers hold the same share);
+    counted as rollout traffic: they are the step's prompts."""
+    if ctx.dp_size == 1:
+        return share
+    parts: list[Any] = [None] * ctx.dp_size
+    with ctx.counted("rollout", "all_gather", over="dp") as transfer:
+        transfer.payload_bytes = len(pickle.dumps(share))
+        dist.all_gather_object(parts, share, group=ctx.dp_group)
+    return [row for part in parts for row in part]
 
 
 def reward_from_config(data_cfg: Any, device: Any = "cpu") -> RewardComputer:

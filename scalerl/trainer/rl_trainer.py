@@ -26,7 +26,7 @@ from scalerl.core.config import Config
 from scalerl.core.device import resolve_device
 from scalerl.data.errors import DataError
 from scalerl.data.prompts import check_prompts, encode_prompts
-from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
+from scalerl.data.sources import prompt_stream_from_config, reward_from_config, rows_from_config
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
@@ -101,18 +101,21 @@ class RLTrainer(TrainingRun):
             self.reference.eval()
         self.trained = {"actor": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
 
-        self.train_rows = rows_from_config(cfg.data, "train", t.seed)
+        def check(rows: list[dict], split: str) -> None:
+            check_prompts(self.tokenizer, rows, cfg.data.chat_template, cfg.data.max_prompt_length, split)
+
+        # A streamed training set is checked as it is drawn (`_encode`), not up front.
+        self.stream = prompt_stream_from_config(cfg.data, t.batch_size, t.seed, ctx,
+                                                lambda rows: check(rows, "training"))
         all_val_rows = rows_from_config(cfg.data, "test", t.seed)
         self.val_rows = ctx.dp_share(all_val_rows)
         # Sampled evaluation's data sources, of the rows all ranks evaluate: every rank reports the same keys.
         evaluated = all_val_rows[: len(self.val_rows) * ctx.dp_size]
         self.val_sources = sorted({data_source_of(row, cfg.data.task) for row in evaluated})
-        for split, rows in (("training", self.train_rows), ("validation", self.val_rows)):
-            check_prompts(self.tokenizer, rows, cfg.data.chat_template, cfg.data.max_prompt_length, split)
+        check(self.val_rows, "validation")
         self.reward = reward_from_config(cfg.data, self.device)
         self.reward.last_good_checkpoint = lambda: last_good_checkpoint(self.checkpoint_root)
         self.reward_extra_names: set[str] = set()
-        self.stream = PromptStream(self.train_rows, t.batch_size, t.seed, cfg.data.shuffle)
         self.engine = self._build_engine()  # generates when colocated, evaluates always
         if r.placement == "standalone":
             self.rollouts = StandaloneRollouts(self.policy, ctx, self.tokenizer.pad_token_id, r, cfg.weight_sync)
