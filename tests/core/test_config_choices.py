@@ -38,7 +38,7 @@ def test_precisions():
 
 
 def test_builtin_rewards():
-    assert set(config.BUILTIN_REWARDS) == {"auto", *BUILTIN_REWARDS}
+    assert set(config.BUILTIN_REWARDS) == {"auto", "none", *BUILTIN_REWARDS}  # none: a reward model alone
 
 
 def test_parameter_dtypes_are_torch_dtypes():

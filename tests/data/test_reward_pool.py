@@ -141,7 +141,7 @@ def test_a_reward_that_always_hangs_costs_about_one_timeout_per_batch_not_sample
         computer.close()
     # One call after another: 16 s a batch; spread over the 2 workers: 8 s. Overlapped: ~2 s, then ~1 s plus
     # starting the workers that replace the two killed at the first batch's deadline (slow on a busy machine).
-    assert durations[0] < 4.0 and durations[1] < 3.0 + startup_s, (durations, startup_s)
+    assert durations[0] < 6.0 and durations[1] < 5.0 + startup_s, (durations, startup_s)
 
 
 def test_a_crashed_worker_fails_its_call_and_the_pool_recovers(rewards_file, caplog):
