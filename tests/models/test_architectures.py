@@ -1,0 +1,170 @@
+"""Every built-in architecture against transformers' own classes: logits both ways (their checkpoint in
+scalerl, scalerl's in transformers), greedy generation through the KV cache with sliding windows shorter
+than the sequence, parameter counts, and the errors bad checkpoints of the new kinds get."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from scalerl.models.config import SUPPORTED_ARCHITECTURES
+from scalerl.models.decoder import build_model
+from scalerl.models.hf_checkpoint import CheckpointFormatError, from_pretrained, save_pretrained
+from scalerl.perf.flops import decoder_layer_tensor_count, decoder_param_count
+from scalerl.rollout.builtin_engine import BuiltinEngine
+from scalerl.rollout.engine import SamplingParams
+from tests.models.hf_reference import hf_logits, max_diff_on_real_tokens, randomize_norms_and_biases, token_batch
+
+VOCAB = 96
+WINDOW = 5  # shorter than the 12-token batches and the generated sequences
+# head_dim 24 != hidden 64 / 4 heads: the head size must come from the config, not from the division.
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=24, max_position_embeddings=256)
+GEMMA = dict(sliding_window=WINDOW, query_pre_attn_scalar=20, final_logit_softcapping=3.0)
+
+# name -> (transformers config class, model class, the config's own fields)
+ARCHITECTURES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True)),
+    # Qwen3 with its optional sliding window on the layers from max_window_layers on.
+    "qwen3-sliding": ("Qwen3Config", "Qwen3ForCausalLM",
+                      dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, attention_bias=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
+    "mistral-no-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, num_key_value_heads=1)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(**GEMMA, attn_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(**GEMMA, sliding_window_pattern=2, rope_theta=50_000.0, rope_local_base_freq=3_000.0,
+                    rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False)),
+}
+
+
+def hf_model(name: str):
+    config_cls, model_cls, fields = ARCHITECTURES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**SIZES, **fields})
+    config._attn_implementation = "eager"  # Gemma 2's soft-capping has no SDPA path
+    return randomize_norms_and_biases(getattr(transformers, model_cls)(config)).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Each architecture saved by transformers, in several safetensors shards."""
+    dirs = {}
+    for name in ARCHITECTURES:
+        dirs[name] = tmp_path_factory.mktemp(name)
+        hf_model(name).save_pretrained(dirs[name], max_shard_size="40KB")
+    return dirs
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("padded", [False, True])
+def test_transformers_checkpoint_gives_transformers_logits(hf_dirs, name, padded):
+    assert len(list(hf_dirs[name].glob("model-*-of-*.safetensors"))) > 1
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[name]).eval()
+    hf.config._attn_implementation = "eager"
+    ours = from_pretrained(hf_dirs[name]).eval()
+    assert ours.config.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert ours.config.head_dim == 24
+    ids, mask = token_batch(VOCAB, padded)
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask if padded else None)
+    assert max_diff_on_real_tokens(got, hf_logits(hf, ids, mask, padded), mask) <= 1e-4
+
+
+def test_the_architecture_options_are_read(hf_dirs):
+    """What the parity tests rely on is really in play (a window the batch exceeds, mixed layers, caps)."""
+    qwen3 = from_pretrained(hf_dirs["qwen3-sliding"]).config
+    assert qwen3.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2 and qwen3.sliding_window == WINDOW
+    assert from_pretrained(hf_dirs["qwen3"]).config.sliding_window is None
+    assert set(from_pretrained(hf_dirs["mistral"]).config.layer_types) == {"sliding_attention"}
+    gemma2 = from_pretrained(hf_dirs["gemma2"]).config
+    assert gemma2.layer_types[:2] == ["sliding_attention", "full_attention"] and gemma2.attn_logit_softcapping == 5.0
+    gemma3 = from_pretrained(hf_dirs["gemma3"]).config
+    assert (gemma3.rope_theta, gemma3.rope_local_theta, gemma3.rope_scaling["factor"]) == (50_000.0, 3_000.0, 2.0)
+    assert gemma3.attn_logit_softcapping is None and gemma3.final_logit_softcapping == 3.0
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_our_checkpoint_gives_the_same_logits_in_transformers(hf_dirs, tmp_path, name):
+    cfg = from_pretrained(hf_dirs[name]).config
+    ours = randomize_norms_and_biases(build_model(cfg, seed=3)).eval()
+    save_pretrained(ours, tmp_path, max_shard_bytes=40_000)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(hf).__name__ == SUPPORTED_ARCHITECTURES[cfg.model_type]
+    hf.config._attn_implementation = "eager"
+    ids, mask = token_batch(VOCAB, padded=True)
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask)
+    assert max_diff_on_real_tokens(got, hf_logits(hf, ids, mask, padded=True), mask) <= 1e-4
+    again = from_pretrained(tmp_path)
+    assert again.config == ours.config
+    for (key, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), key
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_greedy_generation_matches_transformers_generate(hf_dirs, name):
+    """Prompts of 3-7 tokens plus 8 new ones: past the window of 5, so decode steps must drop old keys."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[name]).eval()
+    hf.config._attn_implementation = "eager"
+    ours = from_pretrained(hf_dirs[name]).eval()
+    prompts = [[5, 17, 33, 8, 61, 2, 40], [7, 9, 11], [50, 51, 52, 53, 54]]
+    out = BuiltinEngine(ours, pad_token_id=0).generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        assert out.response_ids[row].tolist() == ref[0, len(prompt):].tolist(), f"row {row}"
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_parameter_counts_follow_the_architecture(hf_dirs, name):
+    model = from_pretrained(hf_dirs[name])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[name])
+    assert decoder_param_count(model.config) == model.num_parameters() == sum(p.numel() for p in hf.parameters())
+    assert decoder_layer_tensor_count(model.config) == len(list(model.layers[0].parameters()))
+
+
+def _rewrite_config(directory, **changes):
+    raw = json.loads((directory / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    (directory / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
+     r"model_type='gemma3'.*Gemma3ForCausalLM"),
+    ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}, r"phi3.*Qwen3ForCausalLM"),
+    ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, r"rope_scaling\.rope_type='yarn'"),
+    ({"sliding_window": "5"}, "sliding_window='5'"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ({"final_logit_softcapping": -1.0}, "final_logit_softcapping=-1.0"),
+])
+def test_bad_checkpoints_name_the_field(hf_dirs, tmp_path, changes, message):
+    directory = tmp_path / "gemma"
+    directory.mkdir()
+    for file in hf_dirs["gemma2"].iterdir():
+        (directory / file.name).write_bytes(file.read_bytes())
+    _rewrite_config(directory, **changes)
+    with pytest.raises(CheckpointFormatError, match=message):
+        from_pretrained(directory)
+
+
+def test_a_missing_gemma_norm_is_named(hf_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = from_pretrained(hf_dirs["gemma3"])
+    save_pretrained(model, tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_norm.weight"]
+    save_file(weights, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointFormatError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight"):
+        from_pretrained(tmp_path / "m")
