@@ -168,3 +168,19 @@ def test_a_missing_gemma_norm_is_named(hf_dirs, tmp_path):
     save_file(weights, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointFormatError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight"):
         from_pretrained(tmp_path / "m")
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_pipeline_stages_compute_the_same_logits(hf_dirs, name):
+    """Two stages cut from the model (embedding scale, per-layer RoPE and windows, capped head) chain to
+    the whole model's logits."""
+    from scalerl.parallel.pipeline import DecoderStage
+
+    model = from_pretrained(hf_dirs[name]).eval()
+    first = DecoderStage(model, [0, 1], first=True, last=False)
+    last = DecoderStage(model, [2, 3], first=False, last=True)
+    ids, mask = token_batch(VOCAB, padded=True)
+    with torch.no_grad():
+        staged = last(*first(ids, mask))
+        whole = model(ids, attention_mask=mask)
+    assert max_diff_on_real_tokens(staged, whole, mask) <= 1e-5
