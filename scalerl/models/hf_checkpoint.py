@@ -224,9 +224,9 @@ def _architecture_fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if cfg.model_type in ("qwen2", "qwen3"):
         out["use_sliding_window"] = any(sliding)
-        out["sliding_window"] = cfg.sliding_window if any(sliding) else None
-        out["max_window_layers"] = sliding.index(True) if any(sliding) else cfg.num_hidden_layers
-        out["layer_types"] = cfg.layer_types
+        if any(sliding):  # transformers 4.x reads max_window_layers, 5.x layer_types
+            out.update(sliding_window=cfg.sliding_window, max_window_layers=sliding.index(True),
+                       layer_types=cfg.layer_types)
         if cfg.model_type == "qwen3":
             out["attention_bias"] = cfg.attention_bias
     elif cfg.model_type == "mistral":

@@ -30,6 +30,8 @@ ARCHITECTURES = {
     # Qwen3 with its optional sliding window on the layers from max_window_layers on.
     "qwen3-sliding": ("Qwen3Config", "Qwen3ForCausalLM",
                       dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, attention_bias=True)),
+    "qwen2-sliding": ("Qwen2Config", "Qwen2ForCausalLM",
+                      dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
     "mistral-no-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, num_key_value_heads=1)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(**GEMMA, attn_logit_softcapping=5.0)),
