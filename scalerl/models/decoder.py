@@ -55,22 +55,29 @@ def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
     return (OffsetRMSNorm if cfg.traits.gemma_norms else RMSNorm)(dim, cfg.rms_norm_eps)
 
 
-def sliding_window_mask(mask: torch.Tensor | None, query_len: int, key_len: int, window: int,
-                        device: torch.device) -> torch.Tensor | None:
-    """``mask`` (``[B, 1, Tq, Tk]`` or None for plain causal) narrowed to keys less than ``window`` positions
-    behind each query, as transformers' ``sliding_window_overlay``: ``key > query - window``.
+def sliding_window_view(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, query_len: int,
+                        window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The keys and values a sliding layer's last ``query_len`` queries can reach, and ``mask`` (``[B, 1, Tq,
+    Tk]``, or None for plain causal) narrowed to keys less than ``window`` positions behind each query, as
+    transformers' ``sliding_window_overlay``: ``key > query - window``.
 
+    Keys out of every query's reach are sliced off, so a decode step reads ``window`` cached keys, not all.
     Positions are cache indices; with left padding only, real tokens are contiguous, so index distance is
     token distance. A query always keeps itself, so no row empties.
     """
-    if key_len <= window:
-        return mask  # no key is that far behind any query
-    q_pos = torch.arange(key_len - query_len, key_len, device=device).unsqueeze(1)
-    k_pos = torch.arange(key_len, device=device).unsqueeze(0)
+    key_len = k.shape[2]
+    first = max(0, key_len - query_len - window + 1)
+    if first:
+        k, v = k[:, :, first:], v[:, :, first:]
+        mask = mask[..., first:] if mask is not None else None
+    if key_len - first <= window:
+        return k, v, mask  # no remaining key is that far behind any query
+    q_pos = torch.arange(key_len - query_len, key_len, device=k.device).unsqueeze(1)
+    k_pos = torch.arange(first, key_len, device=k.device).unsqueeze(0)
     band = k_pos > q_pos - window
     if mask is None:
-        return (band & (k_pos <= q_pos))[None, None]
-    return mask & band
+        return k, v, (band & (k_pos <= q_pos))[None, None]
+    return k, v, mask & band
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -135,7 +142,7 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, cache_start)
         if self.sliding_window is not None:
-            mask = sliding_window_mask(mask, seq, k.shape[2], self.sliding_window, x.device)
+            k, v, mask = sliding_window_view(k, v, mask, seq, self.sliding_window)
         if self.softcap is not None:
             scale = self.scale if self.scale is not None else self.head_dim**-0.5
             out = softcapped_attention(q, k, v, mask, scale, self.softcap)

@@ -186,3 +186,23 @@ def test_pipeline_stages_compute_the_same_logits(hf_dirs, name):
         staged = last(*first(ids, mask))
         whole = model(ids, attention_mask=mask)
     assert max_diff_on_real_tokens(staged, whole, mask) <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("padded", [False, True])
+def test_chunks_through_the_kv_cache_give_the_full_forward(hf_dirs, name, padded):
+    """Prefill 6 tokens, a chunk of 3, then single steps: each chunk's queries see the window of cached keys
+    (sliced to what they can reach) exactly as one forward over the 12 tokens does."""
+    from scalerl.models.kv_cache import KVCache
+
+    model = from_pretrained(hf_dirs[name]).eval()
+    ids, mask = token_batch(VOCAB, padded)
+    cache = KVCache.for_model(model, ids.shape[0], ids.shape[1])
+    pieces, start = [], 0
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask if padded else None)
+        for end in (6, 9, 10, 11, 12):
+            pieces.append(model(ids[:, start:end], attention_mask=mask[:, :end] if padded else None,
+                                kv_cache=cache, cache_start=start))
+            start = end
+    assert max_diff_on_real_tokens(torch.cat(pieces, dim=1), full, mask) <= 1e-5
