@@ -11,11 +11,20 @@ transformers = pytest.importorskip("transformers")
 
 from scalerl.models.config import SUPPORTED_ARCHITECTURES
 from scalerl.models.decoder import build_model
-from scalerl.models.hf_checkpoint import CheckpointFormatError, from_pretrained, save_pretrained
+from scalerl.models.hf_checkpoint import (
+    CheckpointFormatError,
+    from_pretrained,
+    save_pretrained,
+)
 from scalerl.perf.flops import decoder_layer_tensor_count, decoder_param_count
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
-from tests.models.hf_reference import hf_logits, max_diff_on_real_tokens, randomize_norms_and_biases, token_batch
+from tests.models.hf_reference import (
+    hf_logits,
+    max_diff_on_real_tokens,
+    randomize_norms_and_biases,
+    token_batch,
+)
 
 VOCAB = 96
 WINDOW = 5  # shorter than the 12-token batches and the generated sequences
@@ -206,3 +215,18 @@ def test_chunks_through_the_kv_cache_give_the_full_forward(hf_dirs, name, padded
                                 kv_cache=cache, cache_start=start))
             start = end
     assert max_diff_on_real_tokens(torch.cat(pieces, dim=1), full, mask) <= 1e-5
+
+
+def test_gemma_embedding_scale_is_rounded_to_the_model_dtype():
+    """sqrt(3072) = 55.43 is 55.5 in bf16; transformers multiplies by the rounded value, so must we."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2TextScaledWordEmbedding
+
+    from scalerl.models.decoder import ScaledEmbedding
+
+    ours = ScaledEmbedding(4, 3072).to(torch.bfloat16)
+    ref = Gemma2TextScaledWordEmbedding(4, 3072, padding_idx=0, embed_scale=3072**0.5).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(ours.weight)
+    ids = torch.tensor([[0, 1, 2, 3]])
+    assert torch.equal(ours(ids), ref(ids))
+    assert not torch.equal(ours(ids), (ours.weight[ids].float() * 3072**0.5).to(torch.bfloat16))
