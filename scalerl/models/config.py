@@ -30,12 +30,15 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 class ArchitectureTraits:
     """What an architecture always has, whatever its checkpoint says."""
 
+    qkv_bias_only: bool = False  # attention_bias puts biases on q/k/v only, not o (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     gemma_norms: bool = False  # RMSNorms scale by (1 + weight), and norm the attention and MLP outputs too
     scaled_embeddings: bool = False  # embeddings times sqrt(hidden_size), rounded to the model's dtype
 
 
 ARCHITECTURE_TRAITS = {
+    "qwen2": ArchitectureTraits(qkv_bias_only=True),
+    "qwen2_moe": ArchitectureTraits(qkv_bias_only=True),
     "qwen3": ArchitectureTraits(qk_norm=True),
     "qwen3_moe": ArchitectureTraits(qk_norm=True),
     "gemma2": ArchitectureTraits(gemma_norms=True, scaled_embeddings=True),

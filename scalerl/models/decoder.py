@@ -110,7 +110,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         # With attention_bias, transformers puts a bias on o as well, except in Qwen2 (q/k/v only).
-        o_bias = bias and cfg.model_type != "qwen2"
+        o_bias = bias and not cfg.traits.qkv_bias_only
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
         if cfg.traits.qk_norm:  # over each head's features, so it holds for any split of the heads (TP)
             self.q_norm = make_norm(cfg, self.head_dim)

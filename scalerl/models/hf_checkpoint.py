@@ -161,7 +161,7 @@ def _architecture_fields_from_hf(raw: dict[str, Any], model_type: str, source: s
     if window is not None and (type(window) is not int or window < 1):
         raise CheckpointFormatError(f"{source}: sliding_window={window!r} must be a whole number >= 1 or null")
     layer_types = raw.get("layer_types")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type.startswith(("qwen2", "qwen3")):  # MoE variants too
         window = window if raw.get("use_sliding_window") else None
         if window is None:
             layer_types = None  # transformers drops the window: every layer attends fully
@@ -222,12 +222,12 @@ def _architecture_fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The inverse of `_architecture_fields_from_hf`, in fields transformers 4.x and 5.x both read."""
     sliding = [t == SLIDING_ATTENTION for t in cfg.layer_types]
     out: dict[str, Any] = {}
-    if cfg.model_type in ("qwen2", "qwen3"):
+    if cfg.model_type.startswith(("qwen2", "qwen3")):
         out["use_sliding_window"] = any(sliding)
         if any(sliding):  # transformers 4.x reads max_window_layers, 5.x layer_types
             out.update(sliding_window=cfg.sliding_window, max_window_layers=sliding.index(True),
                        layer_types=cfg.layer_types)
-        if cfg.model_type == "qwen3":
+        if cfg.model_type.startswith("qwen3"):
             out["attention_bias"] = cfg.attention_bias
     elif cfg.model_type == "mistral":
         if len(set(sliding)) > 1:

@@ -53,7 +53,7 @@ def decoder_param_count(cfg: ModelConfig) -> int:
         per_layer += 2 * cfg.head_dim
     if cfg.attention_bias:
         per_layer += heads_dim + 2 * kv_dim
-        if cfg.model_type != "qwen2":
+        if not cfg.traits.qkv_bias_only:
             per_layer += hidden  # o_proj bias
     if _mlp_has_bias(cfg):
         per_layer += 2 * cfg.intermediate_size + hidden
@@ -67,7 +67,7 @@ def decoder_layer_tensor_count(cfg: ModelConfig) -> int:
     has), equal to ``len(list(layer.parameters()))`` of the built model: what a per-tensor copy moves."""
     count = 4 + 3 + (4 if cfg.traits.gemma_norms else 2) + (2 if cfg.traits.qk_norm else 0)
     if cfg.attention_bias:
-        count += 3 + (1 if cfg.model_type != "qwen2" else 0)
+        count += 3 + (0 if cfg.traits.qkv_bias_only else 1)
     if _mlp_has_bias(cfg):
         count += 3
     return count

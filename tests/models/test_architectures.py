@@ -230,3 +230,32 @@ def test_gemma_embedding_scale_is_rounded_to_the_model_dtype():
     ids = torch.tensor([[0, 1, 2, 3]])
     assert torch.equal(ours(ids), ref(ids))
     assert not torch.equal(ours(ids), (ours.weight[ids].float() * 3072**0.5).to(torch.bfloat16))
+
+
+RUN_ARCHITECTURES = {
+    "qwen3": {"attention_bias": False},
+    "gemma2": {"attention_bias": False, "hidden_act": "gelu_pytorch_tanh", "sliding_window": 8,
+               "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 16,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "gemma3_text": {"attention_bias": False, "hidden_act": "gelu_pytorch_tanh", "sliding_window": 8,
+                    "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 16,
+                    "rope_local_theta": 1000.0},
+}
+
+
+@pytest.mark.parametrize("model_type", list(RUN_ARCHITECTURES))
+def test_a_run_trains_and_exports_each_architecture(tmp_path, model_type):
+    from scalerl.cli import main
+    from scalerl.core.config import BUILTIN_MAX_POSITIONS, BUILTIN_VOCAB_SIZE
+    from scalerl.models.config import ModelConfig
+    from scalerl.models.tokenizer import CharTokenizer
+    from tests.tiny import TINY
+
+    tok = CharTokenizer()
+    cfg = ModelConfig(model_type=model_type, vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=BUILTIN_MAX_POSITIONS, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **RUN_ARCHITECTURES[model_type])
+    save_pretrained(build_model(cfg, seed=1), tmp_path / "source", tokenizer=tok)
+    assert main(["train", f"model.path={tmp_path / 'source'}", *TINY, f"trainer.output_dir={tmp_path / 'run'}"]) == 0
+    assert from_pretrained(tmp_path / "run" / "final").config == from_pretrained(tmp_path / "source").config
