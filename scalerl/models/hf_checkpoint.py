@@ -70,6 +70,7 @@ def model_config_from_hf(raw: dict[str, Any], source: str = CONFIG_FILE) -> Mode
             )
     if raw.get("mlp_bias"):
         raise CheckpointFormatError(f"{source}: mlp_bias=true is not supported")
+    raw = {**TRANSFORMERS_DEFAULTS.get(model_type, {}), **raw}
     required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
     missing = [k for k in required if k not in raw]
     if missing:
@@ -145,6 +146,16 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 GEMMA_TYPES = ("gemma2", "gemma3_text")
+# transformers' values for fields a config.json may leave out, where they differ from the generic ones read
+# below (head_dim = hidden_size / num_attention_heads, untied embeddings, no sliding window).
+TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"head_dim": 128, "max_position_embeddings": 32768},
+    "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "gemma2": {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True, "sliding_window": 4096},
+    "gemma3_text": {"head_dim": 256, "max_position_embeddings": 131_072, "tie_word_embeddings": True,
+                    "sliding_window": 4096},
+}
 
 
 def _architecture_fields_from_hf(raw: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
@@ -157,7 +168,7 @@ def _architecture_fields_from_hf(raw: dict[str, Any], model_type: str, source: s
         raise CheckpointFormatError(f"{source}: {act_field}={fields['hidden_act']!r} is not supported; scalerl "
                                     f"supports {list(SUPPORTED_ACTIVATIONS)}")
     layers = raw["num_hidden_layers"]
-    window = raw.get("sliding_window", 4096 if gemma else None)
+    window = raw.get("sliding_window")
     if window is not None and (type(window) is not int or window < 1):
         raise CheckpointFormatError(f"{source}: sliding_window={window!r} must be a whole number >= 1 or null")
     layer_types = raw.get("layer_types")

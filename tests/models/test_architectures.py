@@ -259,3 +259,86 @@ def test_a_run_trains_and_exports_each_architecture(tmp_path, model_type):
     save_pretrained(build_model(cfg, seed=1), tmp_path / "source", tokenizer=tok)
     assert main(["train", f"model.path={tmp_path / 'source'}", *TINY, f"trainer.output_dir={tmp_path / 'run'}"]) == 0
     assert from_pretrained(tmp_path / "run" / "final").config == from_pretrained(tmp_path / "source").config
+
+
+# Published config.json files (as on the Hugging Face Hub, transformers 4.x style), written out here.
+PUBLISHED_CONFIGS = {
+    "Qwen3-0.6B": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072, "max_position_embeddings": 40960,
+        "max_window_layers": 28, "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "Mistral-7B-v0.1": {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu", "hidden_size": 4096,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+        "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 32000,
+    },
+    "gemma-2-2b": {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304,
+        "intermediate_size": 9216, "max_position_embeddings": 8192, "num_attention_heads": 8,
+        "num_hidden_layers": 26, "num_key_value_heads": 4, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32", "vocab_size": 256000,
+        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+    },
+    "gemma-3-1b-pt": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attn_logit_softcapping": None,
+        "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152, "intermediate_size": 6912, "max_position_embeddings": 32768, "num_attention_heads": 4,
+        "num_hidden_layers": 26, "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+        "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144, "eos_token_id": [1, 106],
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_CONFIGS))
+def test_published_configs_build_the_shapes_transformers_builds(name):
+    """At real size, on the meta device (no memory): every tensor's name and shape equal transformers'."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from scalerl.models.decoder import CausalLM
+    from scalerl.models.hf_checkpoint import model_config_from_hf
+
+    raw = PUBLISHED_CONFIGS[name]
+    cfg = model_config_from_hf(raw, name)
+    hf_config = CONFIG_MAPPING[raw["model_type"]](**{k: v for k, v in raw.items() if k != "model_type"})
+    assert cfg.layer_types == list(getattr(hf_config, "layer_types", None) or cfg.layer_types)
+    with torch.device("meta"):
+        ours = CausalLM(cfg)
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    ours_shapes = {("" if n.startswith("lm_head") else "model.") + n: tuple(p.shape) for n, p in ours.named_parameters()}
+    hf_shapes = {n: tuple(p.shape) for n, p in hf.named_parameters()}
+    assert ours_shapes == hf_shapes
+    assert decoder_param_count(cfg) == sum(p.numel() for p in hf.parameters())
+    if name == "gemma-3-1b-pt":  # five sliding layers, then a global one
+        assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17, 23]
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_CONFIGS))
+def test_absent_fields_take_the_defaults_transformers_takes(name):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from scalerl.models.hf_checkpoint import model_config_from_hf
+
+    keep = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads")
+    raw = {k: v for k, v in PUBLISHED_CONFIGS[name].items() if k in keep}
+    cfg = model_config_from_hf(raw, name)
+    hf = CONFIG_MAPPING[raw["model_type"]](**{k: v for k, v in raw.items() if k != "model_type"})
+    hf_head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert (cfg.head_dim, cfg.tie_word_embeddings, cfg.sliding_window) == (
+        hf_head_dim, hf.tie_word_embeddings, hf.sliding_window)
+    assert cfg.layer_types == list(getattr(hf, "layer_types", None) or cfg.layer_types)
+    rope = hf.rope_parameters
+    if "full_attention" in rope:
+        assert (cfg.rope_theta, cfg.rope_local_theta) == (rope["full_attention"]["rope_theta"],
+                                                          rope["sliding_attention"]["rope_theta"])
+    else:
+        assert cfg.rope_theta == rope["rope_theta"]
+    assert cfg.max_position_embeddings == hf.max_position_embeddings
