@@ -97,11 +97,12 @@ class ModelConfig:
                              f"{SUPPORTED_ROPE_TYPES}")
         if self.layer_types is None:
             self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
-        self.layer_types = list(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {FULL_ATTENTION,
-                                                                                          SLIDING_ATTENTION}:
+        kinds = {FULL_ATTENTION, SLIDING_ATTENTION}
+        if not isinstance(self.layer_types, (list, tuple)) or len(self.layer_types) != self.num_hidden_layers \
+                or not all(isinstance(t, str) and t in kinds for t in self.layer_types):
             raise ValueError(f"layer_types={self.layer_types!r} must name {self.num_hidden_layers} layers, each "
                              f"{FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}")
+        self.layer_types = list(self.layer_types)
         if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
 

@@ -157,6 +157,7 @@ def _rewrite_config(directory, **changes):
     ({"sliding_window": "5"}, "sliding_window='5'"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ({"layer_types": 4}, "layer_types=4"),
     ({"final_logit_softcapping": -1.0}, "final_logit_softcapping=-1.0"),
 ])
 def test_bad_checkpoints_name_the_field(hf_dirs, tmp_path, changes, message):
