@@ -1,4 +1,5 @@
-"""Qwen2/Llama-family decoder, Hugging Face checkpoint interop, and tokenizers."""
+"""The built-in decoder (Qwen2/3, Llama, Mistral, Gemma 2/3: docs/models.md), Hugging Face checkpoint interop,
+and tokenizers."""
 
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import CausalLM, build_model

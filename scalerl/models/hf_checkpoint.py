@@ -22,7 +22,13 @@ from scalerl.core.directory_swap import (
 )
 from scalerl.core.errors import UserError
 from scalerl.core.file_modes import apply_file_modes
-from scalerl.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from scalerl.models.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    SUPPORTED_ACTIVATIONS,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+)
 from scalerl.models.decoder import CausalLM
 
 CONFIG_FILE = "config.json"
@@ -62,12 +68,9 @@ def model_config_from_hf(raw: dict[str, Any], source: str = CONFIG_FILE) -> Mode
             raise CheckpointFormatError(
                 f"{source}: architecture {arch!r} is not supported; expected {SUPPORTED_ARCHITECTURES[model_type]!r}"
             )
-    if raw.get("hidden_act", "silu") != "silu":
-        raise CheckpointFormatError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported (only 'silu')")
     if raw.get("mlp_bias"):
         raise CheckpointFormatError(f"{source}: mlp_bias=true is not supported")
-    if raw.get("use_sliding_window"):
-        raise CheckpointFormatError(f"{source}: use_sliding_window=true is not supported (set it false)")
+    raw = {**TRANSFORMERS_DEFAULTS.get(model_type, {}), **raw}
     required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
     missing = [k for k in required if k not in raw]
     if missing:
@@ -80,6 +83,9 @@ def model_config_from_hf(raw: dict[str, Any], source: str = CONFIG_FILE) -> Mode
     if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
         rope_scaling = rope_params
     default_bias = model_type == "qwen2"
+    architecture_fields = _architecture_fields_from_hf(raw, model_type, source)
+    if "rope_theta" in architecture_fields:  # Gemma 3: a RoPE per layer type
+        rope_theta, rope_scaling = architecture_fields.pop("rope_theta"), architecture_fields.pop("rope_scaling")
     try:
         return ModelConfig(
             model_type=model_type,
@@ -100,6 +106,7 @@ def model_config_from_hf(raw: dict[str, Any], source: str = CONFIG_FILE) -> Mode
             eos_token_id=raw.get("eos_token_id"),
             pad_token_id=raw.get("pad_token_id"),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            **architecture_fields,
         )
     except ValueError as err:
         raise CheckpointFormatError(f"{source}: {err}") from err
@@ -117,7 +124,7 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": cfg.hidden_act,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
@@ -132,10 +139,125 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.model_type == "llama":
         out["attention_bias"] = cfg.attention_bias
         out["mlp_bias"] = False
-    elif not cfg.attention_bias:
+    elif cfg.model_type == "qwen2" and not cfg.attention_bias:
         raise CheckpointFormatError("a qwen2 checkpoint must have attention_bias=True (Qwen2 always has q/k/v bias)")
+    out.update(_architecture_fields_to_hf(cfg))
+    return out
+
+
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# transformers' values for fields a config.json may leave out, where they differ from the generic ones read
+# below (head_dim = hidden_size / num_attention_heads, untied embeddings, no sliding window).
+TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"head_dim": 128, "max_position_embeddings": 32768},
+    "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "gemma2": {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True, "sliding_window": 4096},
+    "gemma3_text": {"head_dim": 256, "max_position_embeddings": 131_072, "tie_word_embeddings": True,
+                    "sliding_window": 4096},
+}
+
+
+def _architecture_fields_from_hf(raw: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The ``ModelConfig`` fields that differ between architectures: activation, which layers slide and how
+    far, Gemma's attention scale, soft-capping and per-layer-type RoPE. Defaults are transformers'."""
+    gemma = model_type in GEMMA_TYPES
+    act_field = "hidden_activation" if gemma and raw.get("hidden_activation") else "hidden_act"
+    fields: dict[str, Any] = {"hidden_act": raw.get(act_field, "gelu_pytorch_tanh" if gemma else "silu")}
+    if fields["hidden_act"] not in SUPPORTED_ACTIVATIONS:
+        raise CheckpointFormatError(f"{source}: {act_field}={fields['hidden_act']!r} is not supported; scalerl "
+                                    f"supports {list(SUPPORTED_ACTIVATIONS)}")
+    layers = raw["num_hidden_layers"]
+    window = raw.get("sliding_window")
+    if window is not None and (type(window) is not int or window < 1):
+        raise CheckpointFormatError(f"{source}: sliding_window={window!r} must be a whole number >= 1 or null")
+    layer_types = raw.get("layer_types")
+    if model_type.startswith(("qwen2", "qwen3")):  # MoE variants too
+        window = window if raw.get("use_sliding_window") else None
+        if window is None:
+            layer_types = None  # transformers drops the window: every layer attends fully
+        elif layer_types is None:
+            first = raw.get("max_window_layers", 28)
+            layer_types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(layers)]
+    elif model_type == "mistral":
+        layer_types = [SLIDING_ATTENTION if window is not None else FULL_ATTENTION] * layers
+        if raw.get("attention_bias"):
+            raise CheckpointFormatError(f"{source}: attention_bias=true is not supported for mistral")
+    elif model_type == "llama":
+        window = layer_types = None
+    if gemma:
+        if raw.get("use_bidirectional_attention"):
+            raise CheckpointFormatError(f"{source}: use_bidirectional_attention=true is not supported")
+        if layer_types is None:
+            every = 2 if model_type == "gemma2" else raw.get("sliding_window_pattern", 6)
+            layer_types = [FULL_ATTENTION if (i + 1) % every == 0 else SLIDING_ATTENTION for i in range(layers)]
+        fields["query_pre_attn_scalar"] = raw.get("query_pre_attn_scalar", 256)
+        fields["final_logit_softcapping"] = raw.get("final_logit_softcapping", 30.0 if model_type == "gemma2" else None)
+        # Gemma 3's attention never caps its scores in transformers, whatever the field says.
+        if model_type == "gemma2":
+            fields["attn_logit_softcapping"] = raw.get("attn_logit_softcapping", 50.0)
+        for key in ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"):
+            value = fields.get(key)
+            if value is not None and (type(value) not in (int, float) or not 0 < value < float("inf")):
+                raise CheckpointFormatError(f"{source}: {key}={value!r} must be a finite number > 0 or null")
+    if model_type == "gemma3_text":
+        fields.update(_gemma3_rope_from_hf(raw, source))
+    fields["layer_types"] = layer_types if window is not None else None  # no window: all layers attend fully
+    fields["sliding_window"] = window
+    return fields
+
+
+def _gemma3_rope_from_hf(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Gemma 3's global RoPE (``rope_theta``, ``rope_scaling``) for full layers and local base for sliding ones:
+    transformers 5 nests them per layer type in ``rope_parameters``, 4.x has ``rope_local_base_freq``."""
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+        theta, local_theta = full.pop("rope_theta", 1_000_000.0), local.get("rope_theta", 10_000.0)
+        scaling = full if full.get("rope_type", "default") != "default" else None
+        if local.get("rope_type", "default") != "default":
+            raise CheckpointFormatError(f"{source}: rope_parameters.sliding_attention.rope_type="
+                                        f"{local['rope_type']!r} is not supported (only 'default')")
     else:
-        out["use_sliding_window"] = False
+        theta = raw.get("rope_theta", params.get("rope_theta", 1_000_000.0))
+        local_theta = raw.get("rope_local_base_freq", 10_000.0)
+        scaling = raw.get("rope_scaling")
+    for key, value in (("rope_theta", theta), ("rope_local_base_freq", local_theta)):
+        if type(value) not in (int, float) or not 0 < value < float("inf"):
+            raise CheckpointFormatError(f"{source}: {key}={value!r} must be a finite number > 0")
+    return {"rope_theta": float(theta), "rope_scaling": scaling, "rope_local_theta": float(local_theta)}
+
+
+def _architecture_fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The inverse of `_architecture_fields_from_hf`, in fields transformers 4.x and 5.x both read."""
+    sliding = [t == SLIDING_ATTENTION for t in cfg.layer_types]
+    out: dict[str, Any] = {}
+    if cfg.model_type.startswith(("qwen2", "qwen3")):
+        out["use_sliding_window"] = any(sliding)
+        if any(sliding):  # transformers 4.x reads max_window_layers, 5.x layer_types
+            out.update(sliding_window=cfg.sliding_window, max_window_layers=sliding.index(True),
+                       layer_types=cfg.layer_types)
+        if cfg.model_type.startswith("qwen3"):
+            out["attention_bias"] = cfg.attention_bias
+    elif cfg.model_type == "mistral":
+        if len(set(sliding)) > 1:
+            raise CheckpointFormatError("a mistral checkpoint slides in every layer or none: layer_types mixes them")
+        if cfg.attention_bias:
+            raise CheckpointFormatError("a mistral checkpoint has no attention bias: attention_bias must be False")
+        out["sliding_window"] = cfg.sliding_window if any(sliding) else None
+    elif cfg.model_type in GEMMA_TYPES:
+        out.update({
+            "hidden_activation": cfg.hidden_act, "attention_bias": cfg.attention_bias,
+            "sliding_window": cfg.sliding_window, "layer_types": cfg.layer_types,
+            "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+            "final_logit_softcapping": cfg.final_logit_softcapping,
+            "attn_logit_softcapping": cfg.attn_logit_softcapping,
+        })
+        if cfg.model_type == "gemma3_text":
+            out["rope_local_base_freq"] = cfg.rope_local_theta
+    elif cfg.sliding_window is not None and any(sliding):
+        raise CheckpointFormatError(f"a {cfg.model_type} checkpoint has no sliding-window layers")
     return out
 
 
@@ -216,7 +338,7 @@ def checkpoint_weight_files(path: str | os.PathLike) -> list[Path]:
 def from_pretrained(
     path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
 ) -> CausalLM:
-    """Load an HF Qwen2/Llama directory. ``dtype`` defaults to float32 (the CPU training dtype)."""
+    """Load an HF directory of a supported architecture (``SUPPORTED_ARCHITECTURES``). ``dtype`` defaults to float32 (the CPU training dtype)."""
     path = Path(path)
     cfg = load_model_config(path)
     if isinstance(dtype, str):

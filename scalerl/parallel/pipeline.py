@@ -80,7 +80,7 @@ class DecoderStage(nn.Module):
         self.layers = nn.ModuleDict({str(i): copy.deepcopy(model.layers[i]) for i in layer_ids})
         self.norm = copy.deepcopy(model.norm) if last else None
         self.lm_head = copy.deepcopy(model.lm_head) if last else None
-        self.rotary = model.rotary
+        self.rotary, self.local_rotary = model.rotary, model.local_rotary
         # The schedule runs forward and backward itself: autocast is entered around the forward only.
         self.autocast = autocast or contextlib.nullcontext()
 
@@ -88,10 +88,12 @@ class DecoderStage(nn.Module):
         with self.autocast:
             hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
             key_mask = attention_mask > 0
-            cos, sin = self.rotary(position_ids_from_mask(key_mask), hidden.dtype)
+            positions = position_ids_from_mask(key_mask)
+            cos, sin = self.rotary(positions, hidden.dtype)
+            local = self.local_rotary(positions, hidden.dtype) if self.local_rotary is not None else (cos, sin)
             mask = attention_mask_4d(key_mask, hidden.shape[1])
             for layer in self.layers.values():
-                hidden = layer(hidden, cos, sin, mask)
+                hidden = layer(hidden, *(local if layer.local_rope else (cos, sin)), mask)
             if self.lm_head is not None:
                 return self.lm_head(self.norm(hidden))
         return hidden, attention_mask

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -58,5 +59,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, counter: CommCo
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(),
     }
+    if model.config.traits.qk_norm:
+        plan.update(QK_NORM_PLAN)
     for layer in decoder_layers(model):
         apply(layer, plan)
+
+
+# q/k norms see only the rank's heads ([B, T, local heads, head_dim]): their weights are replicated DTensors
+# taking the input as sharded by head, so the weights' partial gradients are all-reduced (transformers'
+# "replicated_with_grad_allreduce"). SequenceParallel is that style; the heads dimension stands in for sequence.
+QK_NORM_PLAN = {
+    "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+    "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+}

@@ -1,4 +1,4 @@
-"""FLOPs per token of a Qwen2/Llama-family decoder, the device's peak FLOP/s, and model FLOPs utilization.
+"""FLOPs per token of a built-in decoder (any architecture of `scalerl.models.config`), the device's peak FLOP/s, and model FLOPs utilization.
 
 Formula (the one used by PaLM, Appendix B; Megatron-LM, Narayanan et al. 2021, Sec. 5.1; and verl's
 ``flops_counter``), per token and with ``s`` the context length a token attends over:
@@ -48,10 +48,12 @@ def decoder_param_count(cfg: ModelConfig) -> int:
     heads_dim = cfg.num_attention_heads * cfg.head_dim
     kv_dim = cfg.num_key_value_heads * cfg.head_dim
     per_layer = hidden * heads_dim + 2 * hidden * kv_dim + heads_dim * hidden + 3 * hidden * cfg.intermediate_size
-    per_layer += 2 * hidden  # input and post-attention RMSNorm weights
+    per_layer += (4 if cfg.traits.gemma_norms else 2) * hidden  # RMSNorm weights around the blocks
+    if cfg.traits.qk_norm:
+        per_layer += 2 * cfg.head_dim
     if cfg.attention_bias:
         per_layer += heads_dim + 2 * kv_dim
-        if cfg.model_type == "llama":
+        if not cfg.traits.qkv_bias_only:
             per_layer += hidden  # o_proj bias
     if _mlp_has_bias(cfg):
         per_layer += 2 * cfg.intermediate_size + hidden
@@ -63,17 +65,19 @@ def decoder_param_count(cfg: ModelConfig) -> int:
 def decoder_layer_tensor_count(cfg: ModelConfig) -> int:
     """Parameter tensors of one decoder layer (q/k/v/o, gate/up/down, two norms, and the biases the config
     has), equal to ``len(list(layer.parameters()))`` of the built model: what a per-tensor copy moves."""
-    count = 4 + 3 + 2
+    count = 4 + 3 + (4 if cfg.traits.gemma_norms else 2) + (2 if cfg.traits.qk_norm else 0)
     if cfg.attention_bias:
-        count += 3 + (1 if cfg.model_type == "llama" else 0)
+        count += 3 + (0 if cfg.traits.qkv_bias_only else 1)
     if _mlp_has_bias(cfg):
         count += 3
     return count
 
 
 def _attention_flops_per_token(cfg: ModelConfig, seq_len: float) -> float:
-    """Forward FLOPs of QK^T and AV for one token attending over ``seq_len`` positions, all layers."""
-    return 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    """Forward FLOPs of QK^T and AV for one token attending over ``seq_len`` positions, all layers; a
+    sliding-window layer attends over at most its window."""
+    attended = sum(min(seq_len, cfg.layer_window(i) or seq_len) for i in range(cfg.num_hidden_layers))
+    return 4.0 * cfg.num_attention_heads * cfg.head_dim * attended
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: float) -> float:

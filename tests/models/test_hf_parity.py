@@ -14,6 +14,7 @@ from scalerl.models.hf_checkpoint import (
     from_pretrained,
     save_pretrained,
 )
+from tests.models.hf_reference import randomize_norms_and_biases, token_batch
 
 VOCAB = 96
 
@@ -31,23 +32,11 @@ def _hf_model(arch: str, kv_heads: int, tied: bool, rope_scaling=None):
         extra = {"rope_scaling": rope_scaling} if rope_scaling else {}
         cfg = transformers.LlamaConfig(**common, rope_theta=500000.0, **extra)
         model = transformers.LlamaForCausalLM(cfg)
-    # Random biases / norm weights, so parity checks exercise them (HF initialises them to 0 / 1).
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
+    return randomize_norms_and_biases(model).eval()
 
 
 def _batch(padded: bool):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB, (3, 12), generator=g)
-    mask = torch.ones_like(ids)
-    if padded:  # left padding of different lengths, as in batched prompts
-        mask[0, :4] = 0
-        mask[2, :7] = 0
-        ids = ids.masked_fill(mask == 0, 0)
-    return ids, mask
+    return token_batch(VOCAB, padded)
 
 
 LLAMA3_SCALING = {
