@@ -27,6 +27,7 @@ from scalerl.models.transformers_model import (
 from scalerl.models.value_model import ValueModel
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.vllm_engine import hf_weight_names
 from scalerl.trainer.run_checks import check_run_inputs
 from scalerl.verify import TOLERANCE, max_metric_diff, max_weight_diff, run_kind, verification_overrides
 from tests.spawned_group import run_in_group
@@ -86,6 +87,9 @@ def _left_padded_batch():
 def test_on_qwen2_the_fallback_gives_scalerls_logits_and_hidden_states(qwen2_dir):
     ours, theirs = _load(qwen2_dir, "scalerl"), _load(qwen2_dir, "transformers")
     assert isinstance(theirs, TransformersCausalLM) and not isinstance(ours, TransformersCausalLM)
+    # Weight sync to vLLM names both models' tensors as the Hugging Face directory does.
+    assert {n for n, _ in hf_weight_names(theirs.named_parameters())} == \
+        {n for n, _ in hf_weight_names(ours.named_parameters())} == {n for n, _ in theirs.hf.named_parameters()}
     assert theirs.config.num_hidden_layers == 2 and len(theirs.layers) == 2 and theirs.config.vocab_size == 128
     ids, mask = _left_padded_batch()
     real = mask.bool()
