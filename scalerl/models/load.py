@@ -10,7 +10,12 @@ import torch
 from scalerl.core.config import BUILTIN_MAX_POSITIONS, BUILTIN_VOCAB_SIZE, ConfigError
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import CausalLM, build_model
-from scalerl.models.hf_checkpoint import CONFIG_FILE, from_pretrained, load_model_config, read_json_file
+from scalerl.models.hf_checkpoint import (
+    CONFIG_FILE,
+    from_pretrained,
+    load_model_config,
+    read_json_file,
+)
 from scalerl.models.tokenizer import CharTokenizer, TokenizerNotFound, load_tokenizer
 from scalerl.models.transformers_model import (
     TRANSFORMERS,

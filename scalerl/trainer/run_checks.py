@@ -57,7 +57,10 @@ def model_directory_problems(cfg: Any) -> list[str]:
         return []
     # Imported here: they pull in torch, which `scalerl config` on the built-in model does not need.
     from scalerl.models.load import model_architecture, tokenizer_source
-    from scalerl.models.transformers_model import TransformersModelConfig, transformers_layout_problems
+    from scalerl.models.transformers_model import (
+        TransformersModelConfig,
+        transformers_layout_problems,
+    )
 
     model = model_architecture(cfg.model, source)
     tokenizer_source(cfg.model, source, key)

@@ -2,10 +2,11 @@
 decoder's logits, hidden states and engine generations (left padding, KV cache, row compaction); an
 architecture scalerl does not implement (OLMo 2: q/k norms, post-norms) is chosen for it automatically, said
 at start, trains at world 1 and under DDP and FSDP2 at world 2 with the single process's losses and weights,
-exports a directory transformers loads, from the live run and from its checkpoint; TP, PP and EP are refused
-by name."""
+resumes, exports a directory transformers loads, from the live run and from its checkpoint; a directory
+missing a tensor is an error naming it; TP, PP and EP are refused by name."""
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from scalerl.checkpoint.export import export_checkpoint
 from scalerl.core.config import ConfigError, ModelSection, ParallelSection, load_config
-from scalerl.models.hf_checkpoint import save_pretrained
+from scalerl.models.hf_checkpoint import CheckpointFormatError, save_pretrained
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.tokenizer import CharTokenizer
 from scalerl.models.transformers_model import (
@@ -27,9 +28,16 @@ from scalerl.models.transformers_model import (
 from scalerl.models.value_model import ValueModel
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.text import generate_text
 from scalerl.rollout.vllm_engine import hf_weight_names
 from scalerl.trainer.run_checks import check_run_inputs
-from scalerl.verify import TOLERANCE, max_metric_diff, max_weight_diff, run_kind, verification_overrides
+from scalerl.verify import (
+    TOLERANCE,
+    max_metric_diff,
+    max_weight_diff,
+    run_kind,
+    verification_overrides,
+)
 from tests.spawned_group import run_in_group
 from tests.tiny import tiny_model
 
@@ -151,6 +159,19 @@ def test_auto_takes_scalerls_decoder_where_it_implements_the_architecture():
         load_model_and_tokenizer(ModelSection(implementation="transformers"), None, torch.device("cpu"), seed=0)
 
 
+def test_a_fallback_directory_missing_a_tensor_is_an_error_naming_it(olmo2_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(olmo2_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.self_attn.q_norm.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    # transformers alone would fill the tensor with random values and only warn.
+    with pytest.raises(CheckpointFormatError, match=r"missing keys .*model\.layers\.1\.self_attn\.q_norm\.weight"):
+        _load(broken, "auto")
+
+
 def test_layouts_that_need_scalerls_modules_are_refused_by_name(olmo2_dir, tmp_path):
     problems = transformers_layout_problems(SimpleNamespace(tp=2, pp=2, ep=4), "olmo2")
     assert [p.split(" ")[0] for p in problems] == ["parallel.tp=2", "parallel.pp=2", "parallel.ep=4"]
@@ -201,6 +222,20 @@ def test_an_unimplemented_architecture_falls_back_says_so_and_trains(single_run,
         expected = trained(input_ids=ids, attention_mask=mask,
                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
         assert (wrapper(ids, attention_mask=mask) - expected)[mask.bool()].abs().max() <= 1e-5
+    # `scalerl generate` runs the exported directory through the fallback too.
+    assert len(generate_text(str(final), ["12+3=", "7*8="], max_new_tokens=4, temperature=0.0)) == 2
+
+
+def test_a_fallback_run_resumes_to_the_weights_of_an_uninterrupted_one(single_run, olmo2_dir, tmp_path):
+    from scalerl.trainer.rl_trainer import train
+
+    _, final, _ = single_run
+    overrides = [*verification_overrides(STEPS), f"model.path={olmo2_dir}", f"trainer.output_dir={tmp_path}"]
+    first = train(load_config(None, [*overrides, "trainer.total_steps=1"]))["final_model"]
+    assert max_weight_diff(final, Path(first)) > 10 * TOLERANCE  # one step is far from two
+    resumed = train(load_config(None, [*overrides, "trainer.resume=auto"]))
+    assert "initial" not in resumed  # it started at step 1, from the checkpoint
+    assert max_weight_diff(final, Path(resumed["final_model"])) <= TOLERANCE
 
 
 def _distributed_runs(rank, olmo2_dir, out):
