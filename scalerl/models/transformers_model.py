@@ -91,29 +91,36 @@ class TransformersModelConfig(ModelConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> TransformersModelConfig:
-        """From a ``config.json`` dict; a multimodal config's text part (``text_config``) gives the sizes."""
-        text = {**raw, **(raw.get("text_config") or {})}
-        heads = text["num_attention_heads"]
+    def from_hf(cls, hf_config: Any) -> TransformersModelConfig:
+        """From a transformers config object (its aliases resolved: GPT-2's ``n_head`` is read as
+        ``num_attention_heads``); a multimodal config's text part gives the sizes."""
+        text = hf_config.get_text_config()
+        hidden, heads = text.hidden_size, text.num_attention_heads
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
         return cls(
-            model_type=raw.get("model_type", "unknown"),
-            vocab_size=text["vocab_size"],
-            hidden_size=text["hidden_size"],
-            intermediate_size=text.get("intermediate_size") or 4 * text["hidden_size"],
-            num_hidden_layers=text["num_hidden_layers"],
+            model_type=hf_config.model_type,
+            vocab_size=text.vocab_size,
+            hidden_size=hidden,
+            intermediate_size=getattr(text, "intermediate_size", None) or 4 * hidden,
+            num_hidden_layers=text.num_hidden_layers,
             num_attention_heads=heads,
-            num_key_value_heads=text.get("num_key_value_heads") or heads,
-            head_dim=text.get("head_dim"),
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None),
             # No limit stated (e.g. ALiBi models): the engine's length check never fires.
-            max_position_embeddings=text.get("max_position_embeddings") or 1 << 30,
-            attention_bias=bool(text.get("attention_bias", False)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            bos_token_id=text.get("bos_token_id"),
-            eos_token_id=text.get("eos_token_id"),
-            pad_token_id=text.get("pad_token_id"),
-            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch."),
-            hf_config=dict(raw),
+            max_position_embeddings=getattr(text, "max_position_embeddings", None) or 1 << 30,
+            attention_bias=bool(getattr(text, "attention_bias", False)),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            bos_token_id=getattr(text, "bos_token_id", None),
+            eos_token_id=getattr(text, "eos_token_id", None),
+            pad_token_id=getattr(text, "pad_token_id", None),
+            torch_dtype=str(dtype).removeprefix("torch."),
+            hf_config=hf_config.to_dict(),
         )
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> TransformersModelConfig:
+        """From a ``config.json`` dict (a model directory's, or the one a checkpoint's meta.json records)."""
+        return cls.from_hf(_hf_config(raw))
 
     def hf_config_dict(self) -> dict[str, Any]:
         """The HF ``config.json`` dict (what a checkpoint's meta.json records)."""
@@ -263,8 +270,9 @@ def load_transformers_model(path: str | os.PathLike, dtype: torch.dtype, device:
                             ) -> TransformersCausalLM:
     """An HF directory of any architecture transformers knows, with SDPA attention, in ``dtype``."""
     transformers = _transformers()
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa",
-                                                                 output_loading_info=True)
+    hf_config = without_dropout(transformers.AutoConfig.from_pretrained(str(path)))
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), config=hf_config, dtype=dtype, attn_implementation="sdpa", output_loading_info=True)
     # transformers fills missing tensors with random values and only warns: a broken directory would train.
     for kind in ("missing_keys", "mismatched_keys"):
         if info.get(kind):
@@ -280,8 +288,7 @@ def build_transformers_model(config: TransformersModelConfig, dtype: torch.dtype
     dict into: exporting a checkpoint, or gathering a sharded model's weights."""
     transformers = _transformers()
     dtype = dtype or getattr(torch, config.torch_dtype)
-    hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in config.hf_config.items()
-                                                     if k not in ("dtype", "torch_dtype", "transformers_version")})
+    hf_config = _hf_config(config.hf_config)
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
     hf = hf.to_empty(device=device)
@@ -289,11 +296,26 @@ def build_transformers_model(config: TransformersModelConfig, dtype: torch.dtype
     return _wrap(hf, dtype)
 
 
+def without_dropout(hf_config: Any) -> Any:
+    """``hf_config`` with every dropout probability (``*dropout*``, ``*pdrop``) set to 0, its text part's too:
+    the rollout's log-probs (eval mode) and the update's (train mode) must be of one function, as with
+    scalerl's decoder, which has no dropout."""
+    for config in {id(c): c for c in (hf_config, hf_config.get_text_config())}.values():
+        for key, value in config.to_dict().items():
+            if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value:
+                setattr(config, key, 0.0)
+    return hf_config
+
+
+def _hf_config(raw: dict[str, Any]) -> Any:
+    """transformers' config object for a ``config.json`` dict."""
+    fields = {k: v for k, v in raw.items() if k not in ("transformers_version", "model_type")}
+    return _transformers().AutoConfig.for_model(raw.get("model_type"), **fields)
+
+
 def _wrap(hf: nn.Module, dtype: torch.dtype) -> TransformersCausalLM:
-    raw = hf.config.to_dict()
-    config = TransformersModelConfig.from_hf_dict(raw)
+    config = TransformersModelConfig.from_hf(hf.config)
     config.torch_dtype = str(dtype).removeprefix("torch.")
-    hf.config.use_cache = False  # training forwards keep no cache; the engine passes its own
     return TransformersCausalLM(hf, config)
 
 

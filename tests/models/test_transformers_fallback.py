@@ -1,5 +1,6 @@
 """The transformers fallback (`model.implementation=transformers`): on a Qwen2 checkpoint it gives scalerl's
-decoder's logits, hidden states and engine generations (left padding, KV cache, row compaction); an
+decoder's logits, hidden states and engine generations (left padding, KV cache, row compaction); decoders of
+other shapes (GPT-2) and sliding windows (Mistral) decode over the engine's cache as their full forward; an
 architecture scalerl does not implement (OLMo 2: q/k norms, post-norms) is chosen for it automatically, said
 at start, trains at world 1 and under DDP and FSDP2 at world 2 with the single process's losses and weights,
 resumes, exports a directory transformers loads, from the live run and from its checkpoint; a directory
@@ -18,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from scalerl.checkpoint.export import export_checkpoint
 from scalerl.core.config import ConfigError, ModelSection, ParallelSection, load_config
 from scalerl.models.hf_checkpoint import CheckpointFormatError, save_pretrained
+from scalerl.models.kv_cache import KVCache
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.tokenizer import CharTokenizer
 from scalerl.models.transformers_model import (
@@ -143,6 +145,53 @@ def test_on_qwen2_the_engine_generates_the_same_through_the_fallback(qwen2_dir):
     greedy, sampled = outputs["transformers"]
     assert len(set(greedy.response_ids[0].tolist())) > 1  # not one token repeated
     assert sampled.response_mask.sum(-1).tolist() == [2, 3, 4, 5]  # each row stopped at its own step
+
+
+def test_a_decoder_of_another_shape_runs_too(tmp_path):
+    """GPT-2: blocks under ``h``, ``n_head``-style config names, learned positions, dropout 0.1 by default."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1,
+                                     eos_token_id=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    CharTokenizer().save_pretrained(tmp_path / "gpt2")
+    model = _load(tmp_path / "gpt2", "auto")
+    assert len(model.layers) == 2 and model.layers is model.hf.transformer.h
+    assert (model.config.num_attention_heads, model.config.max_position_embeddings) == (4, 64)
+    ids, mask = _left_padded_batch()
+    with torch.no_grad():
+        assert torch.equal(model.train()(ids, attention_mask=mask), model.eval()(ids, attention_mask=mask))  # no dropout
+    _assert_decoding_equals_the_full_forward(model.eval())
+
+
+def test_sliding_windows_hold_over_the_engines_cache(tmp_path):
+    """Mistral with a 4-token window over 12-token prompts: a decode step over the cache must see only the
+    window, as the full forward does (a cache ignoring it would see every key)."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    CharTokenizer().save_pretrained(tmp_path / "mistral")
+    model = _load(tmp_path / "mistral", "transformers")
+    _assert_decoding_equals_the_full_forward(model)
+    ids, mask = _left_padded_batch()
+    with torch.no_grad():  # ... and the window does change the logits (else the check above proves nothing)
+        windowed = model(ids, attention_mask=mask)
+        model.hf.config.sliding_window = None
+        assert (model(ids, attention_mask=mask) - windowed).abs().max() > 1e-3
+
+
+def _assert_decoding_equals_the_full_forward(model):
+    """Prefill over the engine's cache, then two one-token steps: the full forward's logits each time."""
+    ids, mask = _left_padded_batch()
+    cache = KVCache.for_model(model, 3, 16)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, kv_cache=cache, cache_start=0, logits_to_keep=1)[:, -1]
+        for step in range(2):
+            token = logits.argmax(-1, keepdim=True)
+            ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            logits = model(token, attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1, kv_cache=cache,
+                           cache_start=ids.shape[1] - 1)[:, -1]
+            assert (logits - model(ids, attention_mask=mask)[:, -1]).abs().max() <= 1e-5, step
 
 
 def test_auto_takes_scalerls_decoder_where_it_implements_the_architecture():
