@@ -3,8 +3,9 @@ decoder's logits, hidden states and engine generations (left padding, KV cache, 
 other shapes (GPT-2) and sliding windows (Mistral) decode over the engine's cache as their full forward; an
 architecture scalerl does not implement (OLMo 2: q/k norms, post-norms) is chosen for it automatically, said
 at start, trains at world 1 and under DDP and FSDP2 at world 2 with the single process's losses and weights,
-resumes, exports a directory transformers loads, from the live run and from its checkpoint; a directory
-missing a tensor is an error naming it; TP, PP and EP are refused by name."""
+resumes, runs SFT and PPO (its critic on the decoder's hidden states), exports a directory transformers
+loads, from the live run and from its checkpoint; a directory missing a tensor is an error naming it; TP, PP
+and EP are refused by name."""
 
 import json
 import shutil
@@ -285,6 +286,15 @@ def test_a_fallback_run_resumes_to_the_weights_of_an_uninterrupted_one(single_ru
     resumed = train(load_config(None, [*overrides, "trainer.resume=auto"]))
     assert "initial" not in resumed  # it started at step 1, from the checkpoint
     assert max_weight_diff(final, Path(resumed["final_model"])) <= TOLERANCE
+
+
+def test_sft_and_ppo_with_its_critic_train_through_the_fallback(olmo2_dir, tmp_path):
+    overrides = [*verification_overrides(STEPS), f"model.path={olmo2_dir}"]
+    sft = run_kind("sft", overrides, tmp_path / "sft")
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(sft)).__name__ == "Olmo2ForCausalLM"
+    run_kind("ppo", overrides, tmp_path / "ppo")
+    rows = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["critic/grad_norm"] > 0 and r["critic/vf_loss"] > 0 for r in rows if r["step"] > 0)
 
 
 def _distributed_runs(rank, olmo2_dir, out):
