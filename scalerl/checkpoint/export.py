@@ -22,12 +22,21 @@ from scalerl.core.config import ModelSection, config_from_dict
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import CausalLM
 from scalerl.models.hf_checkpoint import (
+    CONFIG_FILE,
     load_model_config,
     model_config_from_hf,
+    read_json_file,
     save_pretrained,
 )
 from scalerl.models.load import builtin_model_config, tokenizer_source
 from scalerl.models.tokenizer import CharTokenizer, load_tokenizer
+from scalerl.models.transformers_model import (
+    TRANSFORMERS,
+    TransformersCausalLM,
+    TransformersModelConfig,
+    build_transformers_model,
+    choose_implementation,
+)
 from scalerl.parallel.distributed import DistContext
 
 
@@ -36,15 +45,20 @@ def export_hf_model(model: CausalLM, tokenizer: Any, path: str | Path, ctx: Dist
 
     Distributed: every rank takes part in gathering the full (unsharded) weights; rank 0 writes them."""
     path = Path(path)
+    fallback = isinstance(model, TransformersCausalLM)  # transformers' model saves itself
     if ctx is None or ctx.world_size == 1:
-        return save_pretrained(model, path, tokenizer=tokenizer)
+        return model.save_pretrained(path, tokenizer=tokenizer) if fallback else save_pretrained(model, path, tokenizer=tokenizer)
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
     )
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if ctx.is_main:
+    if ctx.is_main and fallback:
+        plain = build_transformers_model(model.config)
+        plain.load_state_dict(full)
+        plain.save_pretrained(path, tokenizer=tokenizer)
+    elif ctx.is_main:
         plain = CausalLM(model.config)
         plain.load_state_dict(full, strict=False)
         if model.config.tie_word_embeddings:
@@ -82,6 +96,10 @@ def export_checkpoint(checkpoint: str | Path, hf_dir: str | Path) -> Path:
     tokenizer = load_tokenizer(tokenizer_source(model_section, source))
     config = _model_config(path, meta, model_section, source)
     config.torch_dtype = model_section.dtype  # what the run trained in, and so what the checkpoint holds
+    if isinstance(config, TransformersModelConfig):
+        model = build_transformers_model(config)
+        read_full_model(path, meta, model.state_dict(), prefix="actor.")
+        return model.save_pretrained(Path(hf_dir), tokenizer=tokenizer)
     model = CausalLM(config).to(getattr(torch, model_section.dtype))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -92,6 +110,9 @@ def export_checkpoint(checkpoint: str | Path, hf_dir: str | Path) -> Path:
 def _model_config(path: Path, meta: dict[str, Any], model_section: ModelSection, source: str | None) -> ModelConfig:
     """The architecture: meta.json's copy, else rebuilt as the trainer built it (the source's config.json,
     or the built-in model sized by the ``model`` section)."""
+    raw = meta.get("model_config") or (read_json_file(Path(source) / CONFIG_FILE, "model config") if source else {})
+    if raw and choose_implementation(model_section.implementation, raw.get("model_type"))[0] == TRANSFORMERS:
+        return TransformersModelConfig.from_hf_dict(raw)
     if meta.get("model_config"):
         return model_config_from_hf(meta["model_config"], f"{path / 'meta.json'} (model_config)")
     if source:

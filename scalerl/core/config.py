@@ -56,6 +56,7 @@ __all__ = [
 # --------------------------------------------------------------------------------------------- schema
 
 DTYPES = ("float32", "bfloat16", "float16")
+MODEL_IMPLEMENTATIONS = ("auto", "scalerl", "transformers")
 TASKS = ("arithmetic", "gsm8k", "math")
 DATA_FORMATS = ("auto", "gsm8k", "math", "rows", "verl", "trl")
 ROLLOUT_ENGINES = ("builtin", "vllm")
@@ -90,11 +91,14 @@ class ModelSection(_Section):
     num_key_value_heads: int = opt(2, "built-in model: key/value heads (grouped-query attention)")
     intermediate_size: int = opt(352, "built-in model: MLP width")
     dtype: str = opt("float32", "parameter dtype: " + " | ".join(DTYPES))
+    implementation: str = opt("auto", "decoder: scalerl's own | transformers' AutoModelForCausalLM (DDP/FSDP only) | "
+                              "auto = scalerl's for the architectures it implements, else transformers")
     activation_checkpointing: bool = opt(False, "recompute layer activations in backward to save memory")
 
     def problems(self) -> list[str]:
         p: list[str] = []
         _check_choice(p, self._key("dtype"), self.dtype, DTYPES)
+        _check_choice(p, self._key("implementation"), self.implementation, MODEL_IMPLEMENTATIONS)
         if self.path is not None:
             return p  # the architecture fields below only describe the built-in model
         for attr in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

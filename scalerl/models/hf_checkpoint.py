@@ -114,6 +114,8 @@ def model_config_from_hf(raw: dict[str, Any], source: str = CONFIG_FILE) -> Mode
 
 def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """An HF ``config.json`` dict readable by transformers 4.x and 5.x."""
+    if hasattr(cfg, "hf_config_dict"):  # the transformers fallback's config carries its own
+        return cfg.hf_config_dict()
     out: dict[str, Any] = {
         "architectures": [SUPPORTED_ARCHITECTURES[cfg.model_type]],
         "model_type": cfg.model_type,

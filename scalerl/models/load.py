@@ -10,8 +10,20 @@ import torch
 from scalerl.core.config import BUILTIN_MAX_POSITIONS, BUILTIN_VOCAB_SIZE, ConfigError
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import CausalLM, build_model
-from scalerl.models.hf_checkpoint import from_pretrained
+from scalerl.models.hf_checkpoint import (
+    CONFIG_FILE,
+    from_pretrained,
+    load_model_config,
+    read_json_file,
+)
 from scalerl.models.tokenizer import CharTokenizer, TokenizerNotFound, load_tokenizer
+from scalerl.models.transformers_model import (
+    TRANSFORMERS,
+    TransformersModelConfig,
+    announce_implementation,
+    choose_implementation,
+    load_transformers_model,
+)
 
 
 def builtin_model_config(model_cfg: Any, tokenizer: CharTokenizer) -> ModelConfig:
@@ -57,7 +69,12 @@ def load_model_and_tokenizer(
     source = init_from or model_cfg.path
     dtype = getattr(torch, model_cfg.dtype)
     if source:
-        model = from_pretrained(source, dtype=dtype, device=device)
+        implementation, why = choose_implementation(model_cfg.implementation, _model_type(source))
+        announce_implementation(implementation, why, source)
+        if implementation == TRANSFORMERS:
+            model = load_transformers_model(source, dtype=dtype, device=device)
+        else:
+            model = from_pretrained(source, dtype=dtype, device=device)
         source_key = "trainer.init_from" if init_from else "model.path"
         tokenizer = load_tokenizer(tokenizer_source(model_cfg, source, source_key))
     else:
@@ -65,6 +82,9 @@ def load_model_and_tokenizer(
         if not isinstance(tokenizer, CharTokenizer):
             raise ConfigError("the built-in model (model.path unset) only works with model.tokenizer=builtin, got "
                               f"model.tokenizer={model_cfg.tokenizer!r}")
+        if model_cfg.implementation == TRANSFORMERS:
+            raise ConfigError("model.implementation=transformers loads a Hugging Face directory: set model.path "
+                              "(or trainer.init_from); the built-in model is scalerl's own decoder")
         model = build_model(builtin_model_config(model_cfg, tokenizer), seed=seed, device=device)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ConfigError(
@@ -72,3 +92,17 @@ def load_model_and_tokenizer(
             f"model.tokenizer does not belong to {source or 'the built-in model'}"
         )
     return model, tokenizer
+
+
+def _model_type(source: str) -> str | None:
+    path = Path(source) / CONFIG_FILE
+    raw = read_json_file(path, "model config") if path.is_file() else {}
+    return raw.get("model_type") if isinstance(raw, dict) else None
+
+
+def model_architecture(model_cfg: Any, source: str) -> ModelConfig:
+    """The architecture of the model directory ``source`` as the run would load it (config.json only): a
+    `ModelConfig`, or a `TransformersModelConfig` for the transformers fallback."""
+    if choose_implementation(model_cfg.implementation, _model_type(source))[0] == TRANSFORMERS:
+        return TransformersModelConfig.from_hf_dict(read_json_file(Path(source) / CONFIG_FILE, "model config"))
+    return load_model_config(source)

@@ -23,6 +23,7 @@ from torch import nn
 
 from scalerl.comm.counting.accounting import CommCounter
 from scalerl.comm.gradients.reducer import GradientReducer
+from scalerl.models.transformers_model import layout_refusal
 from scalerl.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     set_activation_checkpointing,
@@ -30,6 +31,7 @@ from scalerl.parallel.activation_checkpointing import (
 from scalerl.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_reduce_dtype
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.grad_norm import clip_grad_norm, trainable_parameters
+from scalerl.parallel.mesh import LayoutError
 from scalerl.parallel.pipeline import PipelineRunner
 from scalerl.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -193,6 +195,8 @@ def parallelize(
         if activation_checkpointing and trainable:
             apply_activation_checkpointing(model)
         return ModuleParts(model, model)
+    if (refusal := layout_refusal(model, dims)) is not None:  # the transformers fallback: DDP / FSDP2 only
+        raise LayoutError(refusal)
     dims.check_model(model.config)
     if dims.pp > 1 and trainable:
         options = pipeline or PipelineOptions()

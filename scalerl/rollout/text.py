@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import torch
+
 from scalerl.core.config import ModelSection
 from scalerl.data.prompts import encode_prompts
 from scalerl.models.decoder import build_model
-from scalerl.models.hf_checkpoint import from_pretrained
-from scalerl.models.load import builtin_model_config
-from scalerl.models.tokenizer import CharTokenizer, load_tokenizer
+from scalerl.models.load import builtin_model_config, load_model_and_tokenizer
+from scalerl.models.tokenizer import CharTokenizer
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
 
@@ -27,8 +28,8 @@ def generate_text(
         tokenizer = CharTokenizer()
         model = build_model(builtin_model_config(ModelSection(), tokenizer), seed=seed or 0)
     else:
-        model = from_pretrained(model_path)
-        tokenizer = load_tokenizer(model_path)
+        # Either decoder, as training would choose it (model.implementation=auto).
+        model, tokenizer = load_model_and_tokenizer(ModelSection(path=model_path), None, torch.device("cpu"), seed or 0)
     model.eval()
     ids = encode_prompts(tokenizer, prompts)
     sampling = SamplingParams(

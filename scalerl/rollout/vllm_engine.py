@@ -103,5 +103,7 @@ class VLLMEngine:
 
 
 def hf_weight_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Our flat decoder names as Hugging Face's (what vLLM's loaders expect): ``model.`` prefix except the head."""
-    return [(n if n.startswith("lm_head.") else f"model.{n}", t) for n, t in named_tensors]
+    """Our names as Hugging Face's (what vLLM's loaders expect): the flat decoder's get the ``model.`` prefix
+    except the head; the transformers fallback's are HF's own under its ``hf.``."""
+    return [(n.removeprefix("hf.") if n.startswith("hf.") else n if n.startswith("lm_head.") else f"model.{n}", t)
+            for n, t in named_tensors]

@@ -56,12 +56,17 @@ def model_directory_problems(cfg: Any) -> list[str]:
     if not source or not Path(source).is_dir():
         return []
     # Imported here: they pull in torch, which `scalerl config` on the built-in model does not need.
-    from scalerl.models.hf_checkpoint import load_model_config
-    from scalerl.models.load import tokenizer_source
+    from scalerl.models.load import model_architecture, tokenizer_source
+    from scalerl.models.transformers_model import (
+        TransformersModelConfig,
+        transformers_layout_problems,
+    )
 
-    model = load_model_config(source)
+    model = model_architecture(cfg.model, source)
     tokenizer_source(cfg.model, source, key)
     problems = []
+    if isinstance(model, TransformersModelConfig):
+        problems += transformers_layout_problems(cfg.parallel, model.model_type)
     for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if getattr(model, attr) % cfg.parallel.tp:
             problems.append(f"parallel.tp={cfg.parallel.tp} does not divide {attr}={getattr(model, attr)} of "
