@@ -27,7 +27,7 @@ from torch import nn
 from scalerl.core.directory_swap import replace_directory, staging_dir
 from scalerl.core.errors import UserError
 from scalerl.core.file_modes import apply_file_modes
-from scalerl.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from scalerl.models.config import FULL_ATTENTION, SLIDING_ATTENTION, SUPPORTED_ARCHITECTURES, ModelConfig
 from scalerl.models.decoder import position_ids_from_mask
 from scalerl.models.hf_checkpoint import CheckpointFormatError
 from scalerl.models.kv_cache import KVCache
@@ -89,6 +89,12 @@ class TransformersModelConfig(ModelConfig):
     def __post_init__(self) -> None:  # any model_type: transformers knows the architecture, not scalerl
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        # The FLOP count asks each layer's window: transformers' own `layer_types` where it states them
+        # (sliding-window models), else every layer attends to the whole sequence.
+        kinds = (FULL_ATTENTION, SLIDING_ATTENTION)
+        if not (isinstance(self.layer_types, list) and len(self.layer_types) == self.num_hidden_layers
+                and all(t in kinds for t in self.layer_types) and self.sliding_window):
+            self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> TransformersModelConfig:
@@ -114,6 +120,8 @@ class TransformersModelConfig(ModelConfig):
             eos_token_id=getattr(text, "eos_token_id", None),
             pad_token_id=getattr(text, "pad_token_id", None),
             torch_dtype=str(dtype).removeprefix("torch."),
+            layer_types=list(getattr(text, "layer_types", None) or []) or None,
+            sliding_window=window if isinstance(window := getattr(text, "sliding_window", None), int) else None,
             hf_config=hf_config.to_dict(),
         )
 
