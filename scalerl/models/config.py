@@ -8,7 +8,10 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe")
 
 
 @dataclass
@@ -31,6 +34,17 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     torch_dtype: str = "float32"
+    qk_norm: bool = False  # Qwen3(-MoE): RMSNorm over each query/key head before RoPE
+    # Sparse MoE (scalerl.models.moe); num_experts=0 is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0 = none
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False  # as in transformers: the aux loss is trained only when true
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -45,3 +59,12 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.model_type in MOE_ARCHITECTURES:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                                 f"num_experts={self.num_experts}")
+            if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+                raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} and decoder_sparse_step="
+                                 f"{self.decoder_sparse_step} must be whole numbers >= 1")
+        elif self.num_experts:
+            raise ValueError(f"num_experts={self.num_experts} needs a MoE model_type {MOE_ARCHITECTURES}")

@@ -13,6 +13,7 @@ from torch import nn
 
 from scalerl.models.config import ModelConfig
 from scalerl.models.kv_cache import KVCache
+from scalerl.models.moe import SparseMoeBlock, is_sparse_layer
 from scalerl.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -43,6 +44,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm of queries and keys, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -55,8 +60,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # Head counts come from the weight shapes so a tensor-parallel shard (fewer local heads) just works.
-        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim)
+        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         # One rotation over q and k heads together: half the small kernels of rotating each.
         q, k = apply_rotary(torch.cat((q, k), dim=1), cos, sin).split((q.shape[1], k.shape[1]), dim=1)
@@ -87,7 +95,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = SparseMoeBlock(cfg) if is_sparse_layer(cfg, layer_idx) else SwiGLU(cfg)
 
     def forward(self, x, cos, sin, mask, kv_cache=None, cache_start=0):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_start)

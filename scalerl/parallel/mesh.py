@@ -66,6 +66,10 @@ class ParallelDims:
             value = getattr(model_cfg, name)
             if value % self.tp:
                 problems.append(f"model {name}={value} is not divisible by parallel.tp={self.tp}")
+        if getattr(model_cfg, "num_experts", 0) and (self.tp > 1 or self.pp > 1):
+            problems.append(f"a MoE model ({model_cfg.model_type}, num_experts={model_cfg.num_experts}) cannot run "
+                            f"with parallel.tp={self.tp} parallel.pp={self.pp}: scalerl splits MoE models over "
+                            "data-parallel ranks only (parallel.dp_replicate / parallel.dp_shard)")
         if model_cfg.num_hidden_layers % self.pp:
             problems.append(
                 f"model num_hidden_layers={model_cfg.num_hidden_layers} is not divisible by parallel.pp={self.pp}"

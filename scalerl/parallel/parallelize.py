@@ -23,6 +23,7 @@ from torch import nn
 
 from scalerl.comm.counting.accounting import CommCounter
 from scalerl.comm.gradients.reducer import GradientReducer
+from scalerl.models.moe import RouterAuxLoss
 from scalerl.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     set_activation_checkpointing,
@@ -63,6 +64,7 @@ class ModuleParts:
                  gradient_reducer: GradientReducer | None = None):
         self.model, self.trained, self.comm = model, trained, comm
         self.gradient_reducer = gradient_reducer  # DDP's comm hook state: byte counts, compression plan
+        self.router_aux = RouterAuxLoss.of(model)  # MoE: load-balancing loss and load metrics; None if dense
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
@@ -90,6 +92,8 @@ class ModuleParts:
                     output = self.trained(micro.input_ids, attention_mask=micro.attention_mask,
                                           logits_to_keep=micro.keep)
                 loss = loss_fn(output, micro.target)
+                if self.router_aux is not None:
+                    loss = loss + self.router_aux.loss_term(micro.attention_mask, len(micros))
                 (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
         return len(micros)
 

@@ -1,0 +1,289 @@
+"""Qwen2-MoE and Qwen3-MoE: logit parity with transformers both ways (per-expert and fused expert layouts),
+the load-balancing loss against transformers', engine generation, bad checkpoints, training with the
+auxiliary loss and its metrics (single process and DDP at world 2), refused layouts and the FLOPs count."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+
+from scalerl.core.config import BUILTIN_VOCAB_SIZE
+from scalerl.models.config import ModelConfig
+from scalerl.models.decoder import build_model
+from scalerl.models.hf_checkpoint import CheckpointFormatError, from_pretrained, save_pretrained
+from scalerl.models.moe import RouterAuxLoss, SparseMoeBlock, load_balancing_loss, moe_blocks
+from scalerl.parallel.mesh import LayoutError, ParallelDims
+from scalerl.perf.flops import decoder_param_count, matmul_param_count
+from scalerl.rollout.builtin_engine import BuiltinEngine
+from scalerl.rollout.engine import SamplingParams
+from tests.spawned_group import run_in_group
+from tests.tiny import tiny_overrides
+
+VOCAB = 80
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+              max_position_embeddings=128)
+# (architecture, its own settings): Qwen2-MoE with a shared expert, unnormalised top-k and one dense layer;
+# Qwen3-MoE with q/k norms, normalised top-k and every second layer sparse; top-1 routing.
+CASES = {
+    "qwen2_moe": ("qwen2_moe", dict(shared_expert_intermediate_size=24, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe": ("qwen3_moe", dict(norm_topk_prob=True, decoder_sparse_step=2)),
+    "qwen3_moe_top1_tied": ("qwen3_moe", dict(num_experts_per_tok=1, norm_topk_prob=False, tie_word_embeddings=True)),
+}
+
+
+def _hf_model(case: str):
+    arch, extra = CASES[case]
+    torch.manual_seed(0)
+    if arch == "qwen2_moe":
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{**COMMON, **extra}))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**COMMON, **extra}))
+    with torch.no_grad():  # random biases and norm weights (HF initialises them to 0 / 1), so parity tests them
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def _batch(padded: bool):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:  # left padding of different lengths, as in batched prompts
+        mask[0, :4] = 0
+        mask[2, :7] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask
+
+
+def _max_logit_diff(hf, ours, padded):
+    ids, mask = _batch(padded)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask)
+    return (ref - got)[mask.bool()].abs().max().item()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_to_scalerl_logits_match(tmp_path, case, padded):
+    hf = _hf_model(case)
+    hf.save_pretrained(tmp_path)  # transformers 5 writes the per-expert layout of published checkpoints
+    assert any(k.endswith(".mlp.experts.3.up_proj.weight") for k in load_file(tmp_path / "model.safetensors"))
+    ours = from_pretrained(tmp_path).eval()
+    sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.layers]
+    assert sparse == [hf.model.layers[i].mlp.__class__.__name__.endswith("SparseMoeBlock") for i in range(3)]
+    assert _max_logit_diff(hf, ours, padded) <= 1e-4
+
+
+def test_fused_expert_layout_loads(tmp_path):
+    """A directory holding transformers 5's in-memory tensors (``experts.gate_up_proj`` / ``down_proj``)."""
+    hf = _hf_model("qwen2_moe")
+    hf.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    assert _max_logit_diff(hf, from_pretrained(tmp_path).eval(), padded=True) <= 1e-4
+
+
+@pytest.mark.parametrize("case", ["qwen2_moe", "qwen3_moe"])
+def test_scalerl_to_hf_logits_match(tmp_path, case):
+    ours = from_pretrained(_saved(tmp_path / "src", case)).eval()
+    with torch.no_grad():  # move away from the HF weights, so the round trip carries our own
+        for p in ours.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    save_pretrained(ours, tmp_path / "out", max_shard_bytes=40_000)  # sharded, with an index
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert type(hf).__name__ == {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[case]
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    for padded in (False, True):
+        assert _max_logit_diff(hf.eval(), ours, padded) <= 1e-4
+    assert from_pretrained(tmp_path / "out").config == ours.config
+
+
+def _saved(path, case):
+    _hf_model(case).save_pretrained(path)
+    return path
+
+
+def test_aux_loss_equals_transformers(tmp_path):
+    hf = _hf_model("qwen2_moe")
+    ours = from_pretrained(_saved(tmp_path, "qwen2_moe")).eval()
+    ids, mask = _batch(padded=True)
+    for attention_mask in (mask, None):
+        with torch.no_grad():
+            ref = hf(ids, attention_mask=attention_mask, output_router_logits=True).aux_loss
+        ours(ids, attention_mask=attention_mask)
+        logits = [b.last_router_logits for b in moe_blocks(ours)]
+        assert len(logits) == 2
+        got = load_balancing_loss(logits, 4, 2, attention_mask)
+        assert abs(got.item() - ref.item()) <= 1e-6 and got.item() > 1.0
+
+
+def test_router_aux_loss_trains_only_when_enabled(tmp_path):
+    model = from_pretrained(_saved(tmp_path, "qwen3_moe"))
+    ids, mask = _batch(padded=True)
+    assert RouterAuxLoss.of(build_model(ModelConfig(vocab_size=VOCAB))) is None  # dense: no hook
+    off = RouterAuxLoss.of(model)
+    model(ids, attention_mask=mask)
+    term = off.loss_term(mask, 2)
+    assert off.coef == 0.0 and not term.requires_grad and term.item() == 0.0
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = 0.5
+    on = RouterAuxLoss.of(model)
+    model(ids, attention_mask=mask)
+    term = on.loss_term(mask, 2)
+    aux = load_balancing_loss([b.last_router_logits for b in moe_blocks(model)], 4, 2, mask)
+    assert torch.allclose(term, 0.25 * aux)
+    term.backward()
+    router = model.layers[1].mlp.gate.weight
+    assert router.grad is not None and router.grad.abs().sum() > 0
+    assert model.layers[1].mlp.experts[0].up_proj.weight.grad is None  # the aux loss reaches only routers
+    metrics = on.metrics()
+    assert metrics["moe/aux_loss"] == pytest.approx(aux.item(), rel=1e-6)
+    counts = torch.zeros(4)
+    counts.scatter_add_(0, torch.topk(model.layers[1].mlp.last_router_logits, 2).indices.reshape(-1),
+                        mask.reshape(-1).float().repeat_interleave(2))
+    assert metrics["moe/expert_load_imbalance"] == pytest.approx((counts.max() / counts.mean()).item(), rel=1e-6)
+    assert on.metrics() == {}  # reset after reading
+
+
+def test_engine_greedy_equals_transformers_generate(tmp_path):
+    hf = _hf_model("qwen2_moe")
+    ours = from_pretrained(_saved(tmp_path, "qwen2_moe")).eval()
+    prompts = [[5, 17, 33, 9, 41], [7, 8, 60]]
+    out = BuiltinEngine(ours, pad_token_id=0).generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0))
+    for row, prompt in enumerate(prompts):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert out.response_ids[row].tolist() == ref[0, len(prompt):].tolist()
+
+
+def _write_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_expert_tensor_is_named(tmp_path):
+    _saved(tmp_path, "qwen2_moe")
+    state = load_file(tmp_path / "model.safetensors")
+    del state["model.layers.2.mlp.experts.3.down_proj.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointFormatError, match=r"model\.layers\.2\.mlp\.experts\.3\.down_proj\.weight"):
+        from_pretrained(tmp_path)
+
+
+def test_mismatched_router_is_named(tmp_path):
+    _saved(tmp_path, "qwen3_moe")
+    _write_config(tmp_path, num_local_experts=3, num_experts_per_tok=2)  # the router holds 4 rows
+    with pytest.raises(CheckpointFormatError, match=r"mlp\.gate\.weight .*\(4, 32\).*\(3, 32\)"):
+        from_pretrained(tmp_path)
+
+
+def test_mismatched_fused_experts_are_named(tmp_path):
+    hf = _hf_model("qwen2_moe")
+    hf.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    state["model.layers.0.mlp.experts.down_proj"] = state["model.layers.0.mlp.experts.down_proj"][:, :, :8].contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointFormatError, match=r"model\.layers\.0\.mlp\.experts\.down_proj .*moe_intermediate_size=16"):
+        from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"num_experts": None, "num_local_experts": None}, "num_experts"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+    ({"moe_intermediate_size": "16"}, "moe_intermediate_size"),
+    ({"mlp_only_layers": [7]}, "mlp_only_layers"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob"),
+    ({"shared_expert_intermediate_size": None}, "shared_expert_intermediate_size"),
+])
+def test_bad_moe_config_field_is_named(tmp_path, changes, field):
+    _saved(tmp_path, "qwen2_moe")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(changes)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointFormatError, match=field):
+        from_pretrained(tmp_path)
+
+
+def test_tensor_and_pipeline_parallel_are_refused():
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, qk_norm=True, attention_bias=False)
+    for dims in (ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=2), ParallelDims(pp=2, dp_replicate=1, dp_shard=1, tp=1)):
+        with pytest.raises(LayoutError, match="MoE model .*parallel.tp=.* parallel.pp="):
+            dims.check_model(cfg)
+    ParallelDims(pp=1, dp_replicate=1, dp_shard=2, tp=1).check_model(cfg)
+
+
+def test_flops_count_active_parameters(tmp_path):
+    hf = _hf_model("qwen2_moe")
+    cfg = from_pretrained(_saved(tmp_path, "qwen2_moe")).config
+    assert decoder_param_count(cfg) == sum(p.numel() for p in hf.parameters())
+    h, layers = 32, 3
+    attention = h * 32 + 2 * h * 16 + 32 * h  # q (4 heads of 8), k and v (2 kv heads of 8), o
+    dense = 3 * h * 48
+    sparse = h * 4 + 2 * 3 * h * 16 + 3 * h * 24 + h  # router, top-2 experts, shared expert and its gate
+    assert matmul_param_count(cfg) == layers * attention + dense + 2 * sparse + h * VOCAB
+
+
+# --- training: the aux loss in the RL objective, its metrics, DDP at world 2 --------------------------------
+
+
+def _moe_run_model_dir(path, aux: bool):
+    """A tiny Qwen2-MoE over the built-in tokenizer's vocabulary, saved as an HF directory."""
+    cfg = ModelConfig(model_type="qwen2_moe", vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16, output_router_logits=aux, router_aux_loss_coef=0.05,
+                      tie_word_embeddings=True)
+    save_pretrained(build_model(cfg, seed=0), path)
+    return path
+
+
+def _train_metrics(out_dir, model_dir, *extra):
+    from scalerl.core.config import load_config
+    from scalerl.trainer.rl_trainer import RLTrainer
+
+    config = load_config(None, tiny_overrides(f"model.path={model_dir}", "model.tokenizer=builtin",
+                                              f"trainer.output_dir={out_dir}", *extra))
+    trainer = RLTrainer.from_config(config)
+    rows = []
+    for step in range(2):
+        trainer.step = step
+        rows.append(trainer.train_step())
+    return rows
+
+
+def test_rl_step_adds_the_aux_loss_and_logs_router_metrics(tmp_path):
+    rows = _train_metrics(tmp_path / "on", _moe_run_model_dir(tmp_path / "m_on", aux=True),
+                          "model.activation_checkpointing=true")
+    for row in rows:
+        assert row["moe/aux_loss"] >= 1.0 - 1e-6  # E * sum f*P is at least 1 (balanced) for top-k routing
+        assert row["moe/expert_load_imbalance"] >= 1.0
+        assert row["actor/grad_norm"] > 0
+    off = _train_metrics(tmp_path / "off", _moe_run_model_dir(tmp_path / "m_off", aux=False))
+    assert "moe/aux_loss" in off[0]
+    # The same weights and rollouts: the first update's gradient differs only by the aux loss term.
+    assert off[0]["actor/grad_norm"] != pytest.approx(rows[0]["actor/grad_norm"], rel=1e-9, abs=0)
+
+
+def _ddp_rank(rank, model_dir, out_dir):
+    return _train_metrics(out_dir, model_dir, "parallel.dp_replicate=2")
+
+
+def test_ddp_world_2_trains_a_moe_model(tmp_path):
+    model_dir = _moe_run_model_dir(tmp_path / "model", aux=True)
+    rows = run_in_group(_ddp_rank, 2, model_dir, tmp_path / "run")
+    for rank_rows in rows:
+        assert len(rank_rows) == 2
+        assert all(r["moe/aux_loss"] >= 1.0 - 1e-6 and r["actor/grad_norm"] > 0 for r in rank_rows)
+    # the metrics are reduced over the ranks, so both ranks report the same step values
+    assert rows[0][1]["moe/expert_load_imbalance"] == rows[1][1]["moe/expert_load_imbalance"]
+    assert rows[0][1]["moe/aux_loss"] == pytest.approx(rows[1][1]["moe/aux_loss"])
