@@ -153,6 +153,28 @@ def test_router_aux_loss_trains_only_when_enabled(tmp_path):
     assert on.metrics() == {}  # reset after reading
 
 
+def test_aux_loss_gradient_is_the_same_under_activation_checkpointing(tmp_path):
+    """The router logits are read from inside checkpointed layers: their gradient must survive recompute."""
+    import copy
+
+    from scalerl.parallel.activation_checkpointing import apply_activation_checkpointing
+
+    plain = from_pretrained(_saved(tmp_path, "qwen2_moe"))
+    plain.config.output_router_logits = True
+    checkpointed = copy.deepcopy(plain)
+    apply_activation_checkpointing(checkpointed)
+    ids, mask = _batch(padded=True)
+    grads = []
+    for model in (plain, checkpointed):
+        aux = RouterAuxLoss.of(model)
+        loss = model(ids, attention_mask=mask)[mask.bool()].logsumexp(-1).mean() + aux.loss_term(mask, 1) * 100
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if "mlp" in n})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 20
+    for name, grad in grads[0].items():
+        assert torch.allclose(grad, grads[1][name], atol=1e-6), name
+
+
 def test_engine_greedy_equals_transformers_generate(tmp_path):
     hf = _hf_model("qwen2_moe")
     ours = from_pretrained(_saved(tmp_path, "qwen2_moe")).eval()
@@ -274,16 +296,22 @@ def test_rl_step_adds_the_aux_loss_and_logs_router_metrics(tmp_path):
     assert off[0]["actor/grad_norm"] != pytest.approx(rows[0]["actor/grad_norm"], rel=1e-9, abs=0)
 
 
-def _ddp_rank(rank, model_dir, out_dir):
-    return _train_metrics(out_dir, model_dir, "parallel.dp_replicate=2")
+def _data_parallel_rank(rank, model_dir, out_dir):
+    return {layout: _train_metrics(out_dir / layout, model_dir, f"parallel.{layout}=2")
+            for layout in ("dp_replicate", "dp_shard")}
 
 
-def test_ddp_world_2_trains_a_moe_model(tmp_path):
+def test_ddp_and_fsdp_at_world_2_train_a_moe_model_alike(tmp_path):
+    """DDP and per-layer FSDP2 (the MoE layer is a decoder layer like any other) train the same steps: both
+    average each rank's loss + aux gradient, so their losses and gradient norms agree."""
     model_dir = _moe_run_model_dir(tmp_path / "model", aux=True)
-    rows = run_in_group(_ddp_rank, 2, model_dir, tmp_path / "run")
-    for rank_rows in rows:
-        assert len(rank_rows) == 2
-        assert all(r["moe/aux_loss"] >= 1.0 - 1e-6 and r["actor/grad_norm"] > 0 for r in rank_rows)
-    # the metrics are reduced over the ranks, so both ranks report the same step values
-    assert rows[0][1]["moe/expert_load_imbalance"] == rows[1][1]["moe/expert_load_imbalance"]
-    assert rows[0][1]["moe/aux_loss"] == pytest.approx(rows[1][1]["moe/aux_loss"])
+    ranks = run_in_group(_data_parallel_rank, 2, model_dir, tmp_path / "run")
+    for by_layout in ranks:
+        for rows in by_layout.values():
+            assert len(rows) == 2
+            assert all(r["moe/aux_loss"] >= 1.0 - 1e-6 and r["actor/grad_norm"] > 0 for r in rows)
+    ddp, fsdp = ranks[0]["dp_replicate"], ranks[0]["dp_shard"]
+    for key in ("actor/pg_loss", "actor/grad_norm", "moe/aux_loss", "moe/expert_load_imbalance"):
+        assert [r[key] for r in ddp] == pytest.approx([r[key] for r in fsdp], rel=1e-4, abs=1e-6), key
+    # reduced over the ranks: both report the same step values
+    assert ranks[0]["dp_shard"][1]["moe/aux_loss"] == ranks[1]["dp_shard"][1]["moe/aux_loss"]
