@@ -31,7 +31,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden
 CASES = {
     "qwen2_moe": ("qwen2_moe", dict(shared_expert_intermediate_size=24, mlp_only_layers=[1], norm_topk_prob=False)),
     "qwen3_moe": ("qwen3_moe", dict(norm_topk_prob=True, decoder_sparse_step=2)),
-    "qwen3_moe_top1_tied": ("qwen3_moe", dict(num_experts_per_tok=1, norm_topk_prob=False, tie_word_embeddings=True)),
+    "qwen3_moe_top1_tied": ("qwen3_moe", dict(num_experts_per_tok=1, norm_topk_prob=False, tie_word_embeddings=True,
+                                              head_dim=16)),  # q width 64 != hidden 32, as in Qwen3-30B-A3B
 }
 
 
