@@ -74,13 +74,15 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = ExpertMLP(hidden, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.last_router_logits: torch.Tensor | None = None
+        # Expert parallelism (scalerl.parallel.expert_parallel) routes over ranks in place of the local loop.
+        self.expert_dispatch = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits, weights, experts = self.gate(flat)
         self.last_router_logits = logits
-        out = routed_expert_outputs(flat, weights, experts, self.experts)
+        out = (self.expert_dispatch or routed_expert_outputs)(flat, weights, experts, self.experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(shape)

@@ -316,3 +316,55 @@ def test_ddp_and_fsdp_at_world_2_train_a_moe_model_alike(tmp_path):
         assert [r[key] for r in ddp] == pytest.approx([r[key] for r in fsdp], rel=1e-4, abs=1e-6), key
     # reduced over the ranks: both report the same step values
     assert ranks[0]["dp_shard"][1]["moe/aux_loss"] == ranks[1]["dp_shard"][1]["moe/aux_loss"]
+
+
+# --- expert parallelism: experts over the DP ranks, tokens by all-to-all, against one process ---------------
+
+
+def _expert_parallel_rank(rank, model_dir):
+    import copy
+
+    from scalerl.core.config import ParallelSection
+    from scalerl.parallel.distributed import init_distributed
+    from scalerl.parallel.expert_parallel import apply_expert_parallel
+
+    ctx = init_distributed(ParallelSection(dp_replicate=2), torch.device("cpu"))
+    reference = from_pretrained(model_dir)
+    reference.config.output_router_logits = True
+    sharded = copy.deepcopy(reference)
+    assert apply_expert_parallel(sharded, ctx) == 2
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    probe = torch.randn(4, 10, VOCAB, generator=torch.Generator().manual_seed(6))
+    mine = slice(2 * rank, 2 * rank + 2)  # each rank's half of the batch
+    # one process on the whole batch
+    ref_logits = reference(ids, attention_mask=mask)
+    (ref_logits * probe).sum().backward()
+    # expert parallel: each rank its half; tokens of both ranks reach each expert through the all-to-all
+    ctx.comm.reset()
+    logits = sharded(ids[mine], attention_mask=mask[mine])
+    loss = (logits * probe[mine]).sum()
+    loss.backward()
+    sent = ctx.comm.step_metrics()["comm/bytes/expert"]
+    total = ctx.all_reduce(loss.detach().clone())
+    ref_grads = dict(reference.named_parameters())
+    worst = 0.0
+    names = set()
+    for name, p in sharded.named_parameters():
+        grad = p.grad if ".experts." in name else ctx.all_reduce(p.grad.clone())  # experts: already summed
+        ref = ref_grads[name].grad  # relative to the tensor's scale: sums over ranks are ordered differently
+        worst = max(worst, ((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item())
+        names.add(name)
+    return dict(logit_diff=(logits - ref_logits[mine]).detach().abs().max().item(),
+                loss_diff=abs(total.item() - (ref_logits * probe).sum().item()), grad_diff=worst, sent=sent,
+                experts=sorted({int(n.split(".experts.")[1].split(".")[0]) for n in names if ".experts." in n}))
+
+
+def test_expert_parallel_equals_one_process(tmp_path):
+    model_dir = _saved(tmp_path, "qwen2_moe")
+    ranks = run_in_group(_expert_parallel_rank, 2, model_dir)
+    assert [r["experts"] for r in ranks] == [[0, 1], [2, 3]]  # each rank holds its half, by global name
+    for r in ranks:
+        assert r["logit_diff"] <= 1e-5 and r["loss_diff"] <= 1e-3 and r["grad_diff"] <= 1e-5, r  # grad_diff: relative
+        assert r["sent"] > 0  # the token all-to-alls are counted as expert traffic
