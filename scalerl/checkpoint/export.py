@@ -29,6 +29,7 @@ from scalerl.models.hf_checkpoint import (
 from scalerl.models.load import builtin_model_config, tokenizer_source
 from scalerl.models.tokenizer import CharTokenizer, load_tokenizer
 from scalerl.parallel.distributed import DistContext
+from scalerl.parallel.expert_parallel import gather_experts
 
 
 def export_hf_model(model: CausalLM, tokenizer: Any, path: str | Path, ctx: DistContext | None = None) -> Path:
@@ -44,6 +45,7 @@ def export_hf_model(model: CausalLM, tokenizer: Any, path: str | Path, ctx: Dist
     )
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full.update(gather_experts(model, ctx))  # expert parallelism: each rank holds only its experts
     if ctx.is_main:
         plain = CausalLM(model.config)
         plain.load_state_dict(full, strict=False)

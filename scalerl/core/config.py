@@ -513,6 +513,8 @@ class ParallelSection(_Section):
     pp: int = opt(1, "pipeline-parallel stages (layers must divide by it)")
     pp_schedule: str = opt("1f1b", "pipeline schedule: " + " | ".join(PP_SCHEDULES))
     microbatches: int = opt(4, "pipeline micro-batches per mini-batch")
+    ep: int = opt(1, "expert parallelism: a MoE model's experts sharded over the data-parallel ranks, tokens routed "
+                     "by all-to-all (1 = off; else the DDP size, parallel.dp_replicate)")
     reorder_ranks_by_node: bool = opt(True, "when the launcher numbered ranks across nodes in turn, build the "
                                             "device mesh with each node's ranks contiguous (rings cross nodes "
                                             "less; RANK numbers are kept)")
@@ -527,6 +529,7 @@ class ParallelSection(_Section):
         _check(p, self.tp != -1 and self.pp != -1, "parallel.tp/pp", "explicit sizes (>= 1)", (self.tp, self.pp))
         _check_choice(p, "parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check(p, self.microbatches >= 1, "parallel.microbatches", ">= 1", self.microbatches)
+        _check(p, self.ep >= 1, "parallel.ep", ">= 1", self.ep)
         return p
 
 

@@ -16,9 +16,10 @@ gradients), so an expert's gradient on its owner holds every rank's tokens. Coll
 global names (``experts`` becomes a ModuleDict keyed by the global expert index), so a rank's state dict
 names exactly the experts it holds.
 
-Not wired into `parallelize` yet: data parallelism would have to leave the expert parameters out of its
-gradient averaging (their gradients are already the sum over ranks) and checkpoints / exports would have
-to gather them. This module is the dispatch, tested against one process (tests/models/test_moe.py).
+`parallelize` applies it under DDP (``parallel.ep`` = ``parallel.dp_replicate``): DDP leaves the expert
+parameters out of its averaging (their gradients are already sums over ranks, scaled here), the gradient
+norm adds each rank's experts once (`expert_parallel_grad_norm`), and the export gathers them
+(`gather_experts`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from scalerl.models.moe import moe_blocks
+from scalerl.models.moe import SparseMoeBlock, moe_blocks
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.mesh import LayoutError
 
@@ -83,12 +84,14 @@ class ExpertParallelDispatch:
         return torch.zeros_like(flat).index_add(0, rows, mine)
 
 
-def apply_expert_parallel(model: nn.Module, ctx: DistContext, over="dp") -> int:
+def apply_expert_parallel(model: nn.Module, ctx: DistContext, over="dp") -> list[nn.Parameter]:
     """Keep this rank's share of every sparse block's experts (contiguous global indices) and route tokens
-    by all-to-all over ``over`` (default the data-parallel ranks); returns the experts kept per block."""
+    by all-to-all over ``over`` (default the data-parallel ranks); returns the expert parameters kept.
+
+    Their gradients already hold every rank's tokens, so DDP leaves them out (its ignore list) and each is
+    scaled by ``1 / ranks`` as it lands: the mean DDP takes of the other gradients."""
     group, size, _ = ctx.group_of(over)
     rank = torch.distributed.get_group_rank(group, ctx.rank) if size > 1 else 0
-    kept = 0
     for block in moe_blocks(getattr(model, "backbone", model)):
         if block.num_experts % size:
             raise LayoutError(f"expert parallelism over {size} ranks needs num_experts divisible by it, got "
@@ -97,4 +100,51 @@ def apply_expert_parallel(model: nn.Module, ctx: DistContext, over="dp") -> int:
         first = rank * kept
         block.experts = nn.ModuleDict({str(j): block.experts[j] for j in range(first, first + kept)})
         block.expert_dispatch = ExpertParallelDispatch(ctx, over, first, kept, size)
-    return kept
+    names = [n for n, _ in model.named_parameters() if is_expert_parameter(n)]
+    model._ddp_params_and_buffers_to_ignore = names  # read by DistributedDataParallel when it wraps the model
+    params = [p for n, p in model.named_parameters() if is_expert_parameter(n)]
+    for p in params:
+        p.register_hook(lambda grad, scale=1.0 / size: grad * scale)
+    return params
+
+
+def is_expert_parameter(name: str) -> bool:
+    """A routed expert's weight (``...mlp.experts.{j}.*``; not the shared expert, not the router)."""
+    return ".mlp.experts." in name
+
+
+def expert_parallel_grad_norm(params: list[nn.Parameter], expert_params: list[nn.Parameter], max_norm: float,
+                              ctx: DistContext, over="dp") -> torch.Tensor:
+    """Clip by the global gradient norm: replicated gradients counted once, each rank's experts added
+    (one scalar all-reduce, ``metrics`` traffic). Returns the norm before clipping."""
+    experts = {id(p) for p in expert_params}
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    replicated = sum((g.detach().float().pow(2).sum() for p, g in ((p, p.grad) for p in params)
+                      if g is not None and id(p) not in experts), torch.zeros((), device=grads[0].device))
+    sharded = sum((p.grad.detach().float().pow(2).sum() for p in expert_params if p.grad is not None),
+                  torch.zeros((), device=grads[0].device))
+    norm = (replicated + ctx.all_reduce(sharded.reshape(1), over=over)[0]).sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+    return norm
+
+
+def gather_experts(model: nn.Module, ctx: DistContext, over="dp") -> dict[str, torch.Tensor]:
+    """Every rank's expert weights under their global names (collective: every rank calls it), on CPU;
+    empty without expert parallelism. What an export or a full state dict needs from the other ranks."""
+    out: dict[str, torch.Tensor] = {}
+    for block_name, block in model.named_modules():
+        if not isinstance(block, SparseMoeBlock) or block.expert_dispatch is None:
+            continue
+        dispatch = block.expert_dispatch
+        # Local slot by local slot, so every rank gathers the same tensor in the same call.
+        for slot, expert in enumerate(block.experts.values()):
+            for name, p in expert.named_parameters():
+                rows = ctx.all_gather(p.detach().unsqueeze(0).contiguous(), over=over, kind="param")
+                for r in range(dispatch.num_ranks):
+                    out[f"{block_name}.experts.{r * dispatch.num_local + slot}.{name}"] = rows[r].cpu()
+    return out

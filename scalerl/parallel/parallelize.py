@@ -30,6 +30,11 @@ from scalerl.parallel.activation_checkpointing import (
 )
 from scalerl.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_reduce_dtype
 from scalerl.parallel.distributed import DistContext
+from scalerl.parallel.expert_parallel import (
+    apply_expert_parallel,
+    expert_parallel_grad_norm,
+    is_expert_parameter,
+)
 from scalerl.parallel.grad_norm import clip_grad_norm, trainable_parameters
 from scalerl.parallel.pipeline import PipelineRunner
 from scalerl.parallel.tensor_parallel import apply_tensor_parallel
@@ -61,8 +66,9 @@ class ModuleParts:
     fixed_shapes = False  # any batch shape may go through `forward_backward`
 
     def __init__(self, model: nn.Module, trained: nn.Module, comm: CommCounter | None = None,
-                 gradient_reducer: GradientReducer | None = None):
+                 gradient_reducer: GradientReducer | None = None, expert_parallel: DistContext | None = None):
         self.model, self.trained, self.comm = model, trained, comm
+        self.expert_parallel = expert_parallel  # the context experts are sharded over (parallel.ep > 1)
         self.gradient_reducer = gradient_reducer  # DDP's comm hook state: byte counts, compression plan
         self.router_aux = RouterAuxLoss.of(model)  # MoE: load-balancing loss and load metrics; None if dense
 
@@ -98,6 +104,9 @@ class ModuleParts:
         return len(micros)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        if self.expert_parallel is not None:  # each rank holds different experts: their norms add up
+            experts = [p for n, p in self.model.named_parameters() if is_expert_parameter(n)]
+            return expert_parallel_grad_norm(trainable_parameters(self.model), experts, max_norm, self.expert_parallel)
         return clip_grad_norm(trainable_parameters(self.model), max_norm, counter=self.comm)
 
     def share_loss_metrics(self, values: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, float]:
@@ -215,7 +224,7 @@ def parallelize(
         return ModuleParts(model, model, ctx.comm)
     trained, reducer = _apply_layout(model, ctx, activation_checkpointing and trainable, use_ddp=trainable,
                                      comm=comm if trainable else None, on_send=on_send)
-    return ModuleParts(model, trained, ctx.comm, reducer)
+    return ModuleParts(model, trained, ctx.comm, reducer, ctx if dims.ep > 1 and trainable else None)
 
 
 def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing: bool, use_ddp: bool,
@@ -226,6 +235,8 @@ def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing:
     dims, mesh = ctx.dims, ctx.mesh
     if dims.tp > 1:
         apply_tensor_parallel(getattr(module, "backbone", module), mesh["tp"], ctx.comm)  # a value model's backbone
+    if dims.ep > 1 and use_ddp:  # a frozen reference keeps every expert: its forwards need no all-to-all
+        apply_expert_parallel(module, ctx)
     if activation_checkpointing:
         apply_activation_checkpointing(module)
     if dims.dp > 1:

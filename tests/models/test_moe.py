@@ -270,12 +270,20 @@ def _moe_run_model_dir(path, aux: bool):
     return path
 
 
+def _length_reward(directory):
+    """A reward that varies within a group for an untrained model (the built-in task's exact answers would
+    leave every advantage at zero): the policy gradient is not zero."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "length_reward.py").write_text("def score(response, ground_truth):\n    return len(response) / 10\n")
+    return f"data.reward={directory / 'length_reward.py'}:score"
+
+
 def _train_metrics(out_dir, model_dir, *extra):
     from scalerl.core.config import load_config
     from scalerl.trainer.rl_trainer import RLTrainer
 
     config = load_config(None, tiny_overrides(f"model.path={model_dir}", "model.tokenizer=builtin",
-                                              f"trainer.output_dir={out_dir}", *extra))
+                                              f"trainer.output_dir={out_dir}", _length_reward(model_dir), *extra))
     trainer = RLTrainer.from_config(config)
     rows = []
     for step in range(2):
@@ -368,3 +376,35 @@ def test_expert_parallel_equals_one_process(tmp_path):
     for r in ranks:
         assert r["logit_diff"] <= 1e-5 and r["loss_diff"] <= 1e-3 and r["grad_diff"] <= 1e-5, r  # grad_diff: relative
         assert r["sent"] > 0  # the token all-to-alls are counted as expert traffic
+
+
+def _ep_run(rank, model_dir, out_dir, layouts):
+    from scalerl.verify import run_kind
+
+    for name, extra in layouts.items():
+        run_kind("grpo", tiny_overrides(f"model.path={model_dir}", "model.tokenizer=builtin", "trainer.total_steps=2",
+                                        "actor.lr=1e-3", _length_reward(model_dir), *extra), out_dir / name)
+
+
+def test_expert_parallel_training_equals_one_process(tmp_path):
+    """parallel.ep=2 over two DDP ranks: the same losses, gradient norms and exported weights as one process
+    (the aux loss off: with it on each rank's aux loss is over its own tokens, as under plain DDP)."""
+    from scalerl.verify import TOLERANCE, max_weight_diff
+
+    model_dir = _moe_run_model_dir(tmp_path / "model", aux=False)
+    _ep_run(0, model_dir, tmp_path, {"single": []})
+    run_in_group(_ep_run, 2, model_dir, tmp_path, {"ep2": ["parallel.dp_replicate=2", "parallel.ep=2"]})
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("single", "ep2")}
+    steps = {name: [r for r in rs if r.get("step", 0) > 0 and "actor/grad_norm" in r] for name, rs in rows.items()}
+    assert len(steps["ep2"]) == len(steps["single"]) == 2
+    for a, b in zip(steps["single"], steps["ep2"]):
+        # (moe/aux_loss is a mean over forwards, each over its own rank's tokens: not comparable)
+        for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "moe/expert_load_imbalance"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        assert b["comm/bytes/expert"] > 0 and a.get("comm/bytes/expert", 0) == 0
+    # the export gathered every rank's experts: all four of each layer, equal to the single process's
+    exported = load_file(tmp_path / "ep2" / "final" / "model.safetensors")
+    assert sum(".mlp.experts." in k and k.endswith("up_proj.weight") for k in exported) == 2 * 4
+    assert max_weight_diff(tmp_path / "single" / "final", tmp_path / "ep2" / "final") <= TOLERANCE
+    assert max_weight_diff(model_dir, tmp_path / "ep2" / "final") > 50 * TOLERANCE  # it did train
