@@ -618,6 +618,12 @@ class Config(_Section):
         if self.model.path is None and self.trainer.init_from is None:
             p += builtin_model_problems(self)
         p += _comm_layout_problems(self.comm, self.parallel)
+        if self.parallel.ep > 1 and (self.model.path is None and self.trainer.init_from is None):
+            p.append(f"parallel.ep={self.parallel.ep} shards a MoE model's experts; the built-in model is dense: set "
+                     "model.path to a qwen2_moe / qwen3_moe directory or parallel.ep=1")
+        if self.parallel.ep > 1 and self.rollout.placement == "standalone":
+            p.append(f"parallel.ep={self.parallel.ep} with rollout.placement=standalone: weight pushes to rollout "
+                     "workers do not gather the sharded experts yet; use rollout.placement=colocated")
         return p
 
 

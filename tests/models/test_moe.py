@@ -340,7 +340,7 @@ def _expert_parallel_rank(rank, model_dir):
     reference = from_pretrained(model_dir)
     reference.config.output_router_logits = True
     sharded = copy.deepcopy(reference)
-    assert apply_expert_parallel(sharded, ctx) == 2
+    assert len(apply_expert_parallel(sharded, ctx)) == 2 * 2 * 3  # 2 sparse layers x 2 experts x 3 weights
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
@@ -360,7 +360,8 @@ def _expert_parallel_rank(rank, model_dir):
     worst = 0.0
     names = set()
     for name, p in sharded.named_parameters():
-        grad = p.grad if ".experts." in name else ctx.all_reduce(p.grad.clone())  # experts: already summed
+        # experts: already summed over the ranks' tokens, then scaled by 1/2 for DDP's mean; others: summed here
+        grad = p.grad * 2 if ".experts." in name else ctx.all_reduce(p.grad.clone())
         ref = ref_grads[name].grad  # relative to the tensor's scale: sums over ranks are ordered differently
         worst = max(worst, ((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item())
         names.add(name)
@@ -408,3 +409,20 @@ def test_expert_parallel_training_equals_one_process(tmp_path):
     assert sum(".mlp.experts." in k and k.endswith("up_proj.weight") for k in exported) == 2 * 4
     assert max_weight_diff(tmp_path / "single" / "final", tmp_path / "ep2" / "final") <= TOLERANCE
     assert max_weight_diff(model_dir, tmp_path / "ep2" / "final") > 50 * TOLERANCE  # it did train
+
+
+def test_expert_parallel_layouts_that_cannot_work_are_refused(tmp_path):
+    from scalerl.core.config import ConfigError, ParallelSection, load_config
+
+    with pytest.raises(LayoutError, match="parallel.ep=2 .*parallel.dp_replicate=2"):
+        ParallelDims.from_config(ParallelSection(dp_replicate=1, dp_shard=2, ep=2), 2)
+    with pytest.raises(LayoutError, match="parallel.ep=4"):
+        ParallelDims.from_config(ParallelSection(dp_replicate=2, ep=4), 2)
+    assert ParallelDims.from_config(ParallelSection(dp_replicate=-1, ep=2), 2).ep == 2
+    dense = ModelConfig(vocab_size=VOCAB)
+    with pytest.raises(LayoutError, match="parallel.ep=2 needs a MoE model"):
+        ParallelDims(pp=1, dp_replicate=2, dp_shard=1, tp=1, ep=2).check_model(dense)
+    with pytest.raises(ConfigError, match="parallel.ep=2 .*built-in model is dense"):
+        load_config(None, tiny_overrides("parallel.ep=2"))
+    with pytest.raises(ConfigError, match="rollout.placement=standalone"):
+        load_config(None, tiny_overrides("parallel.ep=2", f"model.path={tmp_path}", "rollout.placement=standalone"))
