@@ -3,6 +3,7 @@ the load-balancing loss against transformers', engine generation, bad checkpoint
 auxiliary loss and its metrics (single process and DDP at world 2), refused layouts and the FLOPs count."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -426,3 +427,31 @@ def test_expert_parallel_layouts_that_cannot_work_are_refused(tmp_path):
         load_config(None, tiny_overrides("parallel.ep=2"))
     with pytest.raises(ConfigError, match="rollout.placement=standalone"):
         load_config(None, tiny_overrides("parallel.ep=2", f"model.path={tmp_path}", "rollout.placement=standalone"))
+
+
+def _ep_resume_rank(rank, model_dir, out_dir):
+    from scalerl.verify import run_kind
+
+    common = tiny_overrides(f"model.path={model_dir}", "model.tokenizer=builtin", "actor.lr=1e-3",
+                            _length_reward(model_dir), "parallel.dp_replicate=2", "parallel.ep=2")
+    run_kind("grpo", [*common, "trainer.total_steps=2"], out_dir / "straight")
+    run_kind("grpo", [*common, "trainer.total_steps=1"], out_dir / "resumed")
+    from scalerl.core.config import load_config
+    from scalerl.trainer.rl_trainer import RLTrainer
+
+    trainer = RLTrainer.from_config(load_config(None, [*common, "trainer.total_steps=2", "trainer.resume=auto",
+                                                       f"trainer.output_dir={out_dir / 'resumed'}"]))
+    start = trainer.step  # 1: the checkpoint of the first call was loaded
+    return start, trainer.fit()["final_model"]
+
+
+def test_expert_parallel_checkpoint_resumes(tmp_path):
+    """Each rank's checkpoint holds its own experts (per-rank keys); resuming at the same layout continues
+    exactly where the run stopped."""
+    from scalerl.verify import TOLERANCE, max_weight_diff
+
+    model_dir = _moe_run_model_dir(tmp_path / "model", aux=True)
+    start, final = run_in_group(_ep_resume_rank, 2, model_dir, tmp_path)[0]
+    assert start == 1
+    assert max_weight_diff(tmp_path / "straight" / "final", Path(final)) <= TOLERANCE
+    assert max_weight_diff(model_dir, Path(final)) > 50 * TOLERANCE
