@@ -121,10 +121,12 @@ def expert_parallel_grad_norm(params: list[nn.Parameter], expert_params: list[nn
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    replicated = sum((g.detach().float().pow(2).sum() for p, g in ((p, p.grad) for p in params)
-                      if g is not None and id(p) not in experts), torch.zeros((), device=grads[0].device))
-    sharded = sum((p.grad.detach().float().pow(2).sum() for p in expert_params if p.grad is not None),
-                  torch.zeros((), device=grads[0].device))
+
+    def squares(gs) -> torch.Tensor:
+        return sum((g.detach().float().pow(2).sum() for g in gs), torch.zeros((), device=grads[0].device))
+
+    replicated = squares(p.grad for p in params if p.grad is not None and id(p) not in experts)
+    sharded = squares(p.grad for p in expert_params if p.grad is not None)
     norm = (replicated + ctx.all_reduce(sharded.reshape(1), over=over)[0]).sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -85,7 +85,7 @@ def decoder_layer_tensor_count(cfg: ModelConfig) -> int:
     has), equal to ``len(list(layer.parameters()))`` of the built model: what a per-tensor copy moves.
     For a MoE model it is a dense layer's count (sparse layers hold ``3 * num_experts + 1`` MLP tensors, plus
     4 with a shared expert)."""
-    count = 4 + 3 + 2
+    count = 4 + 3 + 2 + (2 if cfg.qk_norm else 0)
     if cfg.attention_bias:
         count += 3 + (1 if cfg.model_type == "llama" else 0)
     if _mlp_has_bias(cfg):
