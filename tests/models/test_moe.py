@@ -306,6 +306,20 @@ def test_rl_step_adds_the_aux_loss_and_logs_router_metrics(tmp_path):
     assert off[0]["actor/grad_norm"] != pytest.approx(rows[0]["actor/grad_norm"], rel=1e-9, abs=0)
 
 
+def test_sft_adds_the_aux_loss_and_logs_router_metrics(tmp_path):
+    from scalerl.core.config import load_config
+    from scalerl.trainer.sft_trainer import train_sft
+
+    model_dir = _moe_run_model_dir(tmp_path / "model", aux=True)
+    summary = train_sft(load_config(None, tiny_overrides(f"model.path={model_dir}", "model.tokenizer=builtin",
+                                                         f"trainer.output_dir={tmp_path / 'run'}")))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "sft/loss" in r]
+    assert len(steps) == 3 and all(r["moe/aux_loss"] >= 1.0 - 1e-6 and r["moe/expert_load_imbalance"] >= 1.0
+                                   for r in steps)
+    assert from_pretrained(summary["model_dir"]).config.num_experts == 4  # exported as a MoE directory
+
+
 def _data_parallel_rank(rank, model_dir, out_dir):
     return {layout: _train_metrics(out_dir / layout, model_dir, f"parallel.{layout}=2")
             for layout in ("dp_replicate", "dp_shard")}
