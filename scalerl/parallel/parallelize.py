@@ -1,5 +1,5 @@
-"""The one place parallelism is applied: pipeline stages -> tensor parallel -> activation checkpointing ->
-data parallel (DDP / FSDP2 / HSDP).
+"""The one place parallelism is applied: pipeline stages -> tensor parallel -> expert parallel (MoE) ->
+activation checkpointing -> data parallel (DDP / FSDP2 / HSDP).
 
 `parallelize` returns the model's parts for this rank (torchtitan's ``model_parts`` idea): the full model
 that generates and computes log-probs, and what trains. Trainers use the parts through one interface
