@@ -38,6 +38,7 @@ from scalerl.models.transformers_model import (
     choose_implementation,
 )
 from scalerl.parallel.distributed import DistContext
+from scalerl.parallel.expert_parallel import gather_experts
 
 
 def export_hf_model(model: CausalLM, tokenizer: Any, path: str | Path, ctx: DistContext | None = None) -> Path:
@@ -54,6 +55,7 @@ def export_hf_model(model: CausalLM, tokenizer: Any, path: str | Path, ctx: Dist
     )
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full.update(gather_experts(model, ctx))  # expert parallelism: each rank holds only its experts
     if ctx.is_main and fallback:
         plain = build_transformers_model(model.config)
         plain.load_state_dict(full)

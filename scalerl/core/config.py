@@ -573,6 +573,8 @@ class ParallelSection(_Section):
     pp: int = opt(1, "pipeline-parallel stages (layers must divide by it)")
     pp_schedule: str = opt("1f1b", "pipeline schedule: " + " | ".join(PP_SCHEDULES))
     microbatches: int = opt(4, "pipeline micro-batches per mini-batch")
+    ep: int = opt(1, "expert parallelism: a MoE model's experts sharded over the data-parallel ranks, tokens routed "
+                     "by all-to-all (1 = off; else the DDP size, parallel.dp_replicate)")
     reorder_ranks_by_node: bool = opt(True, "when the launcher numbered ranks across nodes in turn, build the "
                                             "device mesh with each node's ranks contiguous (rings cross nodes "
                                             "less; RANK numbers are kept)")
@@ -587,6 +589,7 @@ class ParallelSection(_Section):
         _check(p, self.tp != -1 and self.pp != -1, "parallel.tp/pp", "explicit sizes (>= 1)", (self.tp, self.pp))
         _check_choice(p, "parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check(p, self.microbatches >= 1, "parallel.microbatches", ">= 1", self.microbatches)
+        _check(p, self.ep >= 1, "parallel.ep", ">= 1", self.ep)
         return p
 
 
@@ -675,6 +678,12 @@ class Config(_Section):
         if self.model.path is None and self.trainer.init_from is None:
             p += builtin_model_problems(self)
         p += _comm_layout_problems(self.comm, self.parallel)
+        if self.parallel.ep > 1 and (self.model.path is None and self.trainer.init_from is None):
+            p.append(f"parallel.ep={self.parallel.ep} shards a MoE model's experts; the built-in model is dense: set "
+                     "model.path to a qwen2_moe / qwen3_moe directory or parallel.ep=1")
+        if self.parallel.ep > 1 and self.rollout.placement == "standalone":
+            p.append(f"parallel.ep={self.parallel.ep} with rollout.placement=standalone: weight pushes to rollout "
+                     "workers do not gather the sharded experts yet; use rollout.placement=colocated")
         return p
 
 

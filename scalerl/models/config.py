@@ -20,6 +20,8 @@ SUPPORTED_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -44,6 +46,7 @@ ARCHITECTURE_TRAITS = {
     "gemma2": ArchitectureTraits(gemma_norms=True, scaled_embeddings=True),
     "gemma3_text": ArchitectureTraits(qk_norm=True, gemma_norms=True, scaled_embeddings=True),
 }
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe")
 
 
 @dataclass
@@ -75,6 +78,16 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: attention scores scaled by its -1/2 power, not head_dim's
     attn_logit_softcapping: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # Gemma: logits become cap * tanh(logits / cap)
+    # Sparse MoE (scalerl.models.moe); num_experts=0 is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0 = none
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False  # as in transformers: the aux loss is trained only when true
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -105,6 +118,15 @@ class ModelConfig:
         self.layer_types = list(self.layer_types)
         if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+        if self.model_type in MOE_ARCHITECTURES:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                                 f"num_experts={self.num_experts}")
+            if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+                raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} and decoder_sparse_step="
+                                 f"{self.decoder_sparse_step} must be whole numbers >= 1")
+        elif self.num_experts:
+            raise ValueError(f"num_experts={self.num_experts} needs a MoE model_type {MOE_ARCHITECTURES}")
 
     @property
     def traits(self) -> ArchitectureTraits:

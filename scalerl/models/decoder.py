@@ -18,6 +18,7 @@ from torch import nn
 
 from scalerl.models.config import SLIDING_ATTENTION, ModelConfig
 from scalerl.models.kv_cache import KVCache
+from scalerl.models.moe import SparseMoeBlock, is_sparse_layer
 from scalerl.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -181,7 +182,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = SparseMoeBlock(cfg) if is_sparse_layer(cfg, layer_idx) else SwiGLU(cfg)
         self.gemma_norms = cfg.traits.gemma_norms
         if self.gemma_norms:
             self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)

@@ -24,12 +24,19 @@ from scalerl.core.errors import UserError
 from scalerl.core.file_modes import apply_file_modes
 from scalerl.models.config import (
     FULL_ATTENTION,
+    MOE_ARCHITECTURES,
     SLIDING_ATTENTION,
     SUPPORTED_ACTIVATIONS,
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
 )
 from scalerl.models.decoder import CausalLM
+from scalerl.models.moe import (
+    is_fused_experts_name,
+    moe_fields_from_hf,
+    moe_fields_to_hf,
+    split_fused_experts,
+)
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -87,6 +94,8 @@ def model_config_from_hf(raw: dict[str, Any], source: str = CONFIG_FILE) -> Mode
     if "rope_theta" in architecture_fields:  # Gemma 3: a RoPE per layer type
         rope_theta, rope_scaling = architecture_fields.pop("rope_theta"), architecture_fields.pop("rope_scaling")
     try:
+        moe_fields = moe_fields_from_hf(raw) if model_type in MOE_ARCHITECTURES else {}
+        attention_bias = moe_fields.pop("attention_bias", bool(raw.get("attention_bias", default_bias)))
         return ModelConfig(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -100,13 +109,14 @@ def model_config_from_hf(raw: dict[str, Any], source: str = CONFIG_FILE) -> Mode
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            attention_bias=bool(raw.get("attention_bias", default_bias)),
+            attention_bias=attention_bias,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
             pad_token_id=raw.get("pad_token_id"),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             **architecture_fields,
+            **moe_fields,
         )
     except ValueError as err:
         raise CheckpointFormatError(f"{source}: {err}") from err
@@ -138,7 +148,9 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "torch_dtype": cfg.torch_dtype,
         "use_cache": True,
     }
-    if cfg.model_type == "llama":
+    if cfg.model_type in MOE_ARCHITECTURES:
+        out.update(moe_fields_to_hf(cfg))
+    elif cfg.model_type == "llama":
         out["attention_bias"] = cfg.attention_bias
         out["mlp_bias"] = False
     elif cfg.model_type == "qwen2" and not cfg.attention_bias:
@@ -359,6 +371,12 @@ def from_pretrained(
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for hf_key in f.keys():
                     name = _our_name(hf_key)
+                    if is_fused_experts_name(name) and cfg.num_experts:  # as transformers 5 holds them
+                        try:
+                            loaded.update(split_fused_experts(name, f.get_tensor(hf_key).to(dtype), cfg))
+                        except ValueError as err:
+                            raise CheckpointFormatError(f"{file.name}: {err}") from None
+                        continue
                     if name not in expected:
                         if name == "lm_head.weight" and cfg.tie_word_embeddings:
                             continue  # some tied checkpoints still store the head; the embedding wins

@@ -24,6 +24,7 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int = 1  # expert parallelism over the data-parallel ranks (not a mesh dimension of its own)
 
     @classmethod
     def from_config(cls, parallel_cfg, world_size: int) -> "ParallelDims":
@@ -49,7 +50,11 @@ class ParallelDims:
                 f"parallel layout {_describe(sizes)} multiplies to {product}, but the world size is {world_size}; "
                 "make pp * dp_replicate * dp_shard * tp equal the number of ranks"
             )
-        return cls(**sizes)
+        ep = getattr(parallel_cfg, "ep", 1)
+        if ep > 1 and (ep != sizes["dp_replicate"] or sizes["dp_shard"] * sizes["tp"] * sizes["pp"] != 1):
+            raise LayoutError(f"parallel.ep={ep} shards experts over the DDP ranks: it needs parallel.dp_replicate={ep} "
+                              f"and no other parallelism, got {_describe(sizes)}")
+        return cls(**sizes, ep=ep)
 
     @property
     def dp(self) -> int:
@@ -66,6 +71,13 @@ class ParallelDims:
             value = getattr(model_cfg, name)
             if value % self.tp:
                 problems.append(f"model {name}={value} is not divisible by parallel.tp={self.tp}")
+        if getattr(model_cfg, "num_experts", 0) and (self.tp > 1 or self.pp > 1):
+            problems.append(f"a MoE model ({model_cfg.model_type}, num_experts={model_cfg.num_experts}) cannot run "
+                            f"with parallel.tp={self.tp} parallel.pp={self.pp}: scalerl splits MoE models over "
+                            "data-parallel ranks only (parallel.dp_replicate / parallel.dp_shard)")
+        if self.ep > 1 and (not getattr(model_cfg, "num_experts", 0) or model_cfg.num_experts % self.ep):
+            problems.append(f"parallel.ep={self.ep} needs a MoE model whose num_experts divides by it, got "
+                            f"num_experts={getattr(model_cfg, 'num_experts', 0)}")
         if model_cfg.num_hidden_layers % self.pp:
             problems.append(
                 f"model num_hidden_layers={model_cfg.num_hidden_layers} is not divisible by parallel.pp={self.pp}"

@@ -1,5 +1,5 @@
-"""The one place parallelism is applied: pipeline stages -> tensor parallel -> activation checkpointing ->
-data parallel (DDP / FSDP2 / HSDP).
+"""The one place parallelism is applied: pipeline stages -> tensor parallel -> expert parallel (MoE) ->
+activation checkpointing -> data parallel (DDP / FSDP2 / HSDP).
 
 `parallelize` returns the model's parts for this rank (torchtitan's ``model_parts`` idea): the full model
 that generates and computes log-probs, and what trains. Trainers use the parts through one interface
@@ -23,6 +23,7 @@ from torch import nn
 
 from scalerl.comm.counting.accounting import CommCounter
 from scalerl.comm.gradients.reducer import GradientReducer
+from scalerl.models.moe import RouterAuxLoss
 from scalerl.models.transformers_model import layout_refusal
 from scalerl.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -30,6 +31,11 @@ from scalerl.parallel.activation_checkpointing import (
 )
 from scalerl.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_reduce_dtype
 from scalerl.parallel.distributed import DistContext
+from scalerl.parallel.expert_parallel import (
+    apply_expert_parallel,
+    expert_parallel_grad_norm,
+    is_expert_parameter,
+)
 from scalerl.parallel.grad_norm import clip_grad_norm, trainable_parameters
 from scalerl.parallel.mesh import LayoutError
 from scalerl.parallel.pipeline import PipelineRunner
@@ -62,9 +68,11 @@ class ModuleParts:
     fixed_shapes = False  # any batch shape may go through `forward_backward`
 
     def __init__(self, model: nn.Module, trained: nn.Module, comm: CommCounter | None = None,
-                 gradient_reducer: GradientReducer | None = None):
+                 gradient_reducer: GradientReducer | None = None, expert_parallel: DistContext | None = None):
         self.model, self.trained, self.comm = model, trained, comm
+        self.expert_parallel = expert_parallel  # the context experts are sharded over (parallel.ep > 1)
         self.gradient_reducer = gradient_reducer  # DDP's comm hook state: byte counts, compression plan
+        self.router_aux = RouterAuxLoss.of(model)  # MoE: load-balancing loss and load metrics; None if dense
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
@@ -92,10 +100,15 @@ class ModuleParts:
                     output = self.trained(micro.input_ids, attention_mask=micro.attention_mask,
                                           logits_to_keep=micro.keep)
                 loss = loss_fn(output, micro.target)
+                if self.router_aux is not None:
+                    loss = loss + self.router_aux.loss_term(micro.attention_mask, len(micros))
                 (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
         return len(micros)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        if self.expert_parallel is not None:  # each rank holds different experts: their norms add up
+            experts = [p for n, p in self.model.named_parameters() if is_expert_parameter(n)]
+            return expert_parallel_grad_norm(trainable_parameters(self.model), experts, max_norm, self.expert_parallel)
         return clip_grad_norm(trainable_parameters(self.model), max_norm, counter=self.comm)
 
     def share_loss_metrics(self, values: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, float]:
@@ -215,7 +228,7 @@ def parallelize(
         return ModuleParts(model, model, ctx.comm)
     trained, reducer = _apply_layout(model, ctx, activation_checkpointing and trainable, use_ddp=trainable,
                                      comm=comm if trainable else None, on_send=on_send)
-    return ModuleParts(model, trained, ctx.comm, reducer)
+    return ModuleParts(model, trained, ctx.comm, reducer, ctx if dims.ep > 1 and trainable else None)
 
 
 def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing: bool, use_ddp: bool,
@@ -226,6 +239,8 @@ def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing:
     dims, mesh = ctx.dims, ctx.mesh
     if dims.tp > 1:
         apply_tensor_parallel(getattr(module, "backbone", module), mesh["tp"], ctx.comm)  # a value model's backbone
+    if dims.ep > 1 and use_ddp:  # a frozen reference keeps every expert: its forwards need no all-to-all
+        apply_expert_parallel(module, ctx)
     if activation_checkpointing:
         apply_activation_checkpointing(module)
     if dims.dp > 1:

@@ -9,6 +9,8 @@ Formula (the one used by PaLM, Appendix B; Megatron-LM, Narayanan et al. 2021, S
 
 ``N_matmul`` counts the weights of every matrix multiply: q/k/v/o (k and v have GQA shapes), the SwiGLU
 gate/up/down projections and the lm_head, which is a matmul whether or not it is tied to the embedding.
+A sparse MoE layer counts the weights a token is multiplied by (its active parameters): the router, its
+``num_experts_per_tok`` experts and the shared expert with its gate, never all ``num_experts``.
 The input embedding (a lookup), norms and biases cost no matmul FLOPs and are left out. The attention term
 is QK^T plus AV, 2 * (n_q*d) * s multiply-adds each per layer; the backward pass costs twice the forward.
 No causal halving is applied: like PaLM and verl, every token is counted as attending to all ``s``
@@ -22,6 +24,7 @@ import time
 import torch
 
 from scalerl.models.config import ModelConfig
+from scalerl.models.moe import is_sparse_layer
 
 
 def _mlp_has_bias(cfg: ModelConfig) -> bool:
@@ -34,8 +37,21 @@ def matmul_param_count(cfg: ModelConfig) -> int:
     hidden, heads_dim = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv_dim = cfg.num_key_value_heads * cfg.head_dim
     attention = hidden * heads_dim + 2 * hidden * kv_dim + heads_dim * hidden
-    mlp = 3 * hidden * cfg.intermediate_size
-    return cfg.num_hidden_layers * (attention + mlp) + hidden * cfg.vocab_size
+    sparse = _sparse_layer_count(cfg)
+    mlp = (cfg.num_hidden_layers - sparse) * 3 * hidden * cfg.intermediate_size
+    mlp += sparse * _moe_mlp_params(cfg, cfg.num_experts_per_tok)
+    return cfg.num_hidden_layers * attention + mlp + hidden * cfg.vocab_size
+
+
+def _sparse_layer_count(cfg: ModelConfig) -> int:
+    return sum(is_sparse_layer(cfg, i) for i in range(cfg.num_hidden_layers))
+
+
+def _moe_mlp_params(cfg: ModelConfig, experts: int) -> int:
+    """Weights of a sparse MoE block's router, ``experts`` routed experts and shared expert (with its gate)."""
+    hidden, shared = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    return hidden * cfg.num_experts + experts * 3 * hidden * cfg.moe_intermediate_size + \
+        (3 * hidden * shared + hidden if shared else 0)
 
 
 def decoder_param_count(cfg: ModelConfig) -> int:
@@ -59,12 +75,16 @@ def decoder_param_count(cfg: ModelConfig) -> int:
         per_layer += 2 * cfg.intermediate_size + hidden
     embedding = cfg.vocab_size * hidden
     lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * hidden
-    return cfg.num_hidden_layers * per_layer + embedding + lm_head + hidden  # + final norm
+    sparse = _sparse_layer_count(cfg)  # each holds all its experts in place of the dense MLP
+    moe = sparse * (_moe_mlp_params(cfg, cfg.num_experts) - 3 * hidden * cfg.intermediate_size)
+    return cfg.num_hidden_layers * per_layer + moe + embedding + lm_head + hidden  # + final norm
 
 
 def decoder_layer_tensor_count(cfg: ModelConfig) -> int:
     """Parameter tensors of one decoder layer (q/k/v/o, gate/up/down, two norms, and the biases the config
-    has), equal to ``len(list(layer.parameters()))`` of the built model: what a per-tensor copy moves."""
+    has), equal to ``len(list(layer.parameters()))`` of the built model: what a per-tensor copy moves.
+    For a MoE model it is a dense layer's count (sparse layers hold ``3 * num_experts + 1`` MLP tensors, plus
+    4 with a shared expert)."""
     count = 4 + 3 + (4 if cfg.traits.gemma_norms else 2) + (2 if cfg.traits.qk_norm else 0)
     if cfg.attention_bias:
         count += 3 + (0 if cfg.traits.qkv_bias_only else 1)

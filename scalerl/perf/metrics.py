@@ -66,6 +66,8 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "actor/*": "mean",
     "critic/*": "mean",
     "sft/*": "mean",
+    # MoE router (scalerl.models.moe.RouterAuxLoss): already reduced over DP, the same on every rank.
+    "moe/*": "max",
     "val/*": "mean",
     "balance/*": "mean",
     "rollout/*": "mean",

@@ -141,4 +141,8 @@ def run_update(
     flags = torch.stack(skipped).tolist()
     step.count_skips(flags)
     metrics[f"{prefix}/skipped_steps"] = float(sum(flags))
+    router_aux = getattr(parts, "router_aux", None)
+    if router_aux is not None:  # MoE: moe/aux_loss and moe/expert_load_imbalance over the step's DP ranks
+        moe = router_aux.metrics(ctx.all_reduce)
+        metrics.update({f"critic/{k}" if prefix == "critic" else k: v for k, v in moe.items()})
     return metrics
