@@ -183,10 +183,12 @@ def _architecture_fields_from_hf(raw: dict[str, Any], model_type: str, source: s
                                     f"supports {list(SUPPORTED_ACTIVATIONS)}")
     layers = raw["num_hidden_layers"]
     window = raw.get("sliding_window")
-    if window is not None and (type(window) is not int or window < 1):
+    qwen = model_type.startswith(("qwen2", "qwen3"))  # MoE variants too
+    # Qwen's window counts only with use_sliding_window (some configs carry sliding_window=0 otherwise).
+    if window is not None and (type(window) is not int or window < 1) and (raw.get("use_sliding_window") or not qwen):
         raise CheckpointFormatError(f"{source}: sliding_window={window!r} must be a whole number >= 1 or null")
     layer_types = raw.get("layer_types")
-    if model_type.startswith(("qwen2", "qwen3")):  # MoE variants too
+    if qwen:
         window = window if raw.get("use_sliding_window") else None
         if window is None:
             layer_types = None  # transformers drops the window: every layer attends fully

@@ -239,7 +239,7 @@ def test_bad_moe_config_field_is_named(tmp_path, changes, field):
 
 def test_tensor_and_pipeline_parallel_are_refused():
     cfg = ModelConfig(model_type="qwen3_moe", vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=16, qk_norm=True, attention_bias=False)
+                      moe_intermediate_size=16, attention_bias=False)
     for dims in (ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=2), ParallelDims(pp=2, dp_replicate=1, dp_shard=1, tp=1)):
         with pytest.raises(LayoutError, match="MoE model .*parallel.tp=.* parallel.pp="):
             dims.check_model(cfg)
