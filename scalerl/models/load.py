@@ -11,6 +11,7 @@ from scalerl.core.config import BUILTIN_MAX_POSITIONS, BUILTIN_VOCAB_SIZE, Confi
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import CausalLM, build_model
 from scalerl.models.hf_checkpoint import from_pretrained
+from scalerl.models.sharded_loading import meta_model
 from scalerl.models.tokenizer import CharTokenizer, TokenizerNotFound, load_tokenizer
 
 
@@ -50,14 +51,15 @@ def tokenizer_source(model_cfg: Any, source: str | None, source_key: str = "mode
 
 
 def load_model_and_tokenizer(
-    model_cfg: Any, init_from: str | None, device: torch.device, seed: int
+    model_cfg: Any, init_from: str | None, device: torch.device, seed: int, on_meta: bool = False
 ) -> tuple[CausalLM, Any]:
     """``init_from`` (e.g. an SFT output) first, then ``model.path``, else a freshly initialised built-in
-    model with the character tokenizer."""
+    model with the character tokenizer. ``on_meta``: a model directory's architecture only, on the meta
+    device, for `scalerl.models.sharded_loading.load_local_shards` to fill once laid out."""
     source = init_from or model_cfg.path
     dtype = getattr(torch, model_cfg.dtype)
     if source:
-        model = from_pretrained(source, dtype=dtype, device=device)
+        model = meta_model(source, dtype) if on_meta else from_pretrained(source, dtype=dtype, device=device)
         source_key = "trainer.init_from" if init_from else "model.path"
         tokenizer = load_tokenizer(tokenizer_source(model_cfg, source, source_key))
     else:

@@ -39,6 +39,7 @@ from scalerl.core.threads import cpu_thread_governor
 from scalerl.health.monitor import HealthMonitor
 from scalerl.models.hf_checkpoint import model_config_to_hf
 from scalerl.models.load import load_model_and_tokenizer
+from scalerl.models.sharded_loading import is_on_meta, load_local_shards
 from scalerl.parallel.distributed import DistContext, init_distributed
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.parallel.parallelize import ModelParts, PipelineOptions, parallelize
@@ -77,6 +78,13 @@ def start_run(cfg: Config, kind: str) -> DistContext:
     return init_distributed(cfg.parallel, resolve_device(t.device), workers, dist_timeout_s=t.dist_timeout_s,
                             rendezvous_timeout_s=t.rendezvous_timeout_s,
                             trace_dir=run_output_dir(cfg, kind) / "nccl_traces")
+
+
+def loads_local_shards(ctx: DistContext) -> bool:
+    """Whether each rank reads only its own slices of the model directory: FSDP2 or TP without pipeline
+    stages (single processes and DDP replicas hold the whole model anyway; stages are cut from it)."""
+    dims = ctx.dims
+    return dims.world_size > 1 and dims.pp == 1 and (dims.dp_shard > 1 or dims.tp > 1)
 
 
 class TrainingRun:
@@ -121,17 +129,25 @@ class TrainingRun:
         """The model (``trainer.init_from``, ``model.path`` or a fresh built-in one) before it is laid out;
         sets ``tokenizer``, ``model_config`` and ``autocast``."""
         t = self.cfg.trainer
-        model, self.tokenizer = load_model_and_tokenizer(self.cfg.model, t.init_from, self.device, t.seed)
+        source = t.init_from or self.cfg.model.path
+        # Sharded layouts read each rank's slices once laid out (`lay_out`); the rest load the whole model.
+        self.weights_source = source if source and loads_local_shards(self.dist) else None
+        model, self.tokenizer = load_model_and_tokenizer(self.cfg.model, t.init_from, self.device, t.seed,
+                                                         on_meta=self.weights_source is not None)
         self.model_config = model.config
         self.autocast = Autocast(t.precision, self.device)
         return model
 
-    def lay_out(self, model: nn.Module) -> ModelParts:
-        """``model`` laid out for training on this run's layout (`parallelize`)."""
+    def lay_out(self, model: nn.Module, trainable: bool = True) -> ModelParts:
+        """``model`` laid out for training on this run's layout (`parallelize`; ``trainable=False``: a frozen
+        reference); a model still on the meta device then reads its local shards from the source."""
         cfg = self.cfg
-        return parallelize(model, self.dist, activation_checkpointing=cfg.model.activation_checkpointing,
-                           autocast=self.autocast, comm=cfg.comm,
-                           pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches))
+        parts = parallelize(model, self.dist, activation_checkpointing=cfg.model.activation_checkpointing,
+                            trainable=trainable, autocast=self.autocast, comm=cfg.comm,
+                            pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches))
+        if self.weights_source is not None and is_on_meta(model):
+            load_local_shards(model, self.weights_source, self.device)
+        return parts
 
     def use_optimizer(self, optimizer: torch.optim.Optimizer, scheduler: Any, grad_clip: float,
                       wrap_optimizer_step: Callable[[OptimizerStep], OptimizerStep] | None = None) -> None:
