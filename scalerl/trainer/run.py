@@ -32,7 +32,8 @@ from torch import nn
 
 from scalerl import checkpoint
 from scalerl.comm.gradients.reducer import merged_comm_metrics
-from scalerl.core.config import Config, config_to_dict
+from scalerl.checkpoint.streamed_export import export_dtype
+from scalerl.core.config import Config, byte_size, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
 from scalerl.core.threads import cpu_thread_governor
@@ -299,8 +300,11 @@ class TrainingRun:
 
     def export(self) -> dict[str, str]:
         """The policy as a Hugging Face directory (every rank takes part, rank 0 writes)."""
-        path = checkpoint.export_hf_model(self.policy.model, self.tokenizer, self.output_dir / self.export_name,
-                                          self.dist)
+        t = self.cfg.trainer
+        path = checkpoint.export_hf_model(
+            self.policy.model, self.tokenizer, self.output_dir / self.export_name, self.dist,
+            dtype=export_dtype(t.export_dtype, t.init_from or self.cfg.model.path, self.cfg.model.dtype),
+            max_shard_bytes=byte_size(t.export_max_shard_size))
         return {self.export_key: str(path)}
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """Loading a HF directory into a laid-out model, each rank reading its own slices: at world 2 under FSDP2
 and under TP, the gathered parameters equal a whole-model load's, for tied and untied embeddings, the
-value model and the frozen reference; logits agree; a missing tensor is an error naming it. One spawned
-gloo group runs every check."""
+value model and the frozen reference; logits agree; a missing tensor is an error naming it; the laid-out
+model exports (one tensor at a time) the same files as the whole one. One spawned gloo group runs every
+check."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def _compare(laid_out, whole, prefix: str = "", absent: frozenset = frozenset())
 def _checks(rank: int, dirs: dict[str, str]) -> dict[str, float]:
     import copy
 
+    from scalerl.checkpoint.export import export_hf_model
     from scalerl.core.config import ParallelSection
     from scalerl.models.hf_checkpoint import from_pretrained
     from scalerl.models.value_model import ValueModel
@@ -53,7 +55,7 @@ def _checks(rank: int, dirs: dict[str, str]) -> dict[str, float]:
                             ("tp", ParallelSection(dp_replicate=1, tp=2))):
         ctx = init_distributed(section, torch.device("cpu"))
         for kind, path in dirs.items():
-            if kind in ("broken", "run"):
+            if kind in ("broken", "run", "exports"):
                 continue
             whole = from_pretrained(path)
             model = meta_model(path)
@@ -78,6 +80,8 @@ def _checks(rank: int, dirs: dict[str, str]) -> dict[str, float]:
             with torch.no_grad():
                 logits = _full(parts.trained(ids))
                 out[f"{layout}/{kind}/logits"] = float((logits - whole(ids)).abs().max())
+            export_hf_model(model, None, f"{dirs['exports']}/{layout}-{kind}", ctx, dtype=torch.bfloat16,
+                            max_shard_bytes=6000)
         try:
             broken = meta_model(dirs["broken"])
             parallelize(broken, ctx)
@@ -120,7 +124,7 @@ def _trainer_checks(path: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("sharded")
     dirs = {}
     # vocabulary 67: FSDP's dim-0 shards of the embedding are uneven (34 + 33 rows)
@@ -145,7 +149,13 @@ def results(tmp_path_factory):
     from tests.tiny import tiny_run_model
 
     dirs["run"] = str(save_pretrained(tiny_run_model(CharTokenizer(), seed=2), root / "run"))
-    return run_in_group(_checks, 2, dirs, timeout_s=600)
+    dirs["exports"] = str(root / "exports")
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def results(model_dirs):
+    return run_in_group(_checks, 2, model_dirs, timeout_s=600)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
@@ -181,3 +191,23 @@ def test_trainer_loads_shards_for_policy_critic_and_reference(results):
         assert r["run/source"] == 1.0
         assert r["run/policy"] == 0.0 and r["run/reference"] == 0.0 and r["run/critic"] == 0.0
         assert r["run/loss_finite"] == 1.0
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_laid_out_export_writes_the_source_files(results, model_dirs, layout, kind):
+    """The source was bf16 in 6000-byte shards: the export from the laid-out model is that, file for file."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    source, exported = Path(model_dirs[kind]), Path(model_dirs["exports"]) / f"{layout}-{kind}"
+    source_index = json.loads((source / "model.safetensors.index.json").read_text())
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == source_index["weight_map"]
+    assert json.loads((exported / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    for file in sorted(set(index["weight_map"].values())):
+        ours, theirs = load_file(exported / file), load_file(source / file)
+        assert sorted(ours) == sorted(theirs)
+        for name in theirs:
+            assert ours[name].dtype == torch.bfloat16 and torch.equal(ours[name], theirs[name]), name
