@@ -479,6 +479,10 @@ class TrainerSection(_Section):
     monitor_every: int = opt(10, "online health monitor: every N steps run scalerl doctor's rules on the step "
                                  "metrics (one warning with its fix per crossing; health/* levels to the metric "
                                  "sinks); 0 = off")
+    fsdp_param_dtype: str = opt("float32", "layouts FSDP2 shards (parallel.dp_shard > 1, or tp/pp > 1 with dp > 1): "
+                                "the dtype parameters are gathered and computed in; bfloat16 keeps float32 master weights (the "
+                                "optimizer steps them) and reduces gradients in float32, as FSDP2's "
+                                "MixedPrecisionPolicy: " + " | ".join(DTYPES))
     export_dtype: str = opt("source", "the exported model's dtype: source (the torch_dtype in config.json of "
                             "trainer.init_from / model.path; model.dtype for the built-in model) | "
                             + " | ".join(DTYPES))
@@ -505,6 +509,7 @@ class TrainerSection(_Section):
         _check_choice(p, "trainer.device", self.device, DEVICES)
         _check(p, self.cpu_threads >= 0, "trainer.cpu_threads", ">= 0 (0 = follow the free cores)", self.cpu_threads)
         _check(p, self.monitor_every >= 0, "trainer.monitor_every", ">= 0 (0 = off)", self.monitor_every)
+        _check_choice(p, "trainer.fsdp_param_dtype", self.fsdp_param_dtype, DTYPES)
         _check_choice(p, "trainer.export_dtype", self.export_dtype, ("source", *DTYPES))
         try:
             byte_size(self.export_max_shard_size)

@@ -33,7 +33,7 @@ from torch import nn
 from scalerl import checkpoint
 from scalerl.comm.gradients.reducer import merged_comm_metrics
 from scalerl.checkpoint.streamed_export import export_dtype
-from scalerl.core.config import Config, byte_size, config_to_dict
+from scalerl.core.config import Config, ConfigError, byte_size, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
 from scalerl.core.threads import cpu_thread_governor
@@ -86,6 +86,20 @@ def loads_local_shards(ctx: DistContext) -> bool:
     stages (single processes and DDP replicas hold the whole model anyway; stages are cut from it)."""
     dims = ctx.dims
     return dims.world_size > 1 and dims.pp == 1 and (dims.dp_shard > 1 or dims.tp > 1)
+
+
+def fsdp_param_dtype(cfg: Config, ctx: DistContext) -> torch.dtype:
+    """``trainer.fsdp_param_dtype``, refused by name on a layout FSDP2 does not shard (there, autocast is
+    the way: trainer.precision=bf16)."""
+    dtype = getattr(torch, cfg.trainer.fsdp_param_dtype)
+    dims = ctx.dims
+    sharded = dims.world_size > 1 and dims.dp > 1 and (dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1)
+    if dtype != torch.float32 and not sharded:
+        raise ConfigError(f"trainer.fsdp_param_dtype={cfg.trainer.fsdp_param_dtype} needs a layout FSDP2 shards "
+                          f"(parallel.dp_shard > 1, or tp/pp > 1 with dp > 1); this one has dp={dims.dp}, "
+                          f"dp_shard={dims.dp_shard}, tp={dims.tp}, pp={dims.pp}: use trainer.precision=bf16 "
+                          "(autocast) instead")
+    return dtype
 
 
 class TrainingRun:
@@ -145,7 +159,8 @@ class TrainingRun:
         cfg = self.cfg
         parts = parallelize(model, self.dist, activation_checkpointing=cfg.model.activation_checkpointing,
                             trainable=trainable, autocast=self.autocast, comm=cfg.comm,
-                            pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches))
+                            pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches),
+                            param_dtype=fsdp_param_dtype(cfg, self.dist))
         if self.weights_source is not None and is_on_meta(model):
             load_local_shards(model, self.weights_source, self.device)
         return parts
