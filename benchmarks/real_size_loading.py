@@ -2,7 +2,8 @@
 world 1, 2 and 4 under FSDP2, on Qwen2.5-0.5B- and Qwen2.5-1.5B-shaped random checkpoints.
 
     OMP_NUM_THREADS=1 python benchmarks/real_size_loading.py [--models 0.5b 1.5b] [--worlds 1 2 4]
-        [--loading sharded|whole] [--out /tmp/real_size] [--batch 2] [--seq 32] [--no-checkpoint] [--json FILE]
+        [--loading sharded|whole] [--out /tmp/real_size] [--batch 2] [--seq 32] [--no-checkpoint] [--load-only]
+        [--json FILE]
 
 1. The checkpoint: the published config.json values of each model (hard-coded below, never downloaded),
    random weights (normal 0.02, unit norms, zero biases) in bf16, four safetensors shards with an index.
@@ -19,6 +20,7 @@ world 1, 2 and 4 under FSDP2, on Qwen2.5-0.5B- and Qwen2.5-1.5B-shaped random ch
    (fp32 parameters, gradients and AdamW state: 16 bytes a parameter, split over the ranks, plus a whole
    fp32 copies per rank for loading where they are made, the whole state read back by a single-process
    checkpoint load); a configuration that does not fit is skipped with the reason printed.
+   ``--load-only``: loading and the export alone (no optimizer state), for a model too large to train here.
 """
 
 from __future__ import annotations
@@ -124,7 +126,6 @@ def rank_main(args: argparse.Namespace) -> None:
     from torch.optim.lr_scheduler import LambdaLR
 
     from scalerl import checkpoint
-    from scalerl.checkpoint.export import export_hf_model
     from scalerl.core.config import ParallelSection
     from scalerl.models.hf_checkpoint import from_pretrained, model_config_to_hf
     from scalerl.models.sharded_loading import load_local_shards, meta_model
@@ -146,6 +147,10 @@ def rank_main(args: argparse.Namespace) -> None:
     ctx.barrier()
     report["load_s"], report["rss_load_gib"] = time.perf_counter() - start, peak_rss_gib()
 
+    out = Path(args.work_dir)
+    if args.load_only:
+        _export(model, ctx, args, out, report)
+        return
     optimizer = torch.optim.AdamW(parts.parameters(), lr=1e-5, foreach=False)
     scheduler = LambdaLR(optimizer, lambda _: 1.0)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
@@ -159,7 +164,6 @@ def rank_main(args: argparse.Namespace) -> None:
     ctx.barrier()
     report["step_s"], report["rss_step_gib"], report["loss"] = time.perf_counter() - start, peak_rss_gib(), loss.item()
 
-    out = Path(args.work_dir)
     if not args.no_checkpoint:
         state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "generators": {}}
         start = time.perf_counter()
@@ -172,6 +176,13 @@ def rank_main(args: argparse.Namespace) -> None:
         checkpoint.load(saved, ctx=ctx, expected_config={}, strict_config_keys=[], **state)
         ctx.barrier()
         report["ckpt_load_s"], report["rss_checkpoint_gib"] = time.perf_counter() - start, peak_rss_gib()
+    _export(model, ctx, args, out, report)
+
+
+def _export(model, ctx, args: argparse.Namespace, out: Path, report: dict[str, float]) -> None:
+    """The bf16 HF export (shards like the source's), timed; the rank's report line written."""
+    from scalerl.checkpoint.export import export_hf_model
+
     start = time.perf_counter()
     export_hf_model(model, None, out / "export", ctx, dtype=torch.bfloat16,
                     max_shard_bytes=directory_gib(Path(args.model_dir)) * GiB / SHARDS + 1)
@@ -189,28 +200,28 @@ def available_gib() -> float:
     return 0.0
 
 
-def needed_gib(params: int, world: int, loading: str, checkpointing: bool) -> float:
+def needed_gib(params: int, world: int, loading: str, checkpointing: bool, training: bool = True) -> float:
     """What a configuration needs on the machine, all ranks together (an estimate, on the safe side)."""
-    train = 16 * params / GiB  # fp32 parameters, gradients, AdamW's two moments
+    train = (16 if training else 4) * params / GiB  # fp32 parameters (+ gradients, AdamW's two moments)
     whole_copy = 4 * params / GiB  # one fp32 copy of the model
     per_rank = 0.6 + train / world  # the interpreter and torch, the rank's share
     if world == 1 or loading == "whole":
         per_rank += 2 * whole_copy  # the loaded tensors and the model they fill
-    if checkpointing and world == 1:
+    if checkpointing and training and world == 1:
         per_rank += 12 * params / GiB  # a single-process checkpoint is read back whole (DCP: in place)
     return world * per_rank
 
 
 def run_configuration(model: str, model_dir: Path, world: int, args: argparse.Namespace) -> list[dict] | str:
     """The rank reports of one configuration, or why it was skipped."""
-    need = needed_gib(parameter_count(model), world, args.loading, not args.no_checkpoint)
+    need = needed_gib(parameter_count(model), world, args.loading, not args.no_checkpoint, not args.load_only)
     have = available_gib()
     print(f"-- {model} world {world}: needs about {need:.1f} GiB, {have:.1f} GiB available (free -g below)",
           flush=True)
     subprocess.run(["free", "-g"], check=False)
     if need > 0.9 * have:
         return f"skipped: needs about {need:.1f} GiB, only {have:.1f} GiB available"
-    work = Path(args.out) / f"run-{model}-w{world}-{args.loading}"
+    work = Path(args.out) / f"run-{model}-w{world}-{args.loading}{'-load' if args.load_only else ''}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     report = work / "report.jsonl"
@@ -221,8 +232,7 @@ def run_configuration(model: str, model_dir: Path, world: int, args: argparse.Na
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [sys.executable, __file__, "--rank-main", "--model-dir", str(model_dir), "--work-dir", str(work),
                "--report", str(report), "--loading", args.loading, "--batch", str(args.batch), "--seq", str(args.seq)]
-    if args.no_checkpoint:
-        command.append("--no-checkpoint")
+    command += [flag for flag, on in (("--no-checkpoint", args.no_checkpoint), ("--load-only", args.load_only)) if on]
     procs = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -234,11 +244,12 @@ def run_configuration(model: str, model_dir: Path, world: int, args: argparse.Na
 
 def print_table(results: dict[str, dict[int, list[dict] | str]]) -> None:
     print("\n| model | world | peak RSS per rank after load / step / ckpt / export (GiB, max over ranks) | "
-          "vs world 1 | load s | step s | ckpt save / load s | ckpt GiB | export s |")
+          "vs world 1 (step, or load with --load-only) | load s | step s | ckpt save / load s | ckpt GiB | export s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model, by_world in results.items():
         base = by_world.get(1)
-        base_peak = max(r["rss_step_gib"] for r in base) if isinstance(base, list) else None
+        key = "rss_step_gib" if isinstance(base, list) and "rss_step_gib" in base[0] else "rss_load_gib"
+        base_peak = max(r[key] for r in base) if isinstance(base, list) else None
         for world, rows in by_world.items():
             if isinstance(rows, str):
                 print(f"| {model} | {world} | {rows} | | | | | | |")
@@ -247,7 +258,7 @@ def print_table(results: dict[str, dict[int, list[dict] | str]]) -> None:
             def most(key: str) -> float:
                 return max(r.get(key, float("nan")) for r in rows)
 
-            ratio = f"{most('rss_step_gib') / base_peak:.2f}x" if base_peak else "-"
+            ratio = f"{most(key) / base_peak:.2f}x" if base_peak else "-"
             ckpt = f"{most('save_s'):.1f} / {most('ckpt_load_s'):.1f}" if "save_s" in rows[0] else "-"
             print(f"| {model} | {world} | {most('rss_load_gib'):.2f} / {most('rss_step_gib'):.2f} / "
                   f"{most('rss_checkpoint_gib'):.2f} / {most('rss_export_gib'):.2f} | {ratio} | "
@@ -264,6 +275,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--no-checkpoint", action="store_true")
+    parser.add_argument("--load-only", action="store_true", help="loading and the export only (no step)")
     parser.add_argument("--json")
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
