@@ -6,8 +6,9 @@ lookup, and export of the trained model as a Hugging Face directory.
 - `layout`: file names, `meta.json`, `list_checkpoints`, `latest_checkpoint`, `resolve_resume`.
 - `atomic`: durable writes, sha256, publish-by-rename, pruning. `config_match`: resumed-config checks.
 - `reshard`: resume under another layout or world size (weights and optimizer exact, RNG re-derived).
-- `export`: `export_hf_model` gathers full weights from any layout and writes an HF directory;
-  `export_checkpoint` does it from any checkpoint on disk (`scalerl export`).
+- `export`: `export_hf_model` writes an HF directory from any layout, gathering one tensor at a time
+  (`streamed_export`: sharded and in the dtype like the source); `export_checkpoint` does it from any
+  checkpoint on disk (`scalerl export`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The trained model as a Hugging Face directory (weights, config, tokenizer): from a live run of any layout
 (`export_hf_model`), or from any checkpoint on disk (`export_checkpoint`, behind ``scalerl export``).
 
-Both write through `save_pretrained`, which builds the directory aside and swaps it in whole."""
+Both write through `write_hf_model`, one tensor at a time, which builds the directory aside and swaps it in
+whole; like the source: its dtype (``trainer.export_dtype``), sharded past ``trainer.export_max_shard_size``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from scalerl.checkpoint.layout import (
     SHARDS_DIR,
@@ -18,7 +20,8 @@ from scalerl.checkpoint.layout import (
     verify_files,
 )
 from scalerl.checkpoint.reshard import read_full_model
-from scalerl.core.config import ModelSection, config_from_dict
+from scalerl.checkpoint.streamed_export import export_dtype, write_hf_model
+from scalerl.core.config import ModelSection, TrainerSection, byte_size, config_from_dict
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import CausalLM
 from scalerl.models.hf_checkpoint import (
@@ -38,17 +41,37 @@ from scalerl.models.transformers_model import (
     choose_implementation,
 )
 from scalerl.parallel.distributed import DistContext
-from scalerl.parallel.expert_parallel import gather_experts
+from scalerl.parallel.expert_parallel import gather_experts, uses_expert_parallel
+
+DEFAULT_MAX_SHARD_BYTES = byte_size(TrainerSection.export_max_shard_size)
 
 
-def export_hf_model(model: CausalLM, tokenizer: Any, path: str | Path, ctx: DistContext | None = None) -> Path:
-    """An HF-format directory that `from_pretrained` and transformers load.
+def export_hf_model(model: CausalLM, tokenizer: Any, path: str | Path, ctx: DistContext | None = None, *,
+                    dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """An HF-format directory that `from_pretrained` and transformers load, in ``dtype`` (default: the
+    model's own), sharded past ``max_shard_bytes``.
 
-    Distributed: every rank takes part in gathering the full (unsharded) weights; rank 0 writes them."""
+    Distributed: every rank takes part in gathering the weights one tensor at a time (`write_hf_model`);
+    rank 0 writes them, holding one shard file beyond its share."""
     path = Path(path)
     fallback = isinstance(model, TransformersCausalLM)  # transformers' model saves itself
-    if ctx is None or ctx.world_size == 1:
-        return model.save_pretrained(path, tokenizer=tokenizer) if fallback else save_pretrained(model, path, tokenizer=tokenizer)
+    if fallback or uses_expert_parallel(model):
+        return _export_whole(model, tokenizer, path, ctx, dtype, fallback)
+    write_hf_model(model, path, dtype=dtype or getattr(torch, model.config.torch_dtype),
+                   max_shard_bytes=max_shard_bytes, tokenizer=tokenizer, is_main=ctx is None or ctx.is_main)
+    if ctx is not None and ctx.world_size > 1:
+        ctx.barrier()
+    return path
+
+
+def _export_whole(model: nn.Module, tokenizer: Any, path: Path, ctx: DistContext | None, dtype: torch.dtype | None,
+                  fallback: bool) -> Path:
+    """The export of a model `write_hf_model` cannot walk tensor by tensor: transformers' own (its
+    `save_pretrained`), or one whose experts are split over the ranks (`gather_experts` names them
+    globally). Rank 0 holds the whole state dict once."""
+    dtype = dtype or getattr(torch, model.config.torch_dtype)
+    if ctx is None or ctx.world_size == 1:  # only the fallback: experts are split over 2 ranks or more
+        return model.save_pretrained(path, tokenizer=tokenizer)
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -65,7 +88,7 @@ def export_hf_model(model: CausalLM, tokenizer: Any, path: str | Path, ctx: Dist
         plain.load_state_dict(full, strict=False)
         if model.config.tie_word_embeddings:
             plain.lm_head.weight = plain.embed_tokens.weight
-        save_pretrained(plain.to(getattr(torch, model.config.torch_dtype)), path, tokenizer=tokenizer)
+        save_pretrained(plain.to(dtype), path, tokenizer=tokenizer)
     ctx.barrier()
     return path
 
@@ -106,7 +129,10 @@ def export_checkpoint(checkpoint: str | Path, hf_dir: str | Path) -> Path:
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     read_full_model(path, meta, model.state_dict(), prefix="actor.")  # detached views: filled in place
-    return save_pretrained(model, Path(hf_dir), tokenizer=tokenizer)
+    trainer = config_from_dict(TrainerSection, {k: v for k, v in (saved.get("trainer") or {}).items()
+                                                if k in ("export_dtype", "export_max_shard_size")})
+    return write_hf_model(model, Path(hf_dir), dtype=export_dtype(trainer.export_dtype, source, model_section.dtype),
+                          max_shard_bytes=byte_size(trainer.export_max_shard_size), tokenizer=tokenizer)
 
 
 def _model_config(path: Path, meta: dict[str, Any], model_section: ModelSection, source: str | None) -> ModelConfig:

@@ -12,6 +12,7 @@ machinery (YAML, overrides, type checks) is `scalerl.core.config_tree`; this mod
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -538,6 +539,16 @@ class TrainerSection(_Section):
     monitor_every: int = opt(10, "online health monitor: every N steps run scalerl doctor's rules on the step "
                                  "metrics (one warning with its fix per crossing; health/* levels to the metric "
                                  "sinks); 0 = off")
+    fsdp_param_dtype: str = opt("float32", "layouts FSDP2 shards (parallel.dp_shard > 1, or tp/pp > 1 with dp > 1): "
+                                "the dtype parameters are gathered and computed in; bfloat16 keeps float32 master weights (the "
+                                "optimizer steps them) and reduces gradients in float32, as FSDP2's "
+                                "MixedPrecisionPolicy: " + " | ".join(DTYPES))
+    export_dtype: str = opt("source", "the exported model's dtype: source (the torch_dtype in config.json of "
+                            "trainer.init_from / model.path; model.dtype for the built-in model) | "
+                            + " | ".join(DTYPES))
+    export_max_shard_size: str = opt("5GB", "largest safetensors file of the exported model, as transformers' "
+                                     "max_shard_size (5GB, 500MB, 2GiB): a bigger model is written as shards "
+                                     "listed in model.safetensors.index.json")
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -558,7 +569,27 @@ class TrainerSection(_Section):
         _check_choice(p, "trainer.device", self.device, DEVICES)
         _check(p, self.cpu_threads >= 0, "trainer.cpu_threads", ">= 0 (0 = follow the free cores)", self.cpu_threads)
         _check(p, self.monitor_every >= 0, "trainer.monitor_every", ">= 0 (0 = off)", self.monitor_every)
+        _check_choice(p, "trainer.fsdp_param_dtype", self.fsdp_param_dtype, DTYPES)
+        _check_choice(p, "trainer.export_dtype", self.export_dtype, ("source", *DTYPES))
+        try:
+            byte_size(self.export_max_shard_size)
+        except ValueError as err:
+            p.append(f"trainer.export_max_shard_size: {err}")
         return p
+
+
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def byte_size(text: str | int) -> int:
+    """``"5GB"`` -> 5e9, ``"2GiB"`` -> 2 * 2**30, ``"500MB"``, a plain number of bytes (transformers'
+    ``max_shard_size`` spelling); at least one byte."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _BYTE_UNITS or float(match.group(1)) * _BYTE_UNITS[unit] < 1:
+        raise ValueError(f"{text!r} is not a size: write a number with a unit, e.g. 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from scalerl.core.config import BUILTIN_MAX_POSITIONS, BUILTIN_VOCAB_SIZE, ConfigError
-from scalerl.models.config import ModelConfig
+from scalerl.models.config import MOE_ARCHITECTURES, ModelConfig
 from scalerl.models.decoder import CausalLM, build_model
 from scalerl.models.hf_checkpoint import (
     CONFIG_FILE,
@@ -16,6 +16,7 @@ from scalerl.models.hf_checkpoint import (
     load_model_config,
     read_json_file,
 )
+from scalerl.models.sharded_loading import meta_model
 from scalerl.models.tokenizer import CharTokenizer, TokenizerNotFound, load_tokenizer
 from scalerl.models.transformers_model import (
     TRANSFORMERS,
@@ -62,18 +63,23 @@ def tokenizer_source(model_cfg: Any, source: str | None, source_key: str = "mode
 
 
 def load_model_and_tokenizer(
-    model_cfg: Any, init_from: str | None, device: torch.device, seed: int
+    model_cfg: Any, init_from: str | None, device: torch.device, seed: int, on_meta: bool = False
 ) -> tuple[CausalLM, Any]:
     """``init_from`` (e.g. an SFT output) first, then ``model.path``, else a freshly initialised built-in
-    model with the character tokenizer."""
+    model with the character tokenizer. ``on_meta``: a model directory's architecture only, on the meta
+    device, for `scalerl.models.sharded_loading.load_local_shards` to fill once laid out."""
     source = init_from or model_cfg.path
     dtype = getattr(torch, model_cfg.dtype)
     if source:
-        implementation, why = choose_implementation(model_cfg.implementation, _model_type(source))
+        model_type = _model_type(source)
+        implementation, why = choose_implementation(model_cfg.implementation, model_type)
         announce_implementation(implementation, why, source)
         if implementation == TRANSFORMERS:
+            # transformers builds and fills its own model: loaded whole (no per-rank slices yet).
             model = load_transformers_model(source, dtype=dtype, device=device)
-        else:
+        elif on_meta and model_type not in MOE_ARCHITECTURES:
+            model = meta_model(source, dtype)
+        else:  # MoE checkpoints come per expert or fused; the whole-file reader knows both layouts
             model = from_pretrained(source, dtype=dtype, device=device)
         source_key = "trainer.init_from" if init_from else "model.path"
         tokenizer = load_tokenizer(tokenizer_source(model_cfg, source, source_key))

@@ -35,14 +35,16 @@ from scalerl.models.decoder import decoder_layers
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool = True,
-               counter: CommCounter | None = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+               counter: CommCounter | None = None, reduce_dtype: torch.dtype | None = None,
+               param_dtype: torch.dtype | None = None) -> nn.Module:
     """Shard each decoder layer, then the root (embeddings, norm, head), over ``dp_mesh``.
 
     A 1-D mesh is FSDP; a 2-D ``(dp_replicate, dp_shard)`` mesh is HSDP (shard inside a group, replicate
     across groups). Per-layer units let the all-gather of layer i+1 overlap the compute of layer i.
     ``reduce_dtype`` makes the gradient reduce-scatter run in that dtype (comm.gradient_compression=bf16/fp16).
+    ``param_dtype`` (`mixed_precision_policies`) gathers and computes in that dtype over fp32 shards.
     """
-    extra = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)} if reduce_dtype is not None else {}
+    extra, root_extra = mixed_precision_policies(param_dtype, reduce_dtype)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **extra)
     # The root (embedding, final norm, head) is the last unit a forward leaves and the first its backward
@@ -50,13 +52,28 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: boo
     # backward. Its unsharded weights live from forward to backward (or to the next forward after a
     # no-grad pass, which sees the same weights: the optimizer steps only after a backward, whose end
     # reshards it).
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **extra)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **root_extra)
     if counter is not None:
         names = dp_mesh.mesh_dim_names or ("dp_shard",)
         hsdp = dp_mesh.ndim == 2
         count_fsdp_collectives(model, counter, shard_dim=names[-1], replicate_dim=names[0] if hsdp else None,
                                replicate_size=dp_mesh.size(0) if hsdp else 1)
     return model
+
+
+def mixed_precision_policies(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+                             ) -> tuple[dict, dict]:
+    """``fully_shard``'s extra arguments for the decoder layers and for the root. With a low-precision
+    ``param_dtype``, as large runs train: the sharded (master) parameters stay float32, each unit is
+    gathered and computed in ``param_dtype``, gradients are reduced in float32 (or ``reduce_dtype``) and
+    the root's outputs (the logits the losses read) come back as float32."""
+    if param_dtype in (None, torch.float32):
+        policy = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)} if reduce_dtype is not None else {}
+        return policy, policy
+    reduce_dtype = reduce_dtype or torch.float32
+    layers = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    root = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=torch.float32)
+    return {"mp_policy": layers}, {"mp_policy": root}
 
 
 def fsdp_reduce_dtype(comm) -> torch.dtype | None:

@@ -108,6 +108,11 @@ def apply_expert_parallel(model: nn.Module, ctx: DistContext, over="dp") -> list
     return params
 
 
+def uses_expert_parallel(model: nn.Module) -> bool:
+    """True when ``model``'s experts are split over the ranks (`apply_expert_parallel` ran on it)."""
+    return any(getattr(m, "expert_dispatch", None) is not None for m in model.modules())
+
+
 def is_expert_parameter(name: str) -> bool:
     """A routed expert's weight (``...mlp.experts.{j}.*``; not the shared expert, not the router)."""
     return ".mlp.experts." in name

@@ -190,6 +190,7 @@ def parallelize(
     autocast=None,
     comm=None,
     on_send=None,
+    param_dtype: torch.dtype | None = None,
 ) -> ModelParts:
     """Lay ``model`` out over ``ctx``'s mesh (in place) and return its parts for this rank.
 
@@ -202,6 +203,7 @@ def parallelize(
     compression; under FSDP2 only fp16/bf16 apply, as the reduce dtype (`fsdp_reduce_dtype`).
     Gradient collectives are counted in ``ctx.comm`` (and reported to ``on_send(kind, nbytes, seconds)``
     when given); the cluster view gathered at start (``ctx.cluster``) saves gathering the topology again.
+    ``param_dtype`` (trainer.fsdp_param_dtype) is FSDP2's compute dtype over float32 master weights.
     """
     mesh, dims = ctx.mesh, ctx.dims
     if mesh is None or dims.world_size == 1:
@@ -215,7 +217,7 @@ def parallelize(
         options = pipeline or PipelineOptions()
 
         def layout_stage(stage: nn.Module) -> None:
-            _apply_layout(stage, ctx, activation_checkpointing, use_ddp=False, comm=comm)
+            _apply_layout(stage, ctx, activation_checkpointing, use_ddp=False, comm=comm, param_dtype=param_dtype)
 
         # Stages are cut from the unsharded model, before it becomes the replica.
         runner = PipelineRunner(model, ctx, options.schedule, options.microbatches, layout_stage, autocast)
@@ -227,12 +229,13 @@ def parallelize(
             apply_tensor_parallel(model, mesh["tp"], ctx.comm)
         return ModuleParts(model, model, ctx.comm)
     trained, reducer = _apply_layout(model, ctx, activation_checkpointing and trainable, use_ddp=trainable,
-                                     comm=comm if trainable else None, on_send=on_send)
+                                     comm=comm if trainable else None, on_send=on_send, param_dtype=param_dtype)
     return ModuleParts(model, trained, ctx.comm, reducer, ctx if dims.ep > 1 and trainable else None)
 
 
 def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing: bool, use_ddp: bool,
-                  comm=None, on_send=None) -> tuple[nn.Module, GradientReducer | None]:
+                  comm=None, on_send=None, param_dtype: torch.dtype | None = None
+                  ) -> tuple[nn.Module, GradientReducer | None]:
     """TP -> activation checkpointing -> DP on a whole model or one pipeline stage; returns the module the
     training forward calls and DDP's gradient reducer (None without DDP). Without gradients to
     synchronise (``use_ddp=False`` under plain replication) plain replicas suffice."""
@@ -249,6 +252,7 @@ def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing:
                 return module, None
             return apply_ddp(module, ctx.dp_mesh, comm, ctx.device.type, getattr(ctx, "cluster", None), ctx.comm,
                              on_send)
-        apply_fsdp(module, ctx.fsdp_mesh, counter=ctx.comm, reduce_dtype=fsdp_reduce_dtype(comm))
+        apply_fsdp(module, ctx.fsdp_mesh, counter=ctx.comm, reduce_dtype=fsdp_reduce_dtype(comm),
+                   param_dtype=param_dtype)
     return module, None
 

@@ -30,7 +30,6 @@ from scalerl.data.sources import prompt_stream_from_config, reward_from_config, 
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
-from scalerl.parallel.parallelize import parallelize
 from scalerl.perf.mfu import StepWork
 from scalerl.perf.timing import StepTimer
 from scalerl.rollout.batch import RolloutBatch
@@ -96,7 +95,7 @@ class RLTrainer(TrainingRun):
         reference = copy.deepcopy(model).requires_grad_(False) if a.use_kl_loss or self.shaping.needs_reference else None
         self.policy = self.lay_out(model)
         self.critic = self.lay_out(critic) if critic is not None else None
-        self.reference = parallelize(reference, ctx, trainable=False) if reference is not None else None
+        self.reference = self.lay_out(reference, trainable=False) if reference is not None else None
         if self.reference is not None:
             self.reference.eval()
         self.trained = {"actor": self.policy, **({"critic": self.critic} if self.critic is not None else {})}

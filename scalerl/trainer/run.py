@@ -32,13 +32,15 @@ from torch import nn
 
 from scalerl import checkpoint
 from scalerl.comm.gradients.reducer import merged_comm_metrics
-from scalerl.core.config import Config, config_to_dict
+from scalerl.checkpoint.streamed_export import export_dtype
+from scalerl.core.config import Config, ConfigError, byte_size, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
 from scalerl.core.threads import cpu_thread_governor
 from scalerl.health.monitor import HealthMonitor
 from scalerl.models.hf_checkpoint import model_config_to_hf
 from scalerl.models.load import load_model_and_tokenizer
+from scalerl.models.sharded_loading import is_on_meta, load_local_shards
 from scalerl.parallel.distributed import DistContext, init_distributed
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.parallel.parallelize import ModelParts, PipelineOptions, parallelize
@@ -77,6 +79,27 @@ def start_run(cfg: Config, kind: str) -> DistContext:
     return init_distributed(cfg.parallel, resolve_device(t.device), workers, dist_timeout_s=t.dist_timeout_s,
                             rendezvous_timeout_s=t.rendezvous_timeout_s,
                             trace_dir=run_output_dir(cfg, kind) / "nccl_traces")
+
+
+def loads_local_shards(ctx: DistContext) -> bool:
+    """Whether each rank reads only its own slices of the model directory: FSDP2 or TP without pipeline
+    stages (single processes and DDP replicas hold the whole model anyway; stages are cut from it)."""
+    dims = ctx.dims
+    return dims.world_size > 1 and dims.pp == 1 and (dims.dp_shard > 1 or dims.tp > 1)
+
+
+def fsdp_param_dtype(cfg: Config, ctx: DistContext) -> torch.dtype:
+    """``trainer.fsdp_param_dtype``, refused by name on a layout FSDP2 does not shard (there, autocast is
+    the way: trainer.precision=bf16)."""
+    dtype = getattr(torch, cfg.trainer.fsdp_param_dtype)
+    dims = ctx.dims
+    sharded = dims.world_size > 1 and dims.dp > 1 and (dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1)
+    if dtype != torch.float32 and not sharded:
+        raise ConfigError(f"trainer.fsdp_param_dtype={cfg.trainer.fsdp_param_dtype} needs a layout FSDP2 shards "
+                          f"(parallel.dp_shard > 1, or tp/pp > 1 with dp > 1); this one has dp={dims.dp}, "
+                          f"dp_shard={dims.dp_shard}, tp={dims.tp}, pp={dims.pp}: use trainer.precision=bf16 "
+                          "(autocast) instead")
+    return dtype
 
 
 class TrainingRun:
@@ -121,17 +144,26 @@ class TrainingRun:
         """The model (``trainer.init_from``, ``model.path`` or a fresh built-in one) before it is laid out;
         sets ``tokenizer``, ``model_config`` and ``autocast``."""
         t = self.cfg.trainer
-        model, self.tokenizer = load_model_and_tokenizer(self.cfg.model, t.init_from, self.device, t.seed)
+        source = t.init_from or self.cfg.model.path
+        # Sharded layouts read each rank's slices once laid out (`lay_out`); the rest load the whole model.
+        self.weights_source = source if source and loads_local_shards(self.dist) else None
+        model, self.tokenizer = load_model_and_tokenizer(self.cfg.model, t.init_from, self.device, t.seed,
+                                                         on_meta=self.weights_source is not None)
         self.model_config = model.config
         self.autocast = Autocast(t.precision, self.device)
         return model
 
-    def lay_out(self, model: nn.Module) -> ModelParts:
-        """``model`` laid out for training on this run's layout (`parallelize`)."""
+    def lay_out(self, model: nn.Module, trainable: bool = True) -> ModelParts:
+        """``model`` laid out for training on this run's layout (`parallelize`; ``trainable=False``: a frozen
+        reference); a model still on the meta device then reads its local shards from the source."""
         cfg = self.cfg
-        return parallelize(model, self.dist, activation_checkpointing=cfg.model.activation_checkpointing,
-                           autocast=self.autocast, comm=cfg.comm,
-                           pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches))
+        parts = parallelize(model, self.dist, activation_checkpointing=cfg.model.activation_checkpointing,
+                            trainable=trainable, autocast=self.autocast, comm=cfg.comm,
+                            pipeline=PipelineOptions(cfg.parallel.pp_schedule, cfg.parallel.microbatches),
+                            param_dtype=fsdp_param_dtype(cfg, self.dist))
+        if self.weights_source is not None and is_on_meta(model):
+            load_local_shards(model, self.weights_source, self.device)
+        return parts
 
     def use_optimizer(self, optimizer: torch.optim.Optimizer, scheduler: Any, grad_clip: float,
                       wrap_optimizer_step: Callable[[OptimizerStep], OptimizerStep] | None = None) -> None:
@@ -283,8 +315,11 @@ class TrainingRun:
 
     def export(self) -> dict[str, str]:
         """The policy as a Hugging Face directory (every rank takes part, rank 0 writes)."""
-        path = checkpoint.export_hf_model(self.policy.model, self.tokenizer, self.output_dir / self.export_name,
-                                          self.dist)
+        t = self.cfg.trainer
+        path = checkpoint.export_hf_model(
+            self.policy.model, self.tokenizer, self.output_dir / self.export_name, self.dist,
+            dtype=export_dtype(t.export_dtype, t.init_from or self.cfg.model.path, self.cfg.model.dtype),
+            max_shard_bytes=byte_size(t.export_max_shard_size))
         return {self.export_key: str(path)}
 
     def close(self) -> None:
