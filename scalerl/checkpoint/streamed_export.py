@@ -28,8 +28,8 @@ from scalerl.models.hf_checkpoint import (
     SINGLE_WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     _hf_name,
-    load_model_config,
     model_config_to_hf,
+    read_json_file,
 )
 
 
@@ -40,7 +40,11 @@ def export_dtype(choice: str, source: str | None, trained_dtype: str) -> torch.d
     if choice != "source":
         return getattr(torch, choice)
     if source and (Path(source) / CONFIG_FILE).is_file():
-        return getattr(torch, load_model_config(source).torch_dtype)
+        # The raw field, so a directory of any architecture (the transformers fallback's too) answers.
+        raw = read_json_file(Path(source) / CONFIG_FILE, "model config")
+        named = str(raw.get("torch_dtype") or raw.get("dtype") or trained_dtype).removeprefix("torch.")
+        if isinstance(getattr(torch, named, None), torch.dtype):
+            return getattr(torch, named)
     return getattr(torch, trained_dtype)
 
 

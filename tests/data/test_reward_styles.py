@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from scalerl.core.config import load_config
-from scalerl.data.reward_functions import SIGNATURES, RewardFunction, reward_inputs
+from scalerl.data.reward_functions import SIGNATURES, reward_inputs
 from scalerl.data.rewards import RewardComputer, RewardFunctionError, load_reward_fn, load_reward_fns, reward_from_config
 
 VERL_REWARDS = '''

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from scalerl.core.config import load_config
 from scalerl.trainer.rl_trainer import RLTrainer, train
