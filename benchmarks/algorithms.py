@@ -67,13 +67,13 @@ def estimate_seconds(n_variants: int, n_seeds: int, steps: int, sft_steps: int) 
     return n_seeds * (sft_steps * SFT_STEP_S + PROCESS_S) + n_variants * n_seeds * (steps * RL_STEP_S + PROCESS_S)
 
 
-def _scalerl(args: list[str], log: Path) -> None:
+def _scalerl(args: list[str], log: Path) -> int:
+    """`scalerl <args>` in a process of its own, output to ``log``; its exit status."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "scalerl", *args], cwd=REPO, env=env, stdout=out,
-                              stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"scalerl {' '.join(args[:1])} failed (exit {done.returncode}); see {log}")
+        return subprocess.run([sys.executable, "-m", "scalerl", *args], cwd=REPO, env=env, stdout=out,
+                              stderr=subprocess.STDOUT, check=False).returncode
 
 
 def sft_model_for_seed(seed: int, base: list[str], out: Path) -> Path:
@@ -87,9 +87,10 @@ def sft_model_for_seed(seed: int, base: list[str], out: Path) -> Path:
         return model
     cfg = load_config(DEMO_CONFIG, [*base, f"trainer.seed={seed}"])
     teacher = write_teacher_demonstrations(cfg, seed_dir / "data" / "teacher_demonstrations.jsonl", seed)
-    seed_dir.mkdir(parents=True, exist_ok=True)
-    _scalerl(["sft", str(DEMO_CONFIG), *base, f"trainer.seed={seed}", f"data.train_files=[{teacher}]",
-              f"sft.output_dir={seed_dir / 'sft'}", "trainer.logger=[jsonl]"], seed_dir / "sft.log")
+    code = _scalerl(["sft", str(DEMO_CONFIG), *base, f"trainer.seed={seed}", f"data.train_files=[{teacher}]",
+                     f"sft.output_dir={seed_dir / 'sft'}", "trainer.logger=[jsonl]"], seed_dir / "sft.log")
+    if code != 0:
+        raise SystemExit(f"the SFT of seed {seed} failed (exit {code}); see {seed_dir / 'sft.log'}")
     return model
 
 
@@ -102,21 +103,29 @@ def read_run(metrics: Path) -> dict:
 
 
 def run_variant(variant: str, seed: int, steps: int, base: list[str], sft_model: Path, out: Path) -> dict:
-    run_dir = out / f"seed{seed}" / variant
-    _scalerl(["train", str(DEMO_CONFIG), *base, *variant_overrides(variant), f"trainer.seed={seed}",
-              f"trainer.total_steps={steps}", "trainer.eval_every=0", f"trainer.init_from={sft_model}",
-              f"trainer.output_dir={run_dir}", "trainer.overwrite=true", "trainer.logger=[jsonl]"],
-             out / f"seed{seed}" / f"{variant}.log")
+    """One RL run from ``sft_model``: `read_run`'s numbers, or {"error": ...} (the benchmark goes on)."""
+    run_dir, log = out / f"seed{seed}" / variant, out / f"seed{seed}" / f"{variant}.log"
+    code = _scalerl(["train", str(DEMO_CONFIG), *base, *variant_overrides(variant), f"trainer.seed={seed}",
+                     f"trainer.total_steps={steps}", "trainer.eval_every=0", f"trainer.init_from={sft_model}",
+                     f"trainer.output_dir={run_dir}", "trainer.overwrite=true", "trainer.logger=[jsonl]"], log)
+    if code != 0:
+        return {"error": f"exit {code}, see {log}"}
     return read_run(run_dir / "metrics.jsonl")
 
 
 def table(results: dict[str, dict[int, dict]], seeds: list[int]) -> list[dict]:
     """One row per variant: accuracy mean and per seed (points), difference to the baseline, step time."""
     base = results[BASELINE]
+    if any("error" in base[s] for s in seeds):
+        raise SystemExit(f"the baseline {BASELINE} failed: " + "; ".join(base[s].get("error", "") for s in seeds))
     base_acc = statistics.mean(base[s]["final"] for s in seeds)
     base_step = statistics.mean(base[s]["step_s"] for s in seeds)
     rows = []
     for variant, per_seed in results.items():
+        errors = [f"seed {s}: {per_seed[s]['error']}" for s in seeds if "error" in per_seed[s]]
+        if errors:
+            rows.append({"variant": variant, "error": "; ".join(errors)})
+            continue
         acc = statistics.mean(per_seed[s]["final"] for s in seeds)
         step = statistics.mean(per_seed[s]["step_s"] for s in seeds)
         rows.append({"variant": variant, "accuracy": acc, "per_seed": {s: per_seed[s]["final"] for s in seeds},
@@ -130,6 +139,9 @@ def format_table(rows: list[dict], seeds: list[int], sft: dict[int, float]) -> s
     lines.append("| SFT start | {:.1%} | {} | | | |".format(
         statistics.mean(sft[s] for s in seeds), " / ".join(f"{100 * sft[s]:.1f}" for s in seeds)))
     for r in rows:
+        if "error" in r:
+            lines.append(f"| `{r['variant']}` | failed: {r['error']} | | | | |")
+            continue
         delta = "baseline" if r["variant"] == BASELINE else f"{r['delta_points']:+.1f} points"
         ratio = "" if r["variant"] == BASELINE else f"{r['step_ratio']:.2f}x"
         lines.append(f"| `{r['variant']}` | {r['accuracy']:.1%} | "
@@ -174,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             run = run_variant(v, seed, steps, args.overrides, model, args.out)
             results[v][seed] = run
+            if "error" in run:
+                print(f"seed {seed} {v:36s} failed: {run['error']}", flush=True)
+                continue
             sft[seed] = run["initial"]
-            print(f"seed {seed} {v:32s} held-out {run['initial']:.1%} -> {run['final']:.1%}, "
+            print(f"seed {seed} {v:36s} held-out {run['initial']:.1%} -> {run['final']:.1%}, "
                   f"RL step {run['step_s']:.2f} s", flush=True)
     rows = table(results, args.seeds)
     print()

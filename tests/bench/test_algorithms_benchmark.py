@@ -37,6 +37,21 @@ def test_variants_cover_every_registry_name_once():
         bench.variant_overrides("gpg")
 
 
+def test_a_failed_variant_is_a_row_of_its_own_and_a_failed_baseline_stops():
+    bench = _bench()
+    run = {"initial": 0.3, "final": 0.5, "step_s": 1.0, "steps": 2}
+    results = {"grpo+vanilla": {0: run}, "rloo+vanilla": {0: {**run, "final": 0.6, "step_s": 1.5}},
+               "remax+vanilla": {0: {"error": "exit 1, see remax.log"}}}
+    rows = {r["variant"]: r for r in bench.table(results, [0])}
+    assert rows["rloo+vanilla"]["delta_points"] == pytest.approx(10.0)
+    assert rows["rloo+vanilla"]["step_ratio"] == pytest.approx(1.5)
+    assert rows["remax+vanilla"] == {"variant": "remax+vanilla", "error": "seed 0: exit 1, see remax.log"}
+    text = bench.format_table(list(rows.values()), [0], {0: 0.3})
+    assert "| `remax+vanilla` | failed: seed 0: exit 1" in text and "| `rloo+vanilla` | 60.0% | 60.0 | +10.0 points" in text
+    with pytest.raises(SystemExit, match="baseline grpo\\+vanilla failed"):
+        bench.table({"grpo+vanilla": {0: {"error": "exit 1"}}}, [0])
+
+
 def test_two_variants_one_seed_two_steps_give_a_table_with_numbers(tmp_path, capsys):
     bench = _bench()
     out = tmp_path / "bench"
