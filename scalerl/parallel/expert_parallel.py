@@ -33,7 +33,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from scalerl.models.moe import SparseMoeBlock, expert_capacity, moe_blocks, padded_as_extra_expert
+from scalerl.models.moe import (
+    SparseMoeBlock,
+    expert_capacity,
+    moe_blocks,
+    padded_as_extra_expert,
+)
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.mesh import LayoutError
 

@@ -14,7 +14,11 @@ transformers = pytest.importorskip("transformers")
 from scalerl.core.config import BUILTIN_VOCAB_SIZE
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
-from scalerl.models.hf_checkpoint import CheckpointFormatError, from_pretrained, save_pretrained
+from scalerl.models.hf_checkpoint import (
+    CheckpointFormatError,
+    from_pretrained,
+    save_pretrained,
+)
 from scalerl.models.moe import (
     RouterAuxLoss,
     SparseMoeBlock,
