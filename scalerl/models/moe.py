@@ -15,10 +15,11 @@ got no token, so all parameters take part in every backward (DDP needs that with
 A capacity factor (``model.moe_capacity_factor``, `set_capacity_factor`) bounds what each expert takes in a
 training forward: at most ``expert_capacity`` = ``ceil(factor * tokens * top_k / num_experts)`` assignments,
 ``tokens`` the forward's real (unpadded) tokens over all expert-parallel ranks (Switch/GShard's definition).
-Assignments past it are dropped in token order (Megatron's ``position`` drop policy, GShard's): an expert
-keeps its first ``capacity`` assignments in the order of the rows (rank by rank under expert parallelism,
-the one-process order of the same rows), a dropped assignment contributes zero and the token keeps its
-residual (and its other experts). Padding takes no capacity and gets no expert output once a factor is set.
+An expert over it keeps the ``capacity`` assignments with the largest routing weights (Megatron's default
+``probs`` drop policy; ties go to the earlier row), so which ones drop does not depend on the order of the
+rows (a shuffled mini-batch, or rows split over expert-parallel ranks, drop the same ones as one process).
+A dropped assignment contributes zero and the token keeps its residual (and its other experts). Padding
+takes no capacity and gets no expert output once a factor is set.
 """
 
 from __future__ import annotations
@@ -128,9 +129,9 @@ def routed_expert_outputs(flat: torch.Tensor, weights: torch.Tensor, experts: to
                           real: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """``sum_k weights[n, k] * expert_{experts[n, k]}(flat[n])`` by grouping the ``N * k`` assignments by
     expert: one stable sort (so each expert's rows stay in token order), then per expert one gather of its
-    rows and one scatter-add of its outputs. With ``capacity_factor`` each expert keeps its first
-    `expert_capacity` assignments of real rows (``real`` ``[N]``; None = every row) and drops the rest.
-    Returns the outputs and the number of assignments dropped."""
+    rows and one scatter-add of its outputs. With ``capacity_factor`` each expert keeps the
+    `expert_capacity` assignments of real rows (``real`` ``[N]``; None = every row) with the largest
+    weights (`keep_heaviest`) and drops the rest. Returns the outputs and the number of assignments dropped."""
     top_k, num_experts = experts.shape[-1], len(expert_modules)
     assigned = padded_as_extra_expert(experts, real if capacity_factor > 0 else None, num_experts)
     order = torch.argsort(assigned, stable=True)
@@ -143,8 +144,18 @@ def routed_expert_outputs(flat: torch.Tensor, weights: torch.Tensor, experts: to
         limit = expert_capacity(tokens, top_k, num_experts, capacity_factor)
     out = torch.zeros_like(flat)
     for expert, idx, w in zip(expert_modules, rows, row_weights):  # the padding bin (last) is left out
-        out.index_add_(0, idx[:limit], expert(flat.index_select(0, idx[:limit])) * w[:limit].unsqueeze(-1))
+        kept = keep_heaviest(w, limit)
+        idx, w = (idx, w) if kept is None else (idx[kept], w[kept])
+        out.index_add_(0, idx, expert(flat.index_select(0, idx)) * w.unsqueeze(-1))
     return out, sum(max(0, c - limit) for c in counts[:num_experts])
+
+
+def keep_heaviest(weights: torch.Tensor, limit: int) -> torch.Tensor | None:
+    """Which of one expert's assignments (routing ``weights``, in row order) its capacity ``limit`` keeps:
+    the ``limit`` largest weights, ties to the earlier row; None when all fit."""
+    if len(weights) <= limit:
+        return None
+    return torch.argsort(weights.detach().float(), descending=True, stable=True)[:limit]
 
 
 def set_capacity_factor(model: nn.Module, factor: float | None) -> None:
@@ -167,10 +178,12 @@ def set_capacity_factor(model: nn.Module, factor: float | None) -> None:
         rows = None
         if mask is not None and input_ids is not None:  # a mask that also covers cached keys: this forward's part
             rows = (mask[:, mask.shape[1] - input_ids.shape[1]:] != 0).reshape(-1)
-        for block in blocks:
+        for block in moe_blocks(module):  # the hooked module's own blocks: a deep copy (a critic) keeps the hook
             block.token_mask = rows
 
-    backbone.register_forward_pre_hook(mark_real_rows, with_kwargs=True)
+    if not getattr(backbone, "_marks_real_rows", False):
+        backbone.register_forward_pre_hook(mark_real_rows, with_kwargs=True)
+        backbone._marks_real_rows = True
 
 
 def is_sparse_layer(cfg, layer_idx: int) -> bool:

@@ -353,26 +353,28 @@ def test_ddp_and_fsdp_at_world_2_train_a_moe_model_alike(tmp_path):
     assert ranks[0]["dp_shard"][1]["moe/aux_loss"] == ranks[1]["dp_shard"][1]["moe/aux_loss"]
 
 
-# --- capacity factor: at most ceil(factor x tokens x top_k / E) assignments per expert, dropped in token order ---
+# --- capacity factor: at most ceil(factor x tokens x top_k / E) assignments per expert, the heaviest kept ---
 
 
-def test_capacity_drops_the_latest_assignments_in_token_order():
+def test_capacity_keeps_each_experts_heaviest_assignments():
     torch.manual_seed(0)
     experts = torch.nn.ModuleList(torch.nn.Linear(4, 4, bias=False) for _ in range(2))
     flat = torch.randn(6, 4)
     # every token's top-1 is expert 0 except token 4; token 1 is padding
     chosen = torch.tensor([[0], [0], [0], [0], [1], [0]])
-    weights = torch.ones(6, 1)
+    weights = torch.tensor([[0.2], [1.0], [0.5], [0.9], [1.0], [0.5]])
     real = torch.tensor([True, False, True, True, True, True])
     assert expert_capacity(5, 1, 2, 1.0) == 3  # ceil(1.0 x 5 real tokens x top-1 / 2 experts)
     out, dropped = routed_expert_outputs(flat, weights, chosen, experts, 1.0, real)
-    assert dropped == 1  # expert 0 got tokens 0, 2, 3, 5: the last (5) is dropped
-    for row in (0, 2, 3):
-        assert torch.allclose(out[row], experts[0](flat[row]))
+    assert dropped == 1  # expert 0 got tokens 0, 2, 3, 5: the lightest (0, weight 0.2) is dropped
+    for row in (2, 3, 5):  # (2 and 5 tie at 0.5: both fit)
+        assert torch.allclose(out[row], experts[0](flat[row]) * weights[row])
     assert torch.allclose(out[4], experts[1](flat[4]))
-    assert out[5].abs().max() == 0 and out[1].abs().max() == 0  # dropped, and padding: no expert output
+    assert out[0].abs().max() == 0 and out[1].abs().max() == 0  # dropped, and padding: no expert output
+    tied, _ = routed_expert_outputs(flat, torch.ones(6, 1), chosen, experts, 1.0, real)
+    assert tied[5].abs().max() == 0 and tied[0].abs().max() > 0  # equal weights: the earlier rows stay
     unlimited, none = routed_expert_outputs(flat, weights, chosen, experts)
-    assert none == 0 and torch.allclose(unlimited[5], experts[0](flat[5])) and unlimited[1].abs().max() > 0
+    assert none == 0 and torch.allclose(unlimited[0], experts[0](flat[0]) * 0.2) and unlimited[1].abs().max() > 0
 
 
 def test_capacity_factor_applies_to_training_forwards_and_is_counted(tmp_path):
@@ -401,6 +403,17 @@ def test_capacity_factor_applies_to_training_forwards_and_is_counted(tmp_path):
     assert torch.allclose(model(ids, attention_mask=mask)[mask.bool()], free[mask.bool()], atol=1e-6)
     aux.loss_term(mask, 1)
     assert aux.metrics()["moe/dropped_tokens"] == 0
+    # a deep copy (PPO's critic backbone) marks its own blocks' real rows, not the original's
+    import copy
+
+    for block in moe_blocks(model):
+        block.last_router_logits = None  # (a graph's tensors cannot be deep-copied; a critic is copied before any)
+    critic = copy.deepcopy(model)
+    for block in moe_blocks(model):
+        block.token_mask = None
+    critic(ids[:1], attention_mask=mask[:1])
+    assert all(b.token_mask is None for b in moe_blocks(model))
+    assert all(torch.equal(b.token_mask, mask[0].bool()) for b in moe_blocks(critic))
 
 
 def test_capacity_factor_on_a_dense_model_is_refused():
