@@ -15,9 +15,9 @@ got no token, so all parameters take part in every backward (DDP needs that with
 A capacity factor (``model.moe_capacity_factor``, `set_capacity_factor`) bounds what each expert takes in a
 training forward: at most ``expert_capacity`` = ``ceil(factor * tokens * top_k / num_experts)`` assignments,
 ``tokens`` the forward's real (unpadded) tokens over all expert-parallel ranks (Switch/GShard's definition).
-An expert over it keeps the ``capacity`` assignments with the largest routing weights (Megatron's default
-``probs`` drop policy; ties go to the earlier row), so which ones drop does not depend on the order of the
-rows (a shuffled mini-batch, or rows split over expert-parallel ranks, drop the same ones as one process).
+An expert over it keeps its heaviest assignments by routing weight (Megatron's default ``probs`` drop
+policy), those tied at the boundary all dropped (`keep_heaviest`), so which ones drop does not depend on the
+order of the rows (a shuffled mini-batch, or rows split over expert-parallel ranks, drop what one process does).
 A dropped assignment contributes zero and the token keeps its residual (and its other experts). Padding
 takes no capacity and gets no expert output once a factor is set.
 """
@@ -131,7 +131,7 @@ def routed_expert_outputs(flat: torch.Tensor, weights: torch.Tensor, experts: to
     expert: one stable sort (so each expert's rows stay in token order), then per expert one gather of its
     rows and one scatter-add of its outputs. With ``capacity_factor`` each expert keeps the
     `expert_capacity` assignments of real rows (``real`` ``[N]``; None = every row) with the largest
-    weights (`keep_heaviest`) and drops the rest. Returns the outputs and the number of assignments dropped."""
+    weights (`keep_heaviest`: at most that many) and drops the rest. Returns the outputs and the number of assignments dropped."""
     top_k, num_experts = experts.shape[-1], len(expert_modules)
     assigned = padded_as_extra_expert(experts, real if capacity_factor > 0 else None, num_experts)
     order = torch.argsort(assigned, stable=True)
@@ -142,20 +142,26 @@ def routed_expert_outputs(flat: torch.Tensor, weights: torch.Tensor, experts: to
     if capacity_factor > 0:
         tokens = flat.shape[0] if real is None else int(real.sum())
         limit = expert_capacity(tokens, top_k, num_experts, capacity_factor)
-    out = torch.zeros_like(flat)
+    out, dropped = torch.zeros_like(flat), 0
     for expert, idx, w in zip(expert_modules, rows, row_weights):  # the padding bin (last) is left out
         kept = keep_heaviest(w, limit)
-        idx, w = (idx, w) if kept is None else (idx[kept], w[kept])
+        if kept is not None:
+            dropped += len(idx) - len(kept)
+            idx, w = idx[kept], w[kept]
         out.index_add_(0, idx, expert(flat.index_select(0, idx)) * w.unsqueeze(-1))
-    return out, sum(max(0, c - limit) for c in counts[:num_experts])
+    return out, dropped
 
 
 def keep_heaviest(weights: torch.Tensor, limit: int) -> torch.Tensor | None:
-    """Which of one expert's assignments (routing ``weights``, in row order) its capacity ``limit`` keeps:
-    the ``limit`` largest weights, ties to the earlier row; None when all fit."""
+    """Which of one expert's assignments (routing ``weights``) its capacity ``limit`` keeps: those heavier
+    than the ``limit + 1``-th heaviest, so at most ``limit``, and assignments tied at the boundary all drop
+    (equal tokens in equal contexts tie exactly, e.g. the prompt a GRPO group's rows share: keeping some of
+    them would depend on the order of the rows). None when all fit."""
     if len(weights) <= limit:
         return None
-    return torch.argsort(weights.detach().float(), descending=True, stable=True)[:limit]
+    w = weights.detach().float()
+    boundary = torch.topk(w, limit + 1).values[-1]
+    return torch.nonzero(w > boundary).squeeze(-1)
 
 
 def set_capacity_factor(model: nn.Module, factor: float | None) -> None:

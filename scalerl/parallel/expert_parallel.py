@@ -111,7 +111,7 @@ class ExpertParallelDispatch:
                                           device=flat.device) for i in range(ranks)])
             kept = keep_heaviest(recv_weights[idx], limit) if limit is not None else None
             if kept is not None:
-                dropped += len(idx) - limit
+                dropped += len(idx) - len(kept)
                 idx = idx[kept]
             outputs.index_add_(0, idx, expert(recv.index_select(0, idx)))
         back = _AllToAll.apply(outputs, self.ctx, self.over)
