@@ -45,7 +45,8 @@ class HealthMonitor:
             "balance_batch": cfg.trainer.balance_batch, "memory_capacity_gb": memory_capacity_gb(device),
             # A CPU's memory is shared by the node's ranks; a GPU's is its rank's own.
             "ranks_sharing_memory": local_ranks if device.type == "cpu" else 1,
-            "ep": getattr(dims, "ep", 1), "moe_capacity_factor": getattr(getattr(cfg, "model", None), "moe_capacity_factor", None),
+            "ep": getattr(dims, "ep", 1),
+            "moe_capacity_factor": getattr(getattr(cfg, "model", None), "moe_capacity_factor", None),
         }
         return cls(every, context, None if log else (lambda message: None))
 
