@@ -219,10 +219,10 @@ def _add_from_verl_arg(parser: argparse.ArgumentParser) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from scalerl.trainer.run_checks import output_dir_problems
-    from scalerl.verify import LAYOUTS, format_rows, run_verification
+    from scalerl.verify import LAYOUTS, MOE_LAYOUTS, format_rows, run_verification
 
     worlds = tuple(args.world or (2, 4))
-    known = sorted({name for world in worlds for name in LAYOUTS[world]})
+    known = sorted({name for world in worlds for name in [*LAYOUTS[world], *MOE_LAYOUTS.get(world, {})]})
     unknown = [name for name in args.layout or [] if name not in known]
     if unknown:  # checked before the single-process reference runs, not after
         raise ConfigError(f"--layout {', '.join(unknown)}: not a layout of world {'/'.join(map(str, worlds))}; "

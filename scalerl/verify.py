@@ -38,6 +38,16 @@ LAYOUTS: dict[int, dict[str, dict[str, int]]] = {
         "pp2xtp2": {"dp_replicate": 1, "tp": 2, "pp": 2},
     },
 }
+# Expert-parallel rows on a generated MoE model (`moe_verification_model`), each against its own single-process
+# run on that model: (the layout, overrides of both runs). A micro-batch is a rank's whole share (the reference's
+# the whole batch) and rows stay in place (trainer.balance_batch=false), so the tokens one EP forward routes are
+# the reference's forward's, in its order: what a capacity factor's token-order drops need to agree.
+MOE_LAYOUTS: dict[int, dict[str, tuple[dict[str, int], tuple[str, ...]]]] = {
+    2: {
+        "ep2-moe": ({"dp_replicate": 2, "ep": 2}, ()),
+        "ep2-moe-cf1": ({"dp_replicate": 2, "ep": 2}, ("model.moe_capacity_factor=1.0",)),
+    },
+}
 KINDS = ("grpo", "sft")  # default; "ppo" (GAE with a critic) is also available
 COMPARED_METRICS = {
     "grpo": ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean"),
@@ -66,6 +76,30 @@ def verification_overrides(steps: int) -> list[str]:
         f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.logger=[jsonl]",
         f"sft.steps={steps}", "sft.batch_size=16", "sft.micro_batch_size=4", "sft.lr=1e-3",
     ]
+
+
+def moe_verification_model(directory: Path) -> Path:
+    """A random Qwen2-MoE over the built-in tokenizer's vocabulary (4 experts, top-2, a shared expert, 2 layers),
+    saved as a Hugging Face directory. Its router's aux loss is off: each rank's would be over its own tokens
+    (as under plain DDP), which one process cannot reproduce."""
+    from scalerl.core.config import BUILTIN_VOCAB_SIZE
+    from scalerl.models.config import ModelConfig
+    from scalerl.models.decoder import build_model
+    from scalerl.models.hf_checkpoint import save_pretrained
+
+    cfg = ModelConfig(model_type="qwen2_moe", vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16, output_router_logits=False, tie_word_embeddings=True)
+    save_pretrained(build_model(cfg, seed=0), directory)
+    return directory
+
+
+def moe_overrides(model_dir: Path, single: bool, extra: tuple[str, ...]) -> list[str]:
+    """The MoE rows' overrides: the model, one micro-batch per rank's share, rows kept where they are."""
+    share = 1 if single else 2  # the ranks of MOE_LAYOUTS' world
+    return [f"model.path={model_dir}", "model.tokenizer=builtin", "trainer.balance_batch=false",
+            f"actor.ppo_micro_batch_size={32 // share}", f"sft.micro_batch_size={16 // share}", *extra]
 
 
 def run_kind(kind: str, overrides: list[str], output_dir: Path) -> Path:
@@ -98,7 +132,8 @@ def _metrics_file(kind: str, output_dir: Path) -> Path:
     return output_dir / ("sft" if kind == "sft" else "") / "metrics.jsonl"
 
 
-def _worker(rank: int, world: int, port: int, layouts: dict, overrides: list[str], out_dir: str, kinds) -> None:
+def _worker(rank: int, world: int, port: int, layouts: dict, overrides: list[str], out_dir: str, kinds,
+            layout_extra: dict[str, list[str]] | None = None) -> None:
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
@@ -114,6 +149,7 @@ def _worker(rank: int, world: int, port: int, layouts: dict, overrides: list[str
         # One process group for every layout: each layout builds its own mesh (new subgroups) on it.
         for name, layout in layouts.items():
             layout_overrides = [f"parallel.{k}={v}" for k, v in {"dp_replicate": 1, **layout}.items()]
+            layout_overrides += (layout_extra or {}).get(name, [])
             for kind in kinds:
                 if supported(kind, layout):
                     run_kind(kind, [*overrides, *layout_overrides], Path(out_dir) / f"world{world}-{name}" / kind)
@@ -190,14 +226,26 @@ def run_verification(
 
     out_dir = Path(out_dir)
     overrides = verification_overrides(steps)
-    reference = {kind: run_kind(kind, overrides, out_dir / "single" / kind) for kind in kinds}
+    dense = any(n in LAYOUTS[w] for w in worlds for n in (layouts or LAYOUTS[w]))
+    reference = {kind: run_kind(kind, overrides, out_dir / "single" / kind) for kind in kinds} if dense else {}
     rows = []
     for world in worlds:
         chosen = {n: l for n, l in LAYOUTS[world].items() if layouts is None or n in layouts}
-        if not chosen:
+        moe = {n: v for n, v in MOE_LAYOUTS.get(world, {}).items() if layouts is None or n in layouts}
+        if not chosen and not moe:
             continue
+        extra: dict[str, list[str]] = {}
+        references = {name: reference for name in chosen}  # layout -> kind -> the single-process model
+        if moe:
+            model_dir = moe_verification_model(out_dir / "moe-model")
+            for name, (layout, moe_extra) in moe.items():
+                chosen[name] = layout
+                extra[name] = moe_overrides(model_dir, single=False, extra=moe_extra)
+                single = moe_overrides(model_dir, single=True, extra=moe_extra)
+                references[name] = {kind: run_kind(kind, [*overrides, *single], out_dir / f"single-{name}" / kind)
+                                    for kind in kinds if supported(kind, layout)}
         mp.start_processes(
-            _worker, args=(world, free_port(), chosen, overrides, str(out_dir), tuple(kinds)), nprocs=world,
+            _worker, args=(world, free_port(), chosen, overrides, str(out_dir), tuple(kinds), extra), nprocs=world,
             start_method="spawn",
         )
         for name in chosen:
@@ -206,7 +254,8 @@ def run_verification(
                     print(f"skipped: {kind} under {name} (the critic does not run with pipeline parallelism yet)")
                     continue
                 run_dir = out_dir / f"world{world}-{name}" / kind
-                single_dir = out_dir / "single" / kind
+                single_model = references[name][kind]
+                single_dir = out_dir / ("single" if name not in moe else f"single-{name}") / kind
                 loss_diff = max_metric_diff(
                     _read_metrics(_metrics_file(kind, single_dir)), _read_metrics(_metrics_file(kind, run_dir)),
                     COMPARED_METRICS[kind],
@@ -214,16 +263,23 @@ def run_verification(
                 model_dir = run_dir / ("sft/model" if kind == "sft" else "final")
                 if kind == "ppo" and not _critic_trained(run_dir):
                     loss_diff = float("inf")  # a critic that never learned would make the check vacuous
+                if name in moe and moe[name][1] and not _dropped_tokens(_metrics_file(kind, run_dir)):
+                    loss_diff = float("inf")  # a capacity factor that dropped nothing would check nothing new
                 rows.append(VerificationRow(
-                    kind, name, world, loss_diff, max_weight_diff(reference[kind], model_dir),
-                    max_abs_weight_diff(reference[kind], model_dir),
+                    kind, name, world, loss_diff, max_weight_diff(single_model, model_dir),
+                    max_abs_weight_diff(single_model, model_dir),
                 ))
     return rows
 
 
+def _dropped_tokens(metrics_file: Path) -> bool:
+    return any(r.get("moe/dropped_tokens", 0) > 0 for r in _read_metrics(metrics_file))
+
+
 def describe_layouts() -> str:
     """One line per world size naming its layouts (for `scalerl verify --help`)."""
-    return "\n".join(f"  world {world}: {', '.join(layouts)}" for world, layouts in LAYOUTS.items())
+    return "\n".join(f"  world {world}: {', '.join([*layouts, *MOE_LAYOUTS.get(world, {})])}"
+                     for world, layouts in LAYOUTS.items())
 
 
 def format_rows(rows: list[VerificationRow]) -> str:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from scalerl.verify import LAYOUTS, max_metric_diff, max_weight_diff, run_verification
+from scalerl.verify import LAYOUTS, MOE_LAYOUTS, max_metric_diff, max_weight_diff, run_verification
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,8 @@ def verification(tmp_path_factory):
 
 
 def test_every_layout_matches_single_process(verification):
-    expected = {(w, name, kind) for w, layouts in LAYOUTS.items() for name in layouts for kind in ("grpo", "sft")}
+    expected = {(w, name, kind) for table in (LAYOUTS, MOE_LAYOUTS) for w, layouts in table.items()
+                for name in layouts for kind in ("grpo", "sft")}
     assert {(r.world, r.layout, r.kind) for r in verification} == expected
     failures = [r for r in verification if not r.passed]
     assert not failures, failures

@@ -95,6 +95,10 @@ class ModelSection(_Section):
     implementation: str = opt("auto", "decoder: scalerl's own | transformers' AutoModelForCausalLM (DDP/FSDP only) | "
                               "auto = scalerl's for the architectures it implements, else transformers")
     activation_checkpointing: bool = opt(False, "recompute layer activations in backward to save memory")
+    moe_capacity_factor: float | None = opt(None, "MoE: each expert takes at most ceil(factor x tokens x top_k / "
+                                            "num_experts) assignments per training forward, keeping those with the "
+                                            "largest routing weights (moe/dropped_tokens); 0/null = no limit",
+                                            at_least=0, at_most=1e6)
 
     def problems(self) -> list[str]:
         p: list[str] = []

@@ -20,7 +20,7 @@ logger = logging.getLogger("scalerl.health")
 REWARD_KEYS = ("critic/score/mean", "critic/score/max", "critic/score/min")
 HISTORY_STEPS = 200  # reward history kept for the collapse rule (its windows are a few steps)
 RECENT_STEPS = 10  # steps whose slowest rank the straggler rule compares (a straggler is slow step after step)
-RECENT_KEYS = ("timing_s/busy/slowest_rank", "timing_s/busy/max", "timing_s/busy")
+RECENT_KEYS = ("timing_s/busy/slowest_rank", "timing_s/busy/max", "timing_s/busy", "moe/expert_load_imbalance")
 
 
 class HealthMonitor:
@@ -45,6 +45,8 @@ class HealthMonitor:
             "balance_batch": cfg.trainer.balance_batch, "memory_capacity_gb": memory_capacity_gb(device),
             # A CPU's memory is shared by the node's ranks; a GPU's is its rank's own.
             "ranks_sharing_memory": local_ranks if device.type == "cpu" else 1,
+            "ep": getattr(dims, "ep", 1),
+            "moe_capacity_factor": getattr(getattr(cfg, "model", None), "moe_capacity_factor", None),
         }
         return cls(every, context, None if log else (lambda message: None))
 

@@ -196,6 +196,34 @@ _RULES = (
          "GPU model of every rank",
          "run on one GPU type (Slurm --constraint / --gres=gpu:<type>:N; Ray accelerator_type)",
          severities={"mixed": Severity(WARNING, "the slower GPU model sets the pace of every synchronous step")}),
+    Rule("expert_load_imbalance", "compute/expert_load",
+         "moe/expert_load_imbalance: the most loaded expert's tokens over the mean per expert, in the worst "
+         "sparse layer, over the step's real tokens and every data-parallel rank, step after step",
+         "turn the router's load-balancing loss on (output_router_logits=true in the model's config.json) or "
+         "raise its router_aux_loss_coef (transformers' default 0.001; 0.01 as Switch Transformer used); "
+         "{capacity}; under expert parallelism more experts per rank (a smaller parallel.ep){per_rank} "
+         "average the load of each rank",
+         thresholds={
+             "max_over_mean": Threshold(
+                 1.5, 3.0, True, "x mean",
+                 "every expert of a layer waits for the busiest one (under expert parallelism, every rank for the "
+                 "rank that owns it): at 1.5x the mean the others idle a third of the experts' time, at 3x two "
+                 "thirds, and a router that sends most tokens to few experts trains the rest on little data"),
+             "sustained_steps": Threshold(
+                 3, None, True, " steps",
+                 "a router's load moves from step to step with the batch; only an imbalance that holds over "
+                 "several steps in a row is the router's, not the batch's"),
+         }),
+    Rule("dropped_tokens", "compute/expert_load",
+         "moe/dropped_token_fraction: token-to-expert assignments dropped by model.moe_capacity_factor over "
+         "all assignments of the step's real tokens",
+         "raise model.moe_capacity_factor{now} (Switch/GShard train with 1.0-2.0; 0 = no limit), and balance "
+         "the router (output_router_logits=true, router_aux_loss_coef in config.json) so fewer experts overflow",
+         thresholds={"fraction": Threshold(
+             0.01, 0.1, True, " of assignments",
+             "a dropped assignment gives its token no output from that expert (it keeps only its residual and "
+             "its other experts): a percent is the usual price of bounded expert buffers; at a tenth the model "
+             "trains on a different network than it generates with (generation routes every token)")}),
     # ------------------------------------------------------------------------------ resources
     Rule("memory_peak", "resources/accelerator_memory",
          "peak memory of each rank (GPU: allocated; CPU: resident set of the node's ranks) against the "

@@ -51,6 +51,8 @@ TREE: tuple[Branch, ...] = (
              "is each tensor/pipeline shard big enough that compute outweighs its communication and bubbles?"),
         Leaf("compute/stragglers", "uneven work across ranks (stragglers)",
              "does any rank take far longer than the others for the same work?"),
+        Leaf("compute/expert_load", "MoE expert load imbalance",
+             "do a MoE model's experts get about the same share of tokens, and does a capacity factor drop few?"),
     )),
     Branch("resources", "resources", (
         Leaf("resources/accelerator_memory", "accelerator memory",

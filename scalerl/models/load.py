@@ -16,6 +16,7 @@ from scalerl.models.hf_checkpoint import (
     load_model_config,
     read_json_file,
 )
+from scalerl.models.moe import set_capacity_factor
 from scalerl.models.sharded_loading import meta_model
 from scalerl.models.tokenizer import CharTokenizer, TokenizerNotFound, load_tokenizer
 from scalerl.models.transformers_model import (
@@ -92,6 +93,10 @@ def load_model_and_tokenizer(
             raise ConfigError("model.implementation=transformers loads a Hugging Face directory: set model.path "
                               "(or trainer.init_from); the built-in model is scalerl's own decoder")
         model = build_model(builtin_model_config(model_cfg, tokenizer), seed=seed, device=device)
+    try:
+        set_capacity_factor(model, getattr(model_cfg, "moe_capacity_factor", None))
+    except ValueError as e:
+        raise ConfigError(f"{e} ({source or 'the built-in model'})") from None
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ConfigError(
             f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than the model's ({model.config.vocab_size}); "

@@ -11,10 +11,20 @@ Tokens are grouped by expert (one sort of the token -> expert assignments, then 
 scatter-add per expert): a loop over experts, never over tokens. Every expert runs, with zero rows when it
 got no token, so all parameters take part in every backward (DDP needs that without
 ``find_unused_parameters``).
+
+A capacity factor (``model.moe_capacity_factor``, `set_capacity_factor`) bounds what each expert takes in a
+training forward: at most ``expert_capacity`` = ``ceil(factor * tokens * top_k / num_experts)`` assignments,
+``tokens`` the forward's real (unpadded) tokens over all expert-parallel ranks (Switch/GShard's definition).
+An expert over it keeps its heaviest assignments by routing weight (Megatron's default ``probs`` drop
+policy), those tied at the boundary all dropped (`keep_heaviest`), so which ones drop does not depend on the
+order of the rows (a shuffled mini-batch, or rows split over expert-parallel ranks, drop what one process does).
+A dropped assignment contributes zero and the token keeps its residual (and its other experts). Padding
+takes no capacity and gets no expert output once a factor is set.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -76,32 +86,110 @@ class SparseMoeBlock(nn.Module):
         self.last_router_logits: torch.Tensor | None = None
         # Expert parallelism (scalerl.parallel.expert_parallel) routes over ranks in place of the local loop.
         self.expert_dispatch = None
+        self.capacity_factor = 0.0  # 0 = every assignment runs; applies to training forwards only
+        self.token_mask: torch.Tensor | None = None  # [N] bool of the forward's real rows (`set_capacity_factor`)
+        # (assignments dropped, assignments of real tokens) of the latest capacity-limited forward, on this rank
+        self.last_drop_counts: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits, weights, experts = self.gate(flat)
         self.last_router_logits = logits
-        out = (self.expert_dispatch or routed_expert_outputs)(flat, weights, experts, self.experts)
+        factor = self.capacity_factor if self.training else 0.0
+        real = None
+        if factor > 0 and self.token_mask is not None and self.token_mask.numel() == flat.shape[0]:
+            real = self.token_mask.to(flat.device)
+        out, dropped = (self.expert_dispatch or routed_expert_outputs)(flat, weights, experts, self.experts,
+                                                                       factor, real)
+        if factor > 0:
+            tokens = flat.shape[0] if real is None else int(real.sum())
+            self.last_drop_counts = torch.tensor([float(dropped), float(tokens * self.top_k)])
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(shape)
 
 
-def routed_expert_outputs(flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                          expert_modules: nn.ModuleList) -> torch.Tensor:
-    """``sum_k weights[n, k] * expert_{experts[n, k]}(flat[n])`` by grouping the ``N * k`` assignments by
-    expert: one stable sort, then per expert one gather of its rows and one scatter-add of its outputs."""
-    top_k = experts.shape[-1]
+def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Switch/GShard's expert capacity: ``ceil(factor * tokens * top_k / num_experts)`` assignments."""
+    return math.ceil(factor * tokens * top_k / num_experts)
+
+
+def padded_as_extra_expert(experts: torch.Tensor, real: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+    """The ``N * k`` assignments flattened, those of padding rows (``real`` False) sent to the id
+    ``num_experts``: a bin no expert reads, sorted after every real one."""
     assigned = experts.reshape(-1)
+    if real is None:
+        return assigned
+    return assigned.masked_fill(~real.bool().repeat_interleave(experts.shape[-1]), num_experts)
+
+
+def routed_expert_outputs(flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                          expert_modules: nn.ModuleList, capacity_factor: float = 0.0,
+                          real: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """``sum_k weights[n, k] * expert_{experts[n, k]}(flat[n])`` by grouping the ``N * k`` assignments by
+    expert: one stable sort (so each expert's rows stay in token order), then per expert one gather of its
+    rows and one scatter-add of its outputs. With ``capacity_factor`` each expert keeps the
+    `expert_capacity` assignments of real rows (``real`` ``[N]``; None = every row) with the largest
+    weights (`keep_heaviest`: at most that many) and drops the rest. Returns the outputs and the number of assignments dropped."""
+    top_k, num_experts = experts.shape[-1], len(expert_modules)
+    assigned = padded_as_extra_expert(experts, real if capacity_factor > 0 else None, num_experts)
     order = torch.argsort(assigned, stable=True)
-    counts = torch.bincount(assigned, minlength=len(expert_modules)).tolist()  # one host sync per layer
+    counts = torch.bincount(assigned, minlength=num_experts + 1).tolist()  # one host sync per layer
     rows = (order // top_k).split(counts)
     row_weights = weights.reshape(-1)[order].split(counts)
-    out = torch.zeros_like(flat)
-    for expert, idx, w in zip(expert_modules, rows, row_weights):
+    limit = len(order)
+    if capacity_factor > 0:
+        tokens = flat.shape[0] if real is None else int(real.sum())
+        limit = expert_capacity(tokens, top_k, num_experts, capacity_factor)
+    out, dropped = torch.zeros_like(flat), 0
+    for expert, idx, w in zip(expert_modules, rows, row_weights):  # the padding bin (last) is left out
+        kept = keep_heaviest(w, limit)
+        if kept is not None:
+            dropped += len(idx) - len(kept)
+            idx, w = idx[kept], w[kept]
         out.index_add_(0, idx, expert(flat.index_select(0, idx)) * w.unsqueeze(-1))
-    return out
+    return out, dropped
+
+
+def keep_heaviest(weights: torch.Tensor, limit: int) -> torch.Tensor | None:
+    """Which of one expert's assignments (routing ``weights``) its capacity ``limit`` keeps: those heavier
+    than the ``limit + 1``-th heaviest, so at most ``limit``, and assignments tied at the boundary all drop
+    (equal tokens in equal contexts tie exactly, e.g. the prompt a GRPO group's rows share: keeping some of
+    them would depend on the order of the rows). None when all fit."""
+    if len(weights) <= limit:
+        return None
+    w = weights.detach().float()
+    boundary = torch.topk(w, limit + 1).values[-1]
+    return torch.nonzero(w > boundary).squeeze(-1)
+
+
+def set_capacity_factor(model: nn.Module, factor: float | None) -> None:
+    """``model.moe_capacity_factor`` on every sparse block of ``model`` (0 / None: no limit). A factor on a
+    model without scalerl's MoE blocks is a ValueError. The blocks learn which rows are padding from the
+    model's ``attention_mask`` (a forward pre-hook), so padding takes no capacity."""
+    if not factor:
+        return
+    backbone = getattr(model, "backbone", model)
+    blocks = moe_blocks(backbone)
+    if not blocks:
+        raise ValueError(f"model.moe_capacity_factor={factor} applies to MoE models (qwen2_moe / qwen3_moe with "
+                         "scalerl's decoder); this model has no sparse MoE block")
+    for block in blocks:
+        block.capacity_factor = float(factor)
+
+    def mark_real_rows(module, args, kwargs):
+        input_ids = args[0] if args else kwargs.get("input_ids")
+        mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        rows = None
+        if mask is not None and input_ids is not None:  # a mask that also covers cached keys: this forward's part
+            rows = (mask[:, mask.shape[1] - input_ids.shape[1]:] != 0).reshape(-1)
+        for block in moe_blocks(module):  # the hooked module's own blocks: a deep copy (a critic) keeps the hook
+            block.token_mask = rows
+
+    if not getattr(backbone, "_marks_real_rows", False):
+        backbone.register_forward_pre_hook(mark_real_rows, with_kwargs=True)
+        backbone._marks_real_rows = True
 
 
 def is_sparse_layer(cfg, layer_idx: int) -> bool:
@@ -150,12 +238,16 @@ class RouterAuxLoss:
     """The trainer's side of the MoE blocks: after each training forward, ``coef * aux`` to add to the loss
     (transformers adds ``router_aux_loss_coef * aux_loss`` when ``output_router_logits``), and the step's
     metrics: ``moe/aux_loss`` (mean over forwards) and ``moe/expert_load_imbalance`` (the most loaded
-    expert's tokens over the mean per expert, in the worst layer, counted over the step's real tokens)."""
+    expert's tokens over the mean per expert, in the worst layer, counted over the step's real tokens,
+    before any capacity drop); under a capacity factor also ``moe/dropped_tokens`` (token-to-expert
+    assignments dropped in the step, all sparse layers, micro-batches and ranks: a token routed to ``k``
+    experts counts up to ``k``) and ``moe/dropped_token_fraction`` (over all assignments of real tokens)."""
 
     blocks: list[SparseMoeBlock]
     coef: float
     _aux: list[torch.Tensor] = field(default_factory=list)
     _counts: torch.Tensor | None = None
+    _drops: torch.Tensor | None = None  # (dropped, assigned) summed over the step's forwards and layers
 
     @classmethod
     def of(cls, model: nn.Module) -> RouterAuxLoss | None:
@@ -178,6 +270,12 @@ class RouterAuxLoss:
             aux = load_balancing_loss(logits, block.num_experts, block.top_k, token_mask)
         counts = torch.stack([expert_token_counts(x, block.top_k, token_mask) for x in logits])
         self._counts = counts if self._counts is None else self._counts + counts
+        drops = [b.last_drop_counts for b in self.blocks if b.last_drop_counts is not None]
+        if drops:
+            drops = torch.stack(drops).sum(0).to(counts.device)
+            self._drops = drops if self._drops is None else self._drops + drops
+        for b in self.blocks:
+            b.last_drop_counts = None
         self._aux.append(aux.detach())
         return aux * (self.coef / num_forwards) if self.coef > 0 else aux.detach() * 0.0
 
@@ -186,15 +284,21 @@ class RouterAuxLoss:
         them the whole step's rather than this rank's."""
         if self._counts is None:
             return {}
+        # (a capacity factor is set on every rank or on none: the packed length agrees across ranks)
+        drops = self._drops if self._drops is not None else torch.zeros(0, device=self._counts.device)
         packed = torch.cat([torch.stack(self._aux).sum().reshape(1), torch.tensor([float(len(self._aux))],
-                            device=self._counts.device), self._counts.reshape(-1)])
+                            device=self._counts.device), drops, self._counts.reshape(-1)])
         if all_reduce is not None:
             packed = all_reduce(packed)
-        counts = packed[2:].reshape(self._counts.shape)
-        self._aux, self._counts = [], None
+        counts = packed[2 + len(drops):].reshape(self._counts.shape)
+        self._aux, self._counts, self._drops = [], None, None
         imbalance = counts.max(dim=-1).values / counts.mean(dim=-1).clamp(min=1e-9)
-        return {"moe/aux_loss": float(packed[0] / packed[1].clamp(min=1)),
-                "moe/expert_load_imbalance": float(imbalance.max())}
+        out = {"moe/aux_loss": float(packed[0] / packed[1].clamp(min=1)),
+               "moe/expert_load_imbalance": float(imbalance.max())}
+        if len(drops):
+            out["moe/dropped_tokens"] = float(packed[2])
+            out["moe/dropped_token_fraction"] = float(packed[2] / packed[3].clamp(min=1))
+        return out
 
 
 _FUSED_EXPERTS = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")

@@ -3,12 +3,21 @@ and tokens travel to the rank that owns their expert and back by all-to-all.
 
 Per block and forward, over the DP group (sizes ``P`` ranks, ``E_l = E / P`` local experts):
 
-1. the local tokens' top-k assignments are sorted by expert; how many go to each expert is exchanged
-   (an all-to-all of ``[P, E_l]`` counts) and the largest per-rank share is agreed (an all-reduce max);
-2. the assigned rows are laid out in ``P`` equal chunks of that capacity, chunk ``j`` holding the rows for
-   rank ``j``'s experts in expert order, and exchanged (all-to-all);
-3. each rank runs its experts on the rows it received, and the outputs go back the same way (all-to-all);
-4. each token sums its ``k`` outputs times its routing weights, as without expert parallelism.
+1. the local tokens' top-k assignments are sorted by expert, and every rank's count per expert plus its
+   real-token count is gathered (one all-gather of ``[1, E + 1]`` int64 per rank): every rank then knows
+   what each rank sends to each expert, and the forward's token count that a capacity factor needs;
+2. the rows are laid out in ``P`` equal chunks of the largest per-(source, destination) share, chunk ``j``
+   holding the rows for rank ``j``'s experts in expert order, and exchanged (all-to-all); under a capacity
+   factor their routing weights follow the same way (an all-to-all of ``P x chunk`` fp32);
+3. each rank runs its experts on the rows it received (under a capacity factor only each expert's
+   `expert_capacity` heaviest, `keep_heaviest`: the ones one process keeps), and the outputs go back the
+   same way (all-to-all), zero for a dropped assignment;
+4. each token sums its outputs times its routing weights, as without expert parallelism.
+
+Per forward a rank thus counts ``(P-1)/P x (P(E+1) x 8)`` bytes for the gather and ``(P-1)/P x P x chunk x
+H x dtype bytes`` for each of the two all-to-alls, and the backward's two all-to-alls the same again (plus
+``(P-1)/P x P x chunk x 4`` for the weights under a capacity factor). A capacity factor bounds the experts'
+work, not these buffers.
 
 The all-to-alls are differentiable (the backward of an equal-chunk all-to-all is the same all-to-all of the
 gradients), so an expert's gradient on its owner holds every rank's tokens. Collectives go through
@@ -27,7 +36,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from scalerl.models.moe import SparseMoeBlock, moe_blocks
+from scalerl.models.moe import (
+    SparseMoeBlock,
+    expert_capacity,
+    keep_heaviest,
+    moe_blocks,
+    padded_as_extra_expert,
+)
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.mesh import LayoutError
 
@@ -50,38 +65,58 @@ class _AllToAll(torch.autograd.Function):
 class ExpertParallelDispatch:
     """``routed_expert_outputs`` for a block whose experts are spread over the ranks of ``over``."""
 
-    def __init__(self, ctx: DistContext, over, first: int, num_local: int, num_ranks: int):
+    def __init__(self, ctx: DistContext, over, first: int, num_local: int, num_ranks: int, rank: int):
         self.ctx, self.over = ctx, over
-        self.first, self.num_local, self.num_ranks = first, num_local, num_ranks
+        self.first, self.num_local, self.num_ranks, self.rank = first, num_local, num_ranks, rank
 
     def __call__(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                 local_experts: nn.ModuleDict) -> torch.Tensor:
+                 local_experts: nn.ModuleDict, capacity_factor: float = 0.0,
+                 real: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """The routed outputs of this rank's tokens, and the assignments this rank's experts dropped
+        (`routed_expert_outputs`)."""
         ranks, per_rank, top_k = self.num_ranks, self.num_local, experts.shape[-1]
-        assigned = experts.reshape(-1)
-        order = torch.argsort(assigned, stable=True)
+        num_experts = ranks * per_rank
+        real = real if capacity_factor > 0 else None
+        assigned = padded_as_extra_expert(experts, real, num_experts)
+        local_counts = torch.bincount(assigned, minlength=num_experts + 1)[:num_experts]
+        tokens = flat.shape[0] if real is None else real.sum()
+        mine = torch.cat([local_counts, torch.as_tensor(tokens, device=flat.device).reshape(1)]).to(torch.int64)
+        table = self.ctx.all_gather(mine.unsqueeze(0), over=self.over, kind=KIND)  # [P, E + 1]
+        per_dest = table[:, :num_experts].view(ranks, ranks, per_rank)  # [source, destination, local expert]
+        # This rank's sorted assignments (padding last, left out), each with its slot in the send buffer:
+        # its destination's chunk, then its expert's place in that chunk, then its own place among them.
+        order = torch.argsort(assigned, stable=True)[: int(local_counts.sum())]
         rows = order // top_k
-        counts = torch.bincount(assigned, minlength=ranks * per_rank).view(ranks, per_rank)
-        # [P, E_l]: row i = what rank i sends to each of this rank's experts
-        received = self.ctx.all_to_all(counts.clone(), over=self.over, kind=KIND)
-        sent_per_rank = counts.sum(1)
-        capacity = self.ctx.all_reduce(sent_per_rank.max().reshape(1).clone(), op="max", over=self.over, kind=KIND)
-        capacity = max(int(capacity), 1)
-        # Slot of each sorted assignment in the send buffer: its rank's chunk, then its place in that chunk.
+        capacity = max(int(per_dest.sum(-1).max()), 1)
         dest = assigned[order] // per_rank
-        chunk_start = torch.cumsum(sent_per_rank, 0) - sent_per_rank
+        sent_per_dest = local_counts.view(ranks, per_rank).sum(1)
+        chunk_start = torch.cumsum(sent_per_dest, 0) - sent_per_dest
         slot = dest * capacity + torch.arange(len(order), device=flat.device) - chunk_start[dest]
         send = flat.new_zeros(ranks * capacity, flat.shape[-1]).index_add(0, slot, flat.index_select(0, rows))
         recv = _AllToAll.apply(send, self.ctx, self.over)
+        row_weights = weights.reshape(-1)[order]
+        limit = None
+        if capacity_factor > 0:  # the owners choose what their experts keep: they need the weights too
+            limit = expert_capacity(int(table[:, num_experts].sum()), top_k, num_experts, capacity_factor)
+            sent_weights = torch.zeros(ranks * capacity, dtype=torch.float32, device=flat.device)
+            sent_weights = sent_weights.index_copy(0, slot, row_weights.detach().float())
+            recv_weights = self.ctx.all_to_all(sent_weights, over=self.over, kind=KIND)
         outputs = torch.zeros_like(recv)
+        received = per_dest[:, self.rank]  # [P, E_l]: what each source sends to each of this rank's experts
         starts = (torch.cumsum(received, 1) - received).tolist()
         received = received.tolist()
-        for e, expert in enumerate(local_experts.values()):  # the rows each source sent to expert e
+        dropped = 0
+        for e, expert in enumerate(local_experts.values()):  # the rows each source sent to expert e, in rank order
             idx = torch.cat([torch.arange(i * capacity + starts[i][e], i * capacity + starts[i][e] + received[i][e],
                                           device=flat.device) for i in range(ranks)])
+            kept = keep_heaviest(recv_weights[idx], limit) if limit is not None else None
+            if kept is not None:
+                dropped += len(idx) - len(kept)
+                idx = idx[kept]
             outputs.index_add_(0, idx, expert(recv.index_select(0, idx)))
         back = _AllToAll.apply(outputs, self.ctx, self.over)
-        mine = back.index_select(0, slot) * weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(flat).index_add(0, rows, mine)
+        weighted = back.index_select(0, slot) * row_weights.unsqueeze(-1)
+        return torch.zeros_like(flat).index_add(0, rows, weighted), dropped
 
 
 def apply_expert_parallel(model: nn.Module, ctx: DistContext, over="dp") -> list[nn.Parameter]:
@@ -99,7 +134,7 @@ def apply_expert_parallel(model: nn.Module, ctx: DistContext, over="dp") -> list
         kept = block.num_experts // size
         first = rank * kept
         block.experts = nn.ModuleDict({str(j): block.experts[j] for j in range(first, first + kept)})
-        block.expert_dispatch = ExpertParallelDispatch(ctx, over, first, kept, size)
+        block.expert_dispatch = ExpertParallelDispatch(ctx, over, first, kept, size, rank)
     names = [n for n, _ in model.named_parameters() if is_expert_parameter(n)]
     model._ddp_params_and_buffers_to_ignore = names  # read by DistributedDataParallel when it wraps the model
     params = [p for n, p in model.named_parameters() if is_expert_parameter(n)]

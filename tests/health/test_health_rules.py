@@ -352,3 +352,46 @@ def test_achieved_bandwidth_is_judged_only_when_collectives_take_real_time():
     assert the_finding(findings, "communication/bandwidth").rule == "achieved_bandwidth"
     latency_bound = run_step_rules(StepView(slow, records, dict(context, comm_wait_s=0.05)))
     assert alarms(latency_bound) == {}
+
+
+# ------------------------------------------------------------------------------------------ MoE routing
+def _moe_view(imbalance, history=(), dropped=None, context=None):
+    metrics = {"moe/aux_loss": 1.02, "moe/expert_load_imbalance": imbalance}
+    if dropped is not None:
+        metrics.update({"moe/dropped_tokens": dropped * 4000, "moe/dropped_token_fraction": dropped})
+    past = [{"moe/expert_load_imbalance": v} for v in history]
+    return StepView(metrics, None, dict({"world_size": 2, "dp_size": 2}, **(context or {})), past)
+
+
+def test_expert_load_imbalance_that_holds_is_a_finding_with_its_fixes():
+    findings = run_step_rules(_moe_view(2.1, history=[1.9, 2.4, 2.1], context={"ep": 2}))
+    assert alarms(findings) == {"compute/expert_load": WARNING}
+    f = the_finding(findings, "compute/expert_load")
+    assert f.rule == "expert_load_imbalance" and "2.10x the mean" in f.summary and "last 3 steps" in f.summary
+    assert f.evidence["recent"] == [1.9, 2.4, 2.1] and f.evidence["lowest_recent"] == 1.9
+    assert "router_aux_loss_coef" in f.fix and "output_router_logits=true" in f.fix
+    assert "model.moe_capacity_factor" in f.fix and "parallel.ep=2" in f.fix
+    collapsed = run_step_rules(_moe_view(3.6, history=[3.5, 3.9, 3.6]))  # most tokens on few experts
+    assert alarms(collapsed) == {"compute/expert_load": FAULT}
+
+
+def test_expert_load_imbalance_of_one_step_or_a_balanced_router_is_silent():
+    assert alarms(run_step_rules(_moe_view(2.0, history=[1.2, 1.3, 2.0]))) == {}  # one step's batch, not the router
+    assert alarms(run_step_rules(_moe_view(1.2, history=[1.25, 1.1, 1.2]))) == {}
+    first = run_step_rules(_moe_view(1.7))  # no history yet: this step's value
+    assert alarms(first) == {"compute/expert_load": WARNING}
+    dense = [f for f in run_step_rules(StepView({}, None, {})) if f.leaf == "compute/expert_load"]
+    assert [f.status for f in dense] == [OK] and "dense model" in dense[0].summary
+
+
+def test_dropped_tokens_above_a_fraction_is_a_finding():
+    context = {"moe_capacity_factor": 1.0}
+    findings = run_step_rules(_moe_view(1.2, history=[1.2] * 3, dropped=0.04, context=context))
+    assert alarms(findings) == {"compute/expert_load": WARNING}
+    f = the_finding(findings, "compute/expert_load")
+    assert f.rule == "dropped_tokens" and "160 token-to-expert assignments" in f.summary and "4.0%" in f.summary
+    assert f.evidence == {"dropped_assignments": 160.0, "fraction": 0.04, "moe_capacity_factor": 1.0}
+    assert "raise model.moe_capacity_factor (now 1)" in f.fix
+    assert alarms(run_step_rules(_moe_view(1.2, history=[1.2] * 3, dropped=0.2, context=context))) == \
+        {"compute/expert_load": FAULT}
+    assert alarms(run_step_rules(_moe_view(1.2, history=[1.2] * 3, dropped=0.002, context=context))) == {}

@@ -14,8 +14,20 @@ transformers = pytest.importorskip("transformers")
 from scalerl.core.config import BUILTIN_VOCAB_SIZE
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
-from scalerl.models.hf_checkpoint import CheckpointFormatError, from_pretrained, save_pretrained
-from scalerl.models.moe import RouterAuxLoss, SparseMoeBlock, load_balancing_loss, moe_blocks
+from scalerl.models.hf_checkpoint import (
+    CheckpointFormatError,
+    from_pretrained,
+    save_pretrained,
+)
+from scalerl.models.moe import (
+    RouterAuxLoss,
+    SparseMoeBlock,
+    expert_capacity,
+    load_balancing_loss,
+    moe_blocks,
+    routed_expert_outputs,
+    set_capacity_factor,
+)
 from scalerl.parallel.mesh import LayoutError, ParallelDims
 from scalerl.perf.flops import decoder_param_count, matmul_param_count
 from scalerl.rollout.builtin_engine import BuiltinEngine
@@ -341,6 +353,79 @@ def test_ddp_and_fsdp_at_world_2_train_a_moe_model_alike(tmp_path):
     assert ranks[0]["dp_shard"][1]["moe/aux_loss"] == ranks[1]["dp_shard"][1]["moe/aux_loss"]
 
 
+# --- capacity factor: at most ceil(factor x tokens x top_k / E) assignments per expert, the heaviest kept ---
+
+
+def test_capacity_keeps_each_experts_heaviest_assignments():
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleList(torch.nn.Linear(4, 4, bias=False) for _ in range(2))
+    flat = torch.randn(6, 4)
+    # every token's top-1 is expert 0 except token 4; token 1 is padding
+    chosen = torch.tensor([[0], [0], [0], [0], [1], [0]])
+    weights = torch.tensor([[0.2], [1.0], [0.5], [0.9], [1.0], [0.5]])
+    real = torch.tensor([True, False, True, True, True, True])
+    assert expert_capacity(5, 1, 2, 1.0) == 3  # ceil(1.0 x 5 real tokens x top-1 / 2 experts)
+    out, dropped = routed_expert_outputs(flat, weights, chosen, experts, 1.0, real)
+    assert dropped == 1  # expert 0 got tokens 0, 2, 3, 5: the lightest (0, weight 0.2) is dropped
+    for row in (2, 3, 5):  # (2 and 5 tie at 0.5: both fit)
+        assert torch.allclose(out[row], experts[0](flat[row]) * weights[row])
+    assert torch.allclose(out[4], experts[1](flat[4]))
+    assert out[0].abs().max() == 0 and out[1].abs().max() == 0  # dropped, and padding: no expert output
+    # ties at the boundary all drop, whatever the rows' order: weights 0.9, 0.5, 0.5, 0.5 for 3 slots keep one
+    tied_weights = torch.tensor([[0.5], [1.0], [0.9], [0.5], [1.0], [0.5]])
+    tied, dropped = routed_expert_outputs(flat, tied_weights, chosen, experts, 1.0, real)
+    assert dropped == 3 and tied[2].abs().max() > 0 and all(tied[r].abs().max() == 0 for r in (0, 3, 5))
+    unlimited, none = routed_expert_outputs(flat, weights, chosen, experts)
+    assert none == 0 and torch.allclose(unlimited[0], experts[0](flat[0]) * 0.2) and unlimited[1].abs().max() > 0
+
+
+def test_capacity_factor_applies_to_training_forwards_and_is_counted(tmp_path):
+    model = from_pretrained(_saved(tmp_path, "qwen2_moe"))
+    ids, mask = _batch(padded=True)
+    model.train()
+    free = model(ids, attention_mask=mask)
+    set_capacity_factor(model, 0.5)
+    aux = RouterAuxLoss.of(model)
+    limited = model(ids, attention_mask=mask)
+    aux.loss_term(mask, 1)
+    metrics = aux.metrics()
+    real = int(mask.sum())
+    expected = 0
+    for block in moe_blocks(model):  # the drops from the router's choices of the real tokens
+        chosen = torch.topk(block.last_router_logits.detach()[mask.reshape(-1).bool()], 2, dim=-1).indices
+        cap = expert_capacity(real, 2, 4, 0.5)
+        expected += sum(max(0, int((chosen == e).sum()) - cap) for e in range(4))
+    assert metrics["moe/dropped_tokens"] == expected > 0
+    assert metrics["moe/dropped_token_fraction"] == pytest.approx(expected / (real * 2 * 2))
+    assert (free - limited)[mask.bool()].abs().max() > 1e-4  # dropped experts change the logits
+    model.eval()  # generation and log-prob passes route every token
+    assert torch.equal(model(ids, attention_mask=mask)[mask.bool()], free[mask.bool()])
+    set_capacity_factor(model, 1e6)  # (factors replace each other) a bound no expert reaches
+    model.train()
+    assert torch.allclose(model(ids, attention_mask=mask)[mask.bool()], free[mask.bool()], atol=1e-6)
+    aux.loss_term(mask, 1)
+    assert aux.metrics()["moe/dropped_tokens"] == 0
+    # a deep copy (PPO's critic backbone) marks its own blocks' real rows, not the original's
+    import copy
+
+    for block in moe_blocks(model):
+        block.last_router_logits = None  # (a graph's tensors cannot be deep-copied; a critic is copied before any)
+    critic = copy.deepcopy(model)
+    for block in moe_blocks(model):
+        block.token_mask = None
+    critic(ids[:1], attention_mask=mask[:1])
+    assert all(b.token_mask is None for b in moe_blocks(model))
+    assert all(torch.equal(b.token_mask, mask[0].bool()) for b in moe_blocks(critic))
+
+
+def test_capacity_factor_on_a_dense_model_is_refused():
+    from scalerl.core.config import ConfigError, ModelSection
+    from scalerl.models.load import load_model_and_tokenizer
+
+    with pytest.raises(ConfigError, match="model.moe_capacity_factor=1.0 applies to MoE models"):
+        load_model_and_tokenizer(ModelSection(moe_capacity_factor=1.0), None, torch.device("cpu"), 0)
+
+
 # --- expert parallelism: experts over the DP ranks, tokens by all-to-all, against one process ---------------
 
 
@@ -380,9 +465,56 @@ def _expert_parallel_rank(rank, model_dir):
         ref = ref_grads[name].grad  # relative to the tensor's scale: sums over ranks are ordered differently
         worst = max(worst, ((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item())
         names.add(name)
-    return dict(logit_diff=(logits - ref_logits[mine]).detach().abs().max().item(),
-                loss_diff=abs(total.item() - (ref_logits * probe).sum().item()), grad_diff=worst, sent=sent,
-                experts=sorted({int(n.split(".experts.")[1].split(".")[0]) for n in names if ".experts." in n}))
+    expected = _expected_expert_bytes(reference, ranks=2, rows_per_rank=20, hidden=COMMON["hidden_size"])
+    result = dict(logit_diff=(logits - ref_logits[mine]).detach().abs().max().item(),
+                  loss_diff=abs(total.item() - (ref_logits * probe).sum().item()), grad_diff=worst, sent=sent,
+                  expected_sent=expected,
+                  experts=sorted({int(n.split(".experts.")[1].split(".")[0]) for n in names if ".experts." in n}))
+    result["capacity"] = _capacity_factor_case(ctx, reference, sharded, ids, mask, probe, mine)
+    return result
+
+
+def _expected_expert_bytes(model, ranks: int, rows_per_rank: int, hidden: int) -> float:
+    """What a rank sends for one forward + backward under expert parallelism, from the routing of the
+    one-process forward just run (its rows are the ranks' rows, rank by rank): per sparse layer the counts
+    all-gather of ``[1, E + 1]`` int64 (payload ``P (E + 1) 8``), then two all-to-alls forward and two backward of
+    ``P x chunk`` fp32 rows, ``chunk`` the largest share one rank sends to another; each moves ``(P-1)/P`` of its
+    payload."""
+    total = 0.0
+    for block in moe_blocks(model):
+        chosen = torch.topk(block.last_router_logits.detach(), block.top_k, dim=-1).indices
+        per_rank = block.num_experts // ranks
+        chunk = max(int(((chosen[r * rows_per_rank:(r + 1) * rows_per_rank] // per_rank) == d).sum())
+                    for r in range(ranks) for d in range(ranks))
+        total += (ranks - 1) / ranks * ranks * (block.num_experts + 1) * 8
+        total += 4 * (ranks - 1) / ranks * ranks * chunk * hidden * 4
+    return total
+
+
+def _capacity_factor_case(ctx, reference, sharded, ids, mask, probe, mine, factor=0.75):
+    """The same forward + backward with ``model.moe_capacity_factor`` dropping assignments: the drops, the
+    logits and the gradients of one process and of the expert-parallel ranks agree."""
+    from scalerl.models.moe import set_capacity_factor
+
+    for model in (reference, sharded):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        set_capacity_factor(model, factor)
+    ref_aux, ep_aux = RouterAuxLoss.of(reference), RouterAuxLoss.of(sharded)
+    ref_logits = reference(ids, attention_mask=mask)
+    ref_aux.loss_term(mask, 1)
+    (ref_logits * probe).sum().backward()
+    logits = sharded(ids[mine], attention_mask=mask[mine])
+    ep_aux.loss_term(mask[mine], 1)
+    (logits * probe[mine]).sum().backward()
+    ref_grads = dict(reference.named_parameters())
+    worst = 0.0
+    for name, p in sharded.named_parameters():
+        grad = p.grad * 2 if ".experts." in name else ctx.all_reduce(p.grad.clone())
+        ref = ref_grads[name].grad
+        worst = max(worst, ((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item())
+    return dict(one=ref_aux.metrics(), ep=ep_aux.metrics(ctx.all_reduce), grad_diff=worst,
+                logit_diff=(logits - ref_logits[mine]).detach()[mask[mine].bool()].abs().max().item())
 
 
 def test_expert_parallel_equals_one_process(tmp_path):
@@ -391,7 +523,15 @@ def test_expert_parallel_equals_one_process(tmp_path):
     assert [r["experts"] for r in ranks] == [[0, 1], [2, 3]]  # each rank holds its half, by global name
     for r in ranks:
         assert r["logit_diff"] <= 1e-5 and r["loss_diff"] <= 1e-3 and r["grad_diff"] <= 1e-5, r  # grad_diff: relative
-        assert r["sent"] > 0  # the token all-to-alls are counted as expert traffic
+        # the counts gather and the token all-to-alls (forward and backward), counted as expert traffic
+        assert r["sent"] == pytest.approx(r["expected_sent"], rel=1e-12), r
+        cap = r["capacity"]
+        # 37 real tokens x top-2 over 4 experts at factor 0.75: 14 slots each, so some assignments are dropped
+        assert cap["one"]["moe/dropped_tokens"] > 0, cap
+        assert cap["ep"]["moe/dropped_tokens"] == cap["one"]["moe/dropped_tokens"], cap
+        assert cap["ep"]["moe/dropped_token_fraction"] == pytest.approx(cap["one"]["moe/dropped_token_fraction"])
+        assert cap["one"]["moe/dropped_token_fraction"] == pytest.approx(cap["one"]["moe/dropped_tokens"] / (37 * 2 * 2))
+        assert cap["logit_diff"] <= 1e-5 and cap["grad_diff"] <= 1e-5, cap
 
 
 def _ep_run(rank, model_dir, out_dir, layouts):
