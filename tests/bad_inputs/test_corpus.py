@@ -261,6 +261,29 @@ CASES = [
          ("no_such_module_xyz",)),
     Case("reward-signature-unknown", lambda c: train(c, "data.reward=" + str(c.write("r.py", "def score(x):\n    return 1"))
                                                         + ":score"), ("r.py:score", "compute_score(data_source")),
+    # streaming, reward workers and servers, reward models (this round's input paths)
+    Case("streaming-without-files", lambda c: train(c, "data.streaming=true"), ("data.streaming", "data.train_files")),
+    Case("shuffle-buffer-zero", lambda c: ["config", "data.shuffle_buffer=0"], ("data.shuffle_buffer",)),
+    Case("streaming-json-lines", lambda c: train(c, "data.streaming=true", "data.task=gsm8k",
+                                                 f"data.train_files=[{c.gsm8k('1+1')}]"), ("rows.jsonl", "Parquet")),
+    Case("reward-server-scheme", lambda c: ["config", "data.reward=ftp://127.0.0.1:9/score"],
+         ("data.reward", "http://")),
+    Case("reward-workers-negative", lambda c: ["config", "data.reward_workers=-1"], ("data.reward_workers",)),
+    Case("reward-batch-size-zero", lambda c: ["config", "data.reward_batch_size=0"], ("data.reward_batch_size",)),
+    Case("reward-none-without-model", lambda c: ["config", "data.reward=none"], ("data.reward=none",
+                                                                                "data.reward_model.path")),
+    Case("reward-model-is-a-causal-lm", lambda c: train(c, f"data.reward_model.path={c.model()}"),
+         ("ForSequenceClassification",)),
+    # models: architectures, the transformers fallback, expert parallelism, exports
+    Case("model-type-unknown", lambda c: train(c, f"model.path={c.model_config(model_type='no_such_arch', architectures=['NoSuchForCausalLM'])}"),
+         ("no_such_arch",)),
+    Case("model-implementation-unknown", lambda c: ["config", "model.implementation=jax"], ("model.implementation",)),
+    Case("capacity-factor-on-dense-model", lambda c: train(c, "model.moe_capacity_factor=1.0"),
+         ("model.moe_capacity_factor",)),
+    Case("ep-on-dense-model", lambda c: ["config", "parallel.ep=2"], ("parallel.ep",)),
+    Case("export-dtype-unknown", lambda c: ["config", "trainer.export_dtype=int8"], ("trainer.export_dtype",)),
+    Case("export-shard-size-not-a-size", lambda c: ["config", "trainer.export_max_shard_size=huge"],
+         ("trainer.export_max_shard_size",)),
     # ------------------------------------------------------------------------------ environment and flags
     Case("device-cuda-without-gpu", lambda c: train(c, "trainer.device=cuda") if not torch.cuda.is_available()
          else pytest.skip("a GPU is visible"), ("trainer.device=cuda",)),
