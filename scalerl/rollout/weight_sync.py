@@ -32,7 +32,7 @@ import torch
 
 from scalerl.comm.weights.channel import BroadcastChannel
 from scalerl.comm.weights.sender import WeightSender
-from scalerl.models.lora import adapter_parameters, has_lora, merged_adapted_weights
+from scalerl.models.lora import adapter_parameters, has_lora, is_adapter_name, merged_adapted_weights
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import ModelParts, PipelineParts
 from scalerl.rollout.engine import RolloutEngine
@@ -101,8 +101,13 @@ class PushToWorkers:
         if self.driver is not None:
             self.driver.announce_weights()
         start = time.perf_counter()
-        report = self.sender.sync(synced_tensors(self.policy.model))
+        model = self.policy.model
+        report = self.sender.sync(synced_tensors(model))
         metrics = report.metrics()
+        if has_lora(model):  # what a push of the whole model would carry, beside what the adapters did
+            itemsize = self.sender.dtype.itemsize
+            metrics["weight_sync/full_model_bytes"] = float(sum(p.numel() * itemsize for n, p in model.named_parameters()
+                                                                if not is_adapter_name(n)))
         if self.driver is not None:
             workers = len(self.driver.workers)
             self.ctx.comm.record("weight_sync", "broadcast", report.bytes, workers + 1, dim="rollout_workers")

@@ -149,12 +149,15 @@ def test_adapter_only_weight_sync_lands_and_counts_adapter_bytes():
 
 
 def _train_in_group(rank: int, root: str, base_dir: str) -> dict:
-    """SFT with LoRA under DDP, then under FSDP2, in the same two processes: adapters per layout."""
+    """SFT with LoRA under DDP, then FSDP2, then FSDP2 over a bf16 base, in the same two processes (adapters
+    per layout); then RL with one trainer and one standalone rollout worker."""
     from scalerl.trainer.sft_trainer import SFTTrainer
 
     out = {}
     for layout, dims in (("ddp", ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-                         ("fsdp", ["parallel.dp_replicate=1", "parallel.dp_shard=2"])):
+                         ("fsdp", ["parallel.dp_replicate=1", "parallel.dp_shard=2"]),
+                         ("fsdp_bf16", ["parallel.dp_replicate=1", "parallel.dp_shard=2",
+                                        "model.lora.base_dtype=bfloat16"])):
         cfg = load_config(None, tiny_overrides(f"trainer.output_dir={root}/{layout}", f"model.path={base_dir}",
                                                "model.lora.rank=4", "model.lora.alpha=8", "sft.steps=2",
                                                "sft.lr=1e-2", *dims))
@@ -165,8 +168,15 @@ def _train_in_group(rank: int, root: str, base_dir: str) -> dict:
         frozen_kept = all(torch.equal(_full(p), _full(base[n])) for n, p in model.named_parameters()
                           if not p.requires_grad)
         out[layout] = {"adapters": {n: _full(p).clone() for n, p in adapter_parameters(model)},
-                       "frozen_kept": frozen_kept, "optimizer_params": sum(len(g["params"])
+                       "frozen_kept": frozen_kept, "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                       "optimizer_params": sum(len(g["params"])
                                                                            for g in trainer.optimizer.param_groups)}
+    # RL with a standalone rollout worker (rank 1): the pushes carry the adapters, which land by name there.
+    from scalerl.trainer.rl_trainer import train
+
+    train(load_config(None, tiny_overrides(f"trainer.output_dir={root}/rl", f"model.path={base_dir}",
+                                           "model.lora.rank=4", "rollout.placement=standalone", "actor.lr=1e-2",
+                                           "data.reward=scalerl.verify:response_length_reward")))
     return out
 
 
@@ -186,15 +196,24 @@ def base_dir(tmp_path):
 def test_ddp_and_fsdp2_train_the_adapters_alike(tmp_path, base_dir):
     ranks = run_in_group(_train_in_group, 2, str(tmp_path), str(base_dir), timeout_s=900)
     adapters = 2 * ATTENTION_AND_MLP * 2  # A and B of 7 projections in 2 layers
-    for layout in ("ddp", "fsdp"):
+    for layout in ("ddp", "fsdp", "fsdp_bf16"):
         for r in ranks:
             assert r[layout]["frozen_kept"] and r[layout]["optimizer_params"] == adapters
         for name, t in ranks[0][layout]["adapters"].items():
             assert torch.equal(t, ranks[1][layout]["adapters"][name]), (layout, name)
+    assert ranks[0]["fsdp_bf16"]["dtypes"] == ["torch.bfloat16", "torch.float32"]  # base bf16, adapters fp32
+    assert all(t.dtype == torch.float32 for t in ranks[0]["fsdp_bf16"]["adapters"].values())
     ddp, fsdp = ranks[0]["ddp"]["adapters"], ranks[0]["fsdp"]["adapters"]
     assert any(t.abs().sum() > 0 for n, t in ddp.items() if "lora_B" in n)  # trained
     for name in ddp:
         torch.testing.assert_close(fsdp[name], ddp[name], atol=1e-5, rtol=1e-4)
+    rows = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "comm/weight_sync_bytes" in r]
+    assert len(rows) == 2
+    adapter_elems = sum(t.numel() for t in ddp.values())
+    for row in rows:  # every push: the adapters only, a fraction of the whole model's bytes
+        assert 0 < row["comm/weight_sync_bytes"] < 0.3 * row["weight_sync/full_model_bytes"], row
+        assert row["comm/weight_sync_bytes"] < 4 * adapter_elems + 4096  # bounded by the adapters, plan included
     # The run's export under FSDP2 is PEFT's adapter directory.
     exported = tmp_path / "fsdp" / "sft" / "model"
     assert (exported / ADAPTER_CONFIG_FILE).is_file() and (exported / "adapter_model.safetensors").is_file()
