@@ -147,6 +147,25 @@ def test_adapter_only_weight_sync_lands_and_counts_adapter_bytes():
     assert adapter_bytes < first.bytes < adapter_bytes + plan_bytes + 1024 and second.bytes <= adapter_bytes + 1024
     assert first.bytes < 0.2 * full_bytes
 
+    # An engine with weights of its own (vLLM) gets the merged weights of the adapted modules, nothing else.
+    from scalerl.parallel.parallelize import ModuleParts
+    from scalerl.rollout.weight_sync import LoadIntoEngine, SharedWeights
+
+    class RecordingEngine:
+        loaded: dict = {}
+
+        def load_weights(self, named):
+            self.loaded = {n: t.clone() for n, t in named}
+            return sum(t.numel() * t.element_size() for t in self.loaded.values())
+
+    engine = RecordingEngine()
+    LoadIntoEngine(engine, ModuleParts(trainer_model, trainer_model), SharedWeights()).sync()
+    merged = merge_lora(copy.deepcopy(trainer_model)).state_dict()
+    assert sorted(engine.loaded) == sorted(f"{n}.weight" for n, m in trainer_model.named_modules()
+                                           if isinstance(m, LoRALinear))
+    for name, t in engine.loaded.items():
+        assert torch.equal(t, merged[name]), name
+
 
 def _train_in_group(rank: int, root: str, base_dir: str) -> dict:
     """SFT with LoRA under DDP, then FSDP2, then FSDP2 over a bf16 base, in the same two processes (adapters
