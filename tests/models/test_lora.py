@@ -272,3 +272,37 @@ def test_resume_is_bitwise_and_export_merge_matches_peft(tmp_path, base_dir):
     with torch.no_grad():
         assert (ours_merged(input_ids=x).logits - expected(input_ids=x).logits).abs().max() <= 1e-5
         assert (straight.policy.model(x) - expected(input_ids=x).logits).abs().max() <= 1e-5
+
+
+ARCHITECTURE_FIELDS = {
+    "qwen3": {"attention_bias": False},
+    "gemma2": {"attention_bias": False, "hidden_act": "gelu_pytorch_tanh", "sliding_window": 8,
+               "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 16,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "llama": {"attention_bias": False},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "shared_expert_intermediate_size": 16},
+}
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURE_FIELDS))
+def test_every_architecture_takes_adapters_and_merges_to_the_same_logits(model_type):
+    from scalerl.models.config import ModelConfig
+    from scalerl.models.decoder import build_model
+
+    cfg = ModelConfig(model_type=model_type, vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, **ARCHITECTURE_FIELDS[model_type])
+    model = build_model(cfg, seed=0)
+    x = ids()
+    with torch.no_grad():
+        base = model(x)
+    names = apply_lora(model, 2, 4.0, 0.0, ["all-linear"])
+    experts = 4 * 3 + 3 if model_type == "qwen2_moe" else 3  # each expert's and the shared expert's MLP
+    assert len(names) == cfg.num_hidden_layers * (4 + experts)
+    assert not any(n.endswith(("mlp.gate", "shared_expert_gate")) for n in names)  # routers stay out
+    randomize_adapters(model, 1)
+    with torch.no_grad():
+        adapted = model(x)
+        merged = merge_lora(copy.deepcopy(model))(x)
+    assert (adapted - base).abs().max() > 1e-3  # the adapters take part in the forward
+    assert (merged - adapted).abs().max() <= 1e-5
