@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from scalerl.core.config import ConfigError
+from scalerl.models.decoder import CausalLM
 from scalerl.models.hf_checkpoint import _hf_name
 
 ALL_LINEAR = "all-linear"
@@ -113,7 +114,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     """Adapters on ``model``'s targeted linear layers, in place; every other parameter frozen (and cast to
     ``base_dtype`` when given). Returns the adapted modules' HF names. ``seed`` draws the A matrices, the
     same on every rank. Refuses a model that is not scalerl's decoder (the transformers fallback)."""
-    if not hasattr(model, "layers") or not hasattr(model, "embed_tokens"):
+    if not isinstance(model, CausalLM):
         raise ConfigError(f"model.lora.rank={rank}: LoRA wraps scalerl's own decoder, not {type(model).__name__} "
                           "(model.implementation=transformers); use model.implementation=scalerl")
     names = target_names(model, targets)

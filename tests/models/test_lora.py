@@ -306,3 +306,13 @@ def test_every_architecture_takes_adapters_and_merges_to_the_same_logits(model_t
         merged = merge_lora(copy.deepcopy(model))(x)
     assert (adapted - base).abs().max() > 1e-3  # the adapters take part in the forward
     assert (merged - adapted).abs().max() <= 1e-5
+
+
+def test_the_transformers_fallback_is_refused_by_name(tmp_path):
+    from scalerl.models.transformers_model import load_transformers_model
+
+    base_dir = tmp_path / "base"
+    save_pretrained(tiny_model(), base_dir)
+    fallback = load_transformers_model(str(base_dir), dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="model.implementation=transformers"):
+        apply_lora(fallback, 4, 8.0, 0.0, ["all-linear"])
