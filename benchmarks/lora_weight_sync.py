@@ -26,15 +26,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scalerl.bench.cost_model.model_shapes import QWEN25_SHAPES  # noqa: E402
-from scalerl.comm.weights.channel import InProcessChannel  # noqa: E402
-from scalerl.comm.weights.plan import WeightPlan  # noqa: E402
-from scalerl.comm.weights.receiver import TensorDictStore, WeightReceiver  # noqa: E402
-from scalerl.comm.weights.sender import WeightSender  # noqa: E402
-from scalerl.models.config import ModelConfig  # noqa: E402
-from scalerl.models.decoder import CausalLM  # noqa: E402
-from scalerl.models.lora import adapter_parameters, apply_lora, lora_modules  # noqa: E402
-from scalerl.rollout.weight_sync import synced_tensors  # noqa: E402
+from scalerl.bench.cost_model.model_shapes import QWEN25_SHAPES
+from scalerl.comm.weights.channel import InProcessChannel
+from scalerl.comm.weights.plan import WeightPlan
+from scalerl.comm.weights.receiver import TensorDictStore, WeightReceiver
+from scalerl.comm.weights.sender import WeightSender
+from scalerl.models.config import ModelConfig
+from scalerl.models.decoder import CausalLM
+from scalerl.models.lora import adapter_parameters, apply_lora, lora_modules
+from scalerl.rollout.weight_sync import synced_tensors
 
 MiB = 1 << 20
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +129,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
         parent_name, _, child = ours.rpartition(".")
         base = by_name[ours]
         if isinstance(base, LoRALinear):
-            raise ValueError(f"{hf_name} already has a LoRA adapter")
+            raise TypeError(f"{hf_name} already has a LoRA adapter")
         with torch.random.fork_rng(devices=[]):  # nn.Linear's own init draws from the global stream: keep it
             wrapped = LoRALinear(base, rank, alpha, dropout, generator=generator)
         setattr(by_name[parent_name], child, wrapped)

@@ -32,7 +32,12 @@ import torch
 
 from scalerl.comm.weights.channel import BroadcastChannel
 from scalerl.comm.weights.sender import WeightSender
-from scalerl.models.lora import adapter_parameters, has_lora, is_adapter_name, merged_adapted_weights
+from scalerl.models.lora import (
+    adapter_parameters,
+    has_lora,
+    is_adapter_name,
+    merged_adapted_weights,
+)
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import ModelParts, PipelineParts
 from scalerl.rollout.engine import RolloutEngine

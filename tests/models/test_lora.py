@@ -152,7 +152,8 @@ def test_adapter_only_weight_sync_lands_and_counts_adapter_bytes():
     from scalerl.rollout.weight_sync import LoadIntoEngine, SharedWeights
 
     class RecordingEngine:
-        loaded: dict = {}
+        def __init__(self):
+            self.loaded: dict = {}
 
         def load_weights(self, named):
             self.loaded = {n: t.clone() for n, t in named}
