@@ -167,7 +167,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from scalerl.checkpoint.export import export_checkpoint, find_checkpoint
 
     checkpoint = find_checkpoint(args.checkpoint)
-    export_checkpoint(checkpoint, target)
+    export_checkpoint(checkpoint, target, merge=args.merge)
     print(f"exported {checkpoint} to {target}")
     return 0
 
@@ -325,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint, checkpoints/ folder or run directory")
     export.add_argument("hf_dir", metavar="HF_DIR", help="where to write the Hugging Face directory")
     export.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it is not empty")
+    export.add_argument("--merge", action="store_true", help="a LoRA run: write the base with its adapters merged "
+                        "(a plain model) instead of the PEFT adapter directory")
 
     verify = add("verify", cmd_verify, "check that distributed layouts reproduce the single-process run",
                  "Runs K GRPO and SFT steps single-process and under each layout (gloo on CPU, fixed seed, identical\n"

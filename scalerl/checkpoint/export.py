@@ -32,6 +32,7 @@ from scalerl.models.hf_checkpoint import (
     save_pretrained,
 )
 from scalerl.models.load import builtin_model_config, tokenizer_source
+from scalerl.models.lora import apply_lora_from_config, has_lora, merge_lora, save_adapter
 from scalerl.models.tokenizer import CharTokenizer, load_tokenizer
 from scalerl.models.transformers_model import (
     TRANSFORMERS,
@@ -106,9 +107,10 @@ def find_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} is not a checkpoint and holds no complete one (nor does {path / 'checkpoints'})")
 
 
-def export_checkpoint(checkpoint: str | Path, hf_dir: str | Path) -> Path:
+def export_checkpoint(checkpoint: str | Path, hf_dir: str | Path, merge: bool = False) -> Path:
     """Write the policy of ``checkpoint`` (single-process or distributed, any layout, RL or SFT) as an HF
-    directory at ``hf_dir``. One process; every file is checked against meta.json before it is read."""
+    directory at ``hf_dir``. One process; every file is checked against meta.json before it is read. A LoRA
+    run's checkpoint is written as its PEFT adapter directory, or with ``merge`` as the merged model."""
     path = find_checkpoint(checkpoint)
     meta = read_meta(path)
     verify_files(path, meta["files"], closed_dirs=(SHARDS_DIR,) if "distributed" in meta else ())
@@ -128,7 +130,11 @@ def export_checkpoint(checkpoint: str | Path, hf_dir: str | Path) -> Path:
     model = CausalLM(config).to(getattr(torch, model_section.dtype))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    apply_lora_from_config(model, model_section.lora, seed=0)  # the adapters' names and shapes; read below
     read_full_model(path, meta, model.state_dict(), prefix="actor.")  # detached views: filled in place
+    if has_lora(model) and not merge:
+        return save_adapter(model, Path(hf_dir), base_model=source)
+    merge_lora(model)
     trainer = config_from_dict(TrainerSection, {k: v for k, v in (saved.get("trainer") or {}).items()
                                                 if k in ("export_dtype", "export_max_shard_size")})
     return write_hf_model(model, Path(hf_dir), dtype=export_dtype(trainer.export_dtype, source, model_section.dtype),

@@ -47,7 +47,7 @@ from scalerl.core.config_tree import (
 
 __all__ = [
     "ActorSection", "AlgorithmSection", "CommSection", "Config", "ConfigError", "CriticSection", "DataSection",
-    "FilterGroupsSection",
+    "FilterGroupsSection", "LoraSection",
     "ModelSection", "ParallelSection", "RolloutSection", "SFTSection", "TrainerSection", "WeightSyncSection",
     "apply_override", "config_from_dict",
     "config_to_dict", "config_to_yaml", "describe_keys", "format_config", "load_config", "opt", "save_config",
@@ -82,6 +82,31 @@ BUILTIN_VOCAB_SIZE = 128
 
 
 @dataclass
+class LoraSection(_Section):
+    """LoRA adapters on the decoder's linear layers (`scalerl.models.lora`): docs/models.md#lora."""
+
+    name = "model.lora"
+    rank: int = opt(0, "adapter rank r; 0 = no adapters (the whole model trains)")
+    alpha: float = opt(16.0, "lora_alpha: the adapter's output is scaled by alpha / rank")
+    dropout: float = opt(0.0, "dropout on the adapter's input (lora_dropout)", at_least=0.0, at_most=0.99)
+    target_modules: list[str] = opt(help="module-name suffixes (q_proj, v_proj, ...) or full names as PEFT takes "
+                                         "them, or all-linear = every linear layer of the decoder layers",
+                                    factory=lambda: ["all-linear"])
+    base_dtype: str | None = opt(None, "dtype the frozen base weights are held in (e.g. bfloat16; the adapters "
+                                       "stay float32); null = model.dtype")
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.rank >= 0, self._key("rank"), ">= 0 (0 = off)", self.rank)
+        _check(p, self.alpha > 0, self._key("alpha"), "> 0", self.alpha)
+        _check(p, bool(self.target_modules), self._key("target_modules"), "at least one name (or all-linear)",
+               self.target_modules)
+        if self.base_dtype is not None:
+            _check_choice(p, self._key("base_dtype"), self.base_dtype, DTYPES)
+        return p
+
+
+@dataclass
 class ModelSection(_Section):
     name = "model"
     path: str | None = opt(None, "Hugging Face model directory; null = the built-in tiny model")
@@ -99,9 +124,10 @@ class ModelSection(_Section):
                                             "num_experts) assignments per training forward, keeping those with the "
                                             "largest routing weights (moe/dropped_tokens); 0/null = no limit",
                                             at_least=0, at_most=1e6)
+    lora: LoraSection = field(default_factory=LoraSection)
 
     def problems(self) -> list[str]:
-        p: list[str] = []
+        p: list[str] = self.lora.all_problems()
         _check_choice(p, self._key("dtype"), self.dtype, DTYPES)
         _check_choice(p, self._key("implementation"), self.implementation, MODEL_IMPLEMENTATIONS)
         if self.path is not None:
@@ -719,7 +745,25 @@ class Config(_Section):
         if self.parallel.ep > 1 and self.rollout.placement == "standalone":
             p.append(f"parallel.ep={self.parallel.ep} with rollout.placement=standalone: weight pushes to rollout "
                      "workers do not gather the sharded experts yet; use rollout.placement=colocated")
+        p += _lora_problems(self)
         return p
+
+
+def _lora_problems(cfg: Config) -> list[str]:
+    """LoRA on the layouts and implementations it is tested on: DDP / FSDP2 over scalerl's decoder."""
+    lora, par = cfg.model.lora, cfg.parallel
+    if lora.rank == 0:
+        return []
+    p = []
+    for key in ("tp", "pp", "ep"):
+        if getattr(par, key) > 1:
+            p.append(f"model.lora.rank={lora.rank} with parallel.{key}={getattr(par, key)}: LoRA adapters are "
+                     "trained under DDP and FSDP2 only (parallel.dp_replicate / dp_shard); set parallel."
+                     f"{key}=1 or model.lora.rank=0")
+    if cfg.model.implementation == "transformers":
+        p.append(f"model.lora.rank={lora.rank} with model.implementation=transformers: adapters wrap scalerl's own "
+                 "decoder; use model.implementation=scalerl (or auto, for the architectures scalerl implements)")
+    return p
 
 
 def builtin_model_problems(cfg: Config) -> list[str]:

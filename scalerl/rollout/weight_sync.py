@@ -13,6 +13,11 @@ reports ``comm/weight_sync_bytes``, the bytes that reached generating copies on 
 - `PushToWorkers`: standalone rollout workers receive bucketed, verified deltas from the `WeightSender`
   (`scalerl.comm.weights`), plus ``weight_sync/*`` metrics of the push.
 
+With LoRA adapters the base never changes, so what moves is smaller: workers hold the same base and the same
+adapted modules (`scalerl.rollout.worker`), so a push carries the adapters alone (`synced_tensors`: a few MB
+where the whole model is GBs) through the same verified delta protocol; an engine with weights of its own
+(vLLM) gets the merged weights of the adapted modules only (`merged_adapted_weights`), never the frozen rest.
+
 The last two read ``policy.model``, so they first run the local strategy that brings it up to date (a
 pipeline's replica is what gets loaded or pushed). verl's checkpoint engine is the model: one seam between
 trainer and rollout, the transport behind it.
@@ -23,8 +28,16 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+import torch
+
 from scalerl.comm.weights.channel import BroadcastChannel
 from scalerl.comm.weights.sender import WeightSender
+from scalerl.models.lora import (
+    adapter_parameters,
+    has_lora,
+    is_adapter_name,
+    merged_adapted_weights,
+)
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import ModelParts, PipelineParts
 from scalerl.rollout.engine import RolloutEngine
@@ -65,7 +78,10 @@ class LoadIntoEngine:
 
     def sync(self) -> dict[str, float]:
         moved = self.local.sync()[BYTES]
-        moved += self.engine.load_weights([(n, p.detach()) for n, p in self.policy.model.named_parameters()])
+        model = self.policy.model
+        named = (merged_adapted_weights(model) if has_lora(model)
+                 else [(n, p.detach()) for n, p in model.named_parameters()])
+        moved += self.engine.load_weights(named)
         return {BYTES: float(moved)}
 
 
@@ -90,8 +106,13 @@ class PushToWorkers:
         if self.driver is not None:
             self.driver.announce_weights()
         start = time.perf_counter()
-        report = self.sender.sync(self.policy.model.named_parameters())
+        model = self.policy.model
+        report = self.sender.sync(synced_tensors(model))
         metrics = report.metrics()
+        if has_lora(model):  # what a push of the whole model would carry, beside what the adapters did
+            itemsize = self.sender.dtype.itemsize
+            metrics["weight_sync/full_model_bytes"] = float(sum(p.numel() * itemsize for n, p in model.named_parameters()
+                                                                if not is_adapter_name(n)))
         if self.driver is not None:
             workers = len(self.driver.workers)
             self.ctx.comm.record("weight_sync", "broadcast", report.bytes, workers + 1, dim="rollout_workers")
@@ -99,6 +120,12 @@ class PushToWorkers:
             moved += report.bytes * workers
         metrics[BYTES] = float(moved)
         return metrics
+
+
+def synced_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """What a push to workers carries: the adapters when ``model`` has LoRA (the base is frozen and the
+    workers load the same one), else every parameter."""
+    return list(adapter_parameters(model)) if has_lora(model) else list(model.named_parameters())
 
 
 def local_weight_sync(policy: ModelParts) -> WeightSync:

@@ -13,6 +13,7 @@ import torch
 from scalerl.comm.weights.channel import serve_broadcast
 from scalerl.comm.weights.sender import ROLLOUT_DTYPES
 from scalerl.models.load import load_model_and_tokenizer
+from scalerl.models.lora import apply_lora_from_config
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.messages import recv_tensors, send_tensors
 from scalerl.rollout.weight_loading import engine_weight_receiver
@@ -37,6 +38,8 @@ class RolloutWorker:
 
     def __init__(self, cfg: Any, device: torch.device, sync_group, driver_rank: int = 0):
         model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.trainer.init_from, device, cfg.trainer.seed)
+        # The trainer's adapted modules, so pushes of its adapters land by name (`synced_tensors`).
+        apply_lora_from_config(model, cfg.model.lora, cfg.trainer.seed)
         self.model = model.to(ROLLOUT_DTYPES[cfg.rollout.dtype]).eval().requires_grad_(False)
         self.engine = BuiltinEngine(self.model, tokenizer.pad_token_id)
         self.device, self.driver, self.sync_group = device, driver_rank, sync_group

@@ -40,6 +40,7 @@ from scalerl.core.threads import cpu_thread_governor
 from scalerl.health.monitor import HealthMonitor
 from scalerl.models.hf_checkpoint import model_config_to_hf
 from scalerl.models.load import load_model_and_tokenizer
+from scalerl.models.lora import apply_lora_from_config, has_lora, lora_enabled, save_adapter
 from scalerl.models.sharded_loading import is_on_meta, load_local_shards
 from scalerl.parallel.distributed import DistContext, init_distributed
 from scalerl.parallel.metric_reduction import reduce_metrics
@@ -146,9 +147,12 @@ class TrainingRun:
         t = self.cfg.trainer
         source = t.init_from or self.cfg.model.path
         # Sharded layouts read each rank's slices once laid out (`lay_out`); the rest load the whole model.
-        self.weights_source = source if source and loads_local_shards(self.dist) else None
+        # (LoRA adapters are drawn on the loaded base: it is loaded whole first.)
+        lora = lora_enabled(self.cfg.model.lora)
+        self.weights_source = source if source and loads_local_shards(self.dist) and not lora else None
         model, self.tokenizer = load_model_and_tokenizer(self.cfg.model, t.init_from, self.device, t.seed,
                                                          on_meta=self.weights_source is not None)
+        apply_lora_from_config(model, self.cfg.model.lora, t.seed)  # before any copy or layout of the policy
         self.model_config = model.config
         self.autocast = Autocast(t.precision, self.device)
         return model
@@ -316,6 +320,12 @@ class TrainingRun:
     def export(self) -> dict[str, str]:
         """The policy as a Hugging Face directory (every rank takes part, rank 0 writes)."""
         t = self.cfg.trainer
+        if has_lora(self.policy.model):  # the adapters alone, in PEFT's format (`scalerl export --merge` merges)
+            path = save_adapter(self.policy.model, self.output_dir / self.export_name, t.init_from or self.cfg.model.path,
+                                is_main=self.dist.is_main)
+            if self.dist.world_size > 1:
+                self.dist.barrier()
+            return {self.export_key: str(path)}
         path = checkpoint.export_hf_model(
             self.policy.model, self.tokenizer, self.output_dir / self.export_name, self.dist,
             dtype=export_dtype(t.export_dtype, t.init_from or self.cfg.model.path, self.cfg.model.dtype),
