@@ -45,6 +45,10 @@ def _samples_per_mini_batch(value: int, verl: Verl) -> int:
     return int(value) * int(verl[R + "n"])
 
 
+def _lora(verl: Verl) -> bool:
+    return int(verl["actor_rollout_ref.model.lora_rank"]) > 0  # verl reads its LoRA settings only then
+
+
 def _top_k(value: int, verl: Verl) -> int:
     return max(int(value), 0)  # verl's -1 = off is scalerl's 0
 
@@ -155,8 +159,14 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     # model
     VerlKey("actor_rollout_ref.model.path", NO_DEFAULT, "model.path"),
     VerlKey("actor_rollout_ref.model.enable_gradient_checkpointing", False, "model.activation_checkpointing"),
-    VerlKey("actor_rollout_ref.model.lora_rank", 0, None, inert=0),
-    VerlKey("actor_rollout_ref.model.lora.rank", 0, None, inert=0),
+    VerlKey("actor_rollout_ref.model.lora_rank", 0, "model.lora.rank", "LoRA adapters (docs/models.md#lora)"),
+    VerlKey("actor_rollout_ref.model.lora.rank", 0, None, "verl's newer spelling: give lora_rank", inert=0),
+    VerlKey("actor_rollout_ref.model.lora_alpha", 16, "model.lora.alpha", only_if=_lora),
+    VerlKey("actor_rollout_ref.model.target_modules", "all-linear", "model.lora.target_modules",
+            "PEFT's names, all-linear too", transform=lambda v, verl: [v] if isinstance(v, str) else list(v),
+            only_if=_lora),
+    VerlKey("actor_rollout_ref.model.exclude_modules", None, None, "no exclusions here: list the targets instead",
+            inert=None, only_if=_lora),
     # actor optimiser (verl steps its schedule once per training step, as scalerl does)
     VerlKey(OPT + "lr", 1e-6, "actor.lr"),
     VerlKey(OPT + "weight_decay", 0.01, "actor.weight_decay"),
@@ -323,8 +333,6 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("trainer.ray_wait_register_center_timeout", "Ray start-up"), ("trainer.esi_redundant_time", "preemption"),
     ("trainer.rollout_data_dir", "dumps"), ("trainer.validation_data_dir", "dumps"),
     ("actor_rollout_ref.model.lora*", "LoRA settings, read only with lora_rank > 0 (an error here)"),
-    ("actor_rollout_ref.model.target_modules", "LoRA settings, read only with lora_rank > 0 (an error here)"),
-    ("actor_rollout_ref.model.exclude_modules", "LoRA settings, read only with lora_rank > 0 (an error here)"),
     ("algorithm.pf_ppo.*", "read only with algorithm.use_pf_ppo=true (an error here)"),
     ("reward_model.sandbox_fusion.max_concurrent", "read only with sandbox_fusion.url (an error here)"),
     ("global_profiler.*", "profiling only"), ("ray_kwargs.*", "Ray start-up"), ("transfer_queue.*", "verl internals"),

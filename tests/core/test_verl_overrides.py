@@ -140,7 +140,7 @@ def test_total_epochs_count_the_training_rows(tmp_path):
 @pytest.mark.parametrize("override, named", [
     ("trainer.critic_warmup=5", "trainer.critic_warmup=5"),
     ("data.truncation=left", "data.truncation"),
-    ("actor_rollout_ref.model.lora_rank=32", "lora_rank"),
+    ("actor_rollout_ref.model.lora.rank=32", "lora.rank"),
     ("critic.model.path=other/model", "critic.model.path"),
     ("custom_reward_function.reward_kwargs={scale: 2}", "reward_kwargs"),
     ("actor_rollout_ref.actor.made_up_key=1", "actor_rollout_ref.actor.made_up_key"),
@@ -149,6 +149,16 @@ def test_total_epochs_count_the_training_rows(tmp_path):
 def test_a_key_that_changes_the_run_without_an_equivalent_is_an_error(override, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.").replace("=", "=")):
         translate(["actor_rollout_ref.model.path=m", override])
+
+
+def test_verls_lora_keys_set_the_adapters_and_are_ignored_without_a_rank():
+    on = translate(["actor_rollout_ref.model.path=m", "actor_rollout_ref.model.lora_rank=32",
+                    "actor_rollout_ref.model.lora_alpha=64", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"])
+    assert on.values["model.lora.rank"] == 32 and on.values["model.lora.alpha"] == 64
+    assert on.values["model.lora.target_modules"] == ["q_proj", "v_proj"]
+    off = translate(["actor_rollout_ref.model.path=m", "actor_rollout_ref.model.lora_alpha=64"])
+    assert off.values.get("model.lora.alpha") is None  # verl reads lora_alpha only with lora_rank > 0
+    assert _rows(off)["actor_rollout_ref.model.lora_alpha"].startswith("no effect here: ")
 
 
 def test_critic_optimiser_keys_must_match_the_actors_shared_optimiser():
