@@ -368,9 +368,11 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             layer_cos, layer_sin = local if layer.local_rope else (cos, sin)
             hidden = layer(hidden, layer_cos, layer_sin, mask, kv_cache, cache_start)
-        if packed is not None:
-            hidden = packed.unpack(hidden, logits_to_keep)
-        elif logits_to_keep:
+        if packed is not None:  # norm and head on the real tokens the caller reads, then the padded layout
+            positions, slots = packed.kept_tokens(logits_to_keep)
+            hidden = self.norm(hidden.index_select(1, positions))
+            return packed.unpack(hidden if return_hidden else self.lm_head(hidden), slots, logits_to_keep)
+        if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         hidden = self.norm(hidden)
         if return_hidden:

@@ -94,12 +94,22 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
 
-    def unpack(self, packed: torch.Tensor, keep: int = 0) -> torch.Tensor:
-        """``packed`` ``[1, N, ...]`` back to ``[B, keep, ...]`` (the last ``keep`` padded columns; all for 0),
-        zeros where the padded batch has padding. Differentiable (a gather)."""
-        flat = torch.cat([packed[0], packed.new_zeros((1, *packed.shape[2:]))])
+    def kept_tokens(self, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed positions whose outputs the last ``keep`` padded columns need (all for 0), ascending
+        ``[M]``, and the flat ``[B * keep]`` slots they go to (the same order: both are row-major). The
+        model's final norm and head then run on those M real tokens only."""
         index = self.token_index[:, -keep:] if keep else self.token_index
-        return flat[index]
+        real = index.flatten() < self.num_tokens
+        return index.flatten()[real], real.nonzero().squeeze(1)
+
+    def unpack(self, kept: torch.Tensor, slots: torch.Tensor, keep: int = 0) -> torch.Tensor:
+        """``kept`` ``[1, M, ...]`` (outputs at `kept_tokens`' positions) into the padded ``[B, keep, ...]``
+        layout, zeros on padding. A copy into place, whose gradient is a gather (a scatter-add backward
+        over a vocabulary-wide row is many times slower on CPU)."""
+        rows = self.padded_shape[0]
+        width = keep or self.padded_shape[1]
+        out = kept.new_zeros((rows * width, *kept.shape[2:])).index_copy(0, slots, kept[0])
+        return out.view(rows, width, *kept.shape[2:])
 
 
 def packed_batch_or_none(input_ids: torch.Tensor, attention_mask: torch.Tensor, kernel: str | None):

@@ -18,7 +18,7 @@ import torch
 from scalerl.models.packing import packed_batch_or_none
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import MicroBatch, ModelParts
-from scalerl.parallel.seqlen_balance import token_budget_micro_batches
+from scalerl.parallel.seqlen_balance import packed_micro_batches, token_budget_micro_batches
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.trainer.objectives import MicroBatchObjective
 
@@ -86,16 +86,22 @@ def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
 def token_budget_batches(batch: RolloutBatch, max_tokens: int, ctx: DistContext, packed: bool = False
                          ) -> list[RolloutBatch]:
     """Dynamic batch size: micro-batches packed up to ``max_tokens`` padded tokens (real tokens when
-    ``packed``: one packed row must hold every sequence, so a longer one is an error). Ranks agree on the
-    count (the largest any rank needs), since sharded/TP forwards must run in lockstep."""
+    ``packed``, `packed_micro_batches`: a longer sequence is an error). Ranks agree on the count (the largest
+    any rank needs), since sharded/TP forwards must run in lockstep."""
     lengths = batch.attention_mask.sum(-1).tolist()
-    if packed and max(lengths, default=0) > max_tokens:
-        raise ValueError(f"actor.micro_batch_max_tokens={max_tokens} is shorter than a sequence of "
-                         f"{max(lengths)} tokens; a packed row holds whole sequences (raise the budget)")
-    groups = token_budget_micro_batches(lengths, max_tokens, padded=not packed)
+    # The response layout's width per row: up to its last loss token (environment tokens may sit before it).
+    columns = torch.arange(1, batch.response_mask.shape[1] + 1, device=batch.response_mask.device)
+    responses = (columns * (batch.response_mask > 0)).amax(-1).tolist()
+
+    def pack(count: int | None = None) -> list[list[int]]:
+        if packed:
+            return packed_micro_batches(lengths, responses, max_tokens, same_count_across=count)
+        return token_budget_micro_batches(lengths, max_tokens, same_count_across=count)
+
+    groups = pack()
     if ctx.world_size > 1:
         count = ctx.all_reduce(torch.tensor([len(groups)], device=ctx.device), op="max", over="trainer")
-        groups = token_budget_micro_batches(lengths, max_tokens, same_count_across=int(count), padded=not packed)
+        groups = pack(int(count))
     device = batch.input_ids.device
     return [batch.select(torch.tensor(sorted(g), device=device)) for g in groups]
 

@@ -200,3 +200,22 @@ def test_packed_updates_match_padded_under_dp_fsdp_and_tp():
         for key, diffs in rank_results.items():
             for plan, (loss_diff, grad_diff) in diffs.items():
                 assert loss_diff <= 1e-5 and grad_diff <= 1e-5, (key, plan, loss_diff, grad_diff)
+
+
+def test_the_trainer_with_packing_trains_like_the_padded_one(tiny_config, length_reward, capsys):
+    from scalerl.trainer.rl_trainer import RLTrainer
+
+    common = (length_reward, "trainer.total_steps=2", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
+              "actor.loss_agg_mode=seq-mean-token-mean")
+    padded = RLTrainer.from_config(tiny_config(*common))
+    padded.fit()
+    packed = RLTrainer.from_config(tiny_config(*common, "actor.use_remove_padding=true",
+                                               "actor.micro_batch_max_tokens=64",
+                                               f"trainer.output_dir={padded.output_dir}-packed"))
+    assert "attention kernel sdpa_per_sequence" in capsys.readouterr().out  # chosen at start and said
+    assert packed.update_plan.packed_kernel == "sdpa_per_sequence"
+    packed.fit()
+    for model in ("policy", "critic"):
+        a, b = getattr(padded, model).model.state_dict(), getattr(packed, model).model.state_dict()
+        for name in a:
+            assert torch.allclose(a[name], b[name], atol=1e-5), (model, name)
