@@ -5,6 +5,9 @@ choices read from ``ModelConfig``: per-head q/k norms (Qwen3, Gemma 3), sliding-
 Gemma, Qwen3 with ``use_sliding_window``), Gemma's ``(1 + weight)`` norms around both blocks, scaled
 embeddings and capped logits, and Gemma 2's capped attention scores (computed explicitly: SDPA cannot cap).
 
+Packed rows (``attention_mask`` a `scalerl.models.packing.PackedBatch`: several sequences in one row of
+real tokens) take `packed_attention`, causal within each sequence; the padded path is untouched.
+
 The module tree is flat (``embed_tokens``, ``layers``, ``norm``, ``lm_head``) so pipeline stages can be cut
 from ``model.layers`` and tensor-parallel plans applied by module name; Hugging Face's ``model.`` prefix
 is added and removed only at load/save time (``scalerl.models.hf_checkpoint``).

@@ -219,3 +219,18 @@ def test_the_trainer_with_packing_trains_like_the_padded_one(tiny_config, length
         a, b = getattr(padded, model).model.state_dict(), getattr(packed, model).model.state_dict()
         for name in a:
             assert torch.allclose(a[name], b[name], atol=1e-5), (model, name)
+
+
+def test_packed_micro_batches_bound_real_tokens_and_the_response_layout():
+    from scalerl.parallel.seqlen_balance import packed_micro_batches
+
+    lengths = [600, 90, 80, 70, 60, 500, 50, 40, 30, 20]
+    responses = [550, 40, 30, 20, 10, 450, 10, 10, 10, 10]
+    batches = packed_micro_batches(lengths, responses, 1200)
+    assert sorted(i for b in batches for i in b) == list(range(10))
+    for batch in batches:
+        assert sum(lengths[i] for i in batch) <= 1200
+        assert len(batch) * max(responses[i] for i in batch) <= 1200  # the loss's [rows, response] layout
+    assert len(packed_micro_batches(lengths, responses, 1200, same_count_across=len(batches) + 2)) == len(batches) + 2
+    with pytest.raises(ValueError, match="actor.micro_batch_max_tokens=599"):
+        packed_micro_batches(lengths, responses, 599)
