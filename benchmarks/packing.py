@@ -12,7 +12,8 @@ Response lengths come from the sequence-balance benchmark's "mix" (80% 20-100 to
 * packed (``actor.use_remove_padding``): the same budget counting real tokens, each micro-batch one row.
 
 The log-prob pass runs fixed micro-batches of ``--logprob-micro`` rows in arrival order, padded or packed.
-Update = one optimizer step over the whole batch (PPO loss, SGD); times are the best of ``--repeats``.
+Update = one optimizer step over the whole batch (PPO loss, SGD); times are the best of ``--repeats``,
+after an untimed warm-up of every path on four rows.
 With ``--compare-mask``, "packed (mask)" is the update with the block-mask kernel instead of per-sequence
 SDPA (the CPU choice).
 """
@@ -33,7 +34,12 @@ from scalerl.parallel.parallelize import parallelize
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.trainer.forward_passes import response_logprobs
 from scalerl.trainer.objectives import PolicyObjective
-from scalerl.trainer.update import OptimizerStep, UpdatePlan, _forward_inputs, micro_batches, run_update
+from scalerl.trainer.update import (
+    OptimizerStep,
+    UpdatePlan,
+    _forward_inputs,
+    run_update,
+)
 
 ACTOR = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
              entropy_coeff=0.0, use_kl_loss=False)
@@ -95,17 +101,20 @@ def measure(model_name: str, dist_name: str, args) -> dict:
         plans["packed (mask)"] = UpdatePlan(**common, packed_kernel="sdpa_block_mask")
     row = {"model": model_name, "dist": dist_name, "real": int(batch.attention_mask.sum()), "budget": budget,
            "scale": scale, "layers": fields["num_hidden_layers"]}
+    # Untimed warm-up on a slice (first-call allocations and kernel set-up would land on the first path timed).
+    head = batch.select(torch.arange(min(4, len(batch))))
+    for plan in plans.values():
+        run_update(parts, step, head, objective, plan, None, ctx)
+        response_logprobs(model, head, 1.0, len(head), packed_kernel=plan.packed_kernel)
     for name, plan in plans.items():
         micros = _forward_inputs(parts, batch, plan, objective, ctx)
         row[f"tokens {name}"] = sum(m.input_ids.numel() for m in micros)
-        row[f"update {name}"] = best_time(lambda: run_update(parts, step, batch, objective, plan, None, ctx),
+        row[f"update {name}"] = best_time(lambda plan=plan: run_update(parts, step, batch, objective, plan, None, ctx),
                                           args.repeats)
     micro = args.logprob_micro
-    row["lp tokens padded"] = sum(m.trimmed()[0].input_ids.numel() for m in micro_batches(batch, micro))
-    row["lp tokens packed"] = row["real"]
     for name, kernel in (("padded", None), ("packed", "sdpa_per_sequence")):
-        row[f"logprob {name}"] = best_time(lambda: response_logprobs(model, batch, 1.0, micro, packed_kernel=kernel),
-                                           args.repeats)
+        row[f"logprob {name}"] = best_time(
+            lambda kernel=kernel: response_logprobs(model, batch, 1.0, micro, packed_kernel=kernel), args.repeats)
     return row
 
 

@@ -18,7 +18,10 @@ import torch
 from scalerl.models.packing import packed_batch_or_none
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import MicroBatch, ModelParts
-from scalerl.parallel.seqlen_balance import packed_micro_batches, token_budget_micro_batches
+from scalerl.parallel.seqlen_balance import (
+    packed_micro_batches,
+    token_budget_micro_batches,
+)
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.trainer.objectives import MicroBatchObjective
 
