@@ -367,8 +367,11 @@ class ActorSection(_Section):
     ppo_mini_batch_size: int = opt(64, "sequences per optimizer step")
     ppo_micro_batch_size: int = opt(16, "sequences per forward/backward (gradient accumulation)")
     micro_batch_max_tokens: int = opt(
-        0, "dynamic batch size: pack micro-batches up to this many (padded) tokens; 0 = fixed ppo_micro_batch_size"
+        0, "dynamic batch size: pack micro-batches up to this many tokens (padded ones; real ones with "
+        "use_remove_padding); 0 = fixed ppo_micro_batch_size"
     )
+    use_remove_padding: bool = opt(False, "verl's name: update, log-prob and critic passes run on packed rows of "
+                                   "real tokens (no padding; attention per sequence; built-in decoder only)")
     clip_ratio_low: float = opt(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", at_least=0)
     clip_ratio_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_ratio_high", at_least=0)
     # dual clip bounds the loss of negative-advantage tokens from below; <= 1 would cut into the PPO clip

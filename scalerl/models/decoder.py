@@ -5,6 +5,9 @@ choices read from ``ModelConfig``: per-head q/k norms (Qwen3, Gemma 3), sliding-
 Gemma, Qwen3 with ``use_sliding_window``), Gemma's ``(1 + weight)`` norms around both blocks, scaled
 embeddings and capped logits, and Gemma 2's capped attention scores (computed explicitly: SDPA cannot cap).
 
+Packed rows (``attention_mask`` a `scalerl.models.packing.PackedBatch`: several sequences in one row of
+real tokens) take `packed_attention`, causal within each sequence; the padded path is untouched.
+
 The module tree is flat (``embed_tokens``, ``layers``, ``norm``, ``lm_head``) so pipeline stages can be cut
 from ``model.layers`` and tensor-parallel plans applied by module name; Hugging Face's ``model.`` prefix
 is added and removed only at load/save time (``scalerl.models.hf_checkpoint``).
@@ -19,6 +22,7 @@ from torch import nn
 from scalerl.models.config import SLIDING_ATTENTION, ModelConfig
 from scalerl.models.kv_cache import KVCache
 from scalerl.models.moe import SparseMoeBlock, is_sparse_layer
+from scalerl.models.packing import PackedBatch, PackedSequences
 from scalerl.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -99,6 +103,43 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     return torch.matmul(probs, v)
 
 
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSequences,
+                     window: int | None, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """Block-diagonal causal attention over a packed row (``[1, H, N, D]``), each sequence on its own:
+    the same scores, windows and caps as the padded path, by ``seqs.kernel`` (`scalerl.models.packing`)."""
+    kernel = seqs.kernel
+    if kernel == "flash_varlen" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from flash_attn import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(
+            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), seqs.cu_seqlens, seqs.cu_seqlens,
+            seqs.max_len, seqs.max_len, softmax_scale=scale, causal=True,
+            window_size=(window - 1, 0) if window is not None else (-1, -1), softcap=softcap or 0.0)
+        return out.transpose(0, 1).unsqueeze(0)
+    if kernel == "sdpa_block_mask":
+        mask = seqs.block_mask(window)
+        if softcap is not None:
+            return softcapped_attention(q, k, v, mask, scale if scale is not None else q.shape[-1]**-0.5, softcap)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1],
+                                              scale=scale)
+    outs = []
+    for q_s, k_s, v_s in zip(*(t.split(seqs.lengths, dim=2) for t in (q, k, v))):
+        length, mask = q_s.shape[2], None
+        if length == 0:
+            outs.append(q_s)
+            continue
+        if window is not None:
+            k_s, v_s, mask = sliding_window_view(k_s, v_s, None, length, window)
+        if softcap is not None:
+            outs.append(softcapped_attention(q_s, k_s, v_s, mask, scale if scale is not None else q.shape[-1]**-0.5,
+                                             softcap))
+        else:
+            outs.append(F.scaled_dot_product_attention(
+                q_s, k_s, v_s, attn_mask=mask, is_causal=mask is None and length > 1,
+                enable_gqa=q.shape[1] != k.shape[1], scale=scale))
+    return torch.cat(outs, dim=2)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -141,6 +182,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         # One rotation over q and k heads together: half the small kernels of rotating each.
         q, k = apply_rotary(torch.cat((q, k), dim=1), cos, sin).split((q.shape[1], k.shape[1]), dim=1)
+        if isinstance(mask, PackedSequences):  # a packed row: one causal block per sequence
+            out = packed_attention(q, k, v, mask, self.sliding_window, self.scale, self.softcap)
+            return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, cache_start)
         if self.sliding_window is not None:
@@ -297,20 +341,24 @@ class CausalLM(nn.Module):
         Args:
             input_ids: ``[B, T]`` token ids.
             attention_mask: ``[B, cache_start + T]`` with 1 for real tokens (covers cached keys too);
-                ``None`` means no padding.
+                ``None`` means no padding. Or a `PackedBatch` (``input_ids`` is then its ``[1, N]`` row, no
+                cache): attention runs per sequence and the output comes back in the padded layout.
             position_ids: ``[B, T]``; derived from ``attention_mask`` when omitted.
             kv_cache: preallocated cache written at ``[cache_start, cache_start + T)``.
             logits_to_keep: if > 0, project only the last ``logits_to_keep`` positions (prefill needs one).
             return_hidden: return the final normed hidden states instead of logits (value heads).
         """
         seq = input_ids.shape[1]
+        packed = attention_mask if isinstance(attention_mask, PackedBatch) else None
+        if packed is not None:
+            attention_mask, position_ids = None, packed.position_ids
         if position_ids is None:
             if attention_mask is None:
                 position_ids = torch.arange(cache_start, cache_start + seq, device=input_ids.device)
                 position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
             else:
                 position_ids = position_ids_from_mask(attention_mask)[:, -seq:]
-        mask = None
+        mask = packed.sequences if packed is not None else None
         if attention_mask is not None:
             mask = attention_mask_4d(attention_mask, seq)
         elif kv_cache is not None and cache_start > 0:
@@ -323,6 +371,10 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             layer_cos, layer_sin = local if layer.local_rope else (cos, sin)
             hidden = layer(hidden, layer_cos, layer_sin, mask, kv_cache, cache_start)
+        if packed is not None:  # norm and head on the real tokens the caller reads, then the padded layout
+            positions, slots = packed.kept_tokens(logits_to_keep)
+            hidden = self.norm(hidden.index_select(1, positions))
+            return packed.unpack(hidden if return_hidden else self.lm_head(hidden), slots, logits_to_keep)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         hidden = self.norm(hidden)

@@ -101,7 +101,8 @@ class ModuleParts:
                                           logits_to_keep=micro.keep)
                 loss = loss_fn(output, micro.target)
                 if self.router_aux is not None:
-                    loss = loss + self.router_aux.loss_term(micro.attention_mask, len(micros))
+                    mask = micro.attention_mask if isinstance(micro.attention_mask, torch.Tensor) else None
+                    loss = loss + self.router_aux.loss_term(mask, len(micros))  # packed rows: no padding
                 (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
         return len(micros)
 

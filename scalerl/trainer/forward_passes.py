@@ -1,5 +1,6 @@
 """Forward-only passes over a rollout batch: log-probs of the responses (old policy, reference policy) and
-the critic's values, micro-batched, with all-padding columns trimmed away. Under FSDP each unit is gathered
+the critic's values, micro-batched, with all-padding columns trimmed away (or, with a ``packed_kernel``,
+each micro-batch packed into one row of real tokens, `scalerl.models.packing`). Under FSDP each unit is gathered
 once for the whole pass rather than once per micro-batch (`gathered_once`, as generation does)."""
 
 from __future__ import annotations
@@ -11,14 +12,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalerl.algorithms.entropy import logprobs_from_logits
+from scalerl.models.decoder import CausalLM
+from scalerl.models.packing import choose_packed_kernel, packed_batch_or_none
+from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.fsdp_generation import gathered_once
 from scalerl.rollout.batch import RolloutBatch
+from scalerl.trainer.run_directory import say
 from scalerl.trainer.update import micro_batches
+
+
+def packed_kernel_for(model: nn.Module, use_remove_padding: bool, ctx: DistContext) -> str | None:
+    """``actor.use_remove_padding``: the packed-row attention kernel for this device, said once at start
+    (None when off). Only the built-in decoder takes packed rows."""
+    if not use_remove_padding:
+        return None
+    if not isinstance(model, CausalLM):
+        raise ValueError(f"actor.use_remove_padding=true needs the built-in decoder (model.implementation="
+                         f"scalerl); this model is {type(model).__name__}")
+    if ctx.dims.pp > 1:
+        raise ValueError("actor.use_remove_padding=true does not apply with parallel.pp > 1 (stages fix shapes)")
+    kernel = choose_packed_kernel(ctx.device)
+    say(ctx, f"sequence packing: micro-batches packed into rows of real tokens, attention kernel {kernel}")
+    return kernel
 
 
 @torch.no_grad()
 def response_logprobs(
-    model: nn.Module, batch: RolloutBatch, temperature: float, micro_batch_size: int, autocast=None
+    model: nn.Module, batch: RolloutBatch, temperature: float, micro_batch_size: int, autocast=None,
+    packed_kernel: str | None = None,
 ) -> torch.Tensor:
     """Per-token log-probs ``[B, R]`` of the batch's responses under ``model`` at the sampling temperature
     (zero on padding)."""
@@ -28,17 +49,19 @@ def response_logprobs(
             logits = logits / temperature
         return logprobs_from_logits(logits, micro.response_ids)
 
-    return _per_response_token(model, batch, micro_batch_size, autocast, logprobs)
+    return _per_response_token(model, batch, micro_batch_size, autocast, logprobs, packed_kernel)
 
 
 @torch.no_grad()
-def response_values(critic: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast=None) -> torch.Tensor:
+def response_values(critic: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast=None,
+                    packed_kernel: str | None = None) -> torch.Tensor:
     """The critic's values ``[B, R]`` at the positions before each response token (zero on padding)."""
-    return _per_response_token(critic, batch, micro_batch_size, autocast, lambda values, micro: values)
+    return _per_response_token(critic, batch, micro_batch_size, autocast, lambda values, micro: values,
+                               packed_kernel)
 
 
-def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast, per_token
-                        ) -> torch.Tensor:
+def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast, per_token,
+                        packed_kernel: str | None = None) -> torch.Tensor:
     """``per_token(output, micro)`` over the model's fp32 outputs at the positions before each response token,
     micro-batch by micro-batch (all-padding columns trimmed), masked and padded back to ``[B, R]``."""
     out = []
@@ -46,7 +69,8 @@ def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size:
         for micro in micro_batches(batch, micro_batch_size):
             micro, _, right = micro.trimmed()
             response_len = micro.response_ids.shape[1]
+            input_ids, attention_mask = packed_batch_or_none(micro.input_ids, micro.attention_mask, packed_kernel)
             with autocast or contextlib.nullcontext():
-                output = model(micro.input_ids, attention_mask=micro.attention_mask, logits_to_keep=response_len + 1)
+                output = model(input_ids, attention_mask=attention_mask, logits_to_keep=response_len + 1)
             out.append(F.pad(per_token(output[:, :-1].float(), micro) * micro.response_mask, (0, right)))
     return torch.cat(out)

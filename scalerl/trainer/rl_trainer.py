@@ -44,7 +44,7 @@ from scalerl.rollout.worker import RolloutWorker
 from scalerl.tracking import plot_metrics
 from scalerl.trainer.dynamic_sampling import GeneratedRound, fill_with_signal
 from scalerl.trainer.evaluation import data_source_of, evaluate, evaluate_sampled
-from scalerl.trainer.forward_passes import response_logprobs, response_values
+from scalerl.trainer.forward_passes import packed_kernel_for, response_logprobs, response_values
 from scalerl.trainer.objectives import PolicyObjective, ValueObjective, policy_loss_options
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.reward_shaping import RewardShaping
@@ -93,6 +93,7 @@ class RLTrainer(TrainingRun):
         # The critic and the frozen reference start as copies of the policy, made before it is laid out.
         critic = ValueModel(model) if needs_critic(cfg.algorithm.adv_estimator) else None
         reference = copy.deepcopy(model).requires_grad_(False) if a.use_kl_loss or self.shaping.needs_reference else None
+        self.packed_kernel = packed_kernel_for(model, a.use_remove_padding, ctx)
         self.policy = self.lay_out(model)
         self.critic = self.lay_out(critic) if critic is not None else None
         self.reference = self.lay_out(reference, trainable=False) if reference is not None else None
@@ -140,6 +141,7 @@ class RLTrainer(TrainingRun):
             epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size // ctx.dp_size,
             micro_batch_size=a.ppo_micro_batch_size, micro_batch_max_tokens=a.micro_batch_max_tokens,
             horizon=r.max_new_tokens, fixed_widths=(cfg.data.max_prompt_length, r.max_new_tokens),
+            packed_kernel=self.packed_kernel,
         )
         self.update_generator = torch.Generator().manual_seed(t.seed + 1)
         self.generators = {"update": self.update_generator}
@@ -178,14 +180,16 @@ class RLTrainer(TrainingRun):
             if reuse_logprobs:
                 batch.old_logprobs = batch.rollout_logprobs
             else:
-                batch.old_logprobs = response_logprobs(self.policy.model, batch, temperature, micro, self.autocast)
+                batch.old_logprobs = response_logprobs(self.policy.model, batch, temperature, micro, self.autocast,
+                                                         self.packed_kernel)
                 weights, mismatch = truncated_importance_weights(
                     batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.rollout.tis_cap)
                 batch.is_weights = weights if cfg.rollout.tis_cap else None
                 metrics.update(mismatch)
         if self.reference is not None:
             with timer("ref"):
-                batch.ref_logprobs = response_logprobs(self.reference.model, batch, temperature, micro, self.autocast)
+                batch.ref_logprobs = response_logprobs(self.reference.model, batch, temperature, micro, self.autocast,
+                                                         self.packed_kernel)
         with timer("adv"):
             self._advantages(batch, reward_baselines, metrics)
         if self.on_batch is not None:
@@ -285,7 +289,7 @@ class RLTrainer(TrainingRun):
         With ``algorithm.use_kl_in_reward`` the token rewards carry the KL penalty (its metrics to ``metrics``)."""
         alg, micro = self.cfg.algorithm, self.cfg.actor.ppo_micro_batch_size
         if self.critic is not None:
-            batch.values = response_values(self.critic.model, batch, micro, self.autocast)
+            batch.values = response_values(self.critic.model, batch, micro, self.autocast, self.packed_kernel)
         device = batch.response_mask.device
         token_rewards, kl_metrics = self.shaping.token_rewards(batch)
         if metrics is not None:

@@ -15,9 +15,13 @@ from typing import Any
 
 import torch
 
+from scalerl.models.packing import packed_batch_or_none
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import MicroBatch, ModelParts
-from scalerl.parallel.seqlen_balance import token_budget_micro_batches
+from scalerl.parallel.seqlen_balance import (
+    packed_micro_batches,
+    token_budget_micro_batches,
+)
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.trainer.objectives import MicroBatchObjective
 
@@ -35,6 +39,9 @@ class UpdatePlan:
     shuffle: bool = True
     # Pipeline stages see one shape every step: (prompt width, response width) to pad mini-batches to.
     fixed_widths: tuple[int, int] | None = None
+    # actor.use_remove_padding: micro-batches packed into rows of real tokens, attention by this kernel
+    # (`scalerl.models.packing`); the budget then counts real tokens. None = padded rows.
+    packed_kernel: str | None = None
 
 
 class OptimizerStep:
@@ -79,28 +86,42 @@ def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
             for start in range(0, len(batch), size)]
 
 
-def token_budget_batches(batch: RolloutBatch, max_tokens: int, ctx: DistContext) -> list[RolloutBatch]:
-    """Dynamic batch size: micro-batches packed up to ``max_tokens`` padded tokens. Ranks agree on the
-    count (the largest any rank needs), since sharded/TP forwards must run in lockstep."""
+def token_budget_batches(batch: RolloutBatch, max_tokens: int, ctx: DistContext, packed: bool = False
+                         ) -> list[RolloutBatch]:
+    """Dynamic batch size: micro-batches packed up to ``max_tokens`` padded tokens (real tokens when
+    ``packed``, `packed_micro_batches`: a longer sequence is an error). Ranks agree on the count (the largest
+    any rank needs), since sharded/TP forwards must run in lockstep."""
     lengths = batch.attention_mask.sum(-1).tolist()
-    groups = token_budget_micro_batches(lengths, max_tokens)
+    # The response layout's width per row: up to its last loss token (environment tokens may sit before it).
+    columns = torch.arange(1, batch.response_mask.shape[1] + 1, device=batch.response_mask.device)
+    responses = (columns * (batch.response_mask > 0)).amax(-1).tolist()
+
+    def pack(count: int | None = None) -> list[list[int]]:
+        if packed:
+            return packed_micro_batches(lengths, responses, max_tokens, same_count_across=count)
+        return token_budget_micro_batches(lengths, max_tokens, same_count_across=count)
+
+    groups = pack()
     if ctx.world_size > 1:
         count = ctx.all_reduce(torch.tensor([len(groups)], device=ctx.device), op="max", over="trainer")
-        groups = token_budget_micro_batches(lengths, max_tokens, same_count_across=int(count))
+        groups = pack(int(count))
     device = batch.input_ids.device
     return [batch.select(torch.tensor(sorted(g), device=device)) for g in groups]
 
 
 def _forward_inputs(parts: ModelParts, mini: RolloutBatch, plan: UpdatePlan, objective, ctx) -> list[MicroBatch]:
+    packed = None if parts.fixed_shapes else plan.packed_kernel  # pipeline stages fix padded shapes
     if parts.fixed_shapes:  # the pipeline splits the padded mini-batch into its own micro-batches
         micros = [mini.padded_to(*plan.fixed_widths)]
     elif plan.micro_batch_max_tokens:
-        micros = token_budget_batches(mini, plan.micro_batch_max_tokens, ctx)
+        micros = token_budget_batches(mini, plan.micro_batch_max_tokens, ctx, packed=packed is not None)
     else:
         micros = micro_batches(mini, plan.micro_batch_size)
     if not parts.fixed_shapes:  # columns that are padding in every row cost compute and change nothing
         micros = [m.trimmed()[0] for m in micros]
-    return [MicroBatch(m.input_ids, m.attention_mask, objective.target(m), objective.keep(m)) for m in micros]
+    # Packed, the model reads one row of real tokens and hands back outputs in the padded layout.
+    return [MicroBatch(*packed_batch_or_none(m.input_ids, m.attention_mask, packed), objective.target(m),
+                       objective.keep(m)) for m in micros]
 
 
 def run_update(
