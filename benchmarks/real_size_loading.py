@@ -234,7 +234,7 @@ def run_configuration(model: str, model_dir: Path, world: int, args: argparse.Na
                "--report", str(report), "--loading", args.loading, "--batch", str(args.batch), "--seq", str(args.seq)]
     command += [flag for flag, on in (("--no-checkpoint", args.no_checkpoint), ("--load-only", args.load_only)) if on]
     procs = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
-    codes = [p.wait() for p in procs]
+    codes = [_wait_or_kill(p, procs, RANK_LIMIT_S) for p in procs]
     if any(codes):
         return f"failed: exit codes {codes}"
     rows = sorted((json.loads(line) for line in report.read_text().splitlines()), key=lambda r: r["rank"])
@@ -264,6 +264,20 @@ def print_table(results: dict[str, dict[int, list[dict] | str]]) -> None:
                   f"{most('rss_checkpoint_gib'):.2f} / {most('rss_export_gib'):.2f} | {ratio} | "
                   f"{most('load_s'):.1f} | {most('step_s'):.1f} | {ckpt} | {most('checkpoint_gib'):.2f} | "
                   f"{most('export_s'):.1f} |")
+
+
+RANK_LIMIT_S = 3600  # one configuration's ranks: load, step, checkpoint; a hung rank must not hold the run
+
+
+def _wait_or_kill(proc: subprocess.Popen, procs: list[subprocess.Popen], limit_s: float) -> int:
+    """``proc``'s exit code; past ``limit_s`` every rank is killed (a rank waiting on a dead peer never ends)."""
+    try:
+        return proc.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        for other in procs:
+            other.kill()
+        proc.wait()
+        return -9
 
 
 def main() -> None:

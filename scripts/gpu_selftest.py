@@ -14,6 +14,7 @@ limit, and checks left when ``--budget-s`` is spent are SKIPs.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import subprocess
 import sys
@@ -143,7 +144,8 @@ def _nccl_world_1() -> None:
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(free_port())})
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    # A one-rank group has nobody to wait for; the limit is there so a broken NCCL set-up fails the check.
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0), timeout=datetime.timedelta(seconds=60))
 
 
 def check_fsdp2_nccl_step() -> str:

@@ -351,18 +351,25 @@ def checkpoint_weight_files(path: str | os.PathLike) -> list[Path]:
     return _weight_files(Path(path))
 
 
-def from_pretrained(
-    path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
-) -> CausalLM:
-    """Load an HF directory of a supported architecture (``SUPPORTED_ARCHITECTURES``). ``dtype`` defaults to float32 (the CPU training dtype)."""
-    path = Path(path)
+def meta_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None) -> tuple[CausalLM, torch.dtype]:
+    """The architecture of the HF directory ``path`` on the meta device (nothing allocated, nothing read but
+    ``config.json``) and the dtype it is for: ``dtype``, default float32."""
     cfg = load_model_config(path)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or torch.float32
     cfg.torch_dtype = str(dtype).removeprefix("torch.")
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        return CausalLM(cfg), dtype
+
+
+def from_pretrained(
+    path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+) -> CausalLM:
+    """Load an HF directory of a supported architecture (``SUPPORTED_ARCHITECTURES``). ``dtype`` defaults to float32 (the CPU training dtype)."""
+    path = Path(path)
+    model, dtype = meta_model(path, dtype)
+    cfg = model.config
     expected = {name: p for name, p in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")

@@ -26,8 +26,8 @@ from scalerl.models.hf_checkpoint import (
     CheckpointFormatError,
     _hf_name,
     _weight_files,
-    load_model_config,
 )
+from scalerl.models.hf_checkpoint import meta_model as hf_meta_model
 
 # A value model's backbone is the policy's checkpoint; its head has no tensor there and starts at zero.
 _BACKBONE_PREFIX = "backbone."
@@ -37,13 +37,7 @@ _FRESH_ZERO_PREFIXES = ("value_head.",)
 def meta_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None) -> CausalLM:
     """The architecture of the HF directory ``path`` on the meta device, in ``dtype`` (default float32):
     nothing allocated and nothing read but ``config.json``; `load_local_shards` fills it once laid out."""
-    cfg = load_model_config(path)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    dtype = dtype or torch.float32
-    cfg.torch_dtype = str(dtype).removeprefix("torch.")
-    with torch.device("meta"):
-        model = CausalLM(cfg)
+    model, dtype = hf_meta_model(path, dtype)
     return model.to(dtype)
 
 
