@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 TEMP_PREFIXES = (".tmp-", ".old-", ".del-")  # hidden names used only while staging, replacing or deleting
@@ -53,6 +54,19 @@ def replace_directory(staged: Path, final: Path) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+@contextmanager
+def built_aside(final: Path) -> Iterator[Path]:
+    """The staging directory of ``final`` to build in; swapped in for ``final`` when the block ends, removed
+    if it raises (so an interrupted write leaves the old ``final`` as it was)."""
+    staged = staging_dir(final)
+    try:
+        yield staged
+        replace_directory(staged, final)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
 
 
 def remove_directory(path: Path) -> None:

@@ -16,9 +16,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from scalerl.core.directory_swap import (
+    built_aside,
     recover_leftovers,
-    replace_directory,
-    staging_dir,
 )
 from scalerl.core.errors import UserError
 from scalerl.core.file_modes import apply_file_modes
@@ -432,16 +431,11 @@ def save_pretrained(
     save survives (a stale ``model.safetensors`` or index from another sharding would be loaded instead).
     """
     path = Path(path)
-    staged = staging_dir(path)
-    try:
+    with built_aside(path) as staged:
         _write_model_files(model, staged, max_shard_bytes, generation_config)
         if tokenizer is not None:
             tokenizer.save_pretrained(staged)
         apply_file_modes(staged)
-        replace_directory(staged, path)
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
     return path
 
 

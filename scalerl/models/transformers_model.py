@@ -17,17 +17,21 @@ import dataclasses
 import inspect
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from scalerl.core.directory_swap import replace_directory, staging_dir
+from scalerl.core.directory_swap import built_aside
 from scalerl.core.errors import UserError
 from scalerl.core.file_modes import apply_file_modes
-from scalerl.models.config import FULL_ATTENTION, SLIDING_ATTENTION, SUPPORTED_ARCHITECTURES, ModelConfig
+from scalerl.models.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+)
 from scalerl.models.decoder import position_ids_from_mask
 from scalerl.models.hf_checkpoint import CheckpointFormatError
 from scalerl.models.kv_cache import KVCache
@@ -261,16 +265,11 @@ class TransformersCausalLM(nn.Module):
         """transformers' own ``save_pretrained`` (safetensors), written aside and swapped in whole like
         `scalerl.models.hf_checkpoint.save_pretrained`, with the ``tokenizer``'s files when given."""
         path = Path(path)
-        staged = staging_dir(path)
-        try:
+        with built_aside(path) as staged:
             self.hf.save_pretrained(staged, max_shard_size=max_shard_size)
             if tokenizer is not None:
                 tokenizer.save_pretrained(staged)
             apply_file_modes(staged)
-            replace_directory(staged, path)
-        except BaseException:
-            shutil.rmtree(staged, ignore_errors=True)
-            raise
         return path
 
 
