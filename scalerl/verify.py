@@ -46,6 +46,14 @@ MOE_LAYOUTS: dict[int, dict[str, tuple[dict[str, int], tuple[str, ...]]]] = {
     2: {
         "ep2-moe": ({"dp_replicate": 2, "ep": 2}, ()),
         "ep2-moe-cf1": ({"dp_replicate": 2, "ep": 2}, ("model.moe_capacity_factor=1.0",)),
+        # FSDP2: dense parameters sharded over both ranks, each rank its two experts (one replica each).
+        "ep2-moe-fsdp": ({"dp_shard": 2, "ep": 2}, ()),
+    },
+    4: {
+        # ep2 x fsdp2: dense parameters sharded over 4 ranks; experts split over ranks (0,1) and (2,3), each
+        # half FSDP-sharded over its two replicas (ranks 0,2 / 1,3); and the same under HSDP (2 x 2).
+        "ep2-moe-fsdp4": ({"dp_shard": 4, "ep": 2}, ()),
+        "ep2-moe-hsdp": ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, ()),
     },
 }
 KINDS = ("grpo", "sft")  # default; "ppo" (GAE with a critic) is also available
@@ -95,9 +103,9 @@ def moe_verification_model(directory: Path) -> Path:
     return directory
 
 
-def moe_overrides(model_dir: Path, single: bool, extra: tuple[str, ...]) -> list[str]:
+def moe_overrides(model_dir: Path, single: bool, extra: tuple[str, ...], ranks: int = 2) -> list[str]:
     """The MoE rows' overrides: the model, one micro-batch per rank's share, rows kept where they are."""
-    share = 1 if single else 2  # the ranks of MOE_LAYOUTS' world
+    share = 1 if single else ranks  # the ranks of the row's world
     return [f"model.path={model_dir}", "model.tokenizer=builtin", "trainer.balance_batch=false",
             f"actor.ppo_micro_batch_size={32 // share}", f"sft.micro_batch_size={16 // share}", *extra]
 
@@ -240,7 +248,7 @@ def run_verification(
             model_dir = moe_verification_model(out_dir / "moe-model")
             for name, (layout, moe_extra) in moe.items():
                 chosen[name] = layout
-                extra[name] = moe_overrides(model_dir, single=False, extra=moe_extra)
+                extra[name] = moe_overrides(model_dir, single=False, extra=moe_extra, ranks=world)
                 single = moe_overrides(model_dir, single=True, extra=moe_extra)
                 references[name] = {kind: run_kind(kind, [*overrides, *single], out_dir / f"single-{name}" / kind)
                                     for kind in kinds if supported(kind, layout)}

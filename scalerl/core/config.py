@@ -638,7 +638,8 @@ class ParallelSection(_Section):
     pp_schedule: str = opt("1f1b", "pipeline schedule: " + " | ".join(PP_SCHEDULES))
     microbatches: int = opt(4, "pipeline micro-batches per mini-batch")
     ep: int = opt(1, "expert parallelism: a MoE model's experts sharded over the data-parallel ranks, tokens routed "
-                     "by all-to-all (1 = off; else the DDP size, parallel.dp_replicate)")
+                     "by all-to-all (1 = off; under DDP parallel.dp_replicate, under FSDP2 a divisor of "
+                     "dp_replicate x dp_shard)")
     reorder_ranks_by_node: bool = opt(True, "when the launcher numbered ranks across nodes in turn, build the "
                                             "device mesh with each node's ranks contiguous (rings cross nodes "
                                             "less; RANK numbers are kept)")

@@ -7,10 +7,17 @@ rank's local shards (``to_empty``) and fills them from the safetensors files thr
 reads the mmapped file's rows and columns of that slice only. Peak host memory per rank: its share of the
 parameters plus one slice in the file's dtype. Errors name the tensor and file at fault, as
 `from_pretrained`'s do.
+
+A rank that loads its share is one meant to stay near it, so loading also pins glibc's mmap threshold
+(`pin_mmap_threshold`): by default glibc raises the threshold to the size of each mmapped block freed (up
+to 32 MiB), after which a layer's gradients and FSDP's reduce-scatter buffers (1-32 MiB each) come from
+the heap, and once freed stay resident there; pinned at 128 KiB every such buffer is unmapped when freed.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from pathlib import Path
 
@@ -44,6 +51,28 @@ def meta_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None) 
 def is_on_meta(model: nn.Module) -> bool:
     """True when ``model``'s parameters are still unallocated (built by `meta_model`, not yet loaded)."""
     return any(p.is_meta for p in model.parameters())
+
+
+# glibc's mallopt parameter and the value MALLOC_MMAP_THRESHOLD_=131072 would set (glibc's own default start).
+_M_MMAP_THRESHOLD = -3
+PINNED_MMAP_THRESHOLD = 128 * 1024
+
+
+def pin_mmap_threshold(threshold: int = PINNED_MMAP_THRESHOLD) -> bool:
+    """``mallopt(M_MMAP_THRESHOLD, threshold)`` for this process (glibc only; a user's own
+    ``MALLOC_MMAP_THRESHOLD_`` wins): allocations above it are mmapped and unmapped when freed, and the
+    threshold no longer climbs. Returns whether it was set. It stays set: glibc cannot go back to the
+    climbing threshold, and what it guards against (freed step buffers kept in the heap) comes after
+    loading."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):  # ValueError where the name is unknown (not glibc)
+            return False
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+    except (OSError, AttributeError, ValueError):  # not glibc after all (musl, macOS): nothing to pin
+        return False
 
 
 def _checkpoint_name(param_name: str) -> str:
@@ -85,6 +114,7 @@ def load_local_shards(model: nn.Module, path: str | os.PathLike, device: str | t
     are not parameters and were computed at construction."""
     path = Path(path)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    pin_mmap_threshold()  # before the shards are allocated: they and everything after stay out of the heap
     _allocate_keeping_ties(model, device)
     where = _tensor_index(path)
     used: set[str] = set()

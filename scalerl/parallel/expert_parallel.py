@@ -25,16 +25,31 @@ gradients), so an expert's gradient on its owner holds every rank's tokens. Coll
 global names (``experts`` becomes a ModuleDict keyed by the global expert index), so a rank's state dict
 names exactly the experts it holds.
 
-`parallelize` applies it under DDP (``parallel.ep`` = ``parallel.dp_replicate``): DDP leaves the expert
-parameters out of its averaging (their gradients are already sums over ranks, scaled here), the gradient
-norm adds each rank's experts once (`expert_parallel_grad_norm`), and the export gathers them
-(`gather_experts`).
+`parallelize` applies it under DDP or FSDP2. The ``parallel.ep`` ranks that split the experts are
+consecutive data-parallel ranks (the expert-parallel group); the ``dp / ep`` ranks at the same place in
+each such group hold the same experts (the expert replicas, torchtitan's ``dp_shard_mod_ep``):
+
+- DDP (``parallel.ep`` = ``parallel.dp_replicate``, one replica each): DDP leaves the expert parameters
+  out of its averaging, and each expert gradient (already a sum over the ranks' tokens) is scaled by
+  ``1 / ep`` as it lands: the mean DDP takes of the others;
+- FSDP2 / HSDP (``parallel.ep`` dividing ``dp_replicate x dp_shard``): dense and attention parameters are
+  sharded over the data-parallel mesh as without experts; each block's experts are one FSDP unit of their
+  own over the expert replicas (`shard_experts`), whose gradients are summed there and divided by ``dp``:
+  the same mean over every rank's tokens. (Their all-gathers and reduce-scatters are counted with the
+  data-parallel ones, as ``param`` / ``grad`` traffic.)
+
+Either way the gradient norm adds every rank's share of the experts once (`expert_parallel_grad_norm`),
+and the export gathers them (`gather_experts`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from scalerl.models.moe import (
     SparseMoeBlock,
@@ -43,7 +58,9 @@ from scalerl.models.moe import (
     moe_blocks,
     padded_as_extra_expert,
 )
+from scalerl.parallel.data_parallel import mixed_precision_policies
 from scalerl.parallel.distributed import DistContext
+from scalerl.parallel.grad_norm import total_grad_norm
 from scalerl.parallel.mesh import LayoutError
 
 KIND = "expert"
@@ -65,9 +82,11 @@ class _AllToAll(torch.autograd.Function):
 class ExpertParallelDispatch:
     """``routed_expert_outputs`` for a block whose experts are spread over the ranks of ``over``."""
 
-    def __init__(self, ctx: DistContext, over, first: int, num_local: int, num_ranks: int, rank: int):
+    def __init__(self, ctx: DistContext, over, first: int, num_local: int, num_ranks: int, rank: int,
+                 replicas: DeviceMesh | None = None):
         self.ctx, self.over = ctx, over
         self.first, self.num_local, self.num_ranks, self.rank = first, num_local, num_ranks, rank
+        self.replicas = replicas  # the 1-D mesh of the ranks holding the same experts (FSDP2 shards them there)
 
     def __call__(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                  local_experts: nn.ModuleDict, capacity_factor: float = 0.0,
@@ -119,28 +138,79 @@ class ExpertParallelDispatch:
         return torch.zeros_like(flat).index_add(0, rows, weighted), dropped
 
 
-def apply_expert_parallel(model: nn.Module, ctx: DistContext, over="dp") -> list[nn.Parameter]:
+def apply_expert_parallel(model: nn.Module, ctx: DistContext, ep: int | None = None,
+                          sharded: bool = False) -> list[nn.Parameter]:
     """Keep this rank's share of every sparse block's experts (contiguous global indices) and route tokens
-    by all-to-all over ``over`` (default the data-parallel ranks); returns the expert parameters kept.
+    by all-to-all over its expert-parallel group: ``ep`` consecutive data-parallel ranks (default
+    ``parallel.ep``, or all of them when that is 1). Returns the expert parameters kept.
 
-    Their gradients already hold every rank's tokens, so DDP leaves them out (its ignore list) and each is
-    scaled by ``1 / ranks`` as it lands: the mean DDP takes of the other gradients."""
-    group, size, _ = ctx.group_of(over)
-    rank = torch.distributed.get_group_rank(group, ctx.rank) if size > 1 else 0
+    Not ``sharded`` (DDP, ``ep`` = every data-parallel rank): their gradients already hold every rank's
+    tokens, so DDP leaves them out (its ignore list) and each is scaled by ``1 / ep`` as it lands: the mean
+    DDP takes of the other gradients. ``sharded`` (FSDP2 next): `shard_experts` lays them out."""
+    dp_size = ctx.dims.dp if ctx.dp_group is not None else 1
+    ep = ep or (ctx.dims.ep if ctx.dims.ep > 1 else dp_size)
+    if dp_size % ep or (not sharded and ep != dp_size):
+        raise LayoutError(f"parallel.ep={ep} must {'divide' if sharded else 'equal'} the data-parallel ranks "
+                          f"({dp_size}){'' if sharded else ' under DDP (parallel.dp_shard=1)'}")
+    over, rank, replicas = _expert_groups(ctx, ep, dp_size, sharded)
     for block in moe_blocks(getattr(model, "backbone", model)):
-        if block.num_experts % size:
-            raise LayoutError(f"expert parallelism over {size} ranks needs num_experts divisible by it, got "
+        if block.num_experts % ep:
+            raise LayoutError(f"expert parallelism over {ep} ranks needs num_experts divisible by it, got "
                               f"num_experts={block.num_experts}")
-        kept = block.num_experts // size
+        kept = block.num_experts // ep
         first = rank * kept
         block.experts = nn.ModuleDict({str(j): block.experts[j] for j in range(first, first + kept)})
-        block.expert_dispatch = ExpertParallelDispatch(ctx, over, first, kept, size, rank)
-    names = [n for n, _ in model.named_parameters() if is_expert_parameter(n)]
-    model._ddp_params_and_buffers_to_ignore = names  # read by DistributedDataParallel when it wraps the model
+        block.expert_dispatch = ExpertParallelDispatch(ctx, over, first, kept, ep, rank, replicas)
     params = [p for n, p in model.named_parameters() if is_expert_parameter(n)]
-    for p in params:
-        p.register_hook(lambda grad, scale=1.0 / size: grad * scale)
+    if not sharded:
+        model._ddp_params_and_buffers_to_ignore = [n for n, _ in model.named_parameters() if is_expert_parameter(n)]
+        for p in params:  # (DDP reads the ignore list when it wraps the model)
+            p.register_hook(lambda grad, scale=1.0 / ep: grad * scale)
     return params
+
+
+def _expert_groups(ctx: DistContext, ep: int, dp_size: int, sharded: bool):
+    """(the expert-parallel group, this rank's place in it, the mesh of its expert replicas or None).
+
+    Every data-parallel rank creates every group (``new_group`` is collective); with ``ep`` = all of them
+    the group is ``"dp"`` itself (counted under that dimension)."""
+    if dp_size == 1:
+        return "dp", 0, None
+    dp_ranks = dist.get_process_group_ranks(ctx.dp_group)
+    me = dp_ranks.index(dist.get_rank())
+    over = "dp"
+    if ep < dp_size:
+        for start in range(0, dp_size, ep):
+            group = dist.new_group(dp_ranks[start:start + ep], sort_ranks=False)
+            if start <= me < start + ep:
+                over = group
+    replicas = None
+    if sharded:
+        for slot in range(ep):
+            row = dp_ranks[slot::ep]
+            group = dist.new_group(row, sort_ranks=False)
+            if me % ep == slot:
+                replicas = DeviceMesh.from_group(group, ctx.device.type, mesh=row, mesh_dim_names=("ep_replicate",))
+    return over, me % ep, replicas
+
+
+def shard_experts(model: nn.Module, param_dtype: torch.dtype | None = None,
+                  reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> None:
+    """Each sparse block's local experts as one FSDP2 unit over their replicas (before the decoder layers
+    are sharded: the layers' units then leave these parameters out). Their gradients are summed over the
+    replicas and divided by every data-parallel rank (``ep x replicas``): an expert's gradient on its
+    owner already sums its expert-parallel group's tokens, so that is the mean over all ranks' tokens the
+    dense gradients get. Summed, not averaged, on the wire (gloo has no pre-multiplied sum)."""
+    layers, _ = mixed_precision_policies(param_dtype, reduce_dtype)
+    for block in moe_blocks(getattr(model, "backbone", model)):
+        dispatch = block.expert_dispatch
+        if dispatch is None or dispatch.replicas is None:
+            raise LayoutError("shard_experts needs apply_expert_parallel(..., sharded=True) first")
+        experts = list(block.experts.values())  # one unit: unsharded at the first expert's forward
+        fully_shard(experts, mesh=dispatch.replicas, reshard_after_forward=reshard_after_forward, **layers)
+        experts[0].set_gradient_divide_factor(float(dispatch.num_ranks * dispatch.replicas.size()))  # the unit's
+        if dispatch.replicas.size() > 1:  # (a unit of one rank divides once without it; with it, twice)
+            experts[0].set_force_sum_reduction_for_comms(True)
 
 
 def uses_expert_parallel(model: nn.Module) -> bool:
@@ -155,27 +225,27 @@ def is_expert_parameter(name: str) -> bool:
 
 def expert_parallel_grad_norm(params: list[nn.Parameter], expert_params: list[nn.Parameter], max_norm: float,
                               ctx: DistContext, over="dp") -> torch.Tensor:
-    """Clip by the global gradient norm: replicated gradients counted once, each rank's experts added
-    (one scalar all-reduce, ``metrics`` traffic). Returns the norm before clipping."""
+    """Clip by the global gradient norm: the other gradients' as `total_grad_norm` takes it (replicated
+    ones counted once, FSDP shards summed over their mesh), plus the experts' squares summed over the
+    data-parallel ranks (each rank holds its own share of them: experts split by expert parallelism, and
+    under FSDP2 each split again over its replicas). Returns the norm before clipping."""
     experts = {id(p) for p in expert_params}
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-
-    def squares(gs) -> torch.Tensor:
-        return sum((g.detach().float().pow(2).sum() for g in gs), torch.zeros((), device=grads[0].device))
-
-    replicated = squares(p.grad for p in params if p.grad is not None and id(p) not in experts)
-    sharded = squares(p.grad for p in expert_params if p.grad is not None)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in expert_params) if g is not None]
+    sharded = sum((g.detach().float().pow(2).sum() for g in local), torch.zeros((), device=ctx.device))
+    others = [p.grad for p in params if p.grad is not None and id(p) not in experts]
+    replicated = total_grad_norm(others, counter=ctx.comm).to(sharded.device).pow(2) if others else 0.0
     norm = (replicated + ctx.all_reduce(sharded.reshape(1), over=over)[0]).sqrt()
     if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        scale = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
         for g in grads:
-            g.mul_(scale.to(g.dtype))
+            g.mul_(scale)
     return norm
 
 
-def gather_experts(model: nn.Module, ctx: DistContext, over="dp") -> dict[str, torch.Tensor]:
+def gather_experts(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
     """Every rank's expert weights under their global names (collective: every rank calls it), on CPU;
     empty without expert parallelism. What an export or a full state dict needs from the other ranks."""
     out: dict[str, torch.Tensor] = {}
@@ -183,10 +253,12 @@ def gather_experts(model: nn.Module, ctx: DistContext, over="dp") -> dict[str, t
         if not isinstance(block, SparseMoeBlock) or block.expert_dispatch is None:
             continue
         dispatch = block.expert_dispatch
-        # Local slot by local slot, so every rank gathers the same tensor in the same call.
+        # Local slot by local slot, so every rank gathers the same tensor in the same call: whole over its
+        # replicas first (FSDP2's shards), then over the expert-parallel group.
         for slot, expert in enumerate(block.experts.values()):
             for name, p in expert.named_parameters():
-                rows = ctx.all_gather(p.detach().unsqueeze(0).contiguous(), over=over, kind="param")
+                whole = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+                rows = ctx.all_gather(whole.unsqueeze(0).contiguous(), over=dispatch.over, kind="param")
                 for r in range(dispatch.num_ranks):
                     out[f"{block_name}.experts.{r * dispatch.num_local + slot}.{name}"] = rows[r].cpu()
     return out

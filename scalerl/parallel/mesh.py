@@ -51,9 +51,11 @@ class ParallelDims:
                 "make pp * dp_replicate * dp_shard * tp equal the number of ranks"
             )
         ep = getattr(parallel_cfg, "ep", 1)
-        if ep > 1 and (ep != sizes["dp_replicate"] or sizes["dp_shard"] * sizes["tp"] * sizes["pp"] != 1):
-            raise LayoutError(f"parallel.ep={ep} shards experts over the DDP ranks: it needs parallel.dp_replicate={ep} "
-                              f"and no other parallelism, got {_describe(sizes)}")
+        dp = sizes["dp_replicate"] * sizes["dp_shard"]
+        if ep > 1 and (sizes["tp"] * sizes["pp"] != 1 or dp % ep or (sizes["dp_shard"] == 1 and ep != dp)):
+            raise LayoutError(f"parallel.ep={ep} splits experts over the data-parallel ranks: under DDP it needs "
+                              f"parallel.dp_replicate={ep}, under FSDP2 (parallel.dp_shard > 1) dp_replicate x "
+                              f"dp_shard divisible by {ep}, and parallel.tp=1 parallel.pp=1; got {_describe(sizes)}")
         return cls(**sizes, ep=ep)
 
     @property

@@ -35,6 +35,7 @@ from scalerl.parallel.expert_parallel import (
     apply_expert_parallel,
     expert_parallel_grad_norm,
     is_expert_parameter,
+    shard_experts,
 )
 from scalerl.parallel.grad_norm import clip_grad_norm, trainable_parameters
 from scalerl.parallel.mesh import LayoutError
@@ -244,7 +245,7 @@ def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing:
     if dims.tp > 1:
         apply_tensor_parallel(getattr(module, "backbone", module), mesh["tp"], ctx.comm)  # a value model's backbone
     if dims.ep > 1 and use_ddp:  # a frozen reference keeps every expert: its forwards need no all-to-all
-        apply_expert_parallel(module, ctx)
+        apply_expert_parallel(module, ctx, sharded=dims.dp_shard > 1)
     if activation_checkpointing:
         apply_activation_checkpointing(module)
     if dims.dp > 1:
@@ -253,6 +254,8 @@ def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing:
                 return module, None
             return apply_ddp(module, ctx.dp_mesh, comm, ctx.device.type, getattr(ctx, "cluster", None), ctx.comm,
                              on_send)
+        if dims.ep > 1 and use_ddp:  # the experts first: FSDP2 over their replicas
+            shard_experts(module, param_dtype, fsdp_reduce_dtype(comm))
         apply_fsdp(module, ctx.fsdp_mesh, counter=ctx.comm, reduce_dtype=fsdp_reduce_dtype(comm),
                    param_dtype=param_dtype)
     return module, None

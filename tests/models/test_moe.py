@@ -570,7 +570,7 @@ def test_expert_parallel_layouts_that_cannot_work_are_refused(tmp_path):
     from scalerl.core.config import ConfigError, ParallelSection, load_config
 
     with pytest.raises(LayoutError, match="parallel.ep=2 .*parallel.dp_replicate=2"):
-        ParallelDims.from_config(ParallelSection(dp_replicate=1, dp_shard=2, ep=2), 2)
+        ParallelDims.from_config(ParallelSection(dp_replicate=4, ep=2), 4)  # under FSDP2 it composes (tests/parallel)
     with pytest.raises(LayoutError, match="parallel.ep=4"):
         ParallelDims.from_config(ParallelSection(dp_replicate=2, ep=4), 2)
     assert ParallelDims.from_config(ParallelSection(dp_replicate=-1, ep=2), 2).ep == 2
