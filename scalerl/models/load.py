@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from scalerl.core.config import BUILTIN_MAX_POSITIONS, BUILTIN_VOCAB_SIZE, ConfigError
-from scalerl.models.config import MOE_ARCHITECTURES, ModelConfig
+from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import CausalLM, build_model
 from scalerl.models.hf_checkpoint import (
     CONFIG_FILE,
@@ -78,9 +78,9 @@ def load_model_and_tokenizer(
         if implementation == TRANSFORMERS:
             # transformers builds and fills its own model: loaded whole (no per-rank slices yet).
             model = load_transformers_model(source, dtype=dtype, device=device)
-        elif on_meta and model_type not in MOE_ARCHITECTURES:
+        elif on_meta:  # (MoE checkpoints too: the slice reader knows the per-expert and fused layouts)
             model = meta_model(source, dtype)
-        else:  # MoE checkpoints come per expert or fused; the whole-file reader knows both layouts
+        else:
             model = from_pretrained(source, dtype=dtype, device=device)
         source_key = "trainer.init_from" if init_from else "model.path"
         tokenizer = load_tokenizer(tokenizer_source(model_cfg, source, source_key))

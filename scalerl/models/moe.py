@@ -309,15 +309,45 @@ def is_fused_experts_name(name: str) -> bool:
     return _FUSED_EXPERTS.match(name) is not None
 
 
+_EXPERT_WEIGHT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def check_fused_experts_shape(name: str, shape: tuple[int, ...], cfg) -> None:
+    """A fused expert tensor's ``shape`` against ``cfg``: a ValueError naming the tensor and the fields."""
+    kind = _FUSED_EXPERTS.match(name).group(2)
+    e, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    want = (e, 2 * inter, hidden) if kind == "gate_up_proj" else (e, hidden, inter)
+    if tuple(shape) != want:
+        raise ValueError(f"tensor model.{name} has shape {tuple(shape)}, but config.json implies {want} "
+                         f"(num_experts={e}, moe_intermediate_size={inter}, hidden_size={hidden})")
+
+
+def expert_index(name: str) -> int | None:
+    """The global expert of a per-expert weight name (``layers.{i}.mlp.experts.{j}.*_proj.weight``), else None."""
+    match = _EXPERT_WEIGHT.match(name)
+    return int(match.group(2)) if match else None
+
+
+def fused_expert_block(name: str, cfg) -> tuple[str, int, int] | None:
+    """Where the per-expert weight ``name`` lies in the fused layout: (the fused tensor's name, the expert
+    ``j``, its first row there), or None for any other name. ``gate_proj`` is rows ``[0, I)`` of
+    ``gate_up_proj[j]``, ``up_proj`` rows ``[I, 2I)``, ``down_proj`` all of ``down_proj[j]``: what a reader
+    of slices needs (`scalerl.models.sharded_loading`), where `split_fused_experts` splits a whole tensor."""
+    match = _EXPERT_WEIGHT.match(name)
+    if match is None:
+        return None
+    prefix, j, kind = match.groups()
+    if kind == "down_proj":
+        return f"{prefix}.down_proj", int(j), 0
+    return f"{prefix}.gate_up_proj", int(j), 0 if kind == "gate_proj" else cfg.moe_intermediate_size
+
+
 def split_fused_experts(name: str, tensor: torch.Tensor, cfg) -> dict[str, torch.Tensor]:
     """A fused expert tensor as the per-expert weights it holds; a shape that does not fit ``cfg`` is a
     ValueError naming the tensor and the config fields."""
     prefix, kind = _FUSED_EXPERTS.match(name).groups()
-    e, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    want = (e, 2 * inter, hidden) if kind == "gate_up_proj" else (e, hidden, inter)
-    if tuple(tensor.shape) != want:
-        raise ValueError(f"tensor model.{name} has shape {tuple(tensor.shape)}, but config.json implies {want} "
-                         f"(num_experts={e}, moe_intermediate_size={inter}, hidden_size={hidden})")
+    check_fused_experts_shape(name, tuple(tensor.shape), cfg)
+    e = cfg.num_experts
     if kind == "down_proj":
         return {f"{prefix}.{j}.down_proj.weight": tensor[j] for j in range(e)}
     out = {}

@@ -35,6 +35,13 @@ from scalerl.models.hf_checkpoint import (
     _weight_files,
 )
 from scalerl.models.hf_checkpoint import meta_model as hf_meta_model
+from scalerl.models.moe import (
+    check_fused_experts_shape,
+    expert_index,
+    fused_expert_block,
+    is_fused_experts_name,
+    moe_blocks,
+)
 
 # A value model's backbone is the policy's checkpoint; its head has no tensor there and starts at zero.
 _BACKBONE_PREFIX = "backbone."
@@ -111,9 +118,13 @@ def load_local_shards(model: nn.Module, path: str | os.PathLike, device: str | t
 
     ``model`` is a `meta_model` (or a value model around one) laid out in place. Tied embeddings are one
     parameter and loaded once; a value head (absent from the checkpoint) starts at zero; rotary tables
-    are not parameters and were computed at construction."""
+    are not parameters and were computed at construction. MoE experts are read in either layout: per
+    expert, or fused as transformers 5 writes them (each expert's block of ``gate_up_proj`` /
+    ``down_proj``, `fused_expert_block`); under expert parallelism only the experts this rank holds, and
+    the others' tensors are not unexpected."""
     path = Path(path)
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    cfg = getattr(getattr(model, "backbone", model), "config", None)
+    tied = getattr(cfg, "tie_word_embeddings", False)
     pin_mmap_threshold()  # before the shards are allocated: they and everything after stay out of the heap
     _allocate_keeping_ties(model, device)
     where = _tensor_index(path)
@@ -126,31 +137,64 @@ def load_local_shards(model: nn.Module, path: str | os.PathLike, device: str | t
                 if name.startswith(_FRESH_ZERO_PREFIXES):
                     param.zero_()
                     continue
-                key = _checkpoint_name(name)
+                key, box = _checkpoint_name(name), local_box(param)
                 if key not in where:
-                    raise CheckpointFormatError(f"tensors missing from {path}: [{key!r}] (for parameter {name})")
+                    key, box = _fused_expert_source(name, key, box, where, cfg, path)
                 file = where[key]
                 if file not in handles:
                     handles[file] = safe_open(str(file), framework="pt", device="cpu").__enter__()
                 source = handles[file].get_slice(key)
-                if tuple(source.get_shape()) != tuple(param.shape):
+                if len(box) == len(param.shape) and tuple(source.get_shape()) != tuple(param.shape):
                     raise CheckpointFormatError(
                         f"tensor {key} in {file.name} has shape {tuple(source.get_shape())}, but config.json "
                         f"implies {tuple(param.shape)}")
-                piece = source[local_box(param)]
+                if len(box) > len(param.shape):  # one expert's block of a fused tensor
+                    _check_fused_shape(key, tuple(source.get_shape()), cfg, file)
+                piece = source[box].reshape([b.stop - b.start for b in box[-len(param.shape):]])
                 local = param.to_local() if isinstance(param, DTensor) else param
                 local.copy_(piece)
                 bytes_read += piece.numel() * piece.element_size()
+                del piece
                 used.add(key)
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
     unexpected = [f"{key} (in {file.name})" for key, file in where.items()
                   if key not in used and not key.endswith(_IGNORED_TENSOR_SUFFIXES)
-                  and not (key == "lm_head.weight" and (tied or _is_value_model(model)))]
+                  and not (key == "lm_head.weight" and (tied or _is_value_model(model)))
+                  and not _another_ranks_expert(key, model, cfg)]
     if unexpected:
         raise CheckpointFormatError(f"unexpected tensors in {path}: {unexpected[:10]}")
     return bytes_read
+
+
+def _fused_expert_source(name: str, key: str, box: tuple[slice, ...], where: dict[str, Path], cfg, path: Path
+                         ) -> tuple[str, tuple[slice, ...]]:
+    """For a per-expert weight the checkpoint holds fused: the fused tensor and the box of ``box`` in it
+    (the expert's index, then its rows shifted to its block); otherwise a missing tensor, named."""
+    block = fused_expert_block(name.removeprefix(_BACKBONE_PREFIX), cfg) if getattr(cfg, "num_experts", 0) else None
+    if block is not None and _hf_name(block[0]) in where:
+        fused, j, first_row = block
+        rows = box[0]
+        return _hf_name(fused), (slice(j, j + 1), slice(first_row + rows.start, first_row + rows.stop), *box[1:])
+    raise CheckpointFormatError(f"tensors missing from {path}: [{key!r}] (for parameter {name})")
+
+
+def _check_fused_shape(key: str, shape: tuple[int, ...], cfg, file: Path) -> None:
+    try:
+        check_fused_experts_shape(key.removeprefix("model."), shape, cfg)
+    except ValueError as err:
+        raise CheckpointFormatError(f"{file.name}: {err}") from None
+
+
+def _another_ranks_expert(key: str, model: nn.Module, cfg) -> bool:
+    """Under expert parallelism, a checkpoint tensor of experts this rank does not hold (per expert, of an
+    expert the config has; or fused, whose blocks of them went unread)."""
+    if not getattr(cfg, "num_experts", 0) or not any(b.expert_dispatch is not None for b in moe_blocks(model)):
+        return False
+    name = key.removeprefix("model.")
+    j = expert_index(name)
+    return (j is not None and j < cfg.num_experts) or is_fused_experts_name(name)
 
 
 def _allocate_keeping_ties(model: nn.Module, device: str | torch.device) -> None:

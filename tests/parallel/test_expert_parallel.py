@@ -2,7 +2,9 @@
 (ep2 x 2 expert replicas, dense sharded over 4; and HSDP 2 x 2), one forward + backward of each rank's
 share gives the logits and, gathered, the gradients of one process on the whole batch; the gradient
 norm is the one process's; the export gathers every expert; the expert all-to-all bytes are counted;
-layouts that cannot work are refused by name. (The DDP layout's checks are in tests/models/test_moe.py.)"""
+a MoE checkpoint (per-expert and fused layouts) loads slice by slice into the laid-out meta model, equal to
+the whole load, each rank reading its experts' share and peaking well below one whole copy; layouts that
+cannot work are refused by name. (The DDP layout's checks are in tests/models/test_moe.py.)"""
 
 import pytest
 import torch
@@ -17,13 +19,61 @@ from tests.spawned_group import run_in_group
 pytest.importorskip("safetensors")
 
 
-def _moe_dir(path):
-    cfg = ModelConfig(model_type="qwen2_moe", vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                      shared_expert_intermediate_size=16, output_router_logits=False, tie_word_embeddings=True)
-    save_pretrained(build_model(cfg, seed=0), path)
+def _moe_dir(path, moe_intermediate_size=16, hidden_size=32, dtype=torch.float32):
+    cfg = ModelConfig(model_type="qwen2_moe", vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=hidden_size,
+                      intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=moe_intermediate_size, shared_expert_intermediate_size=16,
+                      output_router_logits=False, tie_word_embeddings=True)
+    save_pretrained(build_model(cfg, seed=0).to(dtype), path)
     return path
+
+
+def _fused_copy(source, path):
+    """``source`` with each layer's experts fused as transformers 5 writes them (``experts.gate_up_proj``
+    ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, path)
+    tensors = load_file(path / "model.safetensors")
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        pop = lambda j, kind: tensors.pop(f"{prefix}.{j}.{kind}.weight")  # noqa: E731
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([pop(j, "gate_proj"), pop(j, "up_proj")])
+                                                         for j in range(4)])
+        tensors[f"{prefix}.down_proj"] = torch.stack([pop(j, "down_proj") for j in range(4)])
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def _status_kib(field):
+    from pathlib import Path
+
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def _sliced_load(ctx, model_dir):
+    """(the largest difference from the whole load, parameter by parameter; bytes read; peak RSS rise in
+    bytes) of loading ``model_dir`` into its meta model laid out on ``ctx``."""
+    from pathlib import Path
+
+    from scalerl.models.hf_checkpoint import from_pretrained
+    from scalerl.models.sharded_loading import load_local_shards, meta_model
+    from scalerl.parallel.parallelize import parallelize
+
+    whole = dict(from_pretrained(model_dir).named_parameters())
+    model = meta_model(model_dir)
+    parallelize(model, ctx)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak from here on
+    before = _status_kib("VmRSS")
+    read = load_local_shards(model, model_dir)
+    rise = (_status_kib("VmHWM") - before) * 1024
+    diff = max(float((_full(p.detach()) - whole[n].detach()).abs().max()) for n, p in model.named_parameters())
+    assert {n for n, _ in model.named_parameters()} <= set(whole)
+    return diff, read, rise
 
 
 def _full(t):
@@ -32,7 +82,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _fsdp_rank(rank, world, model_dir, layouts, export_root):
+def _fsdp_rank(rank, world, model_dir, layouts, export_root, load_dirs=None):
     from scalerl.checkpoint.export import export_hf_model
     from scalerl.core.config import ParallelSection
     from scalerl.models.hf_checkpoint import from_pretrained
@@ -69,6 +119,8 @@ def _fsdp_rank(rank, world, model_dir, layouts, export_root):
         export_hf_model(model, None, export_root / name, ctx)
         out[name] = dict(logit_diff=(logits - ref_logits[mine]).detach().abs().max().item(), grad_diff=worst,
                          norm=norm, ref_norm=ref_norm, sent=sent, experts=sorted(experts))
+        for kind, directory in (load_dirs or {}).items():
+            out[f"{name}/load/{kind}"] = _sliced_load(ctx, directory)
     return out
 
 
@@ -88,6 +140,27 @@ def _check(results, name, experts_by_rank, export_dir, model_dir):
     assert max(float((exported[k] - source[k]).abs().max()) for k in source) == 0.0  # nothing stepped yet
 
 
+def _check_loads(results, name, load_dirs, world):
+    """Each rank read about its share of the file (experts split by EP, then by FSDP over their replicas,
+    the rest by FSDP) and its peak RSS rose by less than 0.7 of one whole fp32 copy: its fp32 share plus
+    the pages of the bf16 file it touched (about 6 / world bytes a parameter; measured 0.39-0.55 at world 4),
+    never the model."""
+    for kind, directory in load_dirs.items():
+        total = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+        whole_copy = 4 * sum(p.numel() for p in _whole_params(directory))
+        for r in results:
+            diff, read, rise = r[f"{name}/load/{kind}"]
+            assert diff == 0.0, (kind, diff)
+            assert read <= 1.1 * total / world, (kind, read, total)
+            assert rise < 0.7 * whole_copy, (kind, rise, whole_copy)
+
+
+def _whole_params(directory):
+    from scalerl.models.hf_checkpoint import from_pretrained
+
+    return list(from_pretrained(directory).parameters())
+
+
 def test_expert_parallel_under_fsdp_at_world_2_equals_one_process(tmp_path):
     model_dir = _moe_dir(tmp_path / "model")
     layouts = {"fsdp": dict(dp_replicate=1, dp_shard=2, ep=2)}
@@ -99,9 +172,14 @@ def test_expert_parallel_under_fsdp_at_world_4_equals_one_process(tmp_path):
     """ep2 x 2 replicas: ranks 0 and 2 hold experts 0-1 (each half of them), ranks 1 and 3 experts 2-3."""
     model_dir = _moe_dir(tmp_path / "model")
     layouts = {"fsdp4": dict(dp_replicate=1, dp_shard=4, ep=2), "hsdp": dict(dp_replicate=2, dp_shard=2, ep=2)}
-    results = run_in_group(_fsdp_rank, 4, 4, model_dir, layouts, tmp_path / "export", timeout_s=900)
+    # Experts dominate this one (8 x 3 x 128 x 8192 of 25M parameters: the first load's few MB of one-time
+    # allocations are noise here), in bf16 as published checkpoints are.
+    big = _moe_dir(tmp_path / "big", moe_intermediate_size=8192, hidden_size=128, dtype=torch.bfloat16)
+    load_dirs = {"fused": _fused_copy(big, tmp_path / "big-fused"), "per-expert": big}
+    results = run_in_group(_fsdp_rank, 4, 4, model_dir, layouts, tmp_path / "export", load_dirs, timeout_s=900)
     for name in layouts:
         _check(results, name, [[0, 1], [2, 3], [0, 1], [2, 3]], tmp_path / "export" / name, model_dir)
+        _check_loads(results, name, load_dirs, world=4)
 
 
 def test_layouts_expert_parallelism_cannot_compose_with_are_refused():
