@@ -3,7 +3,7 @@ world 1, 2 and 4 under FSDP2, on Qwen2.5-0.5B- and Qwen2.5-1.5B-shaped random ch
 
     OMP_NUM_THREADS=1 python benchmarks/real_size_loading.py [--models 0.5b 1.5b] [--worlds 1 2 4]
         [--loading sharded|whole] [--out /tmp/real_size] [--batch 2] [--seq 32] [--no-checkpoint] [--load-only]
-        [--json FILE]
+        [--json FILE] [--mmap-threshold pinned|climbing]
 
 1. The checkpoint: the published config.json values of each model (hard-coded below, never downloaded),
    random weights (normal 0.02, unit norms, zero biases) in bf16, four safetensors shards with an index.
@@ -21,6 +21,9 @@ world 1, 2 and 4 under FSDP2, on Qwen2.5-0.5B- and Qwen2.5-1.5B-shaped random ch
    fp32 copies per rank for loading where they are made, the whole state read back by a single-process
    checkpoint load); a configuration that does not fit is skipped with the reason printed.
    ``--load-only``: loading and the export alone (no optimizer state), for a model too large to train here.
+4. ``--mmap-threshold climbing`` keeps glibc's own mmap threshold in the sharded ranks (the loader pins it
+   at 128 KiB by default, `pin_mmap_threshold`), to measure what pinning changes; world 1 loads whole
+   (`from_pretrained`) and keeps glibc's default either way.
 """
 
 from __future__ import annotations
@@ -133,6 +136,10 @@ def rank_main(args: argparse.Namespace) -> None:
     from scalerl.parallel.parallelize import parallelize
 
     torch.set_num_threads(1)
+    if args.mmap_threshold == "climbing":  # the loader leaves glibc's threshold as it is
+        import scalerl.models.sharded_loading as sharded_loading
+
+        sharded_loading.pin_mmap_threshold = lambda *a, **k: False
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ctx = init_distributed(ParallelSection(dp_replicate=1, dp_shard=world), torch.device("cpu"))
     report: dict[str, float] = {"rank": ctx.rank}
@@ -221,7 +228,7 @@ def run_configuration(model: str, model_dir: Path, world: int, args: argparse.Na
     subprocess.run(["free", "-g"], check=False)
     if need > 0.9 * have:
         return f"skipped: needs about {need:.1f} GiB, only {have:.1f} GiB available"
-    work = Path(args.out) / f"run-{model}-w{world}-{args.loading}{'-load' if args.load_only else ''}"
+    work = Path(args.out) / f"run-{model}-w{world}-{args.loading}-{args.mmap_threshold}{'-load' if args.load_only else ''}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     report = work / "report.jsonl"
@@ -231,7 +238,8 @@ def run_configuration(model: str, model_dir: Path, world: int, args: argparse.Na
            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo",
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [sys.executable, __file__, "--rank-main", "--model-dir", str(model_dir), "--work-dir", str(work),
-               "--report", str(report), "--loading", args.loading, "--batch", str(args.batch), "--seq", str(args.seq)]
+               "--report", str(report), "--loading", args.loading, "--batch", str(args.batch), "--seq", str(args.seq),
+               "--mmap-threshold", args.mmap_threshold]
     command += [flag for flag, on in (("--no-checkpoint", args.no_checkpoint), ("--load-only", args.load_only)) if on]
     procs = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
     codes = [_wait_or_kill(p, procs, RANK_LIMIT_S) for p in procs]
@@ -291,6 +299,8 @@ def main() -> None:
     parser.add_argument("--no-checkpoint", action="store_true")
     parser.add_argument("--load-only", action="store_true", help="loading and the export only (no step)")
     parser.add_argument("--json")
+    parser.add_argument("--mmap-threshold", choices=["pinned", "climbing"], default="pinned",
+                        help="sharded ranks: the loader's pinned glibc mmap threshold, or glibc's climbing one")
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--work-dir", help=argparse.SUPPRESS)
