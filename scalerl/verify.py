@@ -27,6 +27,7 @@ LAYOUTS: dict[int, dict[str, dict[str, int]]] = {
         "pp-1f1b": {"dp_replicate": 1, "pp": 2},
         "pp-gpipe": {"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe"},
         "pp-interleaved": {"dp_replicate": 1, "pp": 2, "pp_schedule": "interleaved_1f1b"},
+        "sp2": {"dp_replicate": 1, "sp": 2},
     },
     4: {
         "ddp": {"dp_replicate": 4},
@@ -36,6 +37,9 @@ LAYOUTS: dict[int, dict[str, dict[str, int]]] = {
         "pp2xdp2": {"dp_replicate": 2, "pp": 2},
         "pp2xfsdp2": {"dp_replicate": 1, "dp_shard": 2, "pp": 2},
         "pp2xtp2": {"dp_replicate": 1, "tp": 2, "pp": 2},
+        "sp2xdp2": {"dp_replicate": 2, "sp": 2},
+        "sp2xfsdp2": {"dp_replicate": 1, "dp_shard": 2, "sp": 2},
+        "sp4": {"dp_replicate": 1, "sp": 4},  # 2 kv heads over 4 ranks: each replicated twice
     },
 }
 # Expert-parallel rows on a generated MoE model (`moe_verification_model`), each against its own single-process
