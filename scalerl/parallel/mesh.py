@@ -34,6 +34,9 @@ class ParallelDims:
         sizes = {d: getattr(parallel_cfg, d, 1) for d in MESH_DIMS}
         if sizes["sp"] < 1:
             raise LayoutError(f"parallel.sp={sizes['sp']} must be >= 1 (it cannot fill the world: set it explicitly)")
+        if world_size % sizes["sp"]:
+            raise LayoutError(f"parallel.sp={sizes['sp']} does not divide the world size {world_size}: each "
+                              "data-parallel replica splits its sequences over sp ranks")
         fixed = 1
         for d, v in sizes.items():
             if v != -1:
