@@ -26,8 +26,8 @@ import time
 
 import torch
 
-BUILTIN = dict(vocab_size=128, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2)
+BUILTIN = {"vocab_size": 128, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2}
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 

@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scalerl.core.algorithm_names import needs_critic
-from scalerl.core.config import BUILTIN_REWARDS, ConfigError, sequence_parallel_head_problems
+from scalerl.core.config import (
+    BUILTIN_REWARDS,
+    ConfigError,
+    sequence_parallel_head_problems,
+)
 
 if TYPE_CHECKING:  # the layout checks' argument; importing it pulls in torch, which `scalerl config` does not need
     from scalerl.parallel.distributed import DistContext

@@ -15,8 +15,8 @@ from tests.spawned_group import run_in_group
 from tests.tiny import tiny_model
 
 ROWS, SEQ, KEEP = 3, 13, 6
-LAYOUTS = {"sp4": dict(dp_replicate=1, dp_shard=1, sp=4), "sp2-ddp2": dict(dp_replicate=2, dp_shard=1, sp=2),
-           "sp2-fsdp2": dict(dp_replicate=1, dp_shard=2, sp=2)}
+LAYOUTS = {"sp4": {"dp_replicate": 1, "dp_shard": 1, "sp": 4}, "sp2-ddp2": {"dp_replicate": 2, "dp_shard": 1, "sp": 2},
+           "sp2-fsdp2": {"dp_replicate": 1, "dp_shard": 2, "sp": 2}}
 
 
 def _batch(replica: int):
