@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism (`scalerl.parallel.sequence_parallel`) on 4 gloo ranks, one spawned group:
-sp=4 (kv heads replicated: 2 kv heads over 4 ranks), sp=2 x DDP 2 and sp=2 x FSDP2 2 (kv heads split), each
-against one process on the same micro-batches: logits of padded and packed batches, losses, gradients,
-and the ``sequence`` bytes against the formula.
+sp=4 (kv heads replicated: 2 kv heads over 4 ranks), sp=2 x DDP 2 and sp=2 x FSDP2 2 (kv heads split), and
+sp=2 x DDP 2 on a Gemma 2 model (sliding window, soft caps), each against one process on the same
+micro-batches: logits of padded and packed batches, losses, gradients, and the ``sequence`` bytes against
+the formula.
 
 Sequences are 13 tokens (not a multiple of sp: the padding path runs) with left padding in one row, so
 a mask that was cut, shifted or lost between shards changes the outputs."""
@@ -16,7 +17,13 @@ from tests.tiny import tiny_model
 
 ROWS, SEQ, KEEP = 3, 13, 6
 LAYOUTS = {"sp4": {"dp_replicate": 1, "dp_shard": 1, "sp": 4}, "sp2-ddp2": {"dp_replicate": 2, "dp_shard": 1, "sp": 2},
-           "sp2-fsdp2": {"dp_replicate": 1, "dp_shard": 2, "sp": 2}}
+           "sp2-fsdp2": {"dp_replicate": 1, "dp_shard": 2, "sp": 2},
+           "sp2-ddp2-gemma2": {"dp_replicate": 2, "dp_shard": 1, "sp": 2}}
+# Gemma 2's choices inside the attention that runs on head shards: a sliding window shorter than a shard
+# (layer 0), capped scores, a scaled query; its norms, scaled embeddings and capped logits around it.
+MODELS = {"sp2-ddp2-gemma2": {"model_type": "gemma2", "layer_types": ["sliding_attention", "full_attention"],
+                              "sliding_window": 4, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+                              "query_pre_attn_scalar": 20}}
 
 
 def _batch(replica: int):
@@ -46,9 +53,9 @@ def _run(model, replica: int, packed: bool):
     return logits.detach(), float(loss.detach())
 
 
-def _reference(replicas: int, packed: bool) -> dict:
+def _reference(replicas: int, packed: bool, name: str) -> dict:
     """One process: the mean over the replicas' batches of the gradients, each replica's logits."""
-    model = tiny_model()
+    model = tiny_model(**MODELS.get(name, {}))
     outs = [_run(model, r, packed) for r in range(replicas)]
     grads = {n: p.grad / replicas for n, p in model.named_parameters()}
     return {"logits": [o[0] for o in outs], "loss": [o[1] for o in outs], "grads": grads}
@@ -68,7 +75,7 @@ def _sp_rank(rank: int) -> dict:
         ctx = DistContext(dims, mesh, dp_mesh, rank=rank, comm=CommCounter())
         replica = ctx.dp_rank
         for packed in (False, True):
-            model = tiny_model()
+            model = tiny_model(**MODELS.get(name, {}))
             parts = parallelize(model, ctx)
             ctx.comm.reset()
             logits, loss = _run(parts.trained, replica, packed)
@@ -88,8 +95,13 @@ def _sp_rank(rank: int) -> dict:
 @pytest.fixture(scope="module")
 def runs() -> dict:
     ranks = run_in_group(_sp_rank, 4, timeout_s=600)
-    reference = {(replicas, packed): _reference(replicas, packed) for replicas in (1, 2) for packed in (False, True)}
+    reference = {(name, packed): _reference(_replicas(name), packed, name)
+                 for name in LAYOUTS for packed in (False, True)}
     return {"ranks": ranks, "reference": reference}
+
+
+def _replicas(name: str) -> int:
+    return LAYOUTS[name]["dp_replicate"] * LAYOUTS[name]["dp_shard"]
 
 
 CASES = [(name, packed) for name in LAYOUTS for packed in (False, True)]
@@ -97,8 +109,7 @@ CASES = [(name, packed) for name in LAYOUTS for packed in (False, True)]
 
 @pytest.mark.parametrize("name,packed", CASES)
 def test_logits_and_loss_equal_one_process(runs, name, packed):
-    replicas = LAYOUTS[name]["dp_replicate"] * LAYOUTS[name]["dp_shard"]
-    ref = runs["reference"][replicas, packed]
+    ref = runs["reference"][name, packed]
     for rank_out in runs["ranks"]:
         got = rank_out[name, packed]
         assert got["logits"].shape == (ROWS, KEEP, 64)
@@ -109,8 +120,7 @@ def test_logits_and_loss_equal_one_process(runs, name, packed):
 @pytest.mark.parametrize("name,packed", CASES)
 def test_gradients_equal_one_process(runs, name, packed):
     """After DP's reduction over dp x sp, every rank holds the one-process gradient of its replicas' mean."""
-    replicas = LAYOUTS[name]["dp_replicate"] * LAYOUTS[name]["dp_shard"]
-    ref = runs["reference"][replicas, packed]["grads"]
+    ref = runs["reference"][name, packed]["grads"]
     for rank_out in runs["ranks"]:
         grads = rank_out[name, packed]["grads"]
         assert grads.keys() == ref.keys()
