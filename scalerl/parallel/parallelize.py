@@ -257,7 +257,7 @@ def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing:
             dp_mesh = ctx.dp_mesh if dims.sp == 1 else gradient_mesh(ctx, shard=False)  # sp ranks' grads sum too
             return apply_ddp(module, dp_mesh, comm, ctx.device.type, getattr(ctx, "cluster", None), ctx.comm,
                              on_send)
-        apply_fsdp(module, ctx.fsdp_mesh if dims.sp == 1 else gradient_mesh(ctx, shard=True), counter=ctx.comm, reduce_dtype=fsdp_reduce_dtype(comm),
-                   param_dtype=param_dtype)
+        fsdp_mesh = ctx.fsdp_mesh if dims.sp == 1 else gradient_mesh(ctx, shard=True)
+        apply_fsdp(module, fsdp_mesh, counter=ctx.comm, reduce_dtype=fsdp_reduce_dtype(comm), param_dtype=param_dtype)
     return module, None
 
