@@ -27,6 +27,8 @@ LAYOUTS: dict[int, dict[str, dict[str, int]]] = {
         "pp-1f1b": {"dp_replicate": 1, "pp": 2},
         "pp-gpipe": {"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe"},
         "pp-interleaved": {"dp_replicate": 1, "pp": 2, "pp_schedule": "interleaved_1f1b"},
+        "sp2": {"dp_replicate": 1, "sp": 2},
+        "sp2-packed": {"dp_replicate": 1, "sp": 2},
     },
     4: {
         "ddp": {"dp_replicate": 4},
@@ -36,8 +38,14 @@ LAYOUTS: dict[int, dict[str, dict[str, int]]] = {
         "pp2xdp2": {"dp_replicate": 2, "pp": 2},
         "pp2xfsdp2": {"dp_replicate": 1, "dp_shard": 2, "pp": 2},
         "pp2xtp2": {"dp_replicate": 1, "tp": 2, "pp": 2},
+        "sp2xdp2": {"dp_replicate": 2, "sp": 2},
+        "sp2xfsdp2": {"dp_replicate": 1, "dp_shard": 2, "sp": 2},
+        "sp4": {"dp_replicate": 1, "sp": 4},  # 2 kv heads over 4 ranks: each replicated twice
     },
 }
+# Rows that change more than the layout (their reference is still the plain single-process run): packed rows
+# agree with padded ones far inside the tolerance.
+LAYOUT_OVERRIDES: dict[str, tuple[str, ...]] = {"sp2-packed": ("actor.use_remove_padding=true",)}
 # Expert-parallel rows on a generated MoE model (`moe_verification_model`), each against its own single-process
 # run on that model: (the layout, overrides of both runs). A micro-batch is a rank's whole share (the reference's
 # the whole batch) and rows stay in place (trainer.balance_batch=false), so the tokens one EP forward routes are
@@ -242,7 +250,7 @@ def run_verification(
         moe = {n: v for n, v in MOE_LAYOUTS.get(world, {}).items() if layouts is None or n in layouts}
         if not chosen and not moe:
             continue
-        extra: dict[str, list[str]] = {}
+        extra: dict[str, list[str]] = {n: list(LAYOUT_OVERRIDES[n]) for n in chosen if n in LAYOUT_OVERRIDES}
         references = {name: reference for name in chosen}  # layout -> kind -> the single-process model
         if moe:
             model_dir = moe_verification_model(out_dir / "moe-model")

@@ -57,7 +57,7 @@ def test_training_moved_the_weights_beyond_the_tolerance(verification, tmp_path_
 
 def test_ppo_with_a_critic_matches_single_process(tmp_path):
     rows = run_verification(tmp_path, worlds=(2, 4), steps=2, kinds=("ppo",),
-                            layouts=["ddp", "fsdp", "tp", "hsdp", "dp2xtp2", "fsdp2xtp2"])
-    assert len(rows) == 7  # ddp at both world sizes
+                            layouts=["ddp", "fsdp", "tp", "hsdp", "dp2xtp2", "fsdp2xtp2", "sp2", "sp2xfsdp2"])
+    assert len(rows) == 9  # ddp at both world sizes
     failures = [r for r in rows if not r.passed]
     assert not failures, failures

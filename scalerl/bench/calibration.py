@@ -46,7 +46,7 @@ def cell_layout(cell: dict[str, Any]) -> Layout:
     if sync is not None:
         ratio = sync
     return Layout(dp_replicate=par["dp_replicate"], dp_shard=par["dp_shard"], tp=par["tp"], pp=par["pp"],
-                  ranks_per_node=cell["ranks_per_node"], grad_ratio=cell.get("grad_ratio", 1.0),
+                  sp=par.get("sp", 1), ranks_per_node=cell["ranks_per_node"], grad_ratio=cell.get("grad_ratio", 1.0),
                   allreduce="hierarchical" if _hierarchical(cell) else "flat",
                   rollout_workers=cell.get("workers", 0), weight_sync_ratio=ratio)
 

@@ -640,6 +640,9 @@ class ParallelSection(_Section):
     ep: int = opt(1, "expert parallelism: a MoE model's experts sharded over the data-parallel ranks, tokens routed "
                      "by all-to-all (1 = off; under DDP parallel.dp_replicate, under FSDP2 a divisor of "
                      "dp_replicate x dp_shard)")
+    sp: int = opt(1, "Ulysses sequence parallelism: the sequence of update, log-prob and critic passes split over "
+                     "sp ranks of each data-parallel replica, attention by all-to-all over heads (heads must divide "
+                     "by sp; kv heads too, or divide sp); generation runs unsplit")
     reorder_ranks_by_node: bool = opt(True, "when the launcher numbered ranks across nodes in turn, build the "
                                             "device mesh with each node's ranks contiguous (rings cross nodes "
                                             "less; RANK numbers are kept)")
@@ -655,6 +658,7 @@ class ParallelSection(_Section):
         _check_choice(p, "parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check(p, self.microbatches >= 1, "parallel.microbatches", ">= 1", self.microbatches)
         _check(p, self.ep >= 1, "parallel.ep", ">= 1", self.ep)
+        _check(p, self.sp >= 1, "parallel.sp", ">= 1", self.sp)
         return p
 
 
@@ -750,7 +754,39 @@ class Config(_Section):
             p.append(f"parallel.ep={self.parallel.ep} with rollout.placement=standalone: weight pushes to rollout "
                      "workers do not gather the sharded experts yet; use rollout.placement=colocated")
         p += _lora_problems(self)
+        p += _sequence_parallel_problems(self)
         return p
+
+
+def sequence_parallel_head_problems(sp: int, heads: int, kv_heads: int, prefix: str = "") -> list[str]:
+    """Ulysses' head rule: each of the sp ranks attends with ``heads / sp`` query heads, so sp divides the
+    heads; kv heads are split the same way, or, when fewer than sp, each replicated ``sp / kv_heads`` times
+    (so kv heads must divide sp): a rank's query heads then read exactly one kv head."""
+    p = []
+    if sp > 1 and heads % sp:
+        p.append(f"parallel.sp={sp} does not divide {prefix}num_attention_heads={heads}: Ulysses sequence "
+                 "parallelism gives each sp rank num_attention_heads / sp heads")
+    elif sp > 1 and kv_heads % sp and sp % kv_heads:
+        p.append(f"parallel.sp={sp} and {prefix}num_key_value_heads={kv_heads} (num_attention_heads={heads}): kv "
+                 "heads must divide by sp, or divide sp (each then replicated sp / num_key_value_heads times)")
+    return p
+
+
+def _sequence_parallel_problems(cfg: Config) -> list[str]:
+    """Ulysses composes with DP / FSDP2 (and packing); other layouts and the paths it does not split are refused."""
+    par = cfg.parallel
+    if par.sp == 1:
+        return []
+    p = [f"parallel.sp={par.sp} with parallel.{key}={getattr(par, key)}: sequence parallelism runs with data "
+         f"parallelism only (parallel.dp_replicate / dp_shard); set parallel.{key}=1 or parallel.sp=1"
+         for key in ("tp", "pp", "ep") if getattr(par, key) > 1]
+    if cfg.model.implementation == "transformers":
+        p.append(f"parallel.sp={par.sp} with model.implementation=transformers: the all-to-all hooks scalerl's own "
+                 "attention; use model.implementation=scalerl (or auto) or parallel.sp=1")
+    if cfg.rollout.placement == "standalone":
+        p.append(f"parallel.sp={par.sp} with rollout.placement=standalone is not supported; use "
+                 "rollout.placement=colocated or parallel.sp=1")
+    return p
 
 
 def _lora_problems(cfg: Config) -> list[str]:
@@ -778,6 +814,7 @@ def builtin_model_problems(cfg: Config) -> list[str]:
         if getattr(m, attr) % par.tp:
             p.append(f"parallel.tp={par.tp} does not divide model.{attr}={getattr(m, attr)}: tensor parallelism "
                      "splits it evenly over the tp ranks")
+    p += sequence_parallel_head_problems(par.sp, m.num_attention_heads, m.num_key_value_heads, "model.")
     if m.num_hidden_layers % par.pp:
         p.append(f"parallel.pp={par.pp} does not divide model.num_hidden_layers={m.num_hidden_layers}: each "
                  "pipeline stage holds the same number of layers")

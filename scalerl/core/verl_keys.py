@@ -308,7 +308,7 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("*.fused_kernel_options.*", "fused kernels (speed)"), ("*.use_torch_compile", "compilation (speed)"),
     ("*.use_dynamic_bsz", "token-budget micro-batches (memory); actor.micro_batch_max_tokens is scalerl's"),
     ("*max_token_len_per_gpu", "token-budget micro-batches (memory)"),
-    ("*.ulysses_sequence_parallel_size", "sequence parallelism (memory)"),
+    ("*.ulysses_sequence_parallel_size", "Ulysses sequence parallelism (memory): parallel.sp is scalerl's"),
     ("*.use_shm", "loading through shared memory"), ("*.trust_remote_code", "scalerl loads known architectures"),
     ("actor_rollout_ref.hybrid_engine", "scalerl colocates by default (rollout.placement)"),
     ("*.strategy", "fsdp/megatron backend; scalerl's layout is parallel.*"), (A + "shuffle", "mini-batch order"),

@@ -162,6 +162,7 @@ class Attention(nn.Module):
         # None: SDPA's default 1/sqrt(head_dim).
         self.scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None
         self.softcap = cfg.attn_logit_softcapping
+        self.sequence_parallel = None  # Ulysses: runs `core_attention` on head shards (scalerl.parallel.sequence_parallel)
 
     def forward(
         self,
@@ -182,9 +183,18 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         # One rotation over q and k heads together: half the small kernels of rotating each.
         q, k = apply_rotary(torch.cat((q, k), dim=1), cos, sin).split((q.shape[1], k.shape[1]), dim=1)
+        if self.sequence_parallel is not None and kv_cache is None:
+            out = self.sequence_parallel(self.core_attention, q, k, v)
+        else:
+            out = self.core_attention(q, k, v, mask, kv_cache, cache_start)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, kv_cache: KVCache | None = None,
+                       cache_start: int = 0) -> torch.Tensor:
+        """Attention of the rotated ``q, k, v`` ``[B, heads, T, D]`` under ``mask``: ``[B, heads, T, D]``."""
+        seq = q.shape[2]
         if isinstance(mask, PackedSequences):  # a packed row: one causal block per sequence
-            out = packed_attention(q, k, v, mask, self.sliding_window, self.scale, self.softcap)
-            return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+            return packed_attention(q, k, v, mask, self.sliding_window, self.scale, self.softcap)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, cache_start)
         if self.sliding_window is not None:
@@ -197,7 +207,7 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1, enable_gqa=q.shape[1] != k.shape[1],
                 scale=self.scale,
             )
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+        return out
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

@@ -1,7 +1,7 @@
-"""Parallelism: the named mesh, `parallelize` (pipeline stages -> TP -> activation checkpointing ->
-DDP/FSDP2/HSDP) and the model parts it returns, the run's distributed context (joined within limits:
-`rendezvous`; failed collectives described: `collective_failures`, `rank_liveness`), metric reduction over
-ranks, gradient-norm clipping, and sequence-length balancing."""
+"""Parallelism: the named mesh, `parallelize` (pipeline stages -> TP -> EP -> Ulysses sequence parallel
+(`sequence_parallel`) -> activation checkpointing -> DDP/FSDP2/HSDP) and the model parts it returns, the run's
+distributed context (joined within limits: `rendezvous`; failed collectives described: `collective_failures`,
+`rank_liveness`), metric reduction over ranks, gradient-norm clipping, and sequence-length balancing."""
 
 from scalerl.parallel.distributed import DistContext, init_distributed
 from scalerl.parallel.mesh import MESH_DIMS, LayoutError, ParallelDims

@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from scalerl.core.config import sequence_parallel_head_problems
 from scalerl.core.errors import UserError
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 
 
 class LayoutError(UserError, ValueError):
@@ -25,11 +26,17 @@ class ParallelDims:
     dp_shard: int
     tp: int
     ep: int = 1  # expert parallelism over the data-parallel ranks (not a mesh dimension of its own)
+    sp: int = 1  # Ulysses sequence parallelism: ranks that split one data-parallel replica's sequences
 
     @classmethod
     def from_config(cls, parallel_cfg, world_size: int) -> "ParallelDims":
         """Resolve the one ``-1`` dimension to fill the world; the product must equal ``world_size``."""
-        sizes = {d: getattr(parallel_cfg, d) for d in MESH_DIMS}
+        sizes = {d: getattr(parallel_cfg, d, 1) for d in MESH_DIMS}
+        if sizes["sp"] < 1:
+            raise LayoutError(f"parallel.sp={sizes['sp']} must be >= 1 (it cannot fill the world: set it explicitly)")
+        if world_size % sizes["sp"]:
+            raise LayoutError(f"parallel.sp={sizes['sp']} does not divide the world size {world_size}: each "
+                              "data-parallel replica splits its sequences over sp ranks")
         fixed = 1
         for d, v in sizes.items():
             if v != -1:
@@ -48,7 +55,7 @@ class ParallelDims:
         if product != world_size:
             raise LayoutError(
                 f"parallel layout {_describe(sizes)} multiplies to {product}, but the world size is {world_size}; "
-                "make pp * dp_replicate * dp_shard * tp equal the number of ranks"
+                "make pp * dp_replicate * dp_shard * sp * tp equal the number of ranks"
             )
         ep = getattr(parallel_cfg, "ep", 1)
         dp = sizes["dp_replicate"] * sizes["dp_shard"]
@@ -56,6 +63,9 @@ class ParallelDims:
             raise LayoutError(f"parallel.ep={ep} splits experts over the data-parallel ranks: under DDP it needs "
                               f"parallel.dp_replicate={ep}, under FSDP2 (parallel.dp_shard > 1) dp_replicate x "
                               f"dp_shard divisible by {ep}, and parallel.tp=1 parallel.pp=1; got {_describe(sizes)}")
+        if sizes["sp"] > 1 and sizes["tp"] * sizes["pp"] * ep != 1:
+            raise LayoutError(f"parallel.sp={sizes['sp']} runs with data parallelism only, got {_describe(sizes)}, "
+                              f"ep={ep}: set parallel.tp, parallel.pp and parallel.ep to 1")
         return cls(**sizes, ep=ep)
 
     @property
@@ -64,7 +74,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.sp * self.tp
 
     def check_model(self, model_cfg) -> None:
         """Heads, kv heads and layers must split evenly over the tensor / pipeline dimensions."""
@@ -80,6 +90,12 @@ class ParallelDims:
         if self.ep > 1 and (not getattr(model_cfg, "num_experts", 0) or model_cfg.num_experts % self.ep):
             problems.append(f"parallel.ep={self.ep} needs a MoE model whose num_experts divides by it, got "
                             f"num_experts={getattr(model_cfg, 'num_experts', 0)}")
+        if self.sp > 1:
+            problems += sequence_parallel_head_problems(self.sp, model_cfg.num_attention_heads,
+                                                        model_cfg.num_key_value_heads, "model ")
+            if getattr(model_cfg, "num_experts", 0):
+                problems.append(f"parallel.sp={self.sp} with a MoE model ({model_cfg.model_type}): the router's "
+                                "load-balancing loss would see one sequence shard; use parallel.sp=1")
         if model_cfg.num_hidden_layers % self.pp:
             problems.append(
                 f"model num_hidden_layers={model_cfg.num_hidden_layers} is not divisible by parallel.pp={self.pp}"
@@ -93,7 +109,7 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str,
                    ranks: Sequence[int] | None = None) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-        """One 4-D mesh named ``(pp, dp_replicate, dp_shard, tp)``, and its ``(dp_replicate, dp_shard)``
+        """One 5-D mesh named ``(pp, dp_replicate, dp_shard, sp, tp)``, and its ``(dp_replicate, dp_shard)``
         dimensions flattened into the 1-D ``dp`` mesh that data loading and loss counts reduce over.
 
         ``ranks[i]``: the global rank at mesh position i (default: all ranks in the launcher's order). A
@@ -109,7 +125,7 @@ class ParallelDims:
 
 
 def _mesh_in_order(device_type: str, ranks: torch.Tensor) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """The mesh over ``ranks`` (a 4-D tensor of global ranks) from groups that keep its order.
+    """The mesh over ``ranks`` (a 5-D tensor of global ranks) from groups that keep its order.
 
     ``DeviceMesh(ranks)`` would have the right members in each group, but creates them with ``new_group``,
     which sorts members by global rank (and uses the default group for a dimension spanning the world):

@@ -1,5 +1,5 @@
 """The one place parallelism is applied: pipeline stages -> tensor parallel -> expert parallel (MoE) ->
-activation checkpointing -> data parallel (DDP / FSDP2 / HSDP).
+sequence parallel (Ulysses) -> activation checkpointing -> data parallel (DDP / FSDP2 / HSDP).
 
 `parallelize` returns the model's parts for this rank (torchtitan's ``model_parts`` idea): the full model
 that generates and computes log-probs, and what trains. Trainers use the parts through one interface
@@ -40,6 +40,7 @@ from scalerl.parallel.expert_parallel import (
 from scalerl.parallel.grad_norm import clip_grad_norm, trainable_parameters
 from scalerl.parallel.mesh import LayoutError
 from scalerl.parallel.pipeline import PipelineRunner
+from scalerl.parallel.sequence_parallel import apply_sequence_parallel, gradient_mesh
 from scalerl.parallel.tensor_parallel import apply_tensor_parallel
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -246,17 +247,20 @@ def _apply_layout(module: nn.Module, ctx: DistContext, activation_checkpointing:
         apply_tensor_parallel(getattr(module, "backbone", module), mesh["tp"], ctx.comm)  # a value model's backbone
     if dims.ep > 1 and use_ddp:  # a frozen reference keeps every expert: its forwards need no all-to-all
         apply_expert_parallel(module, ctx, sharded=dims.dp_shard > 1)
+    if dims.sp > 1:  # every forward of this model, frozen or trained, splits its sequences
+        apply_sequence_parallel(module, ctx)
     if activation_checkpointing:
         apply_activation_checkpointing(module)
-    if dims.dp > 1:
+    if dims.dp * dims.sp > 1:
         if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:
             if not use_ddp:
                 return module, None
-            return apply_ddp(module, ctx.dp_mesh, comm, ctx.device.type, getattr(ctx, "cluster", None), ctx.comm,
+            dp_mesh = ctx.dp_mesh if dims.sp == 1 else gradient_mesh(ctx, shard=False)  # sp ranks' grads sum too
+            return apply_ddp(module, dp_mesh, comm, ctx.device.type, getattr(ctx, "cluster", None), ctx.comm,
                              on_send)
-        if dims.ep > 1 and use_ddp:  # the experts first: FSDP2 over their replicas
+        if dims.ep > 1 and use_ddp:  # the experts first: FSDP2 over their replicas (ep and sp are exclusive)
             shard_experts(module, param_dtype, fsdp_reduce_dtype(comm))
-        apply_fsdp(module, ctx.fsdp_mesh, counter=ctx.comm, reduce_dtype=fsdp_reduce_dtype(comm),
-                   param_dtype=param_dtype)
+        fsdp_mesh = ctx.fsdp_mesh if dims.sp == 1 else gradient_mesh(ctx, shard=True)
+        apply_fsdp(module, fsdp_mesh, counter=ctx.comm, reduce_dtype=fsdp_reduce_dtype(comm), param_dtype=param_dtype)
     return module, None
 

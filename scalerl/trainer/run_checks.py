@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scalerl.core.algorithm_names import needs_critic
-from scalerl.core.config import BUILTIN_REWARDS, ConfigError
+from scalerl.core.config import (
+    BUILTIN_REWARDS,
+    ConfigError,
+    sequence_parallel_head_problems,
+)
 
 if TYPE_CHECKING:  # the layout checks' argument; importing it pulls in torch, which `scalerl config` does not need
     from scalerl.parallel.distributed import DistContext
@@ -71,6 +75,8 @@ def model_directory_problems(cfg: Any) -> list[str]:
         if getattr(model, attr) % cfg.parallel.tp:
             problems.append(f"parallel.tp={cfg.parallel.tp} does not divide {attr}={getattr(model, attr)} of "
                             f"{key}={source}: tensor parallelism splits it evenly over the tp ranks")
+    problems += sequence_parallel_head_problems(cfg.parallel.sp, model.num_attention_heads, model.num_key_value_heads,
+                                                f"{key}={source}'s ")
     if model.num_hidden_layers % cfg.parallel.pp:
         problems.append(f"parallel.pp={cfg.parallel.pp} does not divide num_hidden_layers={model.num_hidden_layers} "
                         f"of {key}={source}: each pipeline stage holds the same number of layers")

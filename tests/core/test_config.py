@@ -185,3 +185,19 @@ def test_format_and_describe():
     keys = describe_keys()
     assert "actor.ppo_mini_batch_size (int, default 64)" in keys
     assert "trainer.init_from (str or null, default null)" in keys
+
+
+def test_sequence_parallel_refusals_name_the_keys():
+    assert load_config(None, ["parallel.sp=2"]).parallel.sp == 2  # 4 heads over 2 kv heads: both divide
+    assert load_config(None, ["parallel.sp=4"]).parallel.sp == 4  # 2 kv heads, each replicated twice
+    for overrides, message in [
+        (["parallel.sp=0"], r"parallel.sp must be >= 1"),
+        (["parallel.sp=3"], r"parallel.sp=3 does not divide model.num_attention_heads=4"),
+        (["parallel.sp=4", "model.num_attention_heads=12", "model.num_key_value_heads=3", "model.hidden_size=48"],
+         r"parallel.sp=4 and model.num_key_value_heads=3"),
+        (["parallel.sp=2", "parallel.pp=2"], r"parallel.sp=2 with parallel.pp=2"),
+        (["parallel.sp=2", "model.implementation=transformers"], r"parallel.sp=2 with model.implementation=transformers"),
+        (["parallel.sp=2", "rollout.placement=standalone"], r"parallel.sp=2 with rollout.placement=standalone"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, overrides)

@@ -18,11 +18,16 @@ model times. Bytes follow `scalerl.comm.counting.accounting` (docs/comm-accounti
   padded to the fixed widths; ``rollout``: the pipeline ranks' shares of the generation exchanged (each
   generates 1/pp of the rows); ``weight_sync``: the full replica refreshed from the stages once per step
   (one broadcast per tensor), or, with standalone rollout workers, the weights pushed to them.
+- ``sequence``: Ulysses sequence parallelism (``sp``): per decoder layer, 4 all-to-alls (q, k, v in; the
+  attention output back) in every forward and 4 in every backward, and one all-gather of the final hidden
+  states per forward, over the sp ranks (`scalerl.parallel.sequence_parallel.sequence_parallel_bytes`);
+  gradients are then reduced over ``dp x sp`` (DDP's group, or FSDP2's shard group ``dp_shard x sp``).
+  Generation runs unsplit (no sequence traffic).
 - ``metrics``: small control collectives (metric reduction, token counts per mini-batch, finish votes
   every 4 decode steps, gradient-norm partial sums); latency-bound.
 
 A group's placement follows `scalerl.parallel.mesh`: ranks node by node, mesh dims (pp, dp_replicate,
-dp_shard, tp) with tp innermost, so a dimension's group lies inside a node, or spans nodes with ``share``
+dp_shard, sp, tp) with tp innermost, so a dimension's group lies inside a node, or spans nodes with ``share``
 of its groups crossing each node's link at once.
 """
 
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 
 from scalerl.bench.cost_model.collective_cost import sent_bytes
 from scalerl.models.config import ModelConfig
+from scalerl.parallel.sequence_parallel import sequence_parallel_bytes
 from scalerl.perf.flops import decoder_layer_tensor_count, decoder_param_count
 from scalerl.rollout.builtin_engine import FINISH_CHECK_EVERY_CPU
 from scalerl.rollout.messages import header_bytes
@@ -81,6 +87,7 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    sp: int = 1  # Ulysses sequence parallelism inside each data-parallel replica
     ranks_per_node: int = 1
     backend: str = "gloo"
     grad_ratio: float = 1.0  # bytes gradient reduction sends / dense (compression)
@@ -91,7 +98,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.sp * self.tp * self.pp
 
     @property
     def dp(self) -> int:
@@ -102,11 +109,15 @@ class Layout:
         return max(1, math.ceil(self.world / self.ranks_per_node))
 
     def size_and_stride(self, dim: str) -> tuple[int, int]:
-        order = ("pp", "dp_replicate", "dp_shard", "tp")
-        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
-                 "dp": self.dp}
+        order = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "sp": self.sp,
+                 "tp": self.tp, "dp": self.dp}
         if dim == "dp":
-            return self.dp, self.tp
+            return self.dp, self.sp * self.tp
+        if self.sp > 1 and dim == "dp_shard" and self.dp_shard > 1:  # FSDP2 shards over (dp_shard, sp)
+            return self.dp_shard * self.sp, self.tp
+        if self.sp > 1 and dim == "dp_replicate" and self.dp_shard == 1:  # DDP over (dp_replicate, sp)
+            return self.dp_replicate * self.sp, self.tp
         inner = order[order.index(dim) + 1:]
         return sizes[dim], math.prod(sizes[d] for d in inner)
 
@@ -207,9 +218,9 @@ def step_collectives(model: ModelConfig, step: StepShape, layout: Layout) -> lis
         if layout.dp_shard > 1:
             out.append(Collective("grad", "reduce_scatter", unit * layout.grad_ratio, syncs * units, dp_shard, be))
         if layout.dp_replicate > 1:
-            out.append(Collective("grad", "all_reduce", unit / layout.dp_shard * layout.grad_ratio, syncs * units,
+            out.append(Collective("grad", "all_reduce", unit / dp_shard.size * layout.grad_ratio, syncs * units,
                                   dp_rep, be))
-    elif layout.dp_replicate > 1:  # DDP: plain replication, one bucketed all-reduce per optimizer step
+    elif layout.dp_replicate * layout.sp > 1:  # DDP: plain replication, one bucketed all-reduce per optimizer step
         hierarchical = layout.allreduce == "hierarchical" and dp_rep.crosses_nodes and layout.ranks_per_node > 1
         out.append(Collective("grad", "all_reduce", p_bytes * layout.grad_ratio, step.optimizer_steps, dp_rep, be,
                               hierarchical=hierarchical))
@@ -217,6 +228,8 @@ def step_collectives(model: ModelConfig, step: StepShape, layout: Layout) -> lis
         out += _tensor_parallel(model, step, layout, layers, gen_forwards, fwd_only)
     if layout.pp > 1:
         out += _pipeline(model, step, layout, p_bytes)
+    if layout.sp > 1:
+        out += _sequence_parallel(model, step, layout, fwd_only)
     if layout.rollout_workers:
         full = decoder_param_count(model) * layout.rollout_param_bytes * layout.weight_sync_ratio
         # trainer rank 0 pushes to every worker (on a node of their own when the trainer spans nodes); the
@@ -248,6 +261,25 @@ def _tensor_parallel(model: ModelConfig, step: StepShape, layout: Layout, layers
         out.append(Collective("tp", "all_gather", micro_tokens * v, step.micro_batches + fwd_only, tp, be))
         out.append(Collective("tp", "all_gather", step.rows * v, gen_forwards, tp, be))
     return out
+
+
+def _sequence_parallel(model: ModelConfig, step: StepShape, layout: Layout, fwd_only: int) -> list[Collective]:
+    """Ulysses' all-to-alls and hidden-state gathers on a training micro-batch (forward and backward) and
+    on each forward-only pass's micro-batches; the width is padded up to a multiple of sp, as the code does."""
+    s, be, sp = layout.sp, layout.backend, layout.placement("sp")
+    width = math.ceil(step.train_width / s) * s
+    layers = model.num_hidden_layers
+
+    def payload(backward: bool) -> dict[str, float]:
+        return sequence_parallel_bytes(step.micro_rows, width, model.hidden_size, model.num_attention_heads,
+                                       model.num_key_value_heads, model.head_dim, layers, s, step.act_bytes,
+                                       backward=backward)
+
+    train, forward = payload(True), payload(False)
+    return [Collective("sequence", "all_to_all", train["all_to_all"] / (8 * layers), 8 * layers * step.micro_batches,
+                       sp, be),
+            Collective("sequence", "all_to_all", forward["all_to_all"] / (4 * layers), 4 * layers * fwd_only, sp, be),
+            Collective("sequence", "all_gather", train["all_gather"], step.micro_batches + fwd_only, sp, be)]
 
 
 def _pipeline(model: ModelConfig, step: StepShape, layout: Layout, p_bytes: float) -> list[Collective]:

@@ -24,12 +24,13 @@ import torch.distributed as dist
 from scalerl.comm.counting.collective_bytes import wire_bytes
 
 # rollout: prompts to standalone rollout workers and their outputs shared among the trainer's ranks;
-# expert: expert parallelism's token all-to-alls (scalerl.parallel.expert_parallel)
-KINDS = ("grad", "param", "tp", "pp", "rebalance", "weight_sync", "rollout", "metrics", "expert")
+# expert: expert parallelism's token all-to-alls (scalerl.parallel.expert_parallel); sequence: Ulysses' q/k/v
+# and output all-to-alls and the hidden states' all-gather (scalerl.parallel.sequence_parallel)
+KINDS = ("grad", "param", "tp", "pp", "rebalance", "weight_sync", "rollout", "metrics", "expert", "sequence")
 # Kinds whose waiting time can be measured (synchronous calls, FSDP's collectives on gloo, DDP's exposed
 # all-reduce). TP's all-reduces happen inside DTensor dispatch and pipeline sends/receives are waited on
 # inside torch's schedules: their bytes are counted, their time is not.
-TIMED_KINDS = ("grad", "param", "rebalance", "weight_sync", "rollout", "metrics", "expert")
+TIMED_KINDS = ("grad", "param", "rebalance", "weight_sync", "rollout", "metrics", "expert", "sequence")
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
