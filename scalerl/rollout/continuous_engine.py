@@ -169,9 +169,8 @@ class ContinuousEngine:
         """One forward over the rows in use: feed each its pending token, sample the next."""
         if self.column == self.columns:  # the live columns move to the front
             self._move_columns(0)
-        n, col = self.rows, self.column
+        n, col, base = self.rows, self.column, self.cache.view_start
         self.key_mask[:n, col] = True
-        self.cache.view_start = base = self._base()
         logits = self.model(self.pending[:n, None], attention_mask=self.key_mask[:n, base : col + 1],
                             position_ids=self.positions[:n, None], kv_cache=self.cache, cache_start=col)
         index = self.generated[:n].clamp(max=self.max_new_tokens)  # overrun rows write the spare column
@@ -192,7 +191,8 @@ class ContinuousEngine:
         return sample_tokens(logits, temperature, top_k, top_p, None, uniform)
 
     def _base(self) -> int:
-        """The first column a live row uses (the current one when none is live)."""
+        """The first column a live row uses (the current one when none is live); host work over the rows, so
+        read at admission and column moves only (kept as ``cache.view_start`` for the decode steps)."""
         return min((s for s, r in zip(self.starts[: self.rows], self.slots) if r is not None), default=self.column)
 
     def _move_columns(self, to: int) -> None:
@@ -208,6 +208,7 @@ class ContinuousEngine:
         self.key_mask[:n, to : to + width] = moved
         self.starts = [s + shift for s in self.starts]
         self.column += shift
+        self.cache.view_start = to
 
     # ------------------------------------------------------------------------------------------ finishing
     def _collect_finished(self) -> list[RequestOutput]:
@@ -259,6 +260,7 @@ class ContinuousEngine:
             gaps = gaps[:-1] if gaps and gaps[-1] == self.rows else gaps
         if gaps and self.compact_at is not None and len(gaps) >= self.compact_at * self.rows:
             self._close_gaps()
+        self.cache.view_start = self._base()
 
     def _prefill(self, requests: list[GenerationRequest], slots: list[int]) -> None:
         prompt_ids, prompt_mask = left_pad([r.prompt_ids for r in requests], self.pad_token_id)
