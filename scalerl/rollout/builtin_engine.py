@@ -20,26 +20,27 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from scalerl.models.decoder import CausalLM
 from scalerl.models.kv_cache import KVCache
 from scalerl.parallel.fsdp_generation import gathered_once
+from scalerl.rollout.continuous_engine import (  # the finish-check intervals: one definition, both engines
+    FINISH_CHECK_EVERY_CPU,
+    FINISH_CHECK_EVERY_GPU,
+    ContinuousEngine,
+    GenerationRequest,
+    decodes_in_lockstep,
+)
 from scalerl.rollout.engine import (
     GenerationOutput,
     PromptTooLongError,
     SamplingParams,
     left_pad,
 )
-from scalerl.rollout.continuous_engine import (  # the finish-check intervals: one definition, both engines
-    FINISH_CHECK_EVERY_CPU,
-    FINISH_CHECK_EVERY_GPU,
-    ContinuousEngine,
-    GenerationRequest,
-)
 from scalerl.rollout.sampling import sample_tokens
 
-# (logits [n, V] of the decoding rows, their rows in the caller's batch [n], decode step) -> logits
+# (logits [n, V] of the decoding rows, their rows in the caller's batch [n], decode step) -> logits; through
+# continuous batching the step is a tensor [n], each row's token index (rows start at different steps).
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
@@ -137,8 +138,7 @@ class BuiltinEngine:
         # by a later training forward: sharded models decode under no_grad.
         sharded = any(isinstance(m, FSDPModule) for m in self.model.modules())
         # Sharded or tensor-parallel forwards are collectives, so ranks decode in lockstep: one fixed batch.
-        lockstep = sharded or any(isinstance(p, DTensor) for p in self.model.parameters())
-        if not lockstep and 0 < self.max_num_seqs < len(prompts):
+        if 0 < self.max_num_seqs < len(prompts) and not decodes_in_lockstep(self.model):
             return self._generate_continuous(prompts, sampling)
         with torch.no_grad() if sharded else torch.inference_mode(), gathered_once(self.model):
             return self._generate(prompts, sampling)

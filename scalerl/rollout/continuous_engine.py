@@ -19,10 +19,12 @@ until the rows in flight have drained.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from scalerl.models.decoder import CausalLM
 from scalerl.models.kv_cache import KVCache, SlotKVCache
@@ -72,6 +74,13 @@ def request_uniforms(sampling: SamplingParams, device: torch.device) -> torch.Te
     return torch.rand(sampling.max_new_tokens, total, device=device, generator=generator)[:, sampling.row_offset]
 
 
+def decodes_in_lockstep(model: torch.nn.Module) -> bool:
+    """Whether the model's forwards are collectives (FSDP-sharded or tensor-parallel weights): its ranks must
+    run the same forwards, which ranks admitting requests at different steps would not."""
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(p, DTensor) for p in model.parameters())
+
+
 class ContinuousEngine:
     """Continuous-batching generation with a ``CausalLM`` (unsharded: ranks do not decode in lockstep)."""
 
@@ -82,6 +91,9 @@ class ContinuousEngine:
                  logits_processor=None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if decodes_in_lockstep(model):
+            raise ValueError("continuous batching needs an unsharded model (FSDP / tensor-parallel ranks decode in "
+                             "lockstep); use BuiltinEngine.generate's fixed batch")
         self.model, self.pad_token_id, self.max_num_seqs = model, pad_token_id, max_num_seqs
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.device = device = model.embed_tokens.weight.device

@@ -26,9 +26,9 @@ def _prompts(n=12, seed=1):
 
 
 SAMPLINGS = [
-    dict(temperature=1.0, stop_token_ids=NATURAL_STOPS),
-    dict(temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=NATURAL_STOPS),
-    dict(temperature=0.0, stop_token_ids=[11, 30, 47]),
+    {"temperature": 1.0, "stop_token_ids": NATURAL_STOPS},
+    {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "stop_token_ids": NATURAL_STOPS},
+    {"temperature": 0.0, "stop_token_ids": [11, 30, 47]},
 ]
 
 
@@ -150,7 +150,7 @@ def test_new_weights_take_effect_for_rows_in_flight(model):
         for p in other.parameters():
             p.mul_(1.5)
     engine.weight_version = 1
-    out = [o for _ in range(10) for o in engine.step()][0]
+    out = next(o for _ in range(10) for o in engine.step())
     same = _run(model, [GenerationRequest(0, prompt, sampling)], 1)[0]
     assert torch.equal(out.token_ids[:5], same.token_ids[:5]) and torch.equal(out.logprobs[:5], same.logprobs[:5])
     assert not torch.allclose(out.logprobs[5:], same.logprobs[5:])
@@ -160,7 +160,7 @@ def test_long_streams_move_the_cache_columns_without_changing_outputs(model, mon
     moves = []
     original = SlotKVCache.move_columns
     monkeypatch.setattr(SlotKVCache, "move_columns", lambda self, *a: (moves.append(a), original(self, *a))[1])
-    prompts, sampling = _prompts(30, seed=4), dict(temperature=1.0)  # no stop: responses of 14-24 tokens
+    prompts, sampling = _prompts(30, seed=4), {"temperature": 1.0}  # no stop: responses of 14-24 tokens
     alone = {i: _run(model, [r], 1)[i] for i, r in enumerate(_requests(prompts, sampling))}
     moves.clear()
     mixed = _run(model, _requests(prompts, sampling), 4)
