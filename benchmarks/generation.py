@@ -28,7 +28,8 @@ start), RL-like lengths as above, forced by request. Continuous batching (``max_
 finished row's slot refilled at once) against today's fixed-batch ``generate`` on consecutive batches of 64
 (each batch compacts its finished rows, but the next batch starts only once its longest row is done). Both
 draw each request's samples from its global row, so they emit the same tokens (asserted); the row gives
-tokens/s, the time to drain the 512 requests and the ratio, same interleaving and medians.
+tokens/s, the time to drain the 512 requests and the ratio, same interleaving and medians, and, counted in
+an untimed run of each, the decode forwards, the rows they carry and the key columns their attention reads.
 
 ``--sweep-compact-at`` adds the compaction-threshold trade-off on the RL lengths (scalerl only).
 """
@@ -201,6 +202,7 @@ def run_stream(name: str, ours, repeats: int, requests: int = STREAM_REQUESTS, r
             tokens += [ids[: int(n)] for ids, n in zip(out.response_ids, out.response_lengths)]
         results["fixed"] = tokens
 
+    work = {name: decode_work(ours, fn) for name, fn in (("fixed", fixed_fn), ("continuous", continuous_fn))}
     t, cpu = interleaved_medians({"fixed": fixed_fn, "continuous": continuous_fn}, repeats)
     assert [len(x) for x in results["continuous"]] == lengths.tolist()
     same = sum(torch.equal(a, b) for a, b in zip(results["continuous"], results["fixed"]))
@@ -211,6 +213,7 @@ def run_stream(name: str, ours, repeats: int, requests: int = STREAM_REQUESTS, r
         "fixed_drain_s": t["fixed"], "continuous_drain_s": t["continuous"], "ratio": t["fixed"] / t["continuous"],
         "ratio_cpu_time": cpu["fixed"] / cpu["continuous"], "mean_length": float(lengths.float().mean()),
         "longest": int(lengths.max()), "same_tokens": same,
+        **{f"{name}_{key}": value for name, counts in work.items() for key, value in counts.items()},
     }
     print(
         f"{name:24s} stream of {requests} requests, {rows} rows (mean {row['mean_length']:5.1f}, longest "
@@ -220,7 +223,32 @@ def run_stream(name: str, ours, repeats: int, requests: int = STREAM_REQUESTS, r
         f"same tokens in {same}/{requests} requests",
         flush=True,
     )
+    print(
+        f"{'':24s} decode forwards: fixed {row['fixed_forwards']}, continuous {row['continuous_forwards']} | rows "
+        f"decoded {row['fixed_rows']} vs {row['continuous_rows']} ({tokens} tokens) | attention keys read (rows x "
+        f"key columns) {row['fixed_key_reads']} vs {row['continuous_key_reads']}",
+        flush=True,
+    )
     return row
+
+
+def decode_work(model, fn) -> dict[str, int]:
+    """Decode forwards run by ``fn``, the rows they carry and the key columns their attention reads
+    (rows x key-mask width, summed): the work a step's fixed cost, its matmuls and its attention scale with."""
+    counts = {"forwards": 0, "rows": 0, "key_reads": 0}
+
+    def count(_, args, kwargs):
+        if args[0].shape[1] == 1:
+            counts["forwards"] += 1
+            counts["rows"] += args[0].shape[0]
+            counts["key_reads"] += args[0].shape[0] * kwargs["attention_mask"].shape[1]
+
+    handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        fn()
+    finally:
+        handle.remove()
+    return counts
 
 
 # ----------------------------------------------------------------------------- fixed lengths, roofline
