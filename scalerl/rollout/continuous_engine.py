@@ -145,6 +145,20 @@ class ContinuousEngine:
             request.uniforms = request_uniforms(s, self.device)
         self.waiting.append(request)
 
+    def abort(self, request_ids: Iterable[int]) -> int:
+        """Drop these requests, waiting or in flight (their slots free at the next ``step()``); returns how many."""
+        ids = set(request_ids)
+        before = len(self.waiting)
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        rows = [i for i, r in enumerate(self.slots) if r is not None and r.request_id in ids]
+        for i in rows:
+            self.slots[i] = None
+        if rows:
+            self.live[torch.as_tensor(rows, device=self.device)] = False
+        if not self.num_running:
+            self.filters = None
+        return before - len(self.waiting) + len(rows)
+
     @property
     def num_running(self) -> int:
         return sum(r is not None for r in self.slots)

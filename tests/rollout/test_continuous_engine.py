@@ -221,3 +221,19 @@ def test_bad_requests_are_refused(model):
             GenerationRequest(0, [5] * 8, SamplingParams(max_new_tokens=MAX_NEW)))
     with pytest.raises(ValueError, match="max_num_seqs"):
         ContinuousEngine(model, PAD, 0, MAX_PROMPT, MAX_NEW)
+
+
+def test_aborted_requests_free_their_slots_and_leave_the_others_unchanged(model):
+    requests = _requests(_prompts(6), {"temperature": 1.0})  # no stop tokens: nothing finishes in the first step
+    alone = {r.request_id: _run(model, [r], 1)[r.request_id] for r in _requests(_prompts(6), {"temperature": 1.0})}
+    engine = ContinuousEngine(model, PAD, 3, MAX_PROMPT, MAX_NEW, finish_check_every=1)
+    for r in requests:
+        engine.submit(r)
+    engine.step()
+    assert engine.abort([0, 4, 99]) == 2 and engine.num_running == 2 and len(engine.waiting) == 2
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o) for o in engine.step())
+    assert sorted(outputs) == [1, 2, 3, 5]
+    for i, o in outputs.items():
+        assert torch.equal(o.token_ids, alone[i].token_ids)
