@@ -1,6 +1,6 @@
 """Built-in engine vs Hugging Face `generate` on the same weights, measured side by side in one run.
 
-    python benchmarks/generation.py [--lengths fixed|rl|all] [--repeats 5] [--threads 1] [--json out.json]
+    python benchmarks/generation.py [--lengths fixed|rl|stream|all] [--repeats 5] [--threads 1] [--json out.json]
 
 Both sample (temperature 1, top-p 1) in fp32 with a KV cache from 16-token prompts, on one intra-op thread.
 Runs are interleaved (HF, scalerl, HF, ...) after a warm-up and each side's median is reported, so machine
@@ -23,6 +23,14 @@ naturally sampled stops. HF keeps stepping finished rows until the longest is do
 away. Tokens/s counts real response tokens (stop token included, padding not). The table also shows
 scalerl with compaction off (``compact_at=None``), measured in the same interleaved run.
 
+``--lengths stream`` (also part of ``rl`` and ``all``): 512 requests arrive as a stream (all queued at the
+start), RL-like lengths as above, forced by request. Continuous batching (``max_num_seqs`` = 64 rows, a
+finished row's slot refilled at once) against today's fixed-batch ``generate`` on consecutive batches of 64
+(each batch compacts its finished rows, but the next batch starts only once its longest row is done). Both
+draw each request's samples from its global row, so they emit the same tokens (asserted); the row gives
+tokens/s, the time to drain the 512 requests and the ratio, same interleaving and medians, and, counted in
+an untimed run of each, the decode forwards, the rows they carry and the key columns their attention reads.
+
 ``--sweep-compact-at`` adds the compaction-threshold trade-off on the RL lengths (scalerl only).
 """
 
@@ -41,6 +49,7 @@ from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
 from scalerl.models.hf_checkpoint import save_pretrained
 from scalerl.rollout.builtin_engine import BuiltinEngine
+from scalerl.rollout.continuous_engine import GenerationRequest
 from scalerl.rollout.engine import SamplingParams
 
 SIZES = {
@@ -49,6 +58,7 @@ SIZES = {
 }
 BATCHES = (16, 64)
 PROMPT_LEN, FIXED_NEW_TOKENS, RL_NEW_TOKENS = 16, 64, 128
+STREAM_REQUESTS, STREAM_MAX_NUM_SEQS = 512, 64
 STOP_ID, PAD_ID, VOCAB = 1, 0, 256
 
 
@@ -165,6 +175,82 @@ def sweep_compact_at(name: str, ours, batch: int, repeats: int, thresholds=(None
     print(f"{name:24s} batch {batch:3d} compact_at -> tok/s (CPU time)  {cells}", flush=True)
 
 
+# ------------------------------------------------------------------------------- a stream of requests
+def run_stream(name: str, ours, repeats: int, requests: int = STREAM_REQUESTS, rows: int = STREAM_MAX_NUM_SEQS) -> dict:
+    """Drain ``requests`` queued requests: continuous batching with ``rows`` slots vs fixed batches of ``rows``."""
+    prompts = torch.randint(3, VOCAB, (requests, PROMPT_LEN), generator=torch.Generator().manual_seed(0)).tolist()
+    lengths = rl_lengths(requests, RL_NEW_TOKENS)
+    sampling = SamplingParams(max_new_tokens=RL_NEW_TOKENS, temperature=1.0, seed=0, stop_token_ids=[STOP_ID],
+                              total_rows=requests)
+    # Request i samples with the draws of global row i, as row i of a fixed batch at row_offset does.
+    draws = torch.rand(RL_NEW_TOKENS, requests, generator=torch.Generator().manual_seed(0))
+    continuous = BuiltinEngine(ours, PAD_ID, max_num_seqs=rows, logits_processor=ForcedStop(lengths))
+    fixed = [BuiltinEngine(ours, PAD_ID, logits_processor=ForcedStop(lengths[i : i + rows])) for i in range(0, requests, rows)]
+    results: dict[str, list] = {}
+
+    def continuous_fn():
+        engine = continuous.continuous_engine(PROMPT_LEN, RL_NEW_TOKENS)
+        stream = (GenerationRequest(i, p, sampling, draws[:, i]) for i, p in enumerate(prompts))
+        outputs = sorted(engine.generate_stream(stream), key=lambda o: o.request_id)
+        results["continuous"] = [o.token_ids for o in outputs]
+
+    def fixed_fn():
+        tokens = []
+        for k, engine in enumerate(fixed):
+            chunk = SamplingParams(**{**vars(sampling), "row_offset": k * rows})
+            out = engine.generate(prompts[k * rows : (k + 1) * rows], chunk)
+            tokens += [ids[: int(n)] for ids, n in zip(out.response_ids, out.response_lengths)]
+        results["fixed"] = tokens
+
+    work = {name: decode_work(ours, fn) for name, fn in (("fixed", fixed_fn), ("continuous", continuous_fn))}
+    t, cpu = interleaved_medians({"fixed": fixed_fn, "continuous": continuous_fn}, repeats)
+    assert [len(x) for x in results["continuous"]] == lengths.tolist()
+    same = sum(torch.equal(a, b) for a, b in zip(results["continuous"], results["fixed"]))
+    tokens = int(lengths.sum())
+    row = {
+        "model": name, "batch": rows, "lengths": "stream", "requests": requests,
+        "fixed_tokens_per_s": tokens / t["fixed"], "continuous_tokens_per_s": tokens / t["continuous"],
+        "fixed_drain_s": t["fixed"], "continuous_drain_s": t["continuous"], "ratio": t["fixed"] / t["continuous"],
+        "ratio_cpu_time": cpu["fixed"] / cpu["continuous"], "mean_length": float(lengths.float().mean()),
+        "longest": int(lengths.max()), "same_tokens": same,
+        **{f"{name}_{key}": value for name, counts in work.items() for key, value in counts.items()},
+    }
+    print(
+        f"{name:24s} stream of {requests} requests, {rows} rows (mean {row['mean_length']:5.1f}, longest "
+        f"{row['longest']:3d}): fixed batches {row['fixed_tokens_per_s']:7.0f} tok/s, drained in "
+        f"{row['fixed_drain_s']:6.2f} s | continuous {row['continuous_tokens_per_s']:7.0f} tok/s, "
+        f"{row['continuous_drain_s']:6.2f} s | ratio {row['ratio']:.2f}x (CPU time {row['ratio_cpu_time']:.2f}x) | "
+        f"same tokens in {same}/{requests} requests",
+        flush=True,
+    )
+    print(
+        f"{'':24s} decode forwards: fixed {row['fixed_forwards']}, continuous {row['continuous_forwards']} | rows "
+        f"decoded {row['fixed_rows']} vs {row['continuous_rows']} ({tokens} tokens) | attention keys read (rows x "
+        f"key columns) {row['fixed_key_reads']} vs {row['continuous_key_reads']}",
+        flush=True,
+    )
+    return row
+
+
+def decode_work(model, fn) -> dict[str, int]:
+    """Decode forwards run by ``fn``, the rows they carry and the key columns their attention reads
+    (rows x key-mask width, summed): the work a step's fixed cost, its matmuls and its attention scale with."""
+    counts = {"forwards": 0, "rows": 0, "key_reads": 0}
+
+    def count(_, args, kwargs):
+        if args[0].shape[1] == 1:
+            counts["forwards"] += 1
+            counts["rows"] += args[0].shape[0]
+            counts["key_reads"] += args[0].shape[0] * kwargs["attention_mask"].shape[1]
+
+    handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        fn()
+    finally:
+        handle.remove()
+    return counts
+
+
 # ----------------------------------------------------------------------------- fixed lengths, roofline
 def step_kernel_time(model, batch: int, cache_len: int, repeats: int) -> float:
     """CPU seconds for one decode step's matmuls and attention, run back to back in isolation (median)."""
@@ -244,13 +330,15 @@ def run(lengths: str, repeats: int, tmp_dir: str, sweep: bool) -> list[dict]:
         path = f"{tmp_dir}/{name.split()[0]}"
         save_pretrained(ours, path)
         hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-        for batch in BATCHES:
+        for batch in BATCHES if lengths != "stream" else ():
             if lengths in ("fixed", "all"):
                 rows.append(run_fixed(name, ours, hf, batch, repeats))
             if lengths in ("rl", "all"):
                 rows.append(run_rl(name, ours, hf, batch, repeats))
             if sweep:
                 sweep_compact_at(name, ours, batch, repeats)
+        if lengths in ("rl", "stream", "all"):
+            rows.append(run_stream(name, ours, repeats))
     return rows
 
 
@@ -258,7 +346,7 @@ def main() -> None:
     import tempfile
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", choices=("fixed", "rl", "all"), default="all")
+    parser.add_argument("--lengths", choices=("fixed", "rl", "stream", "all"), default="all")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds; medians are reported")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both engines")
     parser.add_argument("--sweep-compact-at", action="store_true", help="also time compaction thresholds")
@@ -273,6 +361,9 @@ def main() -> None:
         ratios = [r["ratio"] for r in rows if r["lengths"] == kind]
         if ratios:
             print(f"minimum ratio, {kind} lengths: {min(ratios):.2f}x (target >= 2x)")
+    ratios = [r["ratio"] for r in rows if r["lengths"] == "stream"]
+    if ratios:
+        print(f"minimum ratio, stream: continuous batching vs fixed batches {min(ratios):.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

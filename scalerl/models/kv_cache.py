@@ -52,3 +52,58 @@ class KVCache:
                     filled_part = buffer[layer, :, :, :filled]
                     filled_part.index_copy_(0, moved, filled_part.index_select(0, keep[moved]))
         self.batch_size = keep.numel()
+
+
+class SlotKVCache(KVCache):
+    """A cache of ``slots`` rows that requests come and go in (continuous batching), ``[layers, slots,
+    kv_heads, columns, head_dim]``.
+
+    Every decoding row writes its newest token at the same column (``update``'s ``start``), so one decode
+    step is one slice write, as in `KVCache`; a row's own length is given by its key mask, not its place: a
+    request admitted mid-way has its prompt right-aligned to the current column, its older columns masked.
+    ``view_start`` is the first column any live row uses, so attention reads only columns some row needs.
+    The owner moves columns left (``move_columns``) when the write column reaches the end, and moves rows
+    (``move_rows``) to close the gaps finished rows leave.
+    """
+
+    def __init__(self, num_layers: int, slots: int, columns: int):
+        super().__init__(num_layers, slots, columns)
+        self.view_start = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[2]
+        if self.keys is None or end > self.max_len:
+            raise ValueError(f"slot KV cache: writing columns [{start}, {end}) of {self.max_len} (allocated: "
+                             f"{self.keys is not None})")
+        rows = k.shape[0]
+        self.keys[layer, :rows, :, start:end] = k
+        self.values[layer, :rows, :, start:end] = v
+        return self.keys[layer, :rows, :, self.view_start:end], self.values[layer, :rows, :, self.view_start:end]
+
+    def write_rows(self, slots: torch.Tensor, prefilled: KVCache, end: int) -> None:
+        """Copy a prefill's cache (``[layers, k, heads, P, dim]``) into rows ``slots`` at columns ``[end - P, end)``."""
+        keys, values = prefilled.keys, prefilled.values
+        if self.keys is None:
+            shape = (self.num_layers, self.batch_size, keys.shape[2], self.max_len, keys.shape[4])
+            self.keys = torch.empty(shape, dtype=keys.dtype, device=keys.device)
+            self.values = torch.empty(shape, dtype=values.dtype, device=values.device)
+        start = end - keys.shape[3]
+        self.keys[:, slots, :, start:end] = keys
+        self.values[:, slots, :, start:end] = values
+
+    def move_columns(self, first: int, last: int, to: int, rows: int) -> None:
+        """Columns ``[first, last)`` of the first ``rows`` rows to ``[to, to + last - first)`` (ranges may overlap)."""
+        if self.keys is None or first == to:
+            return
+        for layer in range(self.num_layers):  # one layer's temporary at a time
+            for buffer in (self.keys, self.values):
+                buffer[layer, :rows, :, to : to + last - first] = buffer[layer, :rows, :, first:last].clone()
+
+    def move_rows(self, source: torch.Tensor, target: torch.Tensor, first: int, last: int) -> None:
+        """Rows ``source`` to rows ``target`` over columns ``[first, last)``."""
+        if self.keys is None or not source.numel():
+            return
+        for layer in range(self.num_layers):
+            for buffer in (self.keys, self.values):
+                part = buffer[layer, :, :, first:last]
+                part.index_copy_(0, target, part.index_select(0, source))

@@ -7,6 +7,10 @@ KV cache gathered into fewer rows), so finished rows stop costing decode work: a
 stop at very different lengths costs about its total tokens, not rows x longest. A row's random draws are
 tied to its global row (``SamplingParams.row_offset``), so its sample never depends on which other rows
 are still decoding. Which tokens count is worked out once after the loop, from each row's first stop token.
+
+With ``max_num_seqs`` set, a batch larger than that goes through continuous batching instead
+(`scalerl.rollout.continuous_engine`: a finished row's slot is refilled from the rest), with the same
+outputs; ``continuous_engine()`` hands out such an engine for a stream of requests.
 """
 
 from __future__ import annotations
@@ -20,6 +24,13 @@ from torch.distributed.fsdp import FSDPModule
 from scalerl.models.decoder import CausalLM
 from scalerl.models.kv_cache import KVCache
 from scalerl.parallel.fsdp_generation import gathered_once
+from scalerl.rollout.continuous_engine import (  # the finish-check intervals: one definition, both engines
+    FINISH_CHECK_EVERY_CPU,
+    FINISH_CHECK_EVERY_GPU,
+    ContinuousEngine,
+    GenerationRequest,
+    decodes_in_lockstep,
+)
 from scalerl.rollout.engine import (
     GenerationOutput,
     PromptTooLongError,
@@ -28,14 +39,11 @@ from scalerl.rollout.engine import (
 )
 from scalerl.rollout.sampling import sample_tokens
 
-# (logits [n, V] of the decoding rows, their rows in the caller's batch [n], decode step) -> logits
+# (logits [n, V] of the decoding rows, their rows in the caller's batch [n], decode step) -> logits; through
+# continuous batching the step is a tensor [n], each row's token index (rows start at different steps).
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
-# Decode steps between finish votes (an all-reduce when ranks decode in lockstep): on a CPU a step is slow and
-# the vote cheap, on a GPU the vote's sync would stall the launch queue. The cost model imports these.
-FINISH_CHECK_EVERY_CPU = 4
-FINISH_CHECK_EVERY_GPU = 16
 
 @dataclass
 class DecodingRows:
@@ -86,6 +94,7 @@ class BuiltinEngine:
         all_finished: Callable[[bool], bool] | None = None,
         compact_at: float | None = 0.125,
         logits_processor: LogitsProcessor | None = None,
+        max_num_seqs: int = 0,
     ):
         self.model = model
         self.pad_token_id = pad_token_id
@@ -101,6 +110,9 @@ class BuiltinEngine:
         # Adjusts each step's logits before sampling (e.g. the benchmark forcing stop lengths); the
         # returned logits are also those the log-probs are taken from.
         self.logits_processor = logits_processor
+        # Rows decoding at once (`rollout.max_num_seqs`): a larger batch goes through continuous batching, a
+        # finished row's slot refilled from the rest at once (`continuous_engine`); 0: one fixed batch.
+        self.max_num_seqs = max_num_seqs
 
     # The receiving interface of weight sync (scalerl/rollout/weight_loading.py).
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -125,8 +137,39 @@ class BuiltinEngine:
         # keeps all-gather buffers across calls, and buffers created as inference tensors cannot be written
         # by a later training forward: sharded models decode under no_grad.
         sharded = any(isinstance(m, FSDPModule) for m in self.model.modules())
+        # Sharded or tensor-parallel forwards are collectives, so ranks decode in lockstep: one fixed batch.
+        if 0 < self.max_num_seqs < len(prompts) and not decodes_in_lockstep(self.model):
+            return self._generate_continuous(prompts, sampling)
         with torch.no_grad() if sharded else torch.inference_mode(), gathered_once(self.model):
             return self._generate(prompts, sampling)
+
+    def continuous_engine(self, max_prompt_len: int, max_new_tokens: int, max_num_seqs: int | None = None):
+        """A continuous-batching engine on this engine's model and settings (``max_num_seqs`` rows, by default
+        this engine's), for prompts up to ``max_prompt_len`` tokens and responses up to ``max_new_tokens``."""
+        return ContinuousEngine(
+            self.model, self.pad_token_id, max_num_seqs or self.max_num_seqs, max_prompt_len, max_new_tokens,
+            finish_check_every=self.finish_check_every, compact_at=self.compact_at,
+            logits_processor=self.logits_processor)
+
+    def _generate_continuous(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        """``generate`` through continuous batching: row ``i`` is request ``i`` with the draws of global row
+        ``row_offset + i``, so outputs equal the fixed batch's; reassembled in prompt order."""
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
+        engine = self.continuous_engine(prompt_ids.shape[1], sampling.max_new_tokens)
+        _, uniforms = _random_draws(sampling, len(prompts), engine.device)
+        requests = [GenerationRequest(i, p, sampling, None if uniforms is None else uniforms[:, i])
+                    for i, p in enumerate(prompts)]
+        outputs = sorted(engine.generate_stream(requests), key=lambda o: o.request_id)
+        width = max(o.token_ids.numel() for o in outputs)
+        response_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        logprobs = torch.zeros((len(prompts), width), dtype=torch.float32)
+        for i, o in enumerate(outputs):
+            n = o.token_ids.numel()
+            response_ids[i, :n], response_mask[i, :n], logprobs[i, :n] = o.token_ids, 1, o.logprobs
+        device = engine.device
+        return GenerationOutput(prompt_ids.to(device), prompt_mask.to(device), response_ids.to(device),
+                                response_mask.to(device), logprobs.to(device), [o.finish_reason for o in outputs])
 
     def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         model = self.model

@@ -41,7 +41,7 @@ class RolloutWorker:
         # The trainer's adapted modules, so pushes of its adapters land by name (`synced_tensors`).
         apply_lora_from_config(model, cfg.model.lora, cfg.trainer.seed)
         self.model = model.to(ROLLOUT_DTYPES[cfg.rollout.dtype]).eval().requires_grad_(False)
-        self.engine = BuiltinEngine(self.model, tokenizer.pad_token_id)
+        self.engine = BuiltinEngine(self.model, tokenizer.pad_token_id, max_num_seqs=cfg.rollout.max_num_seqs)
         self.device, self.driver, self.sync_group = device, driver_rank, sync_group
         self.receiver = engine_weight_receiver(self.engine, shadow_device=device)
         self.timeout_s = float(getattr(cfg.trainer, "dist_timeout_s", 600))

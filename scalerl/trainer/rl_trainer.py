@@ -153,7 +153,8 @@ class RLTrainer(TrainingRun):
 
     def _build_engine(self):
         if self.cfg.rollout.engine == "builtin":
-            return BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=self.dist.all_finished)
+            return BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=self.dist.all_finished,
+                                 max_num_seqs=self.cfg.rollout.max_num_seqs)
         from scalerl.rollout.vllm_engine import VLLMEngine
 
         source = self.cfg.trainer.init_from or self.cfg.model.path

@@ -125,3 +125,20 @@ def test_fp16_checkpoint_keeps_the_loss_scale(tiny_config, length_reward, tmp_pa
     resumed = RLTrainer.from_config(tiny_config("trainer.precision=fp16", "trainer.total_steps=2", "trainer.resume=auto",
                                     length_reward, f"trainer.output_dir={tmp_path}"))
     assert resumed.scaler.get_scale() == first.scaler.get_scale()
+
+
+def test_continuous_batching_rollouts_train_as_the_fixed_batch(tiny_config, length_reward, tmp_path):
+    """rollout.max_num_seqs below the step's 16 rollouts: the trainer's engine batches them continuously, with
+    the fixed batch's samples, so the run's scores and losses are the same."""
+    runs = []
+    for max_num_seqs in (0, 3):
+        cfg = tiny_config(length_reward, f"rollout.max_num_seqs={max_num_seqs}",
+                          f"trainer.output_dir={tmp_path / str(max_num_seqs)}")
+        train(cfg)
+        runs.append(_lines(__import__("pathlib").Path(cfg.trainer.output_dir) / "metrics.jsonl"))
+    steps = [(f, c) for f, c in zip(*runs) if "actor/pg_loss" in f]
+    assert len(steps) >= 2 and len(runs[0]) == len(runs[1])
+    for fixed, continuous in steps:
+        for key in ("critic/score/mean", "response_length/mean"):
+            assert continuous[key] == fixed[key], key
+        assert abs(continuous["actor/pg_loss"] - fixed["actor/pg_loss"]) < 1e-5
