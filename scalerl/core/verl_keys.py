@@ -210,6 +210,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey(R + "n", 1, "rollout.n"),
     VerlKey(R + "temperature", 1.0, "rollout.temperature"),
     VerlKey(R + "top_p", 1.0, "rollout.top_p"),
+    VerlKey(R + "max_num_seqs", 1024, "rollout.max_num_seqs", "rows decoding at once (the built-in engine's "
+            "continuous batching; vLLM's own scheduler limit)"),
     VerlKey(R + "top_k", -1, "rollout.top_k", "verl's -1 (off) is scalerl's 0", _top_k),
     VerlKey(R + "response_length", NO_DEFAULT, "rollout.max_new_tokens", "verl's default: data.max_response_length"),
     VerlKey(R + "name", NO_DEFAULT, "rollout.engine", "sglang and trtllm run on vllm here (same sampling)", _engine),
@@ -294,7 +296,7 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     (R + "tensor_model_parallel_size", "the rollout engine's layout follows rollout.placement"),
     (R + "gpu_memory_utilization", "vLLM memory fraction"), (R + "enforce_eager", "vLLM CUDA graphs"),
     (R + "free_cache_engine", "vLLM KV cache release"), (R + "enable_chunked_prefill", "vLLM scheduling"),
-    (R + "max_num_batched_tokens", "vLLM scheduling"), (R + "max_num_seqs", "vLLM scheduling"),
+    (R + "max_num_batched_tokens", "vLLM scheduling"),
     (R + "load_format", "vLLM weight loading"), (R + "engine_kwargs.*", "engine-specific arguments"),
     (R + "mode", "sync/async server: scalerl's choice is rollout.placement"), (R + "dtype", "engine precision"),
     (R + "prompt_length", "verl's default: data.max_prompt_length"), (R + "enable_prefix_caching", "vLLM cache"),
