@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from scalerl.models.decode_model import DecodeModel, fused_decode_unsupported
 from scalerl.models.decoder import CausalLM
 from scalerl.models.kv_cache import KVCache
 from scalerl.parallel.fsdp_generation import gathered_once
@@ -86,8 +87,15 @@ class BuiltinEngine:
         all_finished: Callable[[bool], bool] | None = None,
         compact_at: float | None = 0.125,
         logits_processor: LogitsProcessor | None = None,
+        dtype: torch.dtype | None = None,
+        fused: bool = True,
     ):
         self.model = model
+        # Generation's compute dtype (None: the parameters'); bf16 over fp32 parameters computes as a bf16
+        # autocast forward does, from bf16 copies laid out once per weight sync (`DecodeModel`).
+        self.dtype = dtype
+        self.fused = fused and fused_decode_unsupported(model) is None
+        self.decode_model: DecodeModel | None = None
         self.pad_token_id = pad_token_id
         # With sharded or tensor-parallel weights every forward is a collective, so the ranks agree on when
         # to stop (`DistContext.all_finished`); alone, a rank decides for itself.
@@ -101,6 +109,36 @@ class BuiltinEngine:
         # Adjusts each step's logits before sampling (e.g. the benchmark forcing stop lengths); the
         # returned logits are also those the log-probs are taken from.
         self.logits_processor = logits_processor
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.dtype or self.model.embed_tokens.weight.dtype
+
+    def refresh_weights(self) -> int:
+        """Lay the model's current weights out for decoding (after an optimizer step or weight load);
+        returns the bytes written (0 where the model's own forward decodes)."""
+        if not self.fused:
+            return 0
+        if self.decode_model is None:
+            self.decode_model = DecodeModel(self.model, self.compute_dtype)
+            return self.decode_model.weight_bytes
+        return self.decode_model.refresh()
+
+    def _forward(self, sharded: bool) -> Callable[..., torch.Tensor]:
+        """The forward generation calls: the fused one over up-to-date weights, else the model's own
+        (under autocast where the compute dtype is below the parameters')."""
+        if self.fused and not sharded:
+            if self.decode_model is None or self.decode_model.is_stale():
+                self.refresh_weights()  # a weight write the trainer's sync did not announce
+            return self.decode_model
+        if self.compute_dtype == self.model.embed_tokens.weight.dtype:
+            return self.model
+        device_type = self.model.embed_tokens.weight.device.type
+
+        def autocast_forward(*args, **kwargs):
+            with torch.autocast(device_type, dtype=self.compute_dtype):
+                return self.model(*args, **kwargs)
+        return autocast_forward
 
     # The receiving interface of weight sync (scalerl/rollout/weight_loading.py).
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -126,9 +164,9 @@ class BuiltinEngine:
         # by a later training forward: sharded models decode under no_grad.
         sharded = any(isinstance(m, FSDPModule) for m in self.model.modules())
         with torch.no_grad() if sharded else torch.inference_mode(), gathered_once(self.model):
-            return self._generate(prompts, sampling)
+            return self._generate(prompts, sampling, self._forward(sharded))
 
-    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, forward) -> GenerationOutput:
         model = self.model
         device = model.embed_tokens.weight.device
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
@@ -152,7 +190,7 @@ class BuiltinEngine:
         tokens_out = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=device)
         logprobs_out = torch.zeros((batch, max_new), dtype=torch.float32, device=device)
 
-        logits = model(prompt_ids, attention_mask=prompt_mask, kv_cache=cache, cache_start=0, logits_to_keep=1)
+        logits = forward(prompt_ids, attention_mask=prompt_mask, kv_cache=cache, cache_start=0, logits_to_keep=1)
         steps, checked = max_new, 0
         for t in range(max_new):
             tokens = self._sample(logits[:, -1], rows, t, sampling, generator, tokens_out, logprobs_out)
@@ -171,7 +209,7 @@ class BuiltinEngine:
                     cache.keep_rows(keep, filled=prompt_len + t)  # the cache holds positions < prompt_len + t
             rows.positions = rows.positions + 1
             cur = prompt_len + t
-            logits = model(
+            logits = forward(
                 tokens.unsqueeze(1),
                 attention_mask=rows.key_mask[:, : cur + 1],
                 position_ids=rows.positions,
