@@ -91,11 +91,16 @@ class BuiltinEngine:
         fused: bool = True,
     ):
         self.model = model
-        # Generation's compute dtype (None: the parameters'); bf16 over fp32 parameters computes as a bf16
-        # autocast forward does, from bf16 copies laid out once per weight sync (`DecodeModel`).
+        # Generation's compute dtype on the fused path (None: the parameters'); bf16 over fp32 parameters
+        # computes as a bf16 autocast forward does, from bf16 copies laid out once per weight sync
+        # (`DecodeModel`). ``fused=False`` decodes with the model's own forward (the reference the tests use).
         self.dtype = dtype
         self.fused = fused and fused_decode_unsupported(model) is None
         self.decode_model: DecodeModel | None = None
+        # bf16 decoding's log-probs differ from a bf16-autocast training forward over the same tokens (small
+        # model: mean 1.9e-2, max 8.6e-2; the autocast forward itself is batch-invariant, 0.0 between
+        # micro-batch sizes), as much as autocast's from fp32: the trainer recomputes them.
+        self.logprobs_match_training_forward = self.compute_dtype == torch.float32
         self.pad_token_id = pad_token_id
         # With sharded or tensor-parallel weights every forward is a collective, so the ranks agree on when
         # to stop (`DistContext.all_finished`); alone, a rank decides for itself.
@@ -112,7 +117,9 @@ class BuiltinEngine:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.dtype or self.model.embed_tokens.weight.dtype
+        """What decoding computes in: ``dtype`` on the fused path, else the parameters' own (the model's
+        forward, unchanged: sharded, pipeline-cut and unfused architectures)."""
+        return (self.dtype if self.fused else None) or self.model.embed_tokens.weight.dtype
 
     def refresh_weights(self) -> int:
         """Lay the model's current weights out for decoding (after an optimizer step or weight load);
@@ -125,20 +132,12 @@ class BuiltinEngine:
         return self.decode_model.refresh()
 
     def _forward(self, sharded: bool) -> Callable[..., torch.Tensor]:
-        """The forward generation calls: the fused one over up-to-date weights, else the model's own
-        (under autocast where the compute dtype is below the parameters')."""
-        if self.fused and not sharded:
-            if self.decode_model is None or self.decode_model.is_stale():
-                self.refresh_weights()  # a weight write the trainer's sync did not announce
-            return self.decode_model
-        if self.compute_dtype == self.model.embed_tokens.weight.dtype:
+        """The forward generation calls: the fused one over up-to-date weights, else the model's own."""
+        if not self.fused or sharded:
             return self.model
-        device_type = self.model.embed_tokens.weight.device.type
-
-        def autocast_forward(*args, **kwargs):
-            with torch.autocast(device_type, dtype=self.compute_dtype):
-                return self.model(*args, **kwargs)
-        return autocast_forward
+        if self.decode_model is None or self.decode_model.is_stale():
+            self.refresh_weights()  # a weight write no sync announced (a test, a direct load)
+        return self.decode_model
 
     # The receiving interface of weight sync (scalerl/rollout/weight_loading.py).
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
