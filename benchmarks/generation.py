@@ -24,6 +24,17 @@ away. Tokens/s counts real response tokens (stop token included, padding not). T
 scalerl with compaction off (``compact_at=None``), measured in the same interleaved run.
 
 ``--sweep-compact-at`` adds the compaction-threshold trade-off on the RL lengths (scalerl only).
+
+``--dtype bf16`` runs both sides in bf16 (scalerl: bf16 copies laid out once per sync, `DecodeModel`; HF: the
+model loaded in bf16); the default fp32 compares fp32 with fp32.
+
+``--roofline``: scalerl alone, fp32 against bf16, on the small and a Qwen2.5-0.5B-shaped model (published
+config, random weights; ``--layers-05b`` of its 24 layers, 4-token prompts so prefill stays cheap) at batch
+1, 8, 16, 64. Per row: the decode step (an N-token run minus a 1-token run, CPU time), tokens/s of decode,
+the GB/s of weights the step reads (every packed matrix and the LM head, once per step), against the machine's
+memory bandwidth measured by a STREAM-like copy in the same run (bytes read + written over a 512 MiB copy):
+the decode roofline is batch x bandwidth / weight bytes tokens/s. "kernels" is the same step's packed matmuls
+and attention run back to back alone on the same tensors, so step / kernels is the loop's own overhead.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from scalerl.models.config import ModelConfig
+from scalerl.models.decode_model import DecodeModel
 from scalerl.models.decoder import build_model
 from scalerl.models.hf_checkpoint import save_pretrained
 from scalerl.rollout.builtin_engine import BuiltinEngine
@@ -110,14 +122,14 @@ def hf_response_lengths(generated: torch.Tensor) -> torch.Tensor:
     return torch.where(is_stop.any(-1), is_stop.int().argmax(-1) + 1, generated.shape[1])
 
 
-def run_rl(name: str, ours, hf, batch: int, repeats: int) -> dict:
+def run_rl(name: str, ours, hf, batch: int, repeats: int, dtype: torch.dtype = torch.float32) -> dict:
     from transformers import LogitsProcessorList
 
     prompts = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     lengths = rl_lengths(batch, RL_NEW_TOKENS)
     sampling = SamplingParams(max_new_tokens=RL_NEW_TOKENS, temperature=1.0, seed=0, stop_token_ids=[STOP_ID])
-    compacting = BuiltinEngine(ours, PAD_ID, logits_processor=ForcedStop(lengths))
-    stepping = BuiltinEngine(ours, PAD_ID, logits_processor=ForcedStop(lengths), compact_at=None)
+    compacting = BuiltinEngine(ours, PAD_ID, logits_processor=ForcedStop(lengths), dtype=dtype)
+    stepping = BuiltinEngine(ours, PAD_ID, logits_processor=ForcedStop(lengths), compact_at=None, dtype=dtype)
 
     def scalerl_fn(engine):
         out = engine.generate(prompts.tolist(), sampling)
@@ -166,27 +178,26 @@ def sweep_compact_at(name: str, ours, batch: int, repeats: int, thresholds=(None
 
 
 # ----------------------------------------------------------------------------- fixed lengths, roofline
-def step_kernel_time(model, batch: int, cache_len: int, repeats: int) -> float:
-    """CPU seconds for one decode step's matmuls and attention, run back to back in isolation (median)."""
-    cfg, layers = model.config, model.layers
-    x = torch.randn(batch, 1, cfg.hidden_size)
+def decode_kernel_time(decode: DecodeModel, batch: int, cache_len: int, repeats: int) -> float:
+    """CPU seconds for one decode step's matmuls (packed q/k/v, o, packed gate/up, down, LM head, in the
+    decode dtype) and attention (SDPA over ``cache_len`` fp32 keys, as the step runs it), back to back in
+    isolation on the same tensors (median)."""
+    cfg, dtype = decode.config, decode.dtype
+    x = torch.randn(batch, 1, cfg.hidden_size, dtype=dtype)
     q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim)
     kv = torch.randn(batch, cfg.num_key_value_heads, cache_len, cfg.head_dim)
-    mask = torch.ones(batch, 1, 1, cache_len, dtype=torch.bool)
-    mlp_in = torch.randn(batch, 1, cfg.intermediate_size)
-    attn_out = torch.randn(batch, 1, cfg.num_attention_heads * cfg.head_dim)
+    bias = torch.zeros(batch, 1, 1, cache_len)
+    mlp_in = torch.randn(batch, 1, cfg.intermediate_size, dtype=dtype)
+    attn_out = torch.randn(batch, 1, cfg.num_attention_heads * cfg.head_dim, dtype=dtype)
 
     def step():
-        for layer in layers:
-            a, m = layer.self_attn, layer.mlp
-            for proj in (a.q_proj, a.k_proj, a.v_proj):
-                F.linear(x, proj.weight, proj.bias)
-            F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
-            F.linear(attn_out, a.o_proj.weight)
-            F.linear(x, m.gate_proj.weight)
-            F.linear(x, m.up_proj.weight)
-            F.linear(mlp_in, m.down_proj.weight)
-        F.linear(x, model.lm_head.weight)
+        for lw in decode.layers:
+            lw.qkv(x)
+            F.scaled_dot_product_attention(q, kv, kv, attn_mask=bias, enable_gqa=True)
+            lw.o(attn_out)
+            lw.gate_up(x)
+            lw.down(mlp_in)
+        decode.lm_head(x)
 
     def many_steps():
         for _ in range(20):
@@ -196,9 +207,22 @@ def step_kernel_time(model, batch: int, cache_len: int, repeats: int) -> float:
         return interleaved_medians({"step": many_steps}, repeats)[1]["step"] / 20
 
 
-def run_fixed(name: str, ours, hf, batch: int, repeats: int) -> dict:
+def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """GB/s of a STREAM-like copy (bytes read plus bytes written) on the intra-op threads: the memory
+    bandwidth a decode step's weight reads are bounded by. Best of ``repeats``."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def run_fixed(name: str, ours, hf, batch: int, repeats: int, dtype: torch.dtype = torch.float32) -> dict:
     prompts = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
-    engine = BuiltinEngine(ours, PAD_ID)
+    engine = BuiltinEngine(ours, PAD_ID, dtype=dtype)
 
     def scalerl_fn(new_tokens):
         out = engine.generate(prompts.tolist(), SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0))
@@ -217,7 +241,7 @@ def run_fixed(name: str, ours, hf, batch: int, repeats: int) -> dict:
         {"hf": hf_fn, "scalerl": lambda: scalerl_fn(FIXED_NEW_TOKENS), "scalerl_1": lambda: scalerl_fn(1)}, repeats
     )
     step_s = (cpu["scalerl"] - cpu["scalerl_1"]) / (FIXED_NEW_TOKENS - 1)
-    kernels_s = step_kernel_time(ours, batch, PROMPT_LEN + FIXED_NEW_TOKENS // 2, repeats)
+    kernels_s = decode_kernel_time(DecodeModel(ours, dtype), batch, PROMPT_LEN + FIXED_NEW_TOKENS // 2, repeats)
     tokens = batch * FIXED_NEW_TOKENS
     row = {
         "model": name, "batch": batch, "lengths": "fixed", "hf_tokens_per_s": tokens / t["hf"],
@@ -234,7 +258,7 @@ def run_fixed(name: str, ours, hf, batch: int, repeats: int) -> dict:
     return row
 
 
-def run(lengths: str, repeats: int, tmp_dir: str, sweep: bool) -> list[dict]:
+def run(lengths: str, repeats: int, tmp_dir: str, sweep: bool, dtype: torch.dtype = torch.float32) -> list[dict]:
     import transformers
 
     rows = []
@@ -243,14 +267,63 @@ def run(lengths: str, repeats: int, tmp_dir: str, sweep: bool) -> list[dict]:
         ours = build_model(cfg, seed=0).eval()
         path = f"{tmp_dir}/{name.split()[0]}"
         save_pretrained(ours, path)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype).eval()
         for batch in BATCHES:
             if lengths in ("fixed", "all"):
-                rows.append(run_fixed(name, ours, hf, batch, repeats))
+                rows.append(run_fixed(name, ours, hf, batch, repeats, dtype))
             if lengths in ("rl", "all"):
-                rows.append(run_rl(name, ours, hf, batch, repeats))
+                rows.append(run_rl(name, ours, hf, batch, repeats, dtype))
             if sweep:
                 sweep_compact_at(name, ours, batch, repeats)
+    return rows
+
+
+# ---------------------------------------------------------------------------- roofline, fp32 vs bf16
+ROOFLINE_MODELS = {
+    "small (4L, h256, V256)": dict(vocab_size=VOCAB, **SIZES["small (4L, h256, V256)"]),
+    # Qwen/Qwen2.5-0.5B's published config.json (as benchmarks/real_size_loading.py and packing.py use).
+    "0.5B-shaped": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                        tie_word_embeddings=True),
+}
+ROOFLINE_BATCHES = (1, 8, 16, 64)
+
+
+def run_roofline(repeats: int, layers_05b: int, new_tokens: int) -> list[dict]:
+    bandwidth = copy_bandwidth()
+    print(f"STREAM-like copy: {bandwidth:.1f} GB/s (read + write, {torch.get_num_threads()} thread(s))", flush=True)
+    rows = []
+    for name, fields in ROOFLINE_MODELS.items():
+        if name == "0.5B-shaped":
+            fields = {**fields, "num_hidden_layers": layers_05b}
+            name = f"0.5B-shaped ({layers_05b} of 24 layers)"
+        ours = build_model(ModelConfig(**fields), seed=0).eval()
+        prompt_len = 4 if fields["vocab_size"] > VOCAB else PROMPT_LEN
+        for batch in ROOFLINE_BATCHES:
+            prompts = torch.randint(3, fields["vocab_size"], (batch, prompt_len),
+                                    generator=torch.Generator().manual_seed(0)).tolist()
+            engines = {d: BuiltinEngine(ours, PAD_ID, dtype=getattr(torch, d)) for d in ("float32", "bfloat16")}
+            fns = {}
+            for d, engine in engines.items():
+                for n in (new_tokens, 1):
+                    fns[f"{d}/{n}"] = (lambda e=engine, n=n: e.generate(prompts, SamplingParams(
+                        max_new_tokens=n, temperature=1.0, seed=0)))
+            _, cpu = interleaved_medians(fns, repeats)
+            for d, engine in engines.items():
+                step_s = (cpu[f"{d}/{new_tokens}"] - cpu[f"{d}/1"]) / (new_tokens - 1)
+                weight_bytes = engine.decode_model.weight_bytes
+                kernels_s = decode_kernel_time(engine.decode_model, batch, prompt_len + new_tokens // 2, repeats)
+                row = {"model": name, "dtype": d, "batch": batch, "step_ms": step_s * 1e3,
+                       "kernels_ms": kernels_s * 1e3, "decode_tokens_per_s": batch / step_s,
+                       "weight_gb": weight_bytes / 1e9, "weights_gb_per_s": weight_bytes / step_s / 1e9,
+                       "copy_gb_per_s": bandwidth, "roofline_tokens_per_s": batch * bandwidth * 1e9 / weight_bytes}
+                rows.append(row)
+                print(f"{name:30s} {d:8s} batch {batch:3d}: step {row['step_ms']:8.3f} ms (kernels "
+                      f"{row['kernels_ms']:8.3f} ms, {step_s / kernels_s:.2f}x) | {row['decode_tokens_per_s']:8.0f} tok/s "
+                      f"| weights {row['weights_gb_per_s']:5.1f} GB/s of {bandwidth:.1f} | roofline "
+                      f"{row['roofline_tokens_per_s']:8.0f} tok/s", flush=True)
+            fp32, bf16 = rows[-2]["step_ms"], rows[-1]["step_ms"]
+            print(f"{name:30s} batch {batch:3d}: bf16 / fp32 decode tokens/s {fp32 / bf16:.2f}x", flush=True)
     return rows
 
 
@@ -262,13 +335,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds; medians are reported")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both engines")
     parser.add_argument("--sweep-compact-at", action="store_true", help="also time compaction thresholds")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="both sides' weights and compute")
+    parser.add_argument("--roofline", action="store_true", help="scalerl fp32 vs bf16 against the memory roofline")
+    parser.add_argument("--layers-05b", dest="layers_05b", type=int, default=24,
+                        help="--roofline: decoder layers of the 0.5B-shaped model (24 in the real one)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="--roofline: tokens per timed run")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with open("/proc/loadavg") as f:
         print(f"load average before: {f.read().split()[:3]}")
+    if args.roofline:
+        rows = run_roofline(args.repeats, args.layers_05b, args.new_tokens)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     with tempfile.TemporaryDirectory() as tmp:
-        rows = run(args.lengths, args.repeats, tmp, args.sweep_compact_at)
+        rows = run(args.lengths, args.repeats, tmp, args.sweep_compact_at, dtype)
     for kind in ("fixed", "rl"):
         ratios = [r["ratio"] for r in rows if r["lengths"] == kind]
         if ratios:

@@ -92,14 +92,12 @@ def test_an_optimizer_step_is_seen_by_the_next_generation():
     model = _model({})
     engine = BuiltinEngine(model, PAD)
     before = engine.generate(_prompts(), SAMPLINGS[2])
-    packed = engine.decode_model.layers[0].qkv
     assert not engine.decode_model.is_stale()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model(torch.tensor([[5, 6, 7, 8]])).logsumexp(-1).sum().backward()
     optimizer.step()
     assert engine.decode_model.is_stale()
     after = engine.generate(_prompts(), SAMPLINGS[2])
-    assert engine.decode_model.layers[0].qkv.data_ptr() == packed.data_ptr()  # relaid out in place
     ref = BuiltinEngine(model, PAD, fused=False).generate(_prompts(), SAMPLINGS[2])
     assert torch.equal(after.response_ids, ref.response_ids) and not torch.equal(after.logprobs, before.logprobs)
 
@@ -108,7 +106,7 @@ def test_bf16_decoding_computes_what_a_bf16_autocast_forward_does():
     model = _model({})
     engine = BuiltinEngine(model, PAD, dtype=torch.bfloat16)
     out = engine.generate(_prompts(), SAMPLINGS[0])
-    assert engine.decode_model.layers[0].qkv.dtype == torch.bfloat16
+    assert engine.decode_model.layers[0].qkv.weight.dtype == torch.bfloat16
     assert engine.decode_model.weight_bytes * 2 == DecodeModel(model).weight_bytes
     assert not engine.logprobs_match_training_forward and BuiltinEngine(model, PAD).logprobs_match_training_forward
     ids = torch.cat([out.prompt_ids, out.response_ids], 1)
