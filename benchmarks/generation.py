@@ -299,6 +299,13 @@ def run_roofline(repeats: int, layers_05b: int, new_tokens: int) -> list[dict]:
             name = f"0.5B-shaped ({layers_05b} of 24 layers)"
         ours = build_model(ModelConfig(**fields), seed=0).eval()
         prompt_len = 4 if fields["vocab_size"] > VOCAB else PROMPT_LEN
+        for d in ("float32", "bfloat16"):  # what a weight sync adds: laying the new weights out again
+            engine = BuiltinEngine(ours, PAD_ID, dtype=getattr(torch, d))
+            engine.refresh_weights()
+            start = time.perf_counter()
+            engine.refresh_weights()
+            print(f"{name:30s} {d:8s} relayout after a sync: {time.perf_counter() - start:.3f} s "
+                  f"({engine.decode_model.weight_bytes / 1e9:.2f} GB laid out)", flush=True)
         for batch in ROOFLINE_BATCHES:
             prompts = torch.randint(3, fields["vocab_size"], (batch, prompt_len),
                                     generator=torch.Generator().manual_seed(0)).tolist()
