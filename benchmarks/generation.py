@@ -9,8 +9,9 @@ leaves out the time other tenants of a shared machine hold the cores and is the 
 
 ``--lengths fixed``: 64 new tokens and no stop token, so both emit exactly batch x 64 tokens. Besides the
 ratio, the table puts scalerl's decode step CPU time (a 64-token run minus a 1-token run, over 63 steps)
-next to the CPU time of the same step's matmuls (q/k/v/o, gate/up/down, lm_head) and attention (SDPA over the mean
-cache length) run back to back in isolation on the same weights: a roofline on this CPU. The gap is the
+next to the CPU time of the same step's matmuls (packed q/k/v, o, packed gate/up, down, lm_head, in the layout
+the engine decodes from) and attention (SDPA over the mean cache length) run back to back in isolation on the
+same tensors: a roofline on this CPU. The gap is the
 loop's own overhead (norms, RoPE, sampling, cache writes, the dispatcher).
 
 ``--lengths rl``: RL-like response lengths. Each row's length is drawn log-normally (median a quarter of
