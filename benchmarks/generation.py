@@ -29,6 +29,9 @@ scalerl with compaction off (``compact_at=None``), measured in the same interlea
 ``--dtype bf16`` runs both sides in bf16 (scalerl: bf16 copies laid out once per sync, `DecodeModel`; HF: the
 model loaded in bf16); the default fp32 compares fp32 with fp32.
 
+``--compile-cost``: torch.compile's warm-up of the forward against the decode-step time it saves (why the
+engine does not compile).
+
 ``--roofline``: scalerl alone, fp32 against bf16, on the small and a Qwen2.5-0.5B-shaped model (published
 config, random weights; ``--layers-05b`` of its 24 layers, 4-token prompts so prefill stays cheap) at batch
 1, 8, 16, 64. Per row: the decode step (an N-token run minus a 1-token run, CPU time), tokens/s of decode,
@@ -286,6 +289,40 @@ def run(lengths: str, repeats: int, tmp_dir: str, sweep: bool, dtype: torch.dtyp
     return rows
 
 
+# ------------------------------------------------------------------------------ torch.compile's cost
+def compile_cost(batch: int = 16) -> None:
+    """torch.compile of the model's forward (``dynamic=True``: the cache length grows every step) on the
+    small model: its warm-up against the decode steps it would save, fp32, eager vs compiled."""
+    from scalerl.models.kv_cache import KVCache
+
+    model = build_model(ModelConfig(vocab_size=VOCAB, **SIZES["small (4L, h256, V256)"]), seed=0).eval()
+    ids = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+
+    def decode_step_s(forward, steps: int) -> float:
+        cache = KVCache.for_model(model, batch, PROMPT_LEN + FIXED_NEW_TOKENS)
+        mask = torch.ones(batch, PROMPT_LEN + FIXED_NEW_TOKENS, dtype=torch.long)
+        forward(ids, attention_mask=mask[:, :PROMPT_LEN], kv_cache=cache, cache_start=0, logits_to_keep=1)
+        token = torch.randint(3, VOCAB, (batch, 1))
+        start = time.process_time()
+        for t in range(steps):
+            cur = PROMPT_LEN + t
+            forward(token, attention_mask=mask[:, : cur + 1], position_ids=torch.full((batch, 1), cur),
+                    kv_cache=cache, cache_start=cur)
+        return (time.process_time() - start) / steps
+
+    with torch.inference_mode():
+        eager = min(decode_step_s(model, FIXED_NEW_TOKENS - 1) for _ in range(3))
+        compiled = torch.compile(model, dynamic=True)
+        start_wall, start_cpu = time.perf_counter(), time.process_time()
+        decode_step_s(compiled, 2)
+        warm_wall, warm_cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
+        fast = min(decode_step_s(compiled, FIXED_NEW_TOKENS - 1) for _ in range(3))
+    saved = eager - fast
+    print(f"eager step {eager * 1e3:.3f} ms | compiled step {fast * 1e3:.3f} ms | warm-up (compile + 2 steps) "
+          f"{warm_wall:.1f} s wall, {warm_cpu:.1f} s CPU | repaid after "
+          f"{'never' if saved <= 0 else f'{warm_cpu / saved:.0f} steps'}", flush=True)
+
+
 # ---------------------------------------------------------------------------- roofline, fp32 vs bf16
 ROOFLINE_MODELS = {
     "small (4L, h256, V256)": dict(vocab_size=VOCAB, **SIZES["small (4L, h256, V256)"]),
@@ -358,11 +395,15 @@ def main() -> None:
     parser.add_argument("--layers-05b", dest="layers_05b", type=int, default=24,
                         help="--roofline: decoder layers of the 0.5B-shaped model (24 in the real one; 0: skip it)")
     parser.add_argument("--new-tokens", type=int, default=16, help="--roofline: tokens per timed run")
+    parser.add_argument("--compile-cost", action="store_true", help="torch.compile's warm-up vs its step time")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with open("/proc/loadavg") as f:
         print(f"load average before: {f.read().split()[:3]}")
+    if args.compile_cost:
+        compile_cost()
+        return
     if args.roofline:
         rows = run_roofline(args.repeats, args.layers_05b, args.new_tokens)
         if args.json:
