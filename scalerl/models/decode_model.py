@@ -1,18 +1,20 @@
 """The decoder's generation forward over weights laid out once per weight sync for the kernels that read them.
 
 `DecodeModel` holds, per layer, q/k/v packed into one ``[q + 2 kv, hidden]`` matrix (with its bias) and
-gate/up into one ``[2 intermediate, hidden]`` matrix, in the engine's compute dtype, so a decode step runs
-two matmuls where the training layout runs five and, in bf16, reads half the bytes of fp32 weights without
-casting them per call (autocast's per-call cast of fp32 weights costs more than the bf16 kernel saves).
+gate/up into one ``[2 intermediate, hidden]`` matrix, in the engine's compute dtype and, on CPU, reordered
+into oneDNN's blocked format (`PackedLinear`), so a layer makes four matmul calls where the training layout
+makes seven, and in bf16 reads half the bytes of fp32 weights without casting them per call (autocast's
+per-call cast of fp32 weights costs more than the bf16 kernel saves).
 
 Numerics follow bf16 autocast of the training forward (`scalerl.models.decoder.CausalLM` under
-``torch.autocast``): matmuls and attention in the compute dtype, the residual stream, norms, RoPE and
-logits' softmax in fp32, so a bf16 engine computes what an autocast training forward computes, up to
-kernel blocking. In fp32 every cast is a no-op and the result is the model's own forward but for the packed
-matmuls' summation order (tested: tokens equal, log-probs within 1e-5).
+``torch.autocast``): matmuls in the compute dtype; the residual stream, norms, RoPE and the logits' softmax
+in fp32; q/k/v rounded to the compute dtype for attention, which runs in fp32 over those values (bf16 SDPA
+is 4-8x slower on CPU at decode shapes). In fp32 every cast is a no-op and the result is the model's own
+forward but for the matmuls' summation order (tested: tokens equal, log-probs within 1e-5).
 
-``refresh`` lays the model's parameters out again (after an optimizer step or a weight load); ``is_stale`` reads the parameters' version counters, which every in-place write (optimizer
-step, ``copy_`` of a weight load) bumps, so a forgotten refresh cannot generate with old weights.
+``refresh`` lays the model's parameters out again (after an optimizer step or a weight load); ``is_stale``
+reads the parameters' version counters, which every in-place write (optimizer step, ``copy_`` of a weight
+load) bumps, so a forgotten refresh cannot generate with old weights.
 
 Fused here: Qwen2, Qwen3 (q/k norms), Llama, Mistral and sliding-window layers, with or without LoRA
 adapters (their merged weights are packed). Not fused, so `fused_decode_unsupported` names why and the

@@ -98,8 +98,8 @@ class BuiltinEngine:
         self.fused = fused and fused_decode_unsupported(model) is None
         self.decode_model: DecodeModel | None = None
         # bf16 decoding's log-probs differ from a bf16-autocast training forward over the same tokens (small
-        # model: mean 1.9e-2, max 8.6e-2; the autocast forward itself is batch-invariant, 0.0 between
-        # micro-batch sizes), as much as autocast's from fp32: the trainer recomputes them.
+        # model: mean 1.9e-2, max 8.6e-2, about half autocast's own distance from fp32; the autocast forward is
+        # batch-invariant, 0.0 between micro-batch sizes): the trainer recomputes them (docs/models.md).
         self.logprobs_match_training_forward = self.compute_dtype == torch.float32
         self.pad_token_id = pad_token_id
         # With sharded or tensor-parallel weights every forward is a collective, so the ranks agree on when
@@ -165,7 +165,8 @@ class BuiltinEngine:
         with torch.no_grad() if sharded else torch.inference_mode(), gathered_once(self.model):
             return self._generate(prompts, sampling, self._forward(sharded))
 
-    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, forward) -> GenerationOutput:
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                  forward: Callable[..., torch.Tensor]) -> GenerationOutput:
         model = self.model
         device = model.embed_tokens.weight.device
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)

@@ -54,7 +54,8 @@ def _prompts():
 def _assert_same_generation(model, sampling, **engine_kwargs):
     fused = BuiltinEngine(model, PAD, **engine_kwargs)
     assert fused.fused
-    ours, ref = fused.generate(_prompts(), sampling), BuiltinEngine(model, PAD, fused=False).generate(_prompts(), sampling)
+    ours = fused.generate(_prompts(), sampling)
+    ref = BuiltinEngine(model, PAD, fused=False).generate(_prompts(), sampling)
     assert torch.equal(ours.response_ids, ref.response_ids)
     assert (ours.logprobs - ref.logprobs).abs().max().item() <= 1e-5
 
