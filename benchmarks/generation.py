@@ -9,8 +9,9 @@ leaves out the time other tenants of a shared machine hold the cores and is the 
 
 ``--lengths fixed``: 64 new tokens and no stop token, so both emit exactly batch x 64 tokens. Besides the
 ratio, the table puts scalerl's decode step CPU time (a 64-token run minus a 1-token run, over 63 steps)
-next to the CPU time of the same step's matmuls (q/k/v/o, gate/up/down, lm_head) and attention (SDPA over the mean
-cache length) run back to back in isolation on the same weights: a roofline on this CPU. The gap is the
+next to the CPU time of the same step's matmuls (packed q/k/v, o, packed gate/up, down, lm_head, in the layout
+the engine decodes from) and attention (SDPA over the mean cache length) run back to back in isolation on the
+same tensors: a roofline on this CPU. The gap is the
 loop's own overhead (norms, RoPE, sampling, cache writes, the dispatcher).
 
 ``--lengths rl``: RL-like response lengths. Each row's length is drawn log-normally (median a quarter of
@@ -32,6 +33,21 @@ tokens/s, the time to drain the 512 requests and the ratio, same interleaving an
 an untimed run of each, the decode forwards, the rows they carry and the key columns their attention reads.
 
 ``--sweep-compact-at`` adds the compaction-threshold trade-off on the RL lengths (scalerl only).
+
+``--dtype bf16`` runs both sides in bf16 (scalerl: bf16 copies laid out once per sync, `DecodeModel`; HF: the
+model loaded in bf16); the default fp32 compares fp32 with fp32.
+
+``--compile-cost``: torch.compile's warm-up of the forward against the decode-step time it saves (why the
+engine does not compile).
+
+``--roofline``: scalerl alone, fp32 against bf16, on the small and a Qwen2.5-0.5B-shaped model (published
+config, random weights; ``--layers-05b`` of its 24 layers, 4-token prompts so prefill stays cheap) at batch
+1, 8, 16, 64. Per row: the decode step (an N-token run minus a 1-token run, CPU time), tokens/s of decode,
+the GB/s of weights the step reads (every packed matrix and the LM head, once per step), against the machine's
+memory bandwidth measured in the same run (a STREAM-like 512 MiB copy, bytes read + written, and a read-only
+sum; CPU time like the steps): the decode roofline is batch x copy bandwidth / weight bytes tokens/s. Also
+the cost of laying the weights out again after a sync (CPU time). "kernels" is the same step's packed matmuls
+and attention run back to back alone on the same tensors, so step / kernels is the loop's own overhead.
 """
 
 from __future__ import annotations
@@ -46,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from scalerl.models.config import ModelConfig
+from scalerl.models.decode_model import DecodeModel
 from scalerl.models.decoder import build_model
 from scalerl.models.hf_checkpoint import save_pretrained
 from scalerl.rollout.builtin_engine import BuiltinEngine
@@ -120,14 +137,14 @@ def hf_response_lengths(generated: torch.Tensor) -> torch.Tensor:
     return torch.where(is_stop.any(-1), is_stop.int().argmax(-1) + 1, generated.shape[1])
 
 
-def run_rl(name: str, ours, hf, batch: int, repeats: int) -> dict:
+def run_rl(name: str, ours, hf, batch: int, repeats: int, dtype: torch.dtype = torch.float32) -> dict:
     from transformers import LogitsProcessorList
 
     prompts = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     lengths = rl_lengths(batch, RL_NEW_TOKENS)
     sampling = SamplingParams(max_new_tokens=RL_NEW_TOKENS, temperature=1.0, seed=0, stop_token_ids=[STOP_ID])
-    compacting = BuiltinEngine(ours, PAD_ID, logits_processor=ForcedStop(lengths))
-    stepping = BuiltinEngine(ours, PAD_ID, logits_processor=ForcedStop(lengths), compact_at=None)
+    compacting = BuiltinEngine(ours, PAD_ID, logits_processor=ForcedStop(lengths), dtype=dtype)
+    stepping = BuiltinEngine(ours, PAD_ID, logits_processor=ForcedStop(lengths), compact_at=None, dtype=dtype)
 
     def scalerl_fn(engine):
         out = engine.generate(prompts.tolist(), sampling)
@@ -252,27 +269,26 @@ def decode_work(model, fn) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- fixed lengths, roofline
-def step_kernel_time(model, batch: int, cache_len: int, repeats: int) -> float:
-    """CPU seconds for one decode step's matmuls and attention, run back to back in isolation (median)."""
-    cfg, layers = model.config, model.layers
-    x = torch.randn(batch, 1, cfg.hidden_size)
+def decode_kernel_time(decode: DecodeModel, batch: int, cache_len: int, repeats: int) -> float:
+    """CPU seconds for one decode step's matmuls (packed q/k/v, o, packed gate/up, down, LM head, in the
+    decode dtype) and attention (SDPA over ``cache_len`` fp32 keys, as the step runs it), back to back in
+    isolation on the same tensors (median)."""
+    cfg, dtype = decode.config, decode.dtype
+    x = torch.randn(batch, 1, cfg.hidden_size, dtype=dtype)
     q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim)
     kv = torch.randn(batch, cfg.num_key_value_heads, cache_len, cfg.head_dim)
-    mask = torch.ones(batch, 1, 1, cache_len, dtype=torch.bool)
-    mlp_in = torch.randn(batch, 1, cfg.intermediate_size)
-    attn_out = torch.randn(batch, 1, cfg.num_attention_heads * cfg.head_dim)
+    bias = torch.zeros(batch, 1, 1, cache_len)
+    mlp_in = torch.randn(batch, 1, cfg.intermediate_size, dtype=dtype)
+    attn_out = torch.randn(batch, 1, cfg.num_attention_heads * cfg.head_dim, dtype=dtype)
 
     def step():
-        for layer in layers:
-            a, m = layer.self_attn, layer.mlp
-            for proj in (a.q_proj, a.k_proj, a.v_proj):
-                F.linear(x, proj.weight, proj.bias)
-            F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
-            F.linear(attn_out, a.o_proj.weight)
-            F.linear(x, m.gate_proj.weight)
-            F.linear(x, m.up_proj.weight)
-            F.linear(mlp_in, m.down_proj.weight)
-        F.linear(x, model.lm_head.weight)
+        for lw in decode.layers:
+            lw.qkv(x)
+            F.scaled_dot_product_attention(q, kv, kv, attn_mask=bias, enable_gqa=True)
+            lw.o(attn_out)
+            lw.gate_up(x)
+            lw.down(mlp_in)
+        decode.lm_head(x)
 
     def many_steps():
         for _ in range(20):
@@ -282,9 +298,28 @@ def step_kernel_time(model, batch: int, cache_len: int, repeats: int) -> float:
         return interleaved_medians({"step": many_steps}, repeats)[1]["step"] / 20
 
 
-def run_fixed(name: str, ours, hf, batch: int, repeats: int) -> dict:
+def memory_bandwidth(mib: int = 512, repeats: int = 5) -> tuple[float, float]:
+    """GB/s of a STREAM-like copy (bytes read plus bytes written) and of a read-only pass (a sum) over
+    ``mib`` MiB, in this process's CPU time (as the steps are timed, so other tenants' time on the cores is
+    left out), best of ``repeats``: what a decode step's weight reads are bounded by."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.zeros_like(src)  # touched once here, so the timed copies take no page faults
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.process_time()
+            fn()
+            times.append(time.process_time() - start)
+        return min(times)
+
+    nbytes = src.numel() * 4
+    return 2 * nbytes / best(lambda: dst.copy_(src)) / 1e9, nbytes / best(src.sum) / 1e9
+
+
+def run_fixed(name: str, ours, hf, batch: int, repeats: int, dtype: torch.dtype = torch.float32) -> dict:
     prompts = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
-    engine = BuiltinEngine(ours, PAD_ID)
+    engine = BuiltinEngine(ours, PAD_ID, dtype=dtype)
 
     def scalerl_fn(new_tokens):
         out = engine.generate(prompts.tolist(), SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0))
@@ -303,7 +338,7 @@ def run_fixed(name: str, ours, hf, batch: int, repeats: int) -> dict:
         {"hf": hf_fn, "scalerl": lambda: scalerl_fn(FIXED_NEW_TOKENS), "scalerl_1": lambda: scalerl_fn(1)}, repeats
     )
     step_s = (cpu["scalerl"] - cpu["scalerl_1"]) / (FIXED_NEW_TOKENS - 1)
-    kernels_s = step_kernel_time(ours, batch, PROMPT_LEN + FIXED_NEW_TOKENS // 2, repeats)
+    kernels_s = decode_kernel_time(DecodeModel(ours, dtype), batch, PROMPT_LEN + FIXED_NEW_TOKENS // 2, repeats)
     tokens = batch * FIXED_NEW_TOKENS
     row = {
         "model": name, "batch": batch, "lengths": "fixed", "hf_tokens_per_s": tokens / t["hf"],
@@ -320,7 +355,7 @@ def run_fixed(name: str, ours, hf, batch: int, repeats: int) -> dict:
     return row
 
 
-def run(lengths: str, repeats: int, tmp_dir: str, sweep: bool) -> list[dict]:
+def run(lengths: str, repeats: int, tmp_dir: str, sweep: bool, dtype: torch.dtype = torch.float32) -> list[dict]:
     import transformers
 
     rows = []
@@ -329,16 +364,109 @@ def run(lengths: str, repeats: int, tmp_dir: str, sweep: bool) -> list[dict]:
         ours = build_model(cfg, seed=0).eval()
         path = f"{tmp_dir}/{name.split()[0]}"
         save_pretrained(ours, path)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype).eval()
         for batch in BATCHES if lengths != "stream" else ():
             if lengths in ("fixed", "all"):
-                rows.append(run_fixed(name, ours, hf, batch, repeats))
+                rows.append(run_fixed(name, ours, hf, batch, repeats, dtype))
             if lengths in ("rl", "all"):
-                rows.append(run_rl(name, ours, hf, batch, repeats))
+                rows.append(run_rl(name, ours, hf, batch, repeats, dtype))
             if sweep:
                 sweep_compact_at(name, ours, batch, repeats)
         if lengths in ("rl", "stream", "all"):
             rows.append(run_stream(name, ours, repeats))
+    return rows
+
+
+# ------------------------------------------------------------------------------ torch.compile's cost
+def compile_cost(batch: int = 16) -> None:
+    """torch.compile of the model's forward (``dynamic=True``: the cache length grows every step) on the
+    small model: its warm-up against the decode steps it would save, fp32, eager vs compiled."""
+    from scalerl.models.kv_cache import KVCache
+
+    model = build_model(ModelConfig(vocab_size=VOCAB, **SIZES["small (4L, h256, V256)"]), seed=0).eval()
+    ids = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+
+    def decode_step_s(forward, steps: int) -> float:
+        cache = KVCache.for_model(model, batch, PROMPT_LEN + FIXED_NEW_TOKENS)
+        mask = torch.ones(batch, PROMPT_LEN + FIXED_NEW_TOKENS, dtype=torch.long)
+        forward(ids, attention_mask=mask[:, :PROMPT_LEN], kv_cache=cache, cache_start=0, logits_to_keep=1)
+        token = torch.randint(3, VOCAB, (batch, 1))
+        start = time.process_time()
+        for t in range(steps):
+            cur = PROMPT_LEN + t
+            forward(token, attention_mask=mask[:, : cur + 1], position_ids=torch.full((batch, 1), cur),
+                    kv_cache=cache, cache_start=cur)
+        return (time.process_time() - start) / steps
+
+    with torch.inference_mode():
+        eager = min(decode_step_s(model, FIXED_NEW_TOKENS - 1) for _ in range(3))
+        compiled = torch.compile(model, dynamic=True)
+        start_wall, start_cpu = time.perf_counter(), time.process_time()
+        decode_step_s(compiled, 2)
+        warm_wall, warm_cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
+        fast = min(decode_step_s(compiled, FIXED_NEW_TOKENS - 1) for _ in range(3))
+    saved = eager - fast
+    print(f"eager step {eager * 1e3:.3f} ms | compiled step {fast * 1e3:.3f} ms | warm-up (compile + 2 steps) "
+          f"{warm_wall:.1f} s wall, {warm_cpu:.1f} s CPU | repaid after "
+          f"{'never' if saved <= 0 else f'{warm_cpu / saved:.0f} steps'}", flush=True)
+
+
+# ---------------------------------------------------------------------------- roofline, fp32 vs bf16
+ROOFLINE_MODELS = {
+    "small (4L, h256, V256)": dict(vocab_size=VOCAB, **SIZES["small (4L, h256, V256)"]),
+    # Qwen/Qwen2.5-0.5B's published config.json (as benchmarks/real_size_loading.py and packing.py use).
+    "0.5B-shaped": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                        tie_word_embeddings=True),
+}
+ROOFLINE_BATCHES = (1, 8, 16, 64)
+
+
+def run_roofline(repeats: int, layers_05b: int, new_tokens: int) -> list[dict]:
+    bandwidth, read_bandwidth = memory_bandwidth()
+    print(f"STREAM-like copy: {bandwidth:.1f} GB/s (read + write), read-only sum: {read_bandwidth:.1f} GB/s "
+          f"({torch.get_num_threads()} thread(s), CPU time)", flush=True)
+    rows = []
+    for name, fields in ROOFLINE_MODELS.items():
+        if name == "0.5B-shaped" and not layers_05b:
+            continue
+        if name == "0.5B-shaped":
+            fields = {**fields, "num_hidden_layers": layers_05b}
+            name = f"0.5B-shaped ({layers_05b} of 24 layers)"
+        ours = build_model(ModelConfig(**fields), seed=0).eval()
+        prompt_len = 4 if fields["vocab_size"] > VOCAB else PROMPT_LEN
+        for d in ("float32", "bfloat16"):  # what a weight sync adds: laying the new weights out again
+            engine = BuiltinEngine(ours, PAD_ID, dtype=getattr(torch, d))
+            engine.refresh_weights()
+            start = time.process_time()
+            engine.refresh_weights()
+            print(f"{name:30s} {d:8s} relayout after a sync: {time.process_time() - start:.3f} s CPU "
+                  f"({engine.decode_model.weight_bytes / 1e9:.2f} GB laid out)", flush=True)
+        for batch in ROOFLINE_BATCHES:
+            prompts = torch.randint(3, fields["vocab_size"], (batch, prompt_len),
+                                    generator=torch.Generator().manual_seed(0)).tolist()
+            engines = {d: BuiltinEngine(ours, PAD_ID, dtype=getattr(torch, d)) for d in ("float32", "bfloat16")}
+            fns = {}
+            for d, engine in engines.items():
+                for n in (new_tokens, 1):
+                    fns[f"{d}/{n}"] = (lambda e=engine, n=n: e.generate(prompts, SamplingParams(
+                        max_new_tokens=n, temperature=1.0, seed=0)))
+            _, cpu = interleaved_medians(fns, repeats)
+            for d, engine in engines.items():
+                step_s = (cpu[f"{d}/{new_tokens}"] - cpu[f"{d}/1"]) / (new_tokens - 1)
+                weight_bytes = engine.decode_model.weight_bytes
+                kernels_s = decode_kernel_time(engine.decode_model, batch, prompt_len + new_tokens // 2, repeats)
+                row = {"model": name, "dtype": d, "batch": batch, "step_ms": step_s * 1e3,
+                       "kernels_ms": kernels_s * 1e3, "decode_tokens_per_s": batch / step_s,
+                       "weight_gb": weight_bytes / 1e9, "weights_gb_per_s": weight_bytes / step_s / 1e9,
+                       "copy_gb_per_s": bandwidth, "read_gb_per_s": read_bandwidth, "roofline_tokens_per_s": batch * bandwidth * 1e9 / weight_bytes}
+                rows.append(row)
+                print(f"{name:30s} {d:8s} batch {batch:3d}: step {row['step_ms']:8.3f} ms (kernels "
+                      f"{row['kernels_ms']:8.3f} ms, {step_s / kernels_s:.2f}x) | {row['decode_tokens_per_s']:8.0f} tok/s "
+                      f"| weights {row['weights_gb_per_s']:5.1f} GB/s of {bandwidth:.1f} | roofline "
+                      f"{row['roofline_tokens_per_s']:8.0f} tok/s", flush=True)
+            fp32, bf16 = rows[-2]["step_ms"], rows[-1]["step_ms"]
+            print(f"{name:30s} batch {batch:3d}: bf16 / fp32 decode tokens/s {fp32 / bf16:.2f}x", flush=True)
     return rows
 
 
@@ -350,13 +478,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds; medians are reported")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both engines")
     parser.add_argument("--sweep-compact-at", action="store_true", help="also time compaction thresholds")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="both sides' weights and compute")
+    parser.add_argument("--roofline", action="store_true", help="scalerl fp32 vs bf16 against the memory roofline")
+    parser.add_argument("--layers-05b", dest="layers_05b", type=int, default=24,
+                        help="--roofline: decoder layers of the 0.5B-shaped model (24 in the real one; 0: skip it)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="--roofline: tokens per timed run")
+    parser.add_argument("--compile-cost", action="store_true", help="torch.compile's warm-up vs its step time")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with open("/proc/loadavg") as f:
         print(f"load average before: {f.read().split()[:3]}")
+    if args.compile_cost:
+        compile_cost()
+        return
+    if args.roofline:
+        rows = run_roofline(args.repeats, args.layers_05b, args.new_tokens)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     with tempfile.TemporaryDirectory() as tmp:
-        rows = run(args.lengths, args.repeats, tmp, args.sweep_compact_at)
+        rows = run(args.lengths, args.repeats, tmp, args.sweep_compact_at, dtype)
     for kind in ("fixed", "rl"):
         ratios = [r["ratio"] for r in rows if r["lengths"] == kind]
         if ratios:

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from scalerl.models.decode_model import DecodeModel, fused_decode_unsupported
 from scalerl.models.decoder import CausalLM
 from scalerl.models.kv_cache import KVCache
 from scalerl.parallel.fsdp_generation import gathered_once
@@ -95,8 +96,20 @@ class BuiltinEngine:
         compact_at: float | None = 0.125,
         logits_processor: LogitsProcessor | None = None,
         max_num_seqs: int = 0,
+        dtype: torch.dtype | None = None,
+        fused: bool = True,
     ):
         self.model = model
+        # Generation's compute dtype on the fused path (None: the parameters'); bf16 over fp32 parameters
+        # computes as a bf16 autocast forward does, from bf16 copies laid out once per weight sync
+        # (`DecodeModel`). ``fused=False`` decodes with the model's own forward (the reference the tests use).
+        self.dtype = dtype
+        self.fused = fused and fused_decode_unsupported(model) is None
+        self.decode_model: DecodeModel | None = None
+        # bf16 decoding's log-probs differ from a bf16-autocast training forward over the same tokens (small
+        # model: mean 1.9e-2, max 8.6e-2, about half autocast's own distance from fp32; the autocast forward is
+        # batch-invariant, 0.0 between micro-batch sizes): the trainer recomputes them (docs/models.md).
+        self.logprobs_match_training_forward = self.compute_dtype == torch.float32
         self.pad_token_id = pad_token_id
         # With sharded or tensor-parallel weights every forward is a collective, so the ranks agree on when
         # to stop (`DistContext.all_finished`); alone, a rank decides for itself.
@@ -113,6 +126,30 @@ class BuiltinEngine:
         # Rows decoding at once (`rollout.max_num_seqs`): a larger batch goes through continuous batching, a
         # finished row's slot refilled from the rest at once (`continuous_engine`); 0: one fixed batch.
         self.max_num_seqs = max_num_seqs
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What decoding computes in: ``dtype`` on the fused path, else the parameters' own (the model's
+        forward, unchanged: sharded, pipeline-cut and unfused architectures)."""
+        return (self.dtype if self.fused else None) or self.model.embed_tokens.weight.dtype
+
+    def refresh_weights(self) -> int:
+        """Lay the model's current weights out for decoding (after an optimizer step or weight load);
+        returns the bytes written (0 where the model's own forward decodes)."""
+        if not self.fused:
+            return 0
+        if self.decode_model is None:
+            self.decode_model = DecodeModel(self.model, self.compute_dtype)
+            return self.decode_model.weight_bytes
+        return self.decode_model.refresh()
+
+    def _forward(self, sharded: bool) -> Callable[..., torch.Tensor]:
+        """The forward generation calls: the fused one over up-to-date weights, else the model's own."""
+        if not self.fused or sharded:
+            return self.model
+        if self.decode_model is None or self.decode_model.is_stale():
+            self.refresh_weights()  # a weight write no sync announced (a test, a direct load)
+        return self.decode_model
 
     # The receiving interface of weight sync (scalerl/rollout/weight_loading.py).
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -141,7 +178,7 @@ class BuiltinEngine:
         if 0 < self.max_num_seqs < len(prompts) and not decodes_in_lockstep(self.model):
             return self._generate_continuous(prompts, sampling)
         with torch.no_grad() if sharded else torch.inference_mode(), gathered_once(self.model):
-            return self._generate(prompts, sampling)
+            return self._generate(prompts, sampling, self._forward(sharded))
 
     def continuous_engine(self, max_prompt_len: int, max_new_tokens: int, max_num_seqs: int | None = None):
         """A continuous-batching engine on this engine's model and settings (``max_num_seqs`` rows, by default
@@ -171,7 +208,8 @@ class BuiltinEngine:
         return GenerationOutput(prompt_ids.to(device), prompt_mask.to(device), response_ids.to(device),
                                 response_mask.to(device), logprobs.to(device), [o.finish_reason for o in outputs])
 
-    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                  forward: Callable[..., torch.Tensor]) -> GenerationOutput:
         model = self.model
         device = model.embed_tokens.weight.device
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
@@ -195,7 +233,7 @@ class BuiltinEngine:
         tokens_out = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=device)
         logprobs_out = torch.zeros((batch, max_new), dtype=torch.float32, device=device)
 
-        logits = model(prompt_ids, attention_mask=prompt_mask, kv_cache=cache, cache_start=0, logits_to_keep=1)
+        logits = forward(prompt_ids, attention_mask=prompt_mask, kv_cache=cache, cache_start=0, logits_to_keep=1)
         steps, checked = max_new, 0
         for t in range(max_new):
             tokens = self._sample(logits[:, -1], rows, t, sampling, generator, tokens_out, logprobs_out)
@@ -214,7 +252,7 @@ class BuiltinEngine:
                     cache.keep_rows(keep, filled=prompt_len + t)  # the cache holds positions < prompt_len + t
             rows.positions = rows.positions + 1
             cur = prompt_len + t
-            logits = model(
+            logits = forward(
                 tokens.unsqueeze(1),
                 attention_mask=rows.key_mask[:, : cur + 1],
                 position_ids=rows.positions,

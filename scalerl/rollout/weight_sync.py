@@ -7,6 +7,8 @@ reports ``comm/weight_sync_bytes``, the bytes that reached generating copies on 
 
 - `SharedWeights`: the engine generates with the trained parameters themselves (the built-in engine,
   colocated): nothing moves;
+- `RefreshEngineLayout`: the same, with the built-in engine's decode layout (packed, maybe bf16) rewritten
+  from the parameters (0.5B-shaped: see docs/performance.md for its cost);
 - `ReplicaRefresh`: pipeline ranks train stages and generate on a full replica, refreshed from the stages
   (`PipelineRunner.refresh_replica`, which counts its broadcasts and gathers as ``weight_sync``);
 - `LoadIntoEngine`: a colocated engine with a copy of its own (vLLM) loads the policy's tensors by name;
@@ -58,6 +60,19 @@ class SharedWeights:
 
     def sync(self) -> dict[str, float]:
         return {BYTES: 0.0}
+
+
+class RefreshEngineLayout:
+    """The engine reads the policy's parameters through a decode layout of its own (packed q/k/v and gate/up,
+    bf16 copies: `scalerl.models.decode_model`), laid out again after each step; nothing crosses ranks."""
+
+    def __init__(self, engine, local: WeightSync):
+        self.engine, self.local = engine, local
+
+    def sync(self) -> dict[str, float]:
+        metrics = self.local.sync()
+        self.engine.refresh_weights()
+        return metrics
 
 
 class ReplicaRefresh:
@@ -136,4 +151,6 @@ def local_weight_sync(policy: ModelParts) -> WeightSync:
 def colocated_weight_sync(engine: RolloutEngine, policy: ModelParts) -> WeightSync:
     """The strategy for an engine on the trainer's own ranks."""
     local = local_weight_sync(policy)
-    return local if engine.shares_trainer_weights else LoadIntoEngine(engine, policy, local)
+    if not engine.shares_trainer_weights:
+        return LoadIntoEngine(engine, policy, local)
+    return RefreshEngineLayout(engine, local) if hasattr(engine, "refresh_weights") else local

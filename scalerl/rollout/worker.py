@@ -58,6 +58,7 @@ class RolloutWorker:
                 self.stats.requests += 1
             elif op == OP_WEIGHTS:
                 serve_broadcast(self.receiver.handle, self.sync_group, self.driver, self.device, self.timeout_s)
+                self.engine.refresh_weights()  # the decode layout (packed, oneDNN-blocked) of the new weights
                 self.stats.weight_loads += 1
             elif op == OP_STOP:
                 return self.stats

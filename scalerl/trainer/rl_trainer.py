@@ -23,7 +23,7 @@ from scalerl.algorithms.importance import truncated_importance_weights
 from scalerl.algorithms.loss_registry import get_policy_loss
 from scalerl.core.algorithm_names import needs_critic, needs_greedy_baseline
 from scalerl.core.config import Config
-from scalerl.core.device import resolve_device
+from scalerl.core.device import compute_dtype, resolve_device
 from scalerl.data.errors import DataError
 from scalerl.data.prompts import check_prompts, encode_prompts
 from scalerl.data.sources import prompt_stream_from_config, reward_from_config, rows_from_config
@@ -154,7 +154,8 @@ class RLTrainer(TrainingRun):
     def _build_engine(self):
         if self.cfg.rollout.engine == "builtin":
             return BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=self.dist.all_finished,
-                                 max_num_seqs=self.cfg.rollout.max_num_seqs)
+                                 max_num_seqs=self.cfg.rollout.max_num_seqs,
+                                 dtype=compute_dtype(self.autocast.precision, getattr(torch, self.cfg.model.dtype)))
         from scalerl.rollout.vllm_engine import VLLMEngine
 
         source = self.cfg.trainer.init_from or self.cfg.model.path

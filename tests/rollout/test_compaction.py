@@ -40,11 +40,12 @@ class ForcedStops:
 
 
 class RowsPerForward:
-    """Records the batch size of every forward the model runs."""
+    """Records the batch size of every forward the model runs (at its embedding, which the model's own and
+    the fused decode forward both call)."""
 
     def __init__(self, model):
         self.sizes: list[int] = []
-        self.handle = model.register_forward_pre_hook(lambda _, args: self.sizes.append(args[0].shape[0]))
+        self.handle = model.embed_tokens.register_forward_pre_hook(lambda _, args: self.sizes.append(args[0].shape[0]))
 
     def __enter__(self):
         return self.sizes

@@ -23,6 +23,7 @@ from scalerl.rollout.weight_sync import (
     BYTES,
     LoadIntoEngine,
     PushToWorkers,
+    RefreshEngineLayout,
     ReplicaRefresh,
     SharedWeights,
     colocated_weight_sync,
@@ -66,6 +67,25 @@ def test_colocated_placements_get_their_strategy():
     assert isinstance(colocated_weight_sync(shared_engine, pipeline), ReplicaRefresh)
     assert ReplicaRefresh(pipeline).sync() == {BYTES: 1234.0} and events == ["refresh"]
     assert isinstance(colocated_weight_sync(_OwnCopyEngine(events), pipeline), LoadIntoEngine)
+
+
+def test_the_builtin_engine_is_relaid_out_after_each_step():
+    """Colocated, the built-in engine shares the parameters but decodes from a layout of its own
+    (`scalerl.models.decode_model`): the sync rewrites it, so the next rollout sees the step's weights."""
+    from scalerl.rollout.builtin_engine import BuiltinEngine
+    from tests.tiny import tiny_model
+
+    model = tiny_model().eval()
+    engine = BuiltinEngine(model, pad_token_id=0, dtype=torch.bfloat16)
+    sync = colocated_weight_sync(engine, SimpleNamespace(model=model))
+    assert isinstance(sync, RefreshEngineLayout)
+    prompts, greedy = [[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0.0)
+    before = engine.generate(prompts, greedy).logprobs
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)  # what an optimizer step does: write the parameters in place
+    assert sync.sync() == {BYTES: 0.0} and not engine.decode_model.is_stale()
+    after = engine.generate(prompts, greedy).logprobs
+    assert not torch.equal(before, after)
 
 
 def test_an_engine_with_its_own_copy_loads_the_refreshed_replica():
