@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from scalerl.algorithms.estimator_registry import AdvantageInputs, get_advantage_estimator
-from scalerl.algorithms.importance import truncated_importance_weights
+from scalerl.algorithms.importance import rollout_correction_weights
 from scalerl.algorithms.loss_registry import get_policy_loss
 from scalerl.core.algorithm_names import needs_critic, needs_greedy_baseline
 from scalerl.core.config import Config
@@ -173,8 +173,8 @@ class RLTrainer(TrainingRun):
                 reward_baselines = self._greedy_baselines(self.step_rows, metrics)
         # The rollout's log-probs equal an fp32 training forward where its source says so (with
         # rollout.stale_logprobs=behavior, of the one-step-old policy PPO then takes its ratio against);
-        # otherwise (autocast, bf16 workers, one-step-stale weights, another engine) they are recomputed, and the
-        # rollout's own log-probs weigh the loss by truncated importance sampling.
+        # otherwise (autocast, bf16 workers, stale weights, another engine) they are recomputed (decoupled PPO's
+        # proximal policy), and the rollout's own log-probs weigh the loss (rollout.is_level/is_mode/is_cap).
         reuse_logprobs = self.rollouts.logprobs_match_training_forward and cfg.trainer.precision == "fp32"
         with timer("old_log_prob"):
             if reuse_logprobs:
@@ -182,10 +182,11 @@ class RLTrainer(TrainingRun):
             else:
                 batch.old_logprobs = response_logprobs(self.policy.model, batch, temperature, micro, self.autocast,
                                                          self.packed_kernel)
-                weights, mismatch = truncated_importance_weights(
-                    batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.rollout.tis_cap)
-                batch.is_weights = weights if cfg.rollout.tis_cap else None
-                metrics.update(mismatch)
+                r, cap = cfg.rollout, cfg.rollout.correction_cap
+                weights, mismatch = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
+                                                               batch.response_mask, r.is_level, r.is_mode, cap or 1.0)
+                batch.is_weights = weights if cap else None
+                metrics.update(mismatch if cap else {k: v for k, v in mismatch.items() if k.startswith("rollout/")})
         if self.reference is not None:
             with timer("ref"):
                 batch.ref_logprobs = response_logprobs(self.reference.model, batch, temperature, micro, self.autocast,
