@@ -349,6 +349,10 @@ class WeightSyncSection(_Section):
                             "static_threshold for up to this many syncs; 0 = off (lossless)")
     static_threshold: float = opt(0.0, "lossy option: largest absolute change a deferred tensor may carry",
                                   at_least=0)
+    background: bool = opt(True, "standalone workers with rollout.staleness >= 1: after the optimizer step, the "
+                                 "trainer takes a snapshot of the weights and a background thread pushes it, so "
+                                 "the next step does not wait "
+                                 "for the push (false: the push runs in the step)")
 
     def problems(self) -> list[str]:
         p: list[str] = []
