@@ -184,10 +184,10 @@ def test_standalone_steps_count_what_the_trainer_sends(runs, run):
 def test_pipeline_ranks_split_generation_and_reproduce_one_process(runs):
     """With pp=2 each pipeline rank generates half of the rows on its replica and they exchange them: the
     same samples as one process (scores and lengths equal), each rank sending one half's outputs per step
-    (32 rows of 8 prompts x 4 samples: 16 rows x (16 B per prompt token + 20 B per response token + 1) and
-    the 200-byte message header, under 16 x (16 x 64 + 20 x 8 + 1) + 200 at the longest prompts)."""
+    (32 rows of 8 prompts x 4 samples: 16 rows x (16 B per prompt token + 24 B per response token + 1) and
+    the 232-byte message header, under 16 x (16 x 64 + 24 x 8 + 1) + 232 at the longest prompts)."""
     reference, mine = _metrics(runs / "colocated_32_rows"), _metrics(runs / "pipeline")
     assert [r["critic/score/mean"] for r in mine] == [r["critic/score/mean"] for r in reference]
     assert [r["response_length/mean"] for r in mine] == [r["response_length/mean"] for r in reference]
     for row in mine:
-        assert 200 < row["comm/bytes/rollout"] < 16 * (16 * 64 + 20 * 8 + 1) + 200
+        assert 232 < row["comm/bytes/rollout"] < 16 * (16 * 64 + 24 * 8 + 1) + 232
