@@ -151,7 +151,7 @@ class BackgroundPush:
     def __init__(self, push: PushToWorkers):
         self.push = push
         self.thread: threading.Thread | None = None
-        self.outcome: tuple[SyncReport | None, BaseException | None] = (None, None)
+        self.outcome: tuple[SyncReport | None, Exception | None] = (None, None)
         self.moved = 0.0
 
     def sync(self, version: int = 0) -> dict[str, float]:
@@ -188,7 +188,7 @@ class BackgroundPush:
     def _run(self, snapshot: list[tuple[str, torch.Tensor]]) -> None:
         try:
             self.outcome = (self.push.sender.sync(snapshot), None)
-        except BaseException as e:  # re-raised on the trainer's thread by `wait`
+        except Exception as e:  # re-raised on the trainer's thread by `wait`
             self.outcome = (None, e)
 
 

@@ -22,17 +22,21 @@ encoding (`broadcast_output`).
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from collections import deque
-from dataclasses import dataclass
-
 from scalerl.core.errors import UserError
 from scalerl.parallel.distributed import DistContext
 from scalerl.rollout.engine import GenerationOutput, SamplingParams
-from scalerl.rollout.messages import PendingSend, broadcast_tensors, isend_tensors, recv_tensors
+from scalerl.rollout.messages import (
+    PendingSend,
+    broadcast_tensors,
+    isend_tensors,
+    recv_tensors,
+)
 
 OP_GENERATE, OP_WEIGHTS, OP_STOP = 1, 2, 3
 

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from scalerl.algorithms.importance import truncated_importance_weights
+from scalerl.algorithms.importance import rollout_correction_weights, truncated_importance_weights
+from scalerl.algorithms.losses import policy_loss
 
 
 def test_weights_are_the_capped_ratio_and_zero_on_padding():
@@ -25,8 +26,6 @@ def test_equal_log_probs_give_unit_weights():
 
 
 # ---- transcriptions of the published formulas (written out here, never imported) ----------------------
-from scalerl.algorithms.importance import rollout_correction_weights  # noqa: E402
-from scalerl.algorithms.losses import policy_loss  # noqa: E402
 
 
 def _trl_ratio(old, sampling, mask, mode, cap):

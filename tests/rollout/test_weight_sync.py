@@ -19,16 +19,6 @@ from scalerl.core.config import load_config
 from scalerl.parallel.parallelize import PipelineParts
 from scalerl.rollout.engine import GenerationOutput, SamplingParams
 from scalerl.rollout.sources import StandaloneRollouts, StepPrompts
-from scalerl.rollout.worker_protocol import (
-    OP_GENERATE,
-    OP_WEIGHTS,
-    RolloutWorkerError,
-    WorkerDriver,
-    decode_reply,
-    encode_reply,
-    request_op,
-    token_versions,
-)
 from scalerl.rollout.weight_sync import (
     BYTES,
     EXPOSED,
@@ -39,6 +29,16 @@ from scalerl.rollout.weight_sync import (
     SharedWeights,
     colocated_weight_sync,
     local_weight_sync,
+)
+from scalerl.rollout.worker_protocol import (
+    OP_GENERATE,
+    OP_WEIGHTS,
+    RolloutWorkerError,
+    WorkerDriver,
+    decode_reply,
+    encode_reply,
+    request_op,
+    token_versions,
 )
 
 

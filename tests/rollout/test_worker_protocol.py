@@ -42,7 +42,11 @@ def test_an_output_round_trips():
 
 
 def test_every_token_carries_its_policy_version_and_the_reply_its_idle_time():
-    from scalerl.rollout.worker_protocol import decode_reply, encode_reply, token_versions
+    from scalerl.rollout.worker_protocol import (
+        decode_reply,
+        encode_reply,
+        token_versions,
+    )
 
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     out = GenerationOutput(torch.tensor([[5], [6]]), torch.ones(2, 1, dtype=torch.long), torch.tensor([[1, 2, 0], [3, 0, 0]]),
