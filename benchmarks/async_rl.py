@@ -1,7 +1,17 @@
-"""Synchronous vs one-step asynchronous RL with one standalone rollout worker: step time and the
-reward / held-out accuracy curve, same seed.
+"""Synchronous vs asynchronous RL with standalone rollout workers: step time (samples/s) and, on the demo,
+the reward / held-out accuracy curve, same seed.
 
     python benchmarks/async_rl.py [--steps 120] [--sft-steps 1000] [--batch-size 64] [--json FILE]
+    python benchmarks/async_rl.py --setting long [--staleness 0 1 2 4] [--workers 1 2] [--seeds 0 1 2]
+
+``--setting long`` is generation-heavy: the demo's model untrained (no SFT), so responses run until the
+stop character comes up at random or ``--max-new-tokens`` (256), 4 prompts x 8 samples per step. Its reward
+is 0 everywhere (an untrained model never answers), so advantages are 0 and the weights never change: every
+mode generates the same lengths from the same weights and the comparison is of the pipeline alone, while
+the update still runs its full forward and backward. The push is dense (``weight_sync.mode=full``), what a
+sync of weights that did change costs here. It prints, per worker count, samples/s and each staleness's
+ratio over synchronous (the median step over steps 3 onwards; the median over seeds of each), with the
+trainer's and the workers' idle time and the weight push's exposed and own time.
 
 The demo's configuration (built-in model and task): an SFT warm start on the weak teacher's data (cached in
 outputs/bench_async_rl/sft), then GRPO with one trainer rank and one rollout worker rank (world 2, gloo on
@@ -49,6 +59,90 @@ def warm_start(sft_steps: int) -> Path:
     return Path(train_sft(cfg)["model_dir"])
 
 
+LONG = ["trainer.batch_size=4", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size=32",
+        "weight_sync.mode=full", "trainer.eval_every=0", "data.num_val=8"]
+
+
+def _long(rank: int, steps: int, staleness: int, workers: int, seed: int, max_new_tokens: int,
+          background: bool = True, stale_logprobs: str = "recompute") -> None:
+    from scalerl.trainer.rl_trainer import train
+
+    train(_demo_config([*LONG, f"trainer.total_steps={steps}", f"trainer.seed={seed}", "trainer.overwrite=true",
+                        f"rollout.max_new_tokens={max_new_tokens}", "rollout.placement=standalone",
+                        f"rollout.workers={workers}", f"rollout.staleness={staleness}",
+                        f"weight_sync.background={str(background).lower()}",
+                        *([f"rollout.stale_logprobs={stale_logprobs}"] if staleness else []),
+                        f"trainer.output_dir={_long_dir(staleness, workers, seed, background, stale_logprobs)}"]))
+
+
+def _long_dir(staleness: int, workers: int, seed: int, background: bool = True, stale_logprobs: str = "recompute") -> Path:
+    suffix = ("" if background else "-inline-push") + ("-behavior" if staleness and stale_logprobs == "behavior" else "")
+    return OUT / "long" / f"workers{workers}-staleness{staleness}-seed{seed}{suffix}"
+
+
+def summarize_long(run: Path) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0][2:]
+    median = {k: statistics.median(r[k] for r in steps) for k in (
+        "timing_s/step", "timing_s/trainer_idle", "timing_s/rollout_idle", "timing_s/update_actor",
+        "timing_s/old_log_prob", "timing_s/weight_sync_exposed", "weight_sync/push_s", "response_length/mean")}
+    return {"median": median, "staleness_max": max(r["rollout/staleness/max"] for r in steps)}
+
+
+def main_long(args) -> None:
+    n = _demo_config([]).rollout.n
+    sequences = 4 * n
+    table: dict[tuple[int, int], list[dict]] = {}
+    for workers in args.workers:
+        for seed in args.seeds:  # every staleness of a seed back to back: a shared machine's load drifts slowly
+            for staleness in args.staleness:
+                run_in_group(_long, 1 + workers, args.steps, staleness, workers, seed, args.max_new_tokens, True,
+                             args.stale_logprobs, timeout_s=3600)
+                table.setdefault((workers, staleness), []).append(
+                    summarize_long(_long_dir(staleness, workers, seed, True, args.stale_logprobs)))
+    results = {}
+    for (workers, staleness), runs in table.items():
+        med = {k: statistics.median(r["median"][k] for r in runs) for k in runs[0]["median"]}
+        steps = [r["median"]["timing_s/step"] for r in runs]
+        base = [r["median"]["timing_s/step"] for r in table.get((workers, 0), [])]
+        ratios = [b / s for b, s in zip(base, steps)]  # per seed: synchronous step over this one, same block
+        results[f"workers={workers},staleness={staleness}"] = {
+            **med, "samples_per_s": sequences / med["timing_s/step"], "step_s_per_seed": steps,
+            "ratio_per_seed": ratios, "staleness_max": max(r["staleness_max"] for r in runs)}
+    print(f"{sequences} samples per step, {args.steps} steps, seeds {args.seeds}, rollout.stale_logprobs="
+          f"{args.stale_logprobs} when stale; medians over steps 3+ and seeds")
+    print("| workers | staleness | step | samples/s | trainer idle | rollout idle | update | old log-probs | "
+          "push exposed | push own | vs sync, per seed (median) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for workers in args.workers:
+        for staleness in args.staleness:
+            r = results[f"workers={workers},staleness={staleness}"]
+            ratios = r["ratio_per_seed"]
+            ratio = (f"{', '.join(f'{x:.2f}' for x in ratios)} ({statistics.median(ratios):.2f}x)" if ratios
+                     else "-")
+            print(f"| {workers} | {staleness} | {r['timing_s/step']:.3f} s | {r['samples_per_s']:.1f} | "
+                  f"{r['timing_s/trainer_idle']:.3f} s | {r['timing_s/rollout_idle']:.3f} s | "
+                  f"{r['timing_s/update_actor']:.3f} s | {r['timing_s/old_log_prob']:.3f} s | "
+                  f"{r['timing_s/weight_sync_exposed']:.3f} s | {r['weight_sync/push_s']:.3f} s | {ratio} |")
+    if args.inline_push:  # the same staleness with the push in the step: what the background push saves
+        print("| workers | staleness | push | step | push exposed | push own |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for workers in args.workers:
+            for staleness in (s for s in args.staleness if s > 0):
+                for background in (False, True):
+                    if not background:
+                        run_in_group(_long, 1 + workers, args.steps, staleness, workers, args.seeds[0],
+                                     args.max_new_tokens, False, args.stale_logprobs, timeout_s=3600)
+                    m = summarize_long(_long_dir(staleness, workers, args.seeds[0], background,
+                                                 args.stale_logprobs))["median"]
+                    results[f"workers={workers},staleness={staleness},background={background}"] = m
+                    print(f"| {workers} | {staleness} | {'background' if background else 'in the step'} | "
+                          f"{m['timing_s/step']:.3f} s | {m['timing_s/weight_sync_exposed']:.3f} s | "
+                          f"{m['weight_sync/push_s']:.3f} s |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
 def _grpo(rank: int, sft_model: str, steps: int, staleness: int, batch_size: int, rollout_dtype: str,
           stale_logprobs: str, sync_mode: str) -> None:
     from scalerl.trainer.rl_trainer import train
@@ -92,7 +186,8 @@ def summarize(run: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=120, help="GRPO steps per run (the demo's 120)")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps per run (demo: the demo's 120; "
+                        "long: 12)")
     parser.add_argument("--sft-steps", type=int, default=1000, help="SFT warm-start steps (the demo's 1000)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per step (the demo's 64)")
     parser.add_argument("--rollout-dtype", default="fp32", choices=("fp32", "bf16"),
@@ -104,8 +199,22 @@ def main() -> None:
     parser.add_argument("--weight-sync", default="delta", choices=("delta", "full", "auto"),
                         help="weight_sync.mode of both runs (full: dense pushes, cheaper in time than encoding "
                              "deltas when the worker is on the same host)")
+    parser.add_argument("--setting", default="demo", choices=("demo", "long"),
+                        help="demo: the demo's SFT warm start, synchronous vs one-step; long: generation-heavy")
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4], help="long: rollout.staleness values")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1], help="long: rollout.workers values")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="long: trainer.seed values")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="long: rollout.max_new_tokens")
+    parser.add_argument("--inline-push", action="store_true",
+                        help="long: also run each staleness >= 1 with weight_sync.background=false (first seed), "
+                             "and print the push's exposed time both ways")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
+    if args.setting == "long":
+        args.steps = args.steps or 12
+        main_long(args)
+        return
+    args.steps = args.steps or 120
     sft_model = warm_start(args.sft_steps)
     results = {}
     for staleness in (0, 1):

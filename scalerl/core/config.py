@@ -74,6 +74,8 @@ DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_REWARDS = ("auto", "gsm8k", "math", "none")  # none: data.reward_model alone
 ROLLOUT_DTYPES = ("bf16", "fp32")
 STALE_LOGPROBS = ("recompute", "behavior")
+IS_LEVELS = ("token", "sequence")  # scalerl.algorithms.importance's (core sits below algorithms)
+IS_MODES = ("truncate", "mask")
 WEIGHT_SYNC_MODES = ("full", "delta", "auto")
 # The built-in model (model.path unset): its context and its vocabulary (the 99 characters of the built-in
 # tokenizer, rounded up for aligned matmuls).
@@ -291,15 +293,26 @@ class RolloutSection(_Section):
     workers: int = opt(1, "standalone: rollout worker ranks, the last ranks of the world")
     dtype: str = opt("fp32", "standalone: the workers' weight dtype, and what weight sync sends: "
                      + " | ".join(ROLLOUT_DTYPES))
-    staleness: int = opt(0, "standalone: 0 = generate with the latest weights; 1 = generate step k+1 with "
-                            "step k's weights while the trainer updates (one-step asynchronous)")
-    tis_cap: float = opt(2.0, "truncated importance sampling: cap of exp(old - rollout log-prob) per token, applied "
-                              "when rollout log-probs come from other weights or numerics; 0 = off", at_least=0)
-    stale_logprobs: str = opt("recompute", "rollout.staleness=1: PPO's old log-probs are recomputed with the current "
-                                           "weights (recompute; the rollout's own weigh the loss by TIS) or are the "
-                                           "rollout's own, the one-step-old behaviour policy's (behavior: standard "
-                                           "PPO, no extra forward; fp32 workers only, whose log-probs equal the "
-                                           "trainer's forward)")
+    staleness: int = opt(0, "standalone: K >= 0, the most policy versions a trained sample may lag: the prompts "
+                            "of steps k+1..k+K go to the workers while step k trains (0 = synchronous, 1 = one-step "
+                            "asynchronous); older samples are dropped from the loss and counted")
+    is_level: str = opt("token", "off-policy correction of rollouts sampled by other weights or numerics: one "
+                                 "importance weight per token | per sequence (" + " | ".join(IS_LEVELS) + ")")
+    is_mode: str = opt("truncate", "what the cap does to a weight above it: truncate (min(w, cap), verl's TIS) | "
+                                   "mask (0: TRL's *_mask, AReaL's decoupled PPO at is_level=token)")
+    is_cap: float = opt(2.0, "importance weight cap, w = exp(old - rollout log-prob) per token or sequence; "
+                             "0 = no correction", at_least=0)
+    tis_cap: float | None = opt(None, "alias of rollout.is_cap kept for existing configs; when set it is the cap")
+    stale_logprobs: str = opt("recompute", "rollout.staleness >= 1: PPO's old log-probs are recomputed with the "
+                                           "current weights (recompute: the proximal policy of decoupled PPO; the "
+                                           "rollout's own weigh the loss per rollout.is_*) or are the rollout's own, "
+                                           "the behaviour policy's (behavior: standard PPO, no extra forward; fp32 "
+                                           "workers only, whose log-probs equal the trainer's forward)")
+
+    @property
+    def correction_cap(self) -> float:
+        """The importance weight cap in force: rollout.tis_cap where a config sets it, else rollout.is_cap."""
+        return self.is_cap if self.tis_cap is None else self.tis_cap
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -310,10 +323,13 @@ class RolloutSection(_Section):
         _check_choice(p, "rollout.placement", self.placement, ROLLOUT_PLACEMENTS)
         _check(p, self.workers >= 1, "rollout.workers", ">= 1", self.workers)
         _check_choice(p, "rollout.dtype", self.dtype, ROLLOUT_DTYPES)
-        _check(p, self.staleness in (0, 1), "rollout.staleness", "0 or 1", self.staleness)
+        _check(p, self.staleness >= 0, "rollout.staleness", ">= 0", self.staleness)
+        _check_choice(p, "rollout.is_level", self.is_level, IS_LEVELS)
+        _check_choice(p, "rollout.is_mode", self.is_mode, IS_MODES)
+        _check(p, self.tis_cap is None or self.tis_cap >= 0, "rollout.tis_cap", ">= 0 or null", self.tis_cap)
         _check_choice(p, "rollout.stale_logprobs", self.stale_logprobs, STALE_LOGPROBS)
         if self.stale_logprobs == "behavior" and not (self.staleness and self.dtype == "fp32"):
-            p.append("rollout.stale_logprobs=behavior needs rollout.staleness=1 and rollout.dtype=fp32 (got "
+            p.append("rollout.stale_logprobs=behavior needs rollout.staleness >= 1 and rollout.dtype=fp32 (got "
                      f"staleness={self.staleness}, dtype={self.dtype}): without staleness the rollouts are on-policy "
                      "already, and bf16 workers' log-probs differ from the trainer's forward, so they are recomputed")
         if self.placement == "colocated" and (self.staleness or self.dtype != "fp32"):
@@ -336,6 +352,10 @@ class WeightSyncSection(_Section):
                             "static_threshold for up to this many syncs; 0 = off (lossless)")
     static_threshold: float = opt(0.0, "lossy option: largest absolute change a deferred tensor may carry",
                                   at_least=0)
+    background: bool = opt(True, "standalone workers with rollout.staleness >= 1: after the optimizer step, the "
+                                 "trainer takes a snapshot of the weights and a background thread pushes it, so "
+                                 "the next step does not wait "
+                                 "for the push (false: the push runs in the step)")
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -756,6 +776,10 @@ class Config(_Section):
         if self.parallel.ep > 1 and self.rollout.placement == "standalone":
             p.append(f"parallel.ep={self.parallel.ep} with rollout.placement=standalone: weight pushes to rollout "
                      "workers do not gather the sharded experts yet; use rollout.placement=colocated")
+        if self.rollout.staleness > 1 and self.algorithm.filter_groups.enable:
+            p.append(f"rollout.staleness={self.rollout.staleness} with algorithm.filter_groups.enable=true: dynamic "
+                     "sampling's further rounds would draw prompts between steps already sent ahead, so a resumed "
+                     "run could not draw the same; use rollout.staleness <= 1 with dynamic sampling")
         p += _lora_problems(self)
         p += _sequence_parallel_problems(self)
         return p

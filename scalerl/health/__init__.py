@@ -6,7 +6,8 @@ monitor and `scalerl doctor` share them and tests feed them recorded measurement
 - `thresholds`: every rule's leaf, thresholds with reasons, and fix, as data (`RULES`);
 - `step_rules`: rules on step metrics: communication share, achieved bandwidth, memory, host-device
   copies, data wait, checkpoint interval, non-finite values, reward collapse, and `run_step_rules`; compute
-  load (stragglers, token imbalance, granularity) in `compute_rules`;
+  load (stragglers, token imbalance, granularity) in `compute_rules`; MoE routing in `expert_rules`; the
+  rollout pipeline (trainer and worker idle time, the generation long tail) in `rollout_rules`;
 - `cluster_rules`: rules on the distributed check's facts and measurements (communication), with
   `node_rules` (which ranks share a node and its name; devices, memory, copies, storage);
 - `wording`: findings built from the rules' data, numbers as text;

@@ -23,6 +23,14 @@ RECENT_STEPS = 10  # steps whose slowest rank the straggler rule compares (a str
 RECENT_KEYS = ("timing_s/busy/slowest_rank", "timing_s/busy/max", "timing_s/busy", "moe/expert_load_imbalance")
 
 
+def _rollout_context(rollout: Any) -> dict[str, Any]:
+    """What the rollout pipeline's rules read (`scalerl.health.rollout_rules`); an SFT run has none."""
+    if rollout is None:
+        return {}
+    return {"rollout_placement": rollout.placement, "rollout_staleness": rollout.staleness,
+            "rollout_workers": rollout.workers}
+
+
 class HealthMonitor:
     """``observe(step, metrics)`` after each step; returns ``health/*`` metrics on checked steps."""
 
@@ -47,6 +55,7 @@ class HealthMonitor:
             "ranks_sharing_memory": local_ranks if device.type == "cpu" else 1,
             "ep": getattr(dims, "ep", 1),
             "moe_capacity_factor": getattr(getattr(cfg, "model", None), "moe_capacity_factor", None),
+            **_rollout_context(getattr(cfg, "rollout", None)),
         }
         return cls(every, context, None if log else (lambda message: None))
 

@@ -319,6 +319,35 @@ _RULES = (
                                       "GRPO's advantage is the reward minus its group mean: when every sample "
                                       "scores the same, advantages are 0 and the policy stops learning"),
          }),
+    # ------------------------------------------------------------------------------ rollout pipeline
+    Rule("trainer_idle", "rollout/trainer_idle",
+         "timing_s/trainer_idle over timing_s/step: the share of the step the trainer waited for rollouts from "
+         "standalone workers (beside it: the workers' own idle share, rollout.staleness, rollout.workers)",
+         "{fix}",
+         thresholds={"share": Threshold(
+             0.3, 0.6, True, " of the step",
+             "an asynchronous step should be the update alone: a trainer waiting a third of its step for "
+             "rollouts has its devices idle that long, and generation, not the update, sets the pace")}),
+    Rule("rollout_idle", "rollout/rollout_idle",
+         "timing_s/rollout_idle over timing_s/step: the mean share of the step a standalone worker waited for "
+         "requests or weights (receiving them included), as the workers report it",
+         "{fix}",
+         thresholds={"share": Threshold(
+             0.3, 0.6, True, " of the step",
+             "a worker waiting a third of the step for work has generation capacity the run does not use: "
+             "fewer workers would do, or more steps could be in flight")}),
+    Rule("generation_tail", "rollout/generation_tail",
+         "response_length/mean over response_length/max with timing_s/gen over timing_s/step: a batch decodes "
+         "as many steps as its longest response, so 1 - mean/max of its row-steps are spent on finished rows "
+         "or on few rows",
+         "{fix}",
+         thresholds={"mean_over_max": Threshold(
+             0.35, None, False, "x max",
+             "below about a third the longest responses make the batch decode 3x the steps an average one "
+             "needs; it matters only where generation is a real share of the step (gen_share)"),
+             "gen_share": Threshold(
+             0.25, None, True, " of the step",
+             "below a quarter of the step the tail costs little however long it is")}),
 )
 RULES: dict[str, Rule] = {rule.id: rule for rule in _RULES}
 

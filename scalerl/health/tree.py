@@ -2,7 +2,8 @@
 rules read (`StepView`).
 
 The first three branches are the seed's tree of distributed performance; the fourth holds what the online
-monitor watches besides speed (non-finite values, reward collapse). A leaf's status is the worst of its
+monitor watches besides speed (non-finite values, reward collapse); the fifth the rollout pipeline (idle
+time on either side of standalone workers, the generation long tail). A leaf's status is the worst of its
 findings; a leaf no check measured says "not measured", with why.
 """
 
@@ -66,6 +67,14 @@ TREE: tuple[Branch, ...] = (
     Branch("training", "training signal", (
         Leaf("training/non_finite", "non-finite values", "are losses and gradient norms finite?"),
         Leaf("training/reward_collapse", "reward collapse", "does the reward still vary and hold its level?"),
+    )),
+    Branch("rollout", "rollout pipeline", (
+        Leaf("rollout/trainer_idle", "trainer waiting for rollouts",
+             "does the trainer have the next step's rollouts when it needs them?"),
+        Leaf("rollout/rollout_idle", "rollout workers waiting",
+             "do standalone rollout workers always have a request to generate?"),
+        Leaf("rollout/generation_tail", "generation long tail",
+             "do a step's responses end at similar lengths, or does the longest keep the batch decoding?"),
     )),
 )
 LEAVES: dict[str, Leaf] = {leaf.id: leaf for branch in TREE for leaf in branch.leaves}

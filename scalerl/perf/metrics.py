@@ -48,6 +48,9 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "perf/update_tokens": "spread",
     "health/*": "max",
     "rollout/logprob_diff/max": "max",
+    "rollout/staleness/max": "max",  # scalerl/rollout/staleness.py: samples dropped (sum) and lag per rank
+    "rollout/dropped_stale": "sum",
+    "rollout_corr/*": "mean",  # scalerl/algorithms/importance.py: per-rank shares, equal token counts assumed
     "comm/bytes/total": "spread",
     "timing_s/*": "spread",
     "comm/bytes/*": "mean",

@@ -49,7 +49,8 @@ class GenerationOutput:
     token counts as generated). ``logprobs[i, t]`` is ``log softmax(logits / T)`` of the sampled token, T the
     sampling temperature (1 for greedy), i.e. the log-probability a full forward pass over
     ``prompt + response`` assigns, before top-k/top-p truncation. ``finish_reasons[i]`` is ``"stop"`` or
-    ``"length"``.
+    ``"length"``. ``weight_versions[i, t]``, where known, is the policy version (optimizer steps) of the
+    weights that generated token ``t`` (-1 on padding); a standalone worker sets it.
     """
 
     prompt_ids: torch.Tensor  # [B, P], left-padded
@@ -58,6 +59,7 @@ class GenerationOutput:
     response_mask: torch.Tensor  # [B, R]
     logprobs: torch.Tensor  # [B, R]
     finish_reasons: list[str]
+    weight_versions: torch.Tensor | None = None  # [B, R] int32
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -73,6 +75,7 @@ class GenerationOutput:
         return GenerationOutput(
             self.prompt_ids[start:stop, left:], prompt_mask[:, left:], self.response_ids[start:stop, :width],
             response_mask[:, :width], self.logprobs[start:stop, :width], self.finish_reasons[start:stop],
+            None if self.weight_versions is None else self.weight_versions[start:stop, :width],
         )
 
     @staticmethod
@@ -92,6 +95,8 @@ class GenerationOutput:
             torch.cat([pad(p.response_mask, response_width, False, 0) for p in parts]),
             torch.cat([pad(p.logprobs, response_width, False, 0.0) for p in parts]),
             [r for p in parts for r in p.finish_reasons],
+            torch.cat([pad(p.weight_versions, response_width, False, -1) for p in parts])
+            if all(p.weight_versions is not None for p in parts) else None,
         )
 
 

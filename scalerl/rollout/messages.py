@@ -4,6 +4,10 @@ A message is a list of tensors of any shapes and dtypes. It goes as the length o
 header (the count, then per tensor its dtype code, rank and sizes), then each tensor's bytes, so the
 receiver allocates exactly what arrives and nothing is ever unpickled. Every call names its peer and has
 the process group's timeout.
+
+gloo's ``send`` returns only once the peer has posted the matching ``recv``; `isend_tensors` returns at once
+(a `PendingSend` to wait on later), so a rollout worker can answer and start its next request, and the
+trainer can queue requests ahead, without either waiting for the other to read.
 """
 
 from __future__ import annotations
@@ -63,6 +67,32 @@ def send_tensors(tensors: list[torch.Tensor], dst: int, group=None, device: torc
         dist.send(wire, dst=dst, group=group)
         sent += wire.numel() * wire.element_size()
     return sent
+
+
+class PendingSend:
+    """A message in flight: its sends' handles and the tensors they read, kept alive until `wait`."""
+
+    def __init__(self, works: list, tensors: list[torch.Tensor], nbytes: int):
+        self.works, self.tensors, self.nbytes = works, tensors, nbytes
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.tensors = []
+
+
+def isend_tensors(tensors: list[torch.Tensor], dst: int, group=None,
+                  device: torch.device | None = None) -> PendingSend:
+    """`send_tensors` without waiting for the peer: the same bytes, in the same order (one peer's messages on
+    one group are received in the order they were sent)."""
+    device = device or torch.device("cpu")
+    header = _header(tensors).to(device)
+    wires = [torch.tensor([header.numel()], device=device), header, *(_wire(t.to(device)) for t in tensors)]
+    works = [dist.isend(w, dst=dst, group=group) for w in wires]
+    return PendingSend(works, wires, sum(w.numel() * w.element_size() for w in wires))
 
 
 def recv_tensors(src: int, group=None, device: torch.device | None = None) -> list[torch.Tensor]:

@@ -6,16 +6,21 @@ and both hold the weight sync that brings the generating weights up to date afte
 
 - `ColocatedRollouts`: each DP rank generates its share with the engine that shares the policy's weights
   (a pipeline's replica is refreshed from the stages);
-- `StandaloneRollouts`: the trainer's rank 0 splits the whole step's prompts over the workers by token
-  count (contiguous rows, so per-row random draws do not depend on the split), collects their outputs,
-  and every trainer rank receives them and keeps its share; new weights are pushed to every worker. With
-  ``rollout.staleness=1`` the next step's prompts go out before the update (`prefetch`), so generation
-  overlaps it; `collect_prefetched` receives them after the update and before the weights go out (the
-  workers serve requests in order).
+- `StandaloneRollouts`: the trainer's rank 0 splits the whole step's prompts into one part per worker by
+  token count (contiguous rows, so per-row random draws do not depend on the split), sends each part to
+  the worker with the fewest tokens in flight, collects their outputs, and every trainer rank receives them
+  and keeps its share; new weights are pushed to every worker. With ``rollout.staleness=K`` the prompts of
+  up to K later steps are in flight while a step trains (`prefetch`); the workers answer in request order,
+  and a step's outputs are collected when the trainer reaches it, so a request sent after the push of
+  version v is generated with v, whatever the timing. `step_metrics` reports the trainer's wait for
+  rollouts (``timing_s/trainer_idle``) and the workers' wait for requests or weights (``timing_s/rollout_idle``,
+  the mean over workers, as they report it).
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,7 +35,8 @@ from scalerl.rollout.engine import (
     SamplingParams,
     left_pad,
 )
-from scalerl.rollout.weight_sync import PushToWorkers, WeightSync, colocated_weight_sync
+from scalerl.rollout.messages import broadcast_tensors
+from scalerl.rollout.weight_sync import BackgroundPush, PushToWorkers, WeightSync, colocated_weight_sync
 from scalerl.rollout.worker_protocol import WorkerDriver, broadcast_output
 
 # Pipeline ranks split a generation only when each gets at least this many
@@ -105,11 +111,11 @@ class ColocatedRollouts:
     def prefetch(self, batch: StepPrompts | None) -> None:
         """Colocated generation uses the latest weights: nothing runs ahead."""
 
-    def collect_prefetched(self) -> None:
-        """Nothing was prefetched."""
-
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, version: int = 0) -> dict[str, float]:
         return self.weight_sync.sync()
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         pass
@@ -121,71 +127,83 @@ class StandaloneRollouts:
         self.dtype, self.staleness = ROLLOUT_DTYPES[rollout_cfg.dtype], rollout_cfg.staleness
         self.behavior_logprobs = rollout_cfg.stale_logprobs == "behavior"
         self.driver = WorkerDriver(ctx) if ctx.rank == 0 else None  # rank 0 talks to the workers
-        self.weight_sync: WeightSync = PushToWorkers.from_config(policy, ctx, self.driver, rollout_cfg.dtype,
-                                                                 weight_sync_cfg)
-        self.pending: StepPrompts | None = None  # submitted, not collected yet
-        self.ready: tuple[int, GenerationOutput] | None = None  # collected ahead of its step
+        push = PushToWorkers.from_config(policy, ctx, self.driver, rollout_cfg.dtype, weight_sync_cfg)
+        # At staleness 0 the next step's generation needs the new weights: the push is on the critical path
+        # either way, so it runs in the step.
+        background = weight_sync_cfg.background and self.staleness >= 1
+        self.weight_sync: WeightSync = BackgroundPush(push) if background else push
+        self.in_flight: deque[tuple[StepPrompts, list[tuple[int, int, int]]]] = deque()  # (batch, parts), oldest first
+        self.ready: dict[int, GenerationOutput] = {}  # collected, not handed out yet
+        self.trainer_idle = self.rollout_idle = 0.0  # seconds since the last `step_metrics`
 
     @property
     def logprobs_match_training_forward(self) -> bool:
-        """fp32 workers compute what the trainer's fp32 forward does: of the latest weights, or, one step stale
-        with rollout.stale_logprobs=behavior, of the behaviour policy PPO then takes its ratio against."""
+        """fp32 workers compute what the trainer's fp32 forward does: of the latest weights, or, stale with
+        rollout.stale_logprobs=behavior, of the behaviour policy PPO then takes its ratio against."""
         return self.dtype == torch.float32 and (not self.staleness or self.behavior_logprobs)
 
     def generate(self, batch: StepPrompts) -> GenerationOutput:
-        if self.ready is not None and self.ready[0] == batch.step:
-            out, self.ready = self.ready[1], None
-        else:
+        start = time.perf_counter()
+        if batch.step not in self.ready and all(b.step != batch.step for b, _ in self.in_flight):
             self._submit(batch)
-            out = self._collect()
+        while batch.step not in self.ready:
+            self._collect_oldest()
+        self.trainer_idle += time.perf_counter() - start
+        out = self.ready.pop(batch.step)
         start, stop = _dp_rows(len(batch.prompts), self.ctx)
         return out.rows(start, stop)
 
     def prefetch(self, batch: StepPrompts | None) -> None:
-        """With staleness 1, send the next step's prompts now: the workers generate them with the weights
-        they hold (this step's) while the trainer updates."""
+        """With staleness >= 1, send a later step's prompts now: the workers generate them with the weights
+        they hold when they reach them, while the trainer updates."""
         if self.staleness and batch is not None:
             self._submit(batch)
 
-    def collect_prefetched(self) -> None:
-        """Receive the prefetched step's rollouts (kept for its `generate`): after the update, before the
-        weights go out, since the workers answer requests in the order they came."""
-        if self.pending is not None:
-            step = self.pending.step
-            self.ready = (step, self._collect())
+    def sync_weights(self, version: int = 0) -> dict[str, float]:
+        """Push the new weights (policy ``version``) to every worker (lossless deltas, verified per bucket:
+        see `scalerl.rollout.weight_sync`); returns the sync's metrics."""
+        return self.weight_sync.sync(version)
 
-    def sync_weights(self) -> dict[str, float]:
-        """Push the new weights to every worker (lossless deltas, verified per bucket: see
-        `scalerl.rollout.weight_sync.PushToWorkers`); returns the sync's metrics."""
-        if self.pending is not None:
-            raise RuntimeError(f"step {self.pending.step}'s prefetched rollouts were not collected: call "
-                               "collect_prefetched() before sync_weights() (the workers answer in order)")
-        return self.weight_sync.sync()
+    def step_metrics(self) -> dict[str, float]:
+        metrics = {"timing_s/trainer_idle": self.trainer_idle, "timing_s/rollout_idle": self.rollout_idle}
+        self.trainer_idle = self.rollout_idle = 0.0
+        return metrics
 
     def close(self) -> None:
+        if isinstance(self.weight_sync, BackgroundPush):
+            self.weight_sync.wait()
         if self.driver is not None:
             self.driver.stop()
 
     def _submit(self, batch: StepPrompts) -> None:
-        self.pending = batch
-        if self.driver is None:
-            return
-        lengths = [len(p) + batch.sampling.max_new_tokens for p in batch.prompts]  # the work each row may cost
-        for worker, (start, stop) in zip(self.driver.workers, token_split(lengths, len(self.driver.workers))):
-            prompts = batch.prompts[start:stop]
-            ids, mask = left_pad(prompts, self.pad_token_id)
-            sampling = replace(batch.sampling, row_offset=start, total_rows=len(batch.prompts))
-            self.driver.request_generation(worker, batch.step, sampling, ids, mask.sum(-1))
-
-    def _collect(self) -> GenerationOutput:
-        """The whole batch's output on every trainer rank (rank 0 receives it from the workers)."""
-        out = None
+        """Each worker's part of ``batch``, the largest first, to the least-loaded worker then."""
+        parts: list[tuple[int, int, int]] = []  # (worker, start, stop) in the order sent
         if self.driver is not None:
-            out = GenerationOutput.concat(self.driver.receive_outputs(), self.pad_token_id)
-        self.pending = None
+            lengths = [len(p) + batch.sampling.max_new_tokens for p in batch.prompts]  # the work each row may cost
+            ranges = token_split(lengths, len(self.driver.workers))
+            for start, stop in sorted(ranges, key=lambda r: (-sum(lengths[r[0]:r[1]]), r[0])):
+                worker = self.driver.least_loaded()
+                ids, mask = left_pad(batch.prompts[start:stop], self.pad_token_id)
+                sampling = replace(batch.sampling, row_offset=start, total_rows=len(batch.prompts))
+                self.driver.request_generation(worker, batch.step, sampling, ids, mask.sum(-1),
+                                               tokens=sum(lengths[start:stop]))
+                parts.append((worker, start, stop))
+        self.in_flight.append((batch, parts))
+
+    def _collect_oldest(self) -> None:
+        """The oldest step in flight, whole, on every trainer rank (rank 0 receives it from the workers, in
+        the order it sent the parts: each worker answers in order)."""
+        batch, parts = self.in_flight.popleft()
+        out, idle = None, torch.zeros(1, dtype=torch.float64)
+        if self.driver is not None:
+            replies = {start: self.driver.receive(worker) for worker, start, _ in parts}
+            out = GenerationOutput.concat([replies[start].out for start in sorted(replies)], self.pad_token_id)
+            idle[0] = sum(r.idle_s for r in replies.values()) / len(self.driver.workers)
         if self.ctx.world_size > 1:
             out = broadcast_output(out, 0, self.ctx.group, self.ctx)
-        return out
+            idle = broadcast_tensors([idle] if self.ctx.rank == 0 else None, 0, self.ctx.group, self.ctx.device)[0]
+        self.rollout_idle += float(idle[0])
+        self.ready[batch.step] = out
 
 
 def _dp_rows(total: int, ctx: DistContext) -> tuple[int, int]:

@@ -13,7 +13,9 @@ reports ``comm/weight_sync_bytes``, the bytes that reached generating copies on 
   (`PipelineRunner.refresh_replica`, which counts its broadcasts and gathers as ``weight_sync``);
 - `LoadIntoEngine`: a colocated engine with a copy of its own (vLLM) loads the policy's tensors by name;
 - `PushToWorkers`: standalone rollout workers receive bucketed, verified deltas from the `WeightSender`
-  (`scalerl.comm.weights`), plus ``weight_sync/*`` metrics of the push.
+  (`scalerl.comm.weights`), plus ``weight_sync/*`` metrics of the push;
+- `BackgroundPush`: the same push from a snapshot taken after the optimizer step, sent by a background
+  thread so the next step does not wait for it (`weight_sync.background`, with ``rollout.staleness >= 1``).
 
 With LoRA adapters the base never changes, so what moves is smaller: workers hold the same base and the same
 adapted modules (`scalerl.rollout.worker`), so a push carries the adapters alone (`synced_tensors`: a few MB
@@ -27,13 +29,15 @@ trainer and rollout, the transport behind it.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from scalerl.comm.weights.channel import BroadcastChannel
-from scalerl.comm.weights.sender import WeightSender
+from scalerl.comm.weights.sender import SyncReport, WeightSender
 from scalerl.models.lora import (
     adapter_parameters,
     has_lora,
@@ -47,6 +51,7 @@ from scalerl.rollout.weight_loading import WeightLoadingEngine
 from scalerl.rollout.worker_protocol import WorkerDriver
 
 BYTES = "comm/weight_sync_bytes"
+EXPOSED = "timing_s/weight_sync_exposed"  # what the trainer's step spent on the sync
 
 
 class WeightSync(Protocol):
@@ -116,25 +121,95 @@ class PushToWorkers:
         sender = WeightSender.from_config(weight_sync_cfg, rollout_dtype, channel)
         return cls(policy, local_weight_sync(policy), sender, driver, ctx)
 
-    def sync(self) -> dict[str, float]:
+    def sync(self, version: int = 0) -> dict[str, float]:
+        start = time.perf_counter()
         moved = self.local.sync()[BYTES]
         if self.driver is not None:
-            self.driver.announce_weights()
-        start = time.perf_counter()
+            self.driver.announce_weights(version)
+        report = self.sender.sync(synced_tensors(self.policy.model))
+        metrics = self.metrics(report, moved)
+        metrics[EXPOSED] = time.perf_counter() - start
+        if self.driver is not None:
+            self.ctx.comm.add_wait("weight_sync", metrics[EXPOSED])
+        return metrics
+
+    def metrics(self, report: SyncReport, moved: float) -> dict[str, float]:
+        """A push's metrics, its bytes counted as ``weight_sync`` traffic (rank 0's)."""
         model = self.policy.model
-        report = self.sender.sync(synced_tensors(model))
         metrics = report.metrics()
+        metrics["weight_sync/push_s"] = report.seconds
         if has_lora(model):  # what a push of the whole model would carry, beside what the adapters did
             itemsize = self.sender.dtype.itemsize
             metrics["weight_sync/full_model_bytes"] = float(sum(p.numel() * itemsize for n, p in model.named_parameters()
                                                                 if not is_adapter_name(n)))
-        if self.driver is not None:
+        if self.driver is not None and report.bytes:
             workers = len(self.driver.workers)
             self.ctx.comm.record("weight_sync", "broadcast", report.bytes, workers + 1, dim="rollout_workers")
-            self.ctx.comm.add_wait("weight_sync", time.perf_counter() - start)
             moved += report.bytes * workers
         metrics[BYTES] = float(moved)
         return metrics
+
+
+class BackgroundPush:
+    """`PushToWorkers` off the step's critical path. `sync` (every trainer rank, after the optimizer step)
+    waits for the previous push, takes a snapshot of the synced tensors (gathered where sharded: a collective
+    of the trainer ranks, so it runs here, in the step), announces the sync and hands the snapshot to a
+    thread on rank 0, which pushes it while the trainer goes on; it returns the previous push's metrics (a
+    step late: the first step reports the push at start) and ``timing_s/weight_sync_exposed``, the seconds
+    the step spent here.
+
+    The thread uses only the rollout group (rank 0 + the workers: the sender's broadcasts and acks), its own
+    gloo context; the trainer's thread keeps the default group (requests, replies) and the trainer ranks'
+    collectives, so the two never share a group. A worker reads WEIGHTS in its request order, so what it
+    generates after it uses the new version whenever the push lands."""
+
+    def __init__(self, push: PushToWorkers):
+        self.push = push
+        self.thread: threading.Thread | None = None
+        self.outcome: tuple[SyncReport | None, Exception | None] = (None, None)
+        self.moved = 0.0
+
+    def sync(self, version: int = 0) -> dict[str, float]:
+        start = time.perf_counter()
+        finished = self.wait()
+        moved = self.push.local.sync()[BYTES]
+        tensors = synced_tensors(self.push.policy.model)
+        if self.push.driver is None:  # join the gathers, in the sender's order; only rank 0 pushes
+            for _, t in tensors:
+                _full(t)
+            metrics = self.push.metrics(SyncReport(), moved)
+        else:
+            snapshot = [(n, _full(t).detach().clone()) for n, t in tensors]
+            self.push.driver.announce_weights(version)
+            self.outcome, self.moved = (None, None), moved
+            self.thread = threading.Thread(target=self._run, args=(snapshot,), name="weight-push", daemon=True)
+            self.thread.start()
+            metrics = finished if finished is not None else self.push.metrics(SyncReport(), 0.0)
+        metrics[EXPOSED] = time.perf_counter() - start
+        self.push.ctx.comm.add_wait("weight_sync", metrics[EXPOSED])
+        return metrics
+
+    def wait(self) -> dict[str, float] | None:
+        """Wait for the push in flight; its metrics (None when there was none)."""
+        if self.thread is None:
+            return None
+        self.thread.join()
+        self.thread = None
+        report, error = self.outcome
+        if error is not None:
+            raise error
+        return self.push.metrics(report, self.moved)
+
+    def _run(self, snapshot: list[tuple[str, torch.Tensor]]) -> None:
+        try:
+            self.outcome = (self.push.sender.sync(snapshot), None)
+        except Exception as e:  # re-raised on the trainer's thread by `wait`
+            self.outcome = (None, e)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value: a gather over its mesh for a sharded one (every rank of it calls this)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def synced_tensors(model) -> list[tuple[str, torch.Tensor]]:

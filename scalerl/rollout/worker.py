@@ -1,10 +1,16 @@
 """A standalone rollout worker: a rank outside the trainer's mesh with its own copy of the policy (in
 ``rollout.dtype``), serving the trainer's requests in order until told to stop (the requests and their
 encodings: `scalerl.rollout.worker_protocol`).
+
+It tags every generated token with the policy version of the weights it holds (the version of the last
+WEIGHTS it received; the engine decodes a whole response with one set of weights), answers without waiting
+for the trainer to read the answer, and reports with each answer how long it sat idle before it.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,15 +21,16 @@ from scalerl.comm.weights.sender import ROLLOUT_DTYPES
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.lora import apply_lora_from_config
 from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.messages import recv_tensors, send_tensors
+from scalerl.rollout.messages import PendingSend, isend_tensors, recv_tensors
 from scalerl.rollout.weight_loading import engine_weight_receiver
 from scalerl.rollout.worker_protocol import (
     OP_GENERATE,
     OP_STOP,
     OP_WEIGHTS,
     decode_request,
-    encode_output,
+    encode_reply,
     request_op,
+    token_versions,
 )
 
 
@@ -31,6 +38,7 @@ from scalerl.rollout.worker_protocol import (
 class WorkerStats:
     requests: int = 0
     weight_loads: int = 0
+    idle_s: float = 0.0  # waiting for requests or weights, receiving them included
 
 
 class RolloutWorker:
@@ -46,21 +54,39 @@ class RolloutWorker:
         self.receiver = engine_weight_receiver(self.engine, shadow_device=device)
         self.timeout_s = float(getattr(cfg.trainer, "dist_timeout_s", 600))
         self.stats = WorkerStats()
+        self.version = 0  # the policy version of the weights it holds (the trainer's, from WEIGHTS)
 
     def serve(self) -> WorkerStats:
+        replies: deque[PendingSend] = deque()
+        idle = 0.0  # since the last answer
         while True:
+            start = time.perf_counter()
             message = recv_tensors(self.driver, device=self.device)
+            idle += time.perf_counter() - start
             op = request_op(message)
             if op == OP_GENERATE:
                 sampling, prompts = decode_request(message)
+                start = time.perf_counter()
                 out = self.engine.generate(prompts, sampling)
-                send_tensors(encode_output(out), self.driver, device=self.device)
+                if out.weight_versions is None:
+                    out.weight_versions = token_versions(out.response_mask, self.version)
+                reply = encode_reply(out, int(message[0][1]), idle, time.perf_counter() - start)
+                replies.append(isend_tensors(reply, self.driver, device=self.device))
+                while replies and replies[0].done():
+                    replies.popleft().wait()
                 self.stats.requests += 1
+                self.stats.idle_s += idle
+                idle = 0.0
             elif op == OP_WEIGHTS:
+                start = time.perf_counter()
                 serve_broadcast(self.receiver.handle, self.sync_group, self.driver, self.device, self.timeout_s)
                 self.engine.refresh_weights()  # the decode layout (packed, oneDNN-blocked) of the new weights
+                self.version = int(message[0][1])
+                idle += time.perf_counter() - start
                 self.stats.weight_loads += 1
             elif op == OP_STOP:
+                while replies:
+                    replies.popleft().wait()
                 return self.stats
             else:
                 raise RuntimeError(f"rollout worker: unknown request {op} from rank {self.driver}")

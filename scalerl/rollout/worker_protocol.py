@@ -3,27 +3,40 @@ the trainer's end of the conversation, counted.
 
 The trainer's rank 0 drives every worker with tensor messages (`scalerl.rollout.messages`, no pickle):
 
-    GENERATE  -> (step, sampling, prompts)  reply: the generation output of those rows
-    WEIGHTS   -> a weight sync              the worker then receives it (`scalerl.comm.weights`: buckets
+    GENERATE  -> (step, sampling, prompts)  reply: the generation output of those rows, every token's policy
+                                            version, and the worker's idle time before it (`WorkerReply`)
+    WEIGHTS   -> (version) a weight sync    the worker then receives it (`scalerl.comm.weights`: buckets
                                             broadcast over the trainer's rank 0 + workers group, verified,
-                                            deltas after the first)
+                                            deltas after the first) and generates with ``version`` from then on
     STOP                                    the worker returns
 
-A worker serves requests strictly in the order they arrive, so the trainer alone decides what runs when:
-a prefetched GENERATE must have been answered (`WorkerDriver.receive_outputs`) before WEIGHTS goes out.
-A generation output also travels among the trainer's ranks in the same encoding (`broadcast_output`).
+A worker serves requests strictly in the order they arrive, so the order the trainer sends them in decides
+which weights generate what: a GENERATE sent after WEIGHTS(v) is generated with version v. Both ends send
+without waiting for the other to read (`isend_tensors`): the trainer queues requests for the steps it runs
+ahead (`rollout.staleness`), a worker answers and goes on to its next request. Requests go to the worker
+with the fewest tokens in flight (`WorkerDriver.least_loaded`); a worker that dies is named, with the steps
+it owed (`RolloutWorkerError`). A generation output also travels among the trainer's ranks in the same
+encoding (`broadcast_output`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from scalerl.core.errors import UserError
 from scalerl.parallel.distributed import DistContext
 from scalerl.rollout.engine import GenerationOutput, SamplingParams
-from scalerl.rollout.messages import broadcast_tensors, recv_tensors, send_tensors
+from scalerl.rollout.messages import (
+    PendingSend,
+    broadcast_tensors,
+    isend_tensors,
+    recv_tensors,
+)
 
 OP_GENERATE, OP_WEIGHTS, OP_STOP = 1, 2, 3
 
@@ -49,19 +62,54 @@ def decode_request(message: list[torch.Tensor]) -> tuple[SamplingParams, list[li
     return sampling, [row[width - n :] for row, n in zip(prompt_ids.tolist(), lengths.tolist())]
 
 
-# Dimensions of the tensors `encode_output` sends: prompt ids and mask, response ids and mask, log-probs, stopped.
-OUTPUT_TENSOR_DIMS = (2, 2, 2, 2, 2, 1)
+# Dimensions of the tensors `encode_output` sends: prompt ids and mask, response ids and mask, log-probs, stopped,
+# every token's policy version.
+OUTPUT_TENSOR_DIMS = (2, 2, 2, 2, 2, 1, 2)
 
 
 def encode_output(out: GenerationOutput) -> list[torch.Tensor]:
+    """The output's tensors; tokens whose version is unknown (no ``weight_versions``) carry -1."""
     stopped = torch.tensor([r == "stop" for r in out.finish_reasons], dtype=torch.bool)
-    return [out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, out.logprobs, stopped]
+    versions = out.weight_versions if out.weight_versions is not None else torch.full(
+        out.response_ids.shape, -1, dtype=torch.int32)
+    return [out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, out.logprobs, stopped,
+            versions.to(torch.int32)]
 
 
 def decode_output(message: list[torch.Tensor]) -> GenerationOutput:
-    prompt_ids, prompt_mask, response_ids, response_mask, logprobs, stopped = message
+    prompt_ids, prompt_mask, response_ids, response_mask, logprobs, stopped, versions = message
     return GenerationOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs,
-                            ["stop" if s else "length" for s in stopped.tolist()])
+                            ["stop" if s else "length" for s in stopped.tolist()], versions)
+
+
+def token_versions(response_mask: torch.Tensor, version: int) -> torch.Tensor:
+    """Every generated token tagged with ``version`` (-1 on padding): an engine that decodes a whole
+    response with one set of weights."""
+    return torch.where(response_mask.bool(), version, -1).to(torch.int32)
+
+
+@dataclass
+class WorkerReply:
+    """A worker's answer to one GENERATE: the output, the step it was for, and the seconds the worker had
+    been idle (waiting for requests or weights, receiving them included) before it started generating."""
+
+    out: GenerationOutput
+    step: int
+    idle_s: float
+    gen_s: float
+
+
+def encode_reply(out: GenerationOutput, step: int, idle_s: float, gen_s: float) -> list[torch.Tensor]:
+    return [*encode_output(out), torch.tensor([step, idle_s, gen_s], dtype=torch.float64)]
+
+
+def decode_reply(message: list[torch.Tensor]) -> WorkerReply:
+    step, idle_s, gen_s = message[-1].tolist()
+    return WorkerReply(decode_output(message[:-1]), int(step), idle_s, gen_s)
+
+
+class RolloutWorkerError(UserError, RuntimeError):
+    """A rollout worker stopped answering (its process died, or its link): names the rank and what it owed."""
 
 
 def request_op(message: list[torch.Tensor]) -> int:
@@ -71,35 +119,66 @@ def request_op(message: list[torch.Tensor]) -> int:
 
 class WorkerDriver:
     """The trainer's rank 0 end: requests to the workers and their replies, each send counted (``rollout``
-    or ``weight_sync`` traffic, a point-to-point send of its payload) and timed."""
+    or ``weight_sync`` traffic, a point-to-point send of its payload) and timed; the tokens each worker has
+    in flight (requested, not yet received: prompt + the response limit per row)."""
 
     def __init__(self, ctx: DistContext):
         self.ctx = ctx
-        self.workers = ctx.rollout_ranks
+        self.workers = list(ctx.rollout_ranks)
+        self.owed: dict[int, deque[tuple[int, int]]] = {w: deque() for w in self.workers}  # (step, tokens)
+        self.sends: deque[PendingSend] = deque()
+
+    def tokens_in_flight(self, worker: int) -> int:
+        return sum(tokens for _, tokens in self.owed[worker])
+
+    def least_loaded(self) -> int:
+        """The worker with the fewest tokens in flight (the lowest rank among equals)."""
+        return min(self.workers, key=lambda w: (self.tokens_in_flight(w), w))
 
     def request_generation(self, worker: int, step: int, sampling: SamplingParams, prompt_ids: torch.Tensor,
-                           prompt_lengths: torch.Tensor) -> None:
+                           prompt_lengths: torch.Tensor, tokens: int = 0) -> None:
         self._send("rollout", encode_request(step, sampling, prompt_ids, prompt_lengths), worker)
+        self.owed[worker].append((step, tokens))
 
-    def receive_outputs(self) -> list[GenerationOutput]:
-        """Every worker's reply to its latest GENERATE, in worker order."""
-        return [decode_output(recv_tensors(worker, device=self.ctx.device)) for worker in self.workers]
+    def receive(self, worker: int) -> WorkerReply:
+        """``worker``'s reply to the oldest GENERATE it has not answered yet."""
+        step, _ = self.owed[worker][0]
+        try:
+            reply = self._recv(worker)
+        except RuntimeError as e:
+            owed = sorted({s for s, _ in self.owed[worker]})
+            raise RolloutWorkerError(
+                f"rollout worker rank {worker} did not answer (it owed the rollouts of steps {owed}): {e}. The "
+                "weight push's group includes every worker, so the run stops here; restart it with "
+                "trainer.resume=auto (the steps in flight are generated again)") from e
+        if reply.step != step:
+            raise RuntimeError(f"rollout worker rank {worker} answered step {reply.step}, expected step {step}")
+        self.owed[worker].popleft()
+        return reply
 
-    def announce_weights(self) -> None:
-        """Tell every worker a weight sync follows (it then joins the sender's broadcasts)."""
+    def _recv(self, worker: int) -> WorkerReply:
+        return decode_reply(recv_tensors(worker, device=self.ctx.device))
+
+    def announce_weights(self, version: int = 0) -> None:
+        """Tell every worker a weight sync of ``version`` follows (it then joins the sender's broadcasts)."""
         for worker in self.workers:
-            self._send("weight_sync", [torch.tensor([OP_WEIGHTS, 0])], worker)
+            self._send("weight_sync", [torch.tensor([OP_WEIGHTS, version])], worker)
 
     def stop(self) -> None:
         for worker in self.workers:
             self._send("rollout", [torch.tensor([OP_STOP, 0])], worker)
+        while self.sends:
+            self.sends.popleft().wait()
 
     def _send(self, kind: str, tensors: list[torch.Tensor], worker: int) -> int:
         start = time.perf_counter()
-        sent = send_tensors(tensors, worker, device=self.ctx.device)
-        self.ctx.comm.record(kind, "send", sent, 2, dim="rollout_workers")
+        pending = isend_tensors(tensors, worker, device=self.ctx.device)
+        self.sends.append(pending)
+        while self.sends and self.sends[0].done():  # keep only the sends still in flight
+            self.sends.popleft().wait()
+        self.ctx.comm.record(kind, "send", pending.nbytes, 2, dim="rollout_workers")
         self.ctx.comm.add_wait(kind, time.perf_counter() - start)
-        return sent
+        return pending.nbytes
 
 
 def broadcast_output(out: GenerationOutput | None, src: int, group, ctx: DistContext) -> GenerationOutput:

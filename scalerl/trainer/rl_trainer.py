@@ -6,7 +6,7 @@ prompt) -> rewards -> old (and reference) log-probs -> advantages -> ``ppo_epoch
 micro-batches of the policy loss (`run_update`) -> weight sync to the engine. The run around it (set-up, resume, the loop, the step's tail of timings, comm
 and ``perf/*``, save and export) is `scalerl.trainer.run.TrainingRun`'s; what is RL's own is here: the
 critic and the reference, the engine and the rollout source, prompts drawn per step (more rounds with
-dynamic sampling, `scalerl.trainer.dynamic_sampling`) and prefetched one step ahead. The same code runs on every layout: the model parts from `parallelize` hide whether this rank
+dynamic sampling, `scalerl.trainer.dynamic_sampling`) and sent up to ``rollout.staleness`` steps ahead. The same code runs on every layout: the model parts from `parallelize` hide whether this rank
 trains a whole model or pipeline stages.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from scalerl.algorithms.estimator_registry import AdvantageInputs, get_advantage_estimator
-from scalerl.algorithms.importance import truncated_importance_weights
+from scalerl.algorithms.importance import rollout_correction_weights
 from scalerl.algorithms.loss_registry import get_policy_loss
 from scalerl.core.algorithm_names import needs_critic, needs_greedy_baseline
 from scalerl.core.config import Config
@@ -40,6 +40,7 @@ from scalerl.rollout.sources import (
     StandaloneRollouts,
     StepPrompts,
 )
+from scalerl.rollout.staleness import check_staleness
 from scalerl.rollout.worker import RolloutWorker
 from scalerl.tracking import plot_metrics
 from scalerl.trainer.dynamic_sampling import GeneratedRound, fill_with_signal
@@ -121,8 +122,8 @@ class RLTrainer(TrainingRun):
             self.rollouts = StandaloneRollouts(self.policy, ctx, self.tokenizer.pad_token_id, r, cfg.weight_sync)
         else:
             self.rollouts = ColocatedRollouts(self.engine, self.policy, ctx)
-        self.prefetched: StepPrompts | None = None
-        self.stream_state_before_prefetch: dict | None = None
+        # Steps drawn and sent ahead (rollout.staleness), each with the stream's state from before its draw.
+        self.prefetched: dict[int, tuple[StepPrompts, dict]] = {}
         self.step_rows: list[dict] = []  # this rank's data rows of the current step
 
         # One optimizer for the policy and the critic; each update zeroes all gradients first, so a step
@@ -148,7 +149,7 @@ class RLTrainer(TrainingRun):
         resumed = self.resume(RESUME_MUST_MATCH)
         # Rollouts start from the current weights: a restored pipeline replica, standalone workers' copies.
         if resumed or r.placement == "standalone":
-            self.rollouts.sync_weights()
+            self.rollouts.sync_weights(version=self.step)
         self.start_logging()
 
     def _build_engine(self):
@@ -175,8 +176,8 @@ class RLTrainer(TrainingRun):
                 reward_baselines = self._greedy_baselines(self.step_rows, metrics)
         # The rollout's log-probs equal an fp32 training forward where its source says so (with
         # rollout.stale_logprobs=behavior, of the one-step-old policy PPO then takes its ratio against);
-        # otherwise (autocast, bf16 workers, one-step-stale weights, another engine) they are recomputed, and the
-        # rollout's own log-probs weigh the loss by truncated importance sampling.
+        # otherwise (autocast, bf16 workers, stale weights, another engine) they are recomputed (decoupled PPO's
+        # proximal policy), and the rollout's own log-probs weigh the loss (rollout.is_level/is_mode/is_cap).
         reuse_logprobs = self.rollouts.logprobs_match_training_forward and cfg.trainer.precision == "fp32"
         with timer("old_log_prob"):
             if reuse_logprobs:
@@ -184,10 +185,11 @@ class RLTrainer(TrainingRun):
             else:
                 batch.old_logprobs = response_logprobs(self.policy.model, batch, temperature, micro, self.autocast,
                                                          self.packed_kernel)
-                weights, mismatch = truncated_importance_weights(
-                    batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, cfg.rollout.tis_cap)
-                batch.is_weights = weights if cfg.rollout.tis_cap else None
-                metrics.update(mismatch)
+                r, cap = cfg.rollout, cfg.rollout.correction_cap
+                weights, mismatch = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
+                                                               batch.response_mask, r.is_level, r.is_mode, cap or 1.0)
+                batch.is_weights = weights if cap else None
+                metrics.update(mismatch if cap else {k: v for k, v in mismatch.items() if k.startswith("rollout/")})
         if self.reference is not None:
             with timer("ref"):
                 batch.ref_logprobs = response_logprobs(self.reference.model, batch, temperature, micro, self.autocast,
@@ -217,8 +219,8 @@ class RLTrainer(TrainingRun):
                                       self.update_plan, self.update_generator, self.dist, self.autocast))
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         with timer("update_weights"):
-            self.rollouts.collect_prefetched()  # standalone, one step ahead: the workers answer in order
-            metrics.update(self.rollouts.sync_weights())
+            metrics.update(self.rollouts.sync_weights(version=self.step + 1))  # the policy after this update
+        metrics.update(self.rollouts.step_metrics())
         return metrics, work
 
     def _rollout(self) -> tuple[RolloutBatch, dict[str, float]]:
@@ -239,6 +241,11 @@ class RLTrainer(TrainingRun):
         self.step_rows = rows  # remax scores its greedy baselines against them
         group_ids = torch.arange(len(rows)).repeat_interleave(n)
         batch = RolloutBatch.from_generation(out, group_ids, torch.tensor(scores, dtype=torch.float32))
+        staleness_metrics: dict[str, float] = {}
+        if out.weight_versions is not None and cfg.rollout.placement == "standalone":
+            check = check_staleness(out.weight_versions, out.response_mask, self.step, cfg.rollout.staleness)
+            batch.response_mask[~check.keep.to(batch.response_mask.device)] = 0.0  # out of the loss, counted
+            staleness_metrics = check.metrics
         shaping_metrics = self.shaping.shape_scores(batch)  # the overlong buffer, part of the score from here on
         lengths = out.response_lengths.float()
         metrics = {  # per rank here; `reduce_metrics` combines them over ranks
@@ -250,6 +257,7 @@ class RLTrainer(TrainingRun):
             "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
             **shaping_metrics,
+            **staleness_metrics,
         }
         # A reward's extra numbers, under every name seen so far: the same keys on every rank each step (the
         # metrics gather needs them), NaN where this rank's calls gave none (reduced over the ranks that did).
@@ -319,9 +327,8 @@ class RLTrainer(TrainingRun):
     def _prompts_for(self, step: int, round_index: int = 0) -> StepPrompts:
         """The whole batch of ``step`` (every rank draws it and keeps its share later); dynamic sampling's
         further rounds (``round_index`` > 0) draw the stream's next batches."""
-        if self.prefetched is not None and self.prefetched.step == step and round_index == 0:
-            batch, self.prefetched = self.prefetched, None
-            return batch
+        if round_index == 0 and step in self.prefetched:
+            return self.prefetched.pop(step)[0]
         r = self.cfg.rollout
         rows = self.stream.next_batch()
         prompts = [p for p in self._encode(rows) for _ in range(r.n)]
@@ -345,11 +352,15 @@ class RLTrainer(TrainingRun):
         return prompts
 
     def _prefetch_next(self) -> None:
-        """One-step asynchronous rollouts: the next step's prompts go to the workers before this update."""
-        if self.cfg.rollout.staleness and self.step + 1 < self.cfg.trainer.total_steps:
-            self.stream_state_before_prefetch = self.stream.state_dict()
-            self.prefetched = self._prompts_for(self.step + 1)
-            self.rollouts.prefetch(self.prefetched)
+        """Asynchronous rollouts (rollout.staleness=K): the prompts of steps up to K ahead go to the workers
+        before this update, drawn in step order."""
+        last = min(self.step + self.cfg.rollout.staleness, self.cfg.trainer.total_steps - 1)
+        for ahead in range(self.step + 1, last + 1):
+            if ahead not in self.prefetched:
+                state = self.stream.state_dict()
+                batch = self._prompts_for(ahead)
+                self.prefetched[ahead] = (batch, state)
+                self.rollouts.prefetch(batch)
 
     # -------------------------------------------------------------------------------- around the loop
     def evaluate(self) -> dict[str, float]:
@@ -382,8 +393,8 @@ class RLTrainer(TrainingRun):
         self.shaping.load_state_dict(state)
 
     def data_state(self) -> dict[str, Any]:
-        # A prefetched step is generated again after a resume: save the stream from before its draw.
-        return self.stream_state_before_prefetch if self.prefetched else self.stream.state_dict()
+        # Steps in flight are drawn and generated again after a resume: save the stream from before the first.
+        return self.prefetched[min(self.prefetched)][1] if self.prefetched else self.stream.state_dict()
 
     def export(self) -> dict[str, str]:
         exported = super().export()

@@ -201,3 +201,25 @@ def test_sequence_parallel_refusals_name_the_keys():
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, overrides)
+
+
+def test_off_policy_correction_keys():
+    from scalerl.core.config import load_config
+
+    assert load_config(None, []).rollout.correction_cap == 2.0
+    assert load_config(None, ["rollout.tis_cap=0"]).rollout.correction_cap == 0.0  # the alias wins when set
+    assert load_config(None, ["rollout.is_cap=3.5"]).rollout.correction_cap == 3.5
+    for override, key in (("rollout.is_level=row", "rollout.is_level"), ("rollout.is_mode=clip", "rollout.is_mode"),
+                          ("rollout.is_cap=-1", "rollout.is_cap"), ("rollout.tis_cap=-1", "rollout.tis_cap")):
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [override])
+
+
+def test_staleness_beyond_one_step():
+    from scalerl.core.config import load_config
+
+    assert load_config(None, ["rollout.placement=standalone", "rollout.staleness=4"]).rollout.staleness == 4
+    with pytest.raises(ConfigError, match="rollout.staleness"):
+        load_config(None, ["rollout.placement=standalone", "rollout.staleness=-1"])
+    with pytest.raises(ConfigError, match="rollout.staleness=2 with algorithm.filter_groups"):
+        load_config(None, ["rollout.placement=standalone", "rollout.staleness=2", "algorithm.filter_groups.enable=true"])

@@ -311,7 +311,7 @@ def test_every_rule_lands_on_a_leaf_with_reasons_and_every_leaf_has_a_rule():
             assert s.status in (WARNING, FAULT) and len(s.reason) > 30, rule.id
     text = describe_rules()
     assert all(rule_id in text for rule_id in RULES)
-    assert [b.id for b in TREE] == ["communication", "compute", "resources", "training"]
+    assert [b.id for b in TREE] == ["communication", "compute", "resources", "training", "rollout"]
 
 
 def test_health_metrics_levels():
@@ -395,3 +395,47 @@ def test_dropped_tokens_above_a_fraction_is_a_finding():
     assert alarms(run_step_rules(_moe_view(1.2, history=[1.2] * 3, dropped=0.2, context=context))) == \
         {"compute/expert_load": FAULT}
     assert alarms(run_step_rules(_moe_view(1.2, history=[1.2] * 3, dropped=0.002, context=context))) == {}
+
+
+# ------------------------------------------------------------------------------------------ rollout pipeline
+def _pipeline_view(trainer_idle, rollout_idle, step=2.0, staleness=1, workers=1, **extra):
+    metrics = {"timing_s/step": step, "timing_s/trainer_idle": trainer_idle, "timing_s/rollout_idle": rollout_idle,
+               "response_length/mean": 60.0, "response_length/max": 80.0, "timing_s/gen": 0.5, **extra}
+    context = {"world_size": 1, "dp_size": 1, "rollout_placement": "standalone", "rollout_staleness": staleness,
+               "rollout_workers": workers}
+    return StepView(metrics, None, context)
+
+
+def test_a_trainer_waiting_on_busy_workers_needs_more_generation():
+    findings = run_step_rules(_pipeline_view(trainer_idle=1.0, rollout_idle=0.05, workers=1, staleness=2))
+    assert alarms(findings) == {"rollout/trainer_idle": WARNING}
+    f = the_finding(findings, "rollout/trainer_idle")
+    assert f.evidence["share"] == 0.5 and "50%" in f.summary
+    assert "rollout.workers, now 1" in f.fix and "rollout.max_num_seqs" in f.fix
+    shallow = run_step_rules(_pipeline_view(trainer_idle=1.4, rollout_idle=0.8, staleness=1))  # both sides wait
+    assert alarms(shallow) == {"rollout/trainer_idle": FAULT, "rollout/rollout_idle": WARNING}
+    assert "raise rollout.staleness (now 1)" in the_finding(shallow, "rollout/trainer_idle").fix
+    synchronous = run_step_rules(_pipeline_view(trainer_idle=1.0, rollout_idle=0.1, staleness=0))
+    assert "rollout.staleness=1" in the_finding(synchronous, "rollout/trainer_idle").fix
+
+
+def test_idle_workers_are_more_capacity_than_the_update_uses():
+    findings = run_step_rules(_pipeline_view(trainer_idle=0.0, rollout_idle=1.3, workers=2, staleness=2))
+    assert alarms(findings) == {"rollout/rollout_idle": FAULT}
+    assert "fewer rollout workers (rollout.workers, now 2" in the_finding(findings, "rollout/rollout_idle").fix
+    assert alarms(run_step_rules(_pipeline_view(trainer_idle=0.1, rollout_idle=0.2))) == {}
+
+
+def test_a_long_generation_tail_is_judged_where_generation_costs():
+    tail = {"response_length/mean": 20.0, "response_length/max": 128.0, "response_length/clip_ratio": 0.05}
+    findings = run_step_rules(_pipeline_view(0.0, 0.0, **tail, **{"timing_s/gen": 1.0}))
+    assert alarms(findings) == {"rollout/generation_tail": WARNING}
+    f = the_finding(findings, "rollout/generation_tail")
+    assert f.evidence["mean_over_max"] == round(20 / 128, 3) and "rollout.max_num_seqs" in f.fix and "5%" in f.fix
+    cheap = run_step_rules(_pipeline_view(0.0, 0.0, **tail, **{"timing_s/gen": 0.1}))  # 5% of the step
+    assert alarms(cheap) == {}
+
+
+def test_colocated_runs_have_nothing_to_wait_for():
+    findings = run_step_rules(StepView({"timing_s/step": 1.0}, None, {"world_size": 1, "dp_size": 1}))
+    assert {f.status for f in findings if f.leaf.startswith("rollout/")} == {OK}

@@ -67,6 +67,10 @@ def _world2_runs(rank: int, out: str) -> None:
 
 def _two_workers(rank: int, out: str) -> None:
     _train(f"{out}/two_workers", ["rollout.placement=standalone", "rollout.workers=2", "trainer.total_steps=3"])
+    k2 = ["rollout.placement=standalone", "rollout.workers=2", "rollout.staleness=2"]
+    _train(f"{out}/two_workers_k2", [*k2, "trainer.total_steps=4"])
+    _train(f"{out}/resumed_k2", [*k2, "trainer.total_steps=2", "trainer.save_every=2"])
+    _train(f"{out}/resumed_k2", [*k2, "trainer.total_steps=4", "trainer.resume=auto"])
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +130,39 @@ def test_bf16_workers_hold_half_the_bytes_and_reweight_the_loss(runs):
     assert all(0 < r["rollout/logprob_diff/max"] < 0.05 for r in bf16)  # bf16 numerics, same weights
 
 
-@pytest.mark.parametrize("run", ["sync", "bf16", "async", "two_workers"])
+@pytest.mark.parametrize("run", ["sync", "bf16", "async", "two_workers", "two_workers_k2"])
 def test_weight_sync_sends_verified_deltas(runs, run):
-    """After the first (full) push at start, every step sends only what changed, and every bucket verified."""
+    """After the first (full) push at start, every step sends only what changed, and every bucket verified.
+    With staleness >= 1 the push runs in the background and a step reports the previous one's: the first
+    step reports the full push at start."""
     rows = _metrics(runs / run)
+    if run in ("async", "two_workers_k2"):
+        assert rows[0]["weight_sync/full_push"] == 1.0
+        rows = rows[1:]
     assert all(r["weight_sync/resyncs"] == 0 and r["weight_sync/full_push"] == 0 for r in rows)
     assert all(0 < r["weight_sync/bytes"] < r["weight_sync/full_bytes"] for r in rows)
+
+
+def test_k_steps_ahead_lag_k_versions_over_two_workers(runs):
+    """rollout.staleness=2 over two workers: step s trains on samples of version max(0, s - 2) (steps are
+    1-based in the log), none dropped; both idle times and the push's exposed time are reported."""
+    rows = _metrics(runs / "two_workers_k2")
+    assert [r["rollout/staleness/max"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
+    assert [r["rollout/staleness/hist/2"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
+    assert all(r["rollout/dropped_stale"] == 0 for r in rows)
+    assert all(r["timing_s/trainer_idle"] >= 0 and r["timing_s/rollout_idle"] >= 0 for r in rows)
+    assert all(0 <= r["timing_s/weight_sync_exposed"] <= r["timing_s/update_weights"] + 1e-3 for r in rows)
+    reference = _metrics(runs / "colocated")
+    assert rows[0]["critic/score/mean"] == reference[0]["critic/score/mean"]  # step 1: the initial weights
+
+
+def test_resume_regenerates_the_steps_in_flight(runs):
+    """Saved after step 2 with steps 3 and 4 in flight: the resumed run draws them again and generates them
+    with the restored weights (so its first step is on-policy), then lags as before."""
+    straight, resumed = _metrics(runs / "two_workers_k2"), _metrics(runs / "resumed_k2")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["critic/score/mean"] for r in resumed[:2]] == [r["critic/score/mean"] for r in straight[:2]]
+    assert [r["rollout/staleness/max"] for r in resumed[2:]] == [0.0, 1.0]
 
 
 def test_standalone_resume_is_bitwise_identical(runs):
@@ -153,10 +184,10 @@ def test_standalone_steps_count_what_the_trainer_sends(runs, run):
 def test_pipeline_ranks_split_generation_and_reproduce_one_process(runs):
     """With pp=2 each pipeline rank generates half of the rows on its replica and they exchange them: the
     same samples as one process (scores and lengths equal), each rank sending one half's outputs per step
-    (32 rows of 8 prompts x 4 samples: 16 rows x (16 B per prompt token + 20 B per response token + 1) and
-    the 200-byte message header, under 16 x (16 x 64 + 20 x 8 + 1) + 200 at the longest prompts)."""
+    (32 rows of 8 prompts x 4 samples: 16 rows x (16 B per prompt token + 24 B per response token + 1) and
+    the 232-byte message header, under 16 x (16 x 64 + 24 x 8 + 1) + 232 at the longest prompts)."""
     reference, mine = _metrics(runs / "colocated_32_rows"), _metrics(runs / "pipeline")
     assert [r["critic/score/mean"] for r in mine] == [r["critic/score/mean"] for r in reference]
     assert [r["response_length/mean"] for r in mine] == [r["response_length/mean"] for r in reference]
     for row in mine:
-        assert 200 < row["comm/bytes/rollout"] < 16 * (16 * 64 + 20 * 8 + 1) + 200
+        assert 232 < row["comm/bytes/rollout"] < 16 * (16 * 64 + 24 * 8 + 1) + 232

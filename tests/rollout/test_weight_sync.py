@@ -1,7 +1,7 @@
 """The weight-sync strategies behind the rollout sources, in one process: which one each placement gets,
 the bytes each reports (``comm/weight_sync_bytes``, ``weight_sync/*``), the order of a push (the workers
-are told before the buckets go), and the standalone source's two calls after an update (collect the
-prefetched rollouts, then push)."""
+are told before the buckets go), the background push from a snapshot, and the standalone source's requests
+K steps ahead, routed to the least-loaded worker, generated with the weights pushed before them."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from scalerl.rollout.engine import GenerationOutput, SamplingParams
 from scalerl.rollout.sources import StandaloneRollouts, StepPrompts
 from scalerl.rollout.weight_sync import (
     BYTES,
+    EXPOSED,
+    BackgroundPush,
     LoadIntoEngine,
     PushToWorkers,
     RefreshEngineLayout,
@@ -28,6 +30,16 @@ from scalerl.rollout.weight_sync import (
     SharedWeights,
     colocated_weight_sync,
     local_weight_sync,
+)
+from scalerl.rollout.worker_protocol import (
+    OP_GENERATE,
+    OP_WEIGHTS,
+    RolloutWorkerError,
+    WorkerDriver,
+    decode_reply,
+    encode_reply,
+    request_op,
+    token_versions,
 )
 
 
@@ -102,7 +114,7 @@ class _Driver:
     def __init__(self, events: list[str], workers=(5, 6)):
         self.events, self.workers = events, workers
 
-    def announce_weights(self) -> None:
+    def announce_weights(self, version: int = 0) -> None:
         self.events.append("announce")
 
 
@@ -125,7 +137,8 @@ def test_push_to_workers_announces_then_pushes_and_counts_every_worker():
     push = PushToWorkers(policy, local_weight_sync(policy), sender, _Driver(events), ctx)
     first = push.sync()
     assert events[0] == "announce" and set(events[1:]) == {"message"}
-    assert set(first) == set(SyncReport().metrics()) | {BYTES} and first["weight_sync/full_push"] == 1.0
+    assert set(first) == set(SyncReport().metrics()) | {BYTES, EXPOSED, "weight_sync/push_s"}
+    assert first["weight_sync/full_push"] == 1.0 and first[EXPOSED] >= first["weight_sync/push_s"] > 0
     assert first[BYTES] == 2 * first["weight_sync/bytes"] > 0  # each of the two workers got one push
     counted = ctx.comm.pop()["comm/bytes/weight_sync"]
     assert counted == wire_bytes("broadcast", first["weight_sync/bytes"], 3, "gloo")  # rank 0 + 2 workers
@@ -146,27 +159,121 @@ def test_push_on_a_rank_without_the_channel_joins_and_counts_nothing():
     assert ctx.comm.pop()["comm/bytes/weight_sync"] == 0
 
 
-def _output(rows: int) -> GenerationOutput:
-    ones = torch.ones(rows, 2, dtype=torch.long)
-    return GenerationOutput(ones, ones, ones, ones, torch.zeros(rows, 2), ["stop"] * rows)
+def test_background_push_sends_the_snapshot_and_reports_a_step_late():
+    """The push runs on a thread from a copy taken at sync(): weights changed right after it do not reach the
+    workers until the next sync, whose metrics are the previous push's (the first: the full push)."""
+    events: list[str] = []
+    policy = _policy()
+    receivers = [_Receiver(events)]
+    sender = WeightSender(torch.float32, 1 << 20, InProcessChannel(receivers))
+    ctx = SimpleNamespace(comm=CommCounter())
+    push = BackgroundPush(PushToWorkers(policy, local_weight_sync(policy), sender, _Driver(events), ctx))
+    before = policy.model.bias.detach().clone()
+    first = push.sync(version=1)
+    assert first["weight_sync/bytes"] == 0.0 and first[EXPOSED] >= 0  # nothing had finished yet
+    with torch.no_grad():
+        policy.model.bias += 1.0  # the next update, while the push may still be running
+    finished = push.wait()
+    assert finished["weight_sync/full_push"] == 1.0 and finished["weight_sync/bytes"] > 0
+    assert torch.equal(receivers[0].store.tensors["bias"], before)  # the snapshot went, not the live weights
+    second = push.sync(version=2)
+    third = push.sync(version=3)  # reports the second push: a delta carrying the change
+    assert second["weight_sync/bytes"] == 0.0
+    assert third["weight_sync/full_push"] == 0.0 and 0 < third["weight_sync/bytes"] < finished["weight_sync/bytes"]
+    push.wait()
+    assert torch.equal(receivers[0].store.tensors["bias"], policy.model.bias.detach())
+    assert events.count("announce") == 3
 
 
-def test_standalone_collects_the_prefetched_step_before_it_pushes():
-    """One step ahead: prefetch(step 2) -> collect_prefetched() -> sync_weights() -> generate(step 2) reads
-    what was collected, without a new request; pushing before collecting is refused (the workers answer in
-    order, so the push would wait behind the generation)."""
-    ctx = SimpleNamespace(rank=1, dp_rank=0, dp_size=1, world_size=2)  # a trainer rank that is not the driver
-    rollout_cfg = SimpleNamespace(dtype="fp32", staleness=1, stale_logprobs="recompute")
+class _QueueDriver(WorkerDriver):
+    """A driver whose workers are simulated: each answers its requests in order, generating every row's
+    tokens with the version of the last WEIGHTS it read before the request (as a real worker does)."""
+
+    def __init__(self, workers=(5, 6)):
+        super().__init__(SimpleNamespace(rollout_ranks=list(workers), device=torch.device("cpu"),
+                                         comm=CommCounter()))
+        self.queues = {w: [] for w in workers}
+        self.versions = {w: 0 for w in workers}
+        self.requests: list[tuple[int, int, int]] = []  # (worker, step, rows)
+
+    def _send(self, kind, tensors, worker):
+        self.queues[worker].append(tensors)
+        if request_op(tensors) == OP_GENERATE:
+            self.requests.append((worker, int(tensors[0][1]), tensors[3].shape[0]))
+        return 0
+
+    def _recv(self, worker):
+        while True:
+            message = self.queues[worker].pop(0)
+            if request_op(message) == OP_WEIGHTS:
+                self.versions[worker] = int(message[0][1])
+                continue
+            rows = message[3].shape[0]
+            ones = torch.ones(rows, 2, dtype=torch.long)
+            out = GenerationOutput(ones, ones, ones, ones, torch.zeros(rows, 2), ["stop"] * rows,
+                                   token_versions(ones, self.versions[worker]))
+            return decode_reply(encode_reply(out, int(message[0][1]), 0.25, 0.0))
+
+
+def _standalone(staleness: int, driver: _QueueDriver) -> StandaloneRollouts:
+    ctx = SimpleNamespace(rank=1, dp_rank=0, dp_size=1, world_size=1)
+    rollout_cfg = SimpleNamespace(dtype="fp32", staleness=staleness, stale_logprobs="recompute")
     rollouts = StandaloneRollouts(_policy(), ctx, 0, rollout_cfg, load_config(None, []).weight_sync)
-    pushed, collected = [], [_output(4)]
-    rollouts.weight_sync = SimpleNamespace(sync=lambda: pushed.append(1) or {BYTES: 1.0})
-    rollouts._collect = lambda: (setattr(rollouts, "pending", None), collected.pop())[1]
-    batch = StepPrompts(2, [[1, 2]] * 4, SamplingParams(max_new_tokens=2, total_rows=4), [{}])
-    rollouts.prefetch(batch)
-    with pytest.raises(RuntimeError, match="collect_prefetched"):
-        rollouts.sync_weights()
-    assert not pushed
-    rollouts.collect_prefetched()
-    assert rollouts.sync_weights() == {BYTES: 1.0} and pushed == [1]
-    out = rollouts.generate(batch)  # a second request would find `collected` empty
-    assert out.response_ids.shape == (4, 2) and rollouts.ready is None
+    rollouts.driver = driver
+    rollouts.weight_sync = SimpleNamespace(sync=lambda version: driver.announce_weights(version) or {})
+    return rollouts
+
+
+def _step(step: int, rows: int = 4, prompt_len: int = 2) -> StepPrompts:
+    return StepPrompts(step, [[1] * prompt_len] * rows, SamplingParams(max_new_tokens=2, total_rows=rows), [{}])
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2, 4])
+def test_requests_run_k_steps_ahead_and_lag_exactly_k_versions(staleness):
+    """The trainer's loop: generate step s (sent earlier, or now), send steps up to s+K, update, push version
+    s+1. Each step's samples come from version max(0, s - K): a request sent after the push of version v is
+    generated with v, whatever the timing, and at most K steps are ever in flight beside the one training."""
+    driver = _QueueDriver()
+    rollouts = _standalone(staleness, driver)
+    steps = 8
+    for s in range(steps):
+        out = rollouts.generate(_step(s))
+        assert out.weight_versions.unique().tolist() == [max(0, s - staleness)]
+        for ahead in range(s + 1, min(s + staleness, steps - 1) + 1):
+            if all(b.step != ahead for b, _ in rollouts.in_flight):
+                rollouts.prefetch(_step(ahead))
+        assert len(rollouts.in_flight) <= staleness
+        rollouts.sync_weights(version=s + 1)
+        metrics = rollouts.step_metrics()
+        assert metrics["timing_s/rollout_idle"] == pytest.approx(0.25)  # each worker reported 0.25 s
+    assert sorted({step for _, step, _ in driver.requests}) == list(range(steps))  # each step sent once
+
+
+def test_parts_go_to_the_least_loaded_worker():
+    """A step's two parts go largest first to the worker with the fewest tokens in flight; with step 0 still
+    owed by both, step 1's larger part goes to the worker that owes fewer tokens."""
+    driver = _QueueDriver()
+    rollouts = _standalone(1, driver)
+    rollouts.prefetch(StepPrompts(0, [[1] * 30] + [[1] * 2] * 3, SamplingParams(max_new_tokens=2, total_rows=4), [{}]))
+    assert driver.requests == [(5, 0, 1), (6, 0, 3)]  # 32 tokens to worker 5, 12 to worker 6
+    assert driver.tokens_in_flight(5) == 32 and driver.tokens_in_flight(6) == 12
+    assert driver.least_loaded() == 6
+    rollouts.prefetch(_step(1))  # two equal parts of 8 tokens: the first to 6 (12 < 32), then 6 again (20 < 32)
+    assert driver.requests[2:] == [(6, 1, 2), (6, 1, 2)]
+    out = rollouts.generate(StepPrompts(0, [[1] * 30] + [[1] * 2] * 3, SamplingParams(max_new_tokens=2), [{}]))
+    assert out.response_ids.shape[0] == 4 and driver.tokens_in_flight(5) == 0
+    assert rollouts.generate(_step(1)).response_ids.shape[0] == 4 and driver.tokens_in_flight(6) == 0
+
+
+def test_a_worker_that_dies_is_named_with_the_steps_it_owed():
+    driver = _QueueDriver()
+    driver.request_generation(6, 3, SamplingParams(max_new_tokens=2), torch.ones(1, 2, dtype=torch.long),
+                              torch.tensor([2]), tokens=4)
+
+    def dead(worker):
+        raise RuntimeError("Connection closed by peer")
+
+    driver._recv = dead
+    with pytest.raises(RolloutWorkerError, match=r"rollout worker rank 6 did not answer \(it owed the rollouts of "
+                                                 r"steps \[3\]\).*trainer.resume=auto"):
+        driver.receive(6)

@@ -300,8 +300,9 @@ def _pipeline(model: ModelConfig, step: StepShape, layout: Layout, p_bytes: floa
     ]
     if not layout.rollout_workers and step.rows >= MIN_ROWS_PER_PIPELINE_RANK * k:
         # generation is split over the pipeline ranks' replicas; each broadcasts its rows' outputs to the
-        # others: prompt and response ids and masks (int64), log-probs (fp32), a stop flag, and the header
-        per_row = 16 * step.prompt_len + 20 * step.response_len + 1
+        # others: prompt and response ids and masks (int64), log-probs (fp32), policy versions (int32), a stop
+        # flag, and the header
+        per_row = 16 * step.prompt_len + 24 * step.response_len + 1
         out.append(Collective("rollout", "broadcast", step.rows / k * per_row + ROLLOUT_HEADER_BYTES, k, pp, be))
     if model.tie_word_embeddings:  # the embedding and the head live on the first and last stage
         emb = model.vocab_size * model.hidden_size * step.param_bytes / layout.tp

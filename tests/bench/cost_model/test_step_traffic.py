@@ -87,14 +87,15 @@ def test_compression_and_hierarchical_all_reduce():
 
 def test_pipeline_ranks_split_generation_from_16_rows_each():
     """16 rows per DP rank (8 per pipeline rank) are generated whole on every rank; from 32 the two pipeline
-    ranks split them and exchange the outputs, rows x (16 B per prompt token + 20 B per response token + 1)
-    + a 200-byte header per rank: the formula gave exactly the 4,176 bytes recorded from a `pp` cell with 8
-    rows per rank while the split still started at one row per rank."""
+    ranks split them and exchange the outputs, rows x (16 B per prompt token + 24 B per response token + 1)
+    + a 232-byte header per rank (the per-token policy versions added 4 B per response token and one tensor to
+    the header since the formula gave exactly the 4,176 bytes recorded from a `pp` cell with 8 rows per rank,
+    while the split still started at one row per rank)."""
     from dataclasses import replace
 
     assert "rollout" not in bytes_by_kind(step_collectives(MODEL, STEP, Layout(pp=2)))
     wide = replace(STEP, rows=32, mini_rows=16)
-    assert bytes_by_kind(step_collectives(MODEL, wide, Layout(pp=2)))["rollout"] == 16 * (16 * 11 + 20 * 16 + 1) + 200
+    assert bytes_by_kind(step_collectives(MODEL, wide, Layout(pp=2)))["rollout"] == 16 * (16 * 11 + 24 * 16 + 1) + 232
 
 
 def test_the_constants_it_mirrors_come_from_the_code():

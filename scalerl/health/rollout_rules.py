@@ -1,0 +1,103 @@
+"""Step rules on the rollout pipeline: the trainer waiting for standalone workers' rollouts
+(``timing_s/trainer_idle``), the workers waiting for requests or weights (``timing_s/rollout_idle``, which
+they report with their answers), and the generation long tail (the longest response keeps the batch
+decoding: ``response_length/mean`` over ``/max`` where generation is a real share of the step).
+
+Each fix reads the other side: a trainer that waits while the workers idle too has too shallow a pipeline
+(more ``rollout.staleness``); one that waits on busy workers has too little generation (more
+``rollout.workers``, more rows decoding at once); workers that idle while the trainer does not have more
+capacity than the update uses (fewer workers). The context gives ``rollout_placement``,
+``rollout_staleness`` and ``rollout_workers`` (`scalerl.health.monitor`).
+"""
+
+from __future__ import annotations
+
+from scalerl.health.thresholds import RULES
+from scalerl.health.tree import OK, Finding, StepView
+from scalerl.health.wording import finding
+
+TRAINER_IDLE, ROLLOUT_IDLE, STEP = "timing_s/trainer_idle", "timing_s/rollout_idle", "timing_s/step"
+
+
+def _share(view: StepView, key: str) -> float:
+    return view.metrics[key] / max(view.metrics[STEP], 1e-9)
+
+
+def _knobs(view: StepView) -> tuple[int, int]:
+    return int(view.context.get("rollout_staleness", 0)), int(view.context.get("rollout_workers", 1))
+
+
+def trainer_idle(view: StepView) -> list[Finding]:
+    if TRAINER_IDLE not in view.metrics or STEP not in view.metrics:
+        return [finding("trainer_idle", OK, "rollouts are generated on the trainer's ranks (colocated): it waits "
+                        "for no one")]
+    threshold = RULES["trainer_idle"].thresholds["share"]
+    share, workers_share = _share(view, TRAINER_IDLE), _share(view, ROLLOUT_IDLE) if ROLLOUT_IDLE in view.metrics else 0.0
+    staleness, workers = _knobs(view)
+    status = threshold.status(share)
+    evidence = {"trainer_idle_s": round(view.metrics[TRAINER_IDLE], 4), "step_s": round(view.metrics[STEP], 4),
+                "share": round(share, 3), "rollout_idle_share": round(workers_share, 3),
+                "rollout.staleness": staleness, "rollout.workers": workers}
+    if staleness == 0:
+        fix = ("rollout.staleness=1 (or more) lets the next steps generate while this one trains; the samples "
+               "are then corrected per rollout.is_level / is_mode")
+    elif workers_share > RULES["rollout_idle"].thresholds["share"].warning:
+        fix = (f"the workers wait too: the pipeline is too shallow, raise rollout.staleness (now {staleness}) so "
+               "requests queue at the workers instead of the trainer")
+    else:
+        fix = (f"generation is the bottleneck (the workers are busy): add rollout workers (rollout.workers, now "
+               f"{workers}), decode more rows at once (rollout.max_num_seqs with the continuous-batching engine), "
+               f"or raise rollout.staleness (now {staleness}) to absorb steps whose generation runs long")
+    return [finding("trainer_idle", status, f"the trainer waited {view.metrics[TRAINER_IDLE]:.3g} s for rollouts, "
+                    f"{share:.0%} of its {view.metrics[STEP]:.3g} s step", evidence, fix)]
+
+
+def rollout_idle(view: StepView) -> list[Finding]:
+    if ROLLOUT_IDLE not in view.metrics or STEP not in view.metrics:
+        return [finding("rollout_idle", OK, "no standalone rollout workers: nothing waits for requests")]
+    threshold = RULES["rollout_idle"].thresholds["share"]
+    share = _share(view, ROLLOUT_IDLE)
+    trainer_share = _share(view, TRAINER_IDLE) if TRAINER_IDLE in view.metrics else 0.0
+    staleness, workers = _knobs(view)
+    status = threshold.status(share)
+    evidence = {"rollout_idle_s": round(view.metrics[ROLLOUT_IDLE], 4), "step_s": round(view.metrics[STEP], 4),
+                "share": round(share, 3), "trainer_idle_share": round(trainer_share, 3),
+                "rollout.staleness": staleness, "rollout.workers": workers}
+    if staleness == 0:
+        fix = ("at rollout.staleness=0 the workers wait for every update and weight push: rollout.staleness=1 or "
+               "more keeps them generating")
+    elif workers > 1:
+        fix = (f"generation outpaces the update: fewer rollout workers (rollout.workers, now {workers}; their "
+               f"devices to the trainer), or a larger rollout.staleness (now {staleness}) to queue more steps")
+    else:
+        fix = (f"generation outpaces the update: a larger rollout.staleness (now {staleness}) queues more steps; "
+               "or give the worker's device to the trainer (rollout.placement=colocated)")
+    return [finding("rollout_idle", status, f"the rollout workers waited {view.metrics[ROLLOUT_IDLE]:.3g} s on "
+                    f"average for requests or weights, {share:.0%} of the step", evidence, fix)]
+
+
+def generation_tail(view: StepView) -> list[Finding]:
+    m = view.metrics
+    needed = ("response_length/mean", "response_length/max", "timing_s/gen", STEP)
+    if not all(k in m for k in needed) or m["response_length/max"] <= 0:
+        return [finding("generation_tail", OK, "no generation this step to judge")]
+    rule = RULES["generation_tail"]
+    ratio = m["response_length/mean"] / m["response_length/max"]
+    gen_share = _share(view, "timing_s/gen")
+    costly = rule.thresholds["gen_share"].status(gen_share) != OK
+    status = rule.thresholds["mean_over_max"].status(ratio) if costly else OK
+    staleness, _ = _knobs(view)
+    clipped = m.get("response_length/clip_ratio", 0.0)
+    evidence = {"response_length/mean": round(m["response_length/mean"], 2),
+                "response_length/max": m["response_length/max"], "mean_over_max": round(ratio, 3),
+                "gen_share": round(gen_share, 3), "clip_ratio": round(clipped, 3), "rollout.staleness": staleness}
+    fix = (f"the continuous-batching engine refills finished rows from the queue (rollout.max_num_seqs); "
+           f"rollout.staleness >= 1 (now {staleness}) lets the tail overlap the update; a lower "
+           f"rollout.max_new_tokens cuts the tail ({clipped:.0%} of responses reach it now)")
+    return [finding("generation_tail", status, f"responses average {ratio:.0%} of the longest "
+                    f"({m['response_length/mean']:.3g} of {m['response_length/max']:.3g} tokens) and generation "
+                    f"is {gen_share:.0%} of the step", evidence, fix)]
+
+
+def rollout_pipeline(view: StepView) -> list[Finding]:
+    return trainer_idle(view) + rollout_idle(view) + generation_tail(view)
