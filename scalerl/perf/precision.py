@@ -123,8 +123,8 @@ def choose_precision(requested: str, device: torch.device, model: ModelConfig, p
     speedup = bf16_matmul_speedup(device, *shape)
     if agree is not None:
         speedup = agree(speedup)
-    measured = (f"a [{shape[0]}x{shape[1]}] @ [{shape[1]}x{shape[2]}] matmul (this model's MLP) runs "
-                f"{speedup:.2f}x faster in bf16 than fp32 here ({hardware})")
+    measured = (f"bf16 ran this model's MLP matmul, [{shape[0]}x{shape[1]}] @ [{shape[1]}x{shape[2]}], at "
+                f"{speedup:.2f}x fp32's speed here ({hardware})")
     if requested == "fp32":
         return PrecisionChoice("fp32", "as configured; " + measured, hardware, speedup, shape)
     if speedup >= AUTO_MIN_SPEEDUP:

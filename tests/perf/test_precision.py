@@ -48,7 +48,7 @@ def test_auto_follows_the_probe_against_the_threshold(monkeypatch):
 
     monkeypatch.setattr(precision, "bf16_matmul_speedup", probe(3.2))
     fast = choose_precision("auto", CPU, MODEL)
-    assert fast.precision == "bf16" and "3.20x faster in bf16" in fast.reason and "avx512_bf16" in fast.reason
+    assert fast.precision == "bf16" and "at 3.20x fp32's speed" in fast.reason and "avx512_bf16" in fast.reason
     assert shapes[-1] == (precision.PROBE_ROWS, 64, 160)  # the model's own MLP
     monkeypatch.setattr(precision, "bf16_matmul_speedup", probe(AUTO_MIN_SPEEDUP - 0.2))
     slow = choose_precision("auto", CPU, MODEL)
