@@ -125,3 +125,16 @@ def test_fp16_checkpoint_keeps_the_loss_scale(tiny_config, length_reward, tmp_pa
     resumed = RLTrainer.from_config(tiny_config("trainer.precision=fp16", "trainer.total_steps=2", "trainer.resume=auto",
                                     length_reward, f"trainer.output_dir={tmp_path}"))
     assert resumed.scaler.get_scale() == first.scaler.get_scale()
+
+
+@pytest.mark.parametrize("speedup, chosen", [(3.0, "bf16"), (1.1, "fp32")])
+def test_precision_auto_is_chosen_at_start_said_and_written_back(tiny_config, length_reward, capsys, monkeypatch,
+                                                                 speedup, chosen):
+    from scalerl.perf import precision
+
+    monkeypatch.setattr(precision, "bf16_hardware", lambda device: "avx512_bf16")
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device, rows, inner, outer: speedup)
+    trainer = RLTrainer.from_config(tiny_config("trainer.precision=auto", length_reward))
+    assert trainer.cfg.trainer.precision == chosen and trainer.autocast.precision == chosen
+    assert f"trainer.precision=auto: {chosen} (bf16 ran this model's MLP matmul" in capsys.readouterr().out
+    assert trainer.monitor.context["bf16_over_fp32"] == speedup  # the doctor's compute/precision evidence
