@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, cells in results.items():
         for phase in ("step", *PHASES):
             fp32, bf16 = cells["fp32"].get(phase, 0.0), cells["bf16"].get(phase, 0.0)
-            ratio = f"{fp32 / bf16:9.2f}x" if fp32 and bf16 else "        -"
+            ratio = f"{fp32 / bf16:9.2f}x" if min(fp32, bf16) > 1e-3 else "        -"  # fp32 reuses the log-probs
             print(f"{name:9s} {phase:13s} {fp32:8.3f}  {bf16:8.3f}  {ratio}")
         tps = cells["bf16"]["tokens_per_s"] / cells["fp32"]["tokens_per_s"]
         print(f"{name:9s} {'tokens/s':13s} {cells['fp32']['tokens_per_s']:8.0f}  {cells['bf16']['tokens_per_s']:8.0f}  "

@@ -10,7 +10,6 @@ pass over one micro-batch can gain at most. On CUDA devices with bf16 support th
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +23,13 @@ from scalerl.perf.flops import device_peak_flops
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # AMX tiles first: the faster of the two where both are there
 PROBE_ROWS = 512  # about one micro-batch of tokens
 # auto picks bf16 at this probe ratio or more: the matmuls are about half a small model's step, the rest
-# (norms, softmax, the optimizer) does not speed up, so below ~1.5x the step gains little or loses. The
-# demo's model (h128 x 352) probes at 1.0-1.3x on an AVX-512 BF16 EPYC; h256 x 688 at 2-3x.
+# (norms, softmax, the optimizer) does not speed up, so below ~1.5x the step gains little or loses.
 AUTO_MIN_SPEEDUP = 1.5
+# ... and only for a model whose MLP matmul over PROBE_ROWS tokens is at least this many FLOPs. Below it
+# per-op overhead, not the matmuls, sets the step: on an AVX-512 BF16 EPYC (no AMX) the demo's model
+# (h128 x 352: 46 MFLOP) probes 3x faster in bf16, yet its update runs at 1.0-1.2x and the log-prob pass
+# bf16 adds costs what that saves; the small model (h256 x 688: 180 MFLOP) updates 1.7x faster.
+AUTO_MIN_MLP_FLOPS = 1e8
 
 
 def cpu_bf16_features(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
@@ -52,34 +55,27 @@ def bf16_hardware(device: torch.device) -> str:
     return ""
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def bf16_matmul_speedup(device: torch.device, rows: int, inner: int, outer: int, repeats: int = 3) -> float:
+def bf16_matmul_speedup(device: torch.device, rows: int, inner: int, outer: int, repeats: int = 5) -> float:
     """fp32 seconds over bf16 seconds of ``[rows, inner] @ [inner, outer]``; the bf16 side casts its fp32
-    weight first, as autocast does once per pass."""
+    weight first, as autocast does once per pass. The two alternate and each keeps its best time, so other
+    processes on a shared machine slow neither side more than the other."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, inner, generator=generator).to(device)
     weight = torch.randn(outer, inner, generator=generator).to(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def fp32():
-        torch.nn.functional.linear(x, weight)
-        sync()
-
-    def bf16():
-        torch.nn.functional.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16))
-        sync()
-
+    products = {"fp32": lambda: torch.nn.functional.linear(x, weight),
+                "bf16": lambda: torch.nn.functional.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16))}
+    best = dict.fromkeys(products, float("inf"))
     with torch.no_grad():
-        return _median_seconds(fp32, repeats) / _median_seconds(bf16, repeats)
+        for name, product in products.items():  # warm-up: kernel choice, allocations
+            product()
+        for _ in range(repeats):
+            for name, product in products.items():
+                start = time.perf_counter()
+                product()
+                sync()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best["fp32"] / best["bf16"]
 
 
 @dataclass(frozen=True)
@@ -91,7 +87,7 @@ class PrecisionChoice:
     hardware: str = ""  # what multiplies in bf16 here ("" = nothing)
     bf16_over_fp32: float | None = None  # the probe's speed ratio on the model's MLP shape
     probe_shape: tuple[int, int, int] | None = None
-    extra: dict = field(default_factory=dict)
+    bf16_pays: bool | None = None  # whether auto's rule holds for this model here (None: not judged)
 
     def health_context(self) -> dict:
         """The doctor's ``compute/precision`` inputs (`scalerl.health.compute_rules.unused_bf16`)."""
@@ -99,6 +95,8 @@ class PrecisionChoice:
         if self.bf16_over_fp32 is not None:
             out["bf16_over_fp32"] = self.bf16_over_fp32
             out["bf16_probe_shape"] = list(self.probe_shape or ())
+        if self.bf16_pays is not None:
+            out["bf16_pays"] = self.bf16_pays
         return out
 
 
@@ -106,7 +104,7 @@ def choose_precision(requested: str, device: torch.device, model: ModelConfig, p
                      agree: Callable[[float], float] | None = None) -> PrecisionChoice:
     """``requested`` kept as it is unless it is ``auto``: then bf16 on a CUDA device with bf16, or on a CPU
     with bf16 instructions where the probe measures the model's matmuls at least `AUTO_MIN_SPEEDUP` faster
-    in bf16; fp32 otherwise. On a bf16-capable CPU the probe also runs for an fp32 run (``probe=False``
+    in bf16 and that matmul is at least `AUTO_MIN_MLP_FLOPS`; fp32 otherwise. On a bf16-capable CPU the probe also runs for an fp32 run (``probe=False``
     skips it), so the doctor can say what fp32 leaves unused. ``agree`` turns this rank's measured ratio
     into the one every rank uses (the minimum over ranks), so that ranks never choose differently."""
     hardware = bf16_hardware(device)
@@ -125,9 +123,16 @@ def choose_precision(requested: str, device: torch.device, model: ModelConfig, p
         speedup = agree(speedup)
     measured = (f"bf16 ran this model's MLP matmul, [{shape[0]}x{shape[1]}] @ [{shape[1]}x{shape[2]}], at "
                 f"{speedup:.2f}x fp32's speed here ({hardware})")
+    flops = 2.0 * shape[0] * shape[1] * shape[2]
+    too_small = flops < AUTO_MIN_MLP_FLOPS
+    pays = speedup >= AUTO_MIN_SPEEDUP and not too_small
     if requested == "fp32":
-        return PrecisionChoice("fp32", "as configured; " + measured, hardware, speedup, shape)
-    if speedup >= AUTO_MIN_SPEEDUP:
-        return PrecisionChoice("bf16", measured, hardware, speedup, shape)
+        return PrecisionChoice("fp32", "as configured; " + measured, hardware, speedup, shape, pays)
+    if pays:
+        return PrecisionChoice("bf16", measured, hardware, speedup, shape, pays)
+    if too_small:
+        return PrecisionChoice("fp32", f"{measured}, but that matmul is {flops / 1e6:.0f} MFLOP, under the "
+                               f"{AUTO_MIN_MLP_FLOPS / 1e6:.0f} MFLOP where the matmuls rather than per-op overhead "
+                               "set the step", hardware, speedup, shape, pays)
     return PrecisionChoice("fp32", f"{measured}, under the {AUTO_MIN_SPEEDUP}x that pays for autocast's "
-                           "casts and the ops that stay fp32", hardware, speedup, shape)
+                           "casts and the ops that stay fp32", hardware, speedup, shape, pays)

@@ -134,6 +134,7 @@ def test_precision_auto_is_chosen_at_start_said_and_written_back(tiny_config, le
 
     monkeypatch.setattr(precision, "bf16_hardware", lambda device: "avx512_bf16")
     monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device, rows, inner, outer: speedup)
+    monkeypatch.setattr(precision, "AUTO_MIN_MLP_FLOPS", 0)  # the test model is tinier than auto's bf16 size
     trainer = RLTrainer.from_config(tiny_config("trainer.precision=auto", length_reward))
     assert trainer.cfg.trainer.precision == chosen and trainer.autocast.precision == chosen
     assert f"trainer.precision=auto: {chosen} (bf16 ran this model's MLP matmul" in capsys.readouterr().out
