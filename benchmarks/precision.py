@@ -82,7 +82,7 @@ def model_overrides(name: str, workdir: Path, layers_05b: int) -> list[str]:
 def run_cell(overrides: list[str], precision: str, steps: int, timeout_s: float) -> dict:
     done = subprocess.run([sys.executable, "-c", STEP_SCRIPT, str(steps),
                            json.dumps([*overrides, f"trainer.precision={precision}"])],
-                          capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+                          capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, check=False)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[7:])

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.precision import write_model  # noqa: E402
+from benchmarks.precision import write_model
 
 # name -> (model fields, prompts per step, completions per prompt, completions per micro-batch)
 MODELS = {
@@ -141,7 +141,7 @@ print("RESULT " + json.dumps({"precision": s["precision"],
 def trl_missing(python: str) -> str:
     """Why ``python`` cannot run the TRL side ("" when it can)."""
     done = subprocess.run([python, "-c", "import trl, transformers; print(trl.__version__, transformers.__version__)"],
-                          capture_output=True, text=True, cwd=ROOT)
+                          capture_output=True, text=True, cwd=ROOT, check=False)
     if done.returncode:
         return (f"{python} cannot import trl ({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}).\n"
                 "TRL is an optional dependency of this benchmark only: python -m venv /tmp/trl-venv && "
@@ -153,7 +153,7 @@ def trl_missing(python: str) -> str:
 def run_cell(python: str, script: str, settings: dict, timeout_s: float) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(settings["threads"]))
     done = subprocess.run([python, "-c", script, json.dumps(settings)], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=ROOT, env=env)
+                          timeout=timeout_s, cwd=ROOT, env=env, check=False)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])

@@ -11,9 +11,9 @@ pass over one micro-batch can gain at most. On CUDA devices with bf16 support th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
