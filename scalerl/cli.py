@@ -191,6 +191,10 @@ def cmd_version(args: argparse.Namespace) -> int:
     for package in ("ray", "transformers", "vllm"):
         version = _installed_version(package)
         print(f"{package}: {version if version else 'not installed'}")
+    from scalerl.perf.precision import CPU_BF16_FLAGS, cpu_bf16_features
+
+    features = cpu_bf16_features()
+    print(f"CPU bf16: {', '.join(features) if features else 'none'} (of {', '.join(CPU_BF16_FLAGS)} in /proc/cpuinfo)")
     if torch.cuda.is_available():
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "n/a"
         print(f"CUDA: {torch.version.cuda}")

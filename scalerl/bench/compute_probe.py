@@ -6,6 +6,10 @@ kernel launches, Python, the dispatcher) and a cost per FLOP. On a GPU with a la
 dominate; on this CPU with a small one the fixed part does, and a projection to another shape (a pipeline
 stage's share of the layers, tensor parallelism's share of each matmul, fewer rows per rank) has to know
 which of the two it is scaling. `scalerl.bench.calibration` fits both from these points.
+
+The device's matmul peak is measured per dtype (`matmul_peaks`): fp32, and bf16 where the device has bf16
+matmul hardware (a CPU's avx512_bf16 / amx_bf16), so MFU is read against the peak of the dtype the matmuls
+run in and the doctor can say what an fp32 run leaves unused.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import time
 
 import torch
 
+from scalerl.perf.flops import device_peak_flops
+from scalerl.perf.precision import bf16_hardware
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
 
@@ -34,11 +40,25 @@ def _median_seconds(fn, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
+def matmul_peaks(device: torch.device) -> dict:
+    """Peak matmul FLOP/s per dtype name (bf16 only where the device multiplies in it), the bf16 / fp32 ratio
+    and the hardware behind it."""
+    hardware = bf16_hardware(device)
+    peaks = {"float32": device_peak_flops(device, torch.float32)}
+    if hardware:
+        peaks["bfloat16"] = device_peak_flops(device, torch.bfloat16)
+    out = {"peak_flops": peaks, "bf16_hardware": hardware}
+    if hardware:
+        out["bf16_over_fp32"] = peaks["bfloat16"] / peaks["float32"]
+    return out
+
+
 def probe_compute(model: torch.nn.Module, pad_token_id: int, micro_rows: int, new_tokens: int) -> dict:
     """Median seconds of each probe, with the shapes the fit needs."""
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    out: dict = {"train": [], "forward": [], "gen": []}
+    out: dict = {"train": [], "forward": [], "gen": [],
+                 "matmul_peaks": matmul_peaks(next(model.parameters()).device)}
     model.train()
     for width in TRAIN_WIDTHS:
         ids = torch.randint(3, vocab, (micro_rows, width), generator=generator)

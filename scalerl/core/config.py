@@ -69,7 +69,7 @@ KL_CONTROLLER_TYPES = ("fixed", "adaptive")  # scalerl.algorithms.kl_reward's (c
 ADV_ESTIMATORS = tuple(ADVANTAGE_ESTIMATOR_NAMES)  # verl's names (`scalerl.core.algorithm_names`)
 POLICY_LOSSES = tuple(policy_loss_choices())
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_REWARDS = ("auto", "gsm8k", "math", "none")  # none: data.reward_model alone
 ROLLOUT_DTYPES = ("bf16", "fp32")
@@ -578,7 +578,9 @@ class TrainerSection(_Section):
                           "final/, model/, tensorboard/) found in output_dir instead of refusing to start")
     eval_every: int = opt(5, "evaluate every N steps; 0 = only before and after training")
     logger: list[str] = opt(help="metric sinks: " + " | ".join(LOGGERS), factory=lambda: ["console", "jsonl"])
-    precision: str = opt("fp32", "autocast precision: fp32 | bf16 | fp16 (fp16 uses a grad scaler)")
+    precision: str = opt("fp32", "autocast precision: fp32 | bf16 | fp16 (fp16 uses a grad scaler) | auto (bf16 "
+                         "on a CUDA device with bf16, or on a CPU with bf16 instructions where a probe of the "
+                         "model's MLP matmul at start measures bf16 at least 1.5x fp32; else fp32; said at start)")
     device: str = opt("auto", "auto | cpu | cuda")
     init_from: str | None = opt(None, "model directory to start from (e.g. the SFT output)")
     balance_batch: bool = opt(True, "redistribute rollouts over DP ranks so each gets a near-equal token count")

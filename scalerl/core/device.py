@@ -34,10 +34,32 @@ def compute_dtype(precision: str, param_dtype: torch.dtype = torch.float32) -> t
 
 class Autocast:
     """Reusable autocast for ``precision`` (bf16/fp16 compute, fp32 parameters); a no-op for fp32.
-    Autocast contexts are single-use, so a new one is made each time this is entered."""
+    Autocast contexts are single-use, so a new one is made each time this is entered.
+
+    Autocast casts each fp32 weight to the compute dtype once per outermost context and caches the copy
+    until that context exits. Entered per micro-batch, every micro-batch pays the casts again (on a CPU a
+    0.5B model's casts cost as much as its bf16 matmuls), so a pass over many micro-batches holds the casts
+    (`holding_casts`) and runs what must stay fp32 (loss, backward) with autocast `paused`."""
 
     def __init__(self, precision: str, device: torch.device):
         self.precision, self.device = precision, device
+
+    @property
+    def enabled(self) -> bool:
+        return self.precision in AUTOCAST_DTYPES
+
+    def holding_casts(self) -> contextlib.AbstractContextManager:
+        """An outer autocast whose cast weights live until it exits: wrap one pass (a forward-only pass, or
+        one mini-batch's micro-batches, before the optimizer steps the weights)."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=AUTOCAST_DTYPES[self.precision])
+
+    def paused(self) -> contextlib.AbstractContextManager:
+        """Autocast off inside `holding_casts` (fp32 loss and backward) without dropping its cast weights."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, enabled=False)
 
     def __enter__(self):
         if self.precision in AUTOCAST_DTYPES:

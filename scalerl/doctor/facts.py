@@ -34,6 +34,7 @@ from scalerl.comm.net.topology import (
     detect_topology,
 )
 from scalerl.core.rank_env import RankEnv
+from scalerl.perf.precision import cpu_bf16_features
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "TORCH_", "TORCHELASTIC_", "SLURM_", "RAY_", "OMPI_COMM_WORLD_", "PMI_",
                 "CUDA_", "OMP_")
@@ -184,7 +185,7 @@ def collect_rank_facts(env: RankEnv | None, paths: list[tuple[str, str]], device
         "local_world_size": env.local_world_size if env else 1, "node_rank": env.node_rank if env else 0,
         "launcher": env.launcher if env else "single", "hostname": socket.gethostname(), "node_id": node_id(),
         "pid": os.getpid(), "master": master, "device": device.type, "versions": versions(),
-        "gpus": gpus(local_rank), "nvlink": nvlink, "memory": host_memory(),
+        "gpus": gpus(local_rank), "nvlink": nvlink, "memory": host_memory(), "cpu_bf16": cpu_bf16_features(),
         "interfaces": [asdict(i) for i in topology.interfaces], "rdma_ports": [asdict(p) for p in topology.rdma_ports],
         "socket": socket_facts(topology, environ, env.master_addr if env else "127.0.0.1"),
         "env": relevant_env(environ), "paths": path_facts(paths),

@@ -180,7 +180,7 @@ def _mean_record(steps: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _context(cfg: Config, trainer, link_busbw: float | None) -> dict[str, Any]:
     dims, mc = trainer.dist.dims, trainer.model_config
-    dtype = compute_dtype(cfg.trainer.precision, getattr(torch, cfg.model.dtype))
+    dtype = compute_dtype(trainer.cfg.trainer.precision, getattr(torch, cfg.model.dtype))  # auto resolved
     context = {
         "device": trainer.device.type, "world_size": dims.world_size, "dp_size": dims.dp, "tp": dims.tp,
         "pp": dims.pp, "dp_replicate": dims.dp_replicate, "microbatches": cfg.parallel.microbatches,
@@ -188,6 +188,7 @@ def _context(cfg: Config, trainer, link_busbw: float | None) -> dict[str, Any]:
         "hidden_size": mc.hidden_size, "dtype_bytes": dtype.itemsize,
         "layer_params": (matmul_param_count(mc) - mc.hidden_size * mc.vocab_size) / mc.num_hidden_layers,
     }
+    context.update(trainer.precision_choice.health_context())  # compute/precision: the bf16 probe
     if link_busbw:
         context["link_busbw"] = link_busbw
     if dims.tp > 1:

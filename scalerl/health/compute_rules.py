@@ -1,5 +1,6 @@
 """Step rules on compute load: stragglers (each rank's own work), data sharding (tokens per data-parallel
-rank), model-parallel granularity (tensor-parallel cost model, pipeline bubble)."""
+rank), model-parallel granularity (tensor-parallel cost model, pipeline bubble), compute precision (fp32
+on a device measured faster in bf16)."""
 
 from __future__ import annotations
 
@@ -169,3 +170,28 @@ def parallel_granularity(view: StepView) -> list[Finding]:
                             {"pp": pp, "microbatches": m, "stages_per_rank": v, "bubble": round(bubble, 3)},
                             fix_text("pp_bubble", suggestion=math.ceil(3 * (pp - 1) / v))))
     return out
+
+
+def unused_bf16(view: StepView) -> list[Finding]:
+    """fp32 on a device whose bf16 matmuls were measured faster (`scalerl.perf.precision`'s probe at start)."""
+    c = view.context
+    precision = c.get("precision")
+    if precision is None:
+        return [finding("unused_bf16", NOT_MEASURED, f"needs the run's precision and its bf16 probe; {PROFILE_HINT}")]
+    if precision != "fp32":
+        return [finding("unused_bf16", OK, f"computes in {precision}")]
+    hardware = c.get("bf16_hardware", "")
+    if not hardware:
+        return [finding("unused_bf16", OK, f"fp32: no bf16 matmul hardware on this {c.get('device', 'device')}")]
+    if "bf16_over_fp32" not in c:
+        return [finding("unused_bf16", NOT_MEASURED, f"fp32 on a device with {hardware}; the bf16 probe did not run")]
+    ratio = c["bf16_over_fp32"]
+    evidence = {"precision": precision, "bf16_hardware": hardware, "bf16_over_fp32": round(ratio, 3)}
+    if c.get("bf16_probe_shape"):
+        evidence["probe_shape"] = c["bf16_probe_shape"]
+    if c.get("bf16_pays") is False:  # a tiny model: per-op overhead, not the matmuls, sets its step
+        return [finding("unused_bf16", OK, f"fp32: the model's matmuls measured {ratio:.2f}x faster in bf16, but "
+                         "are too small for bf16 to shorten the step (trainer.precision=auto keeps fp32)", evidence)]
+    status = RULES["unused_bf16"].thresholds["bf16_over_fp32"].status(ratio)
+    return [finding("unused_bf16", status, f"computes in fp32 on {hardware}, where the model's matmuls measured "
+                     f"{ratio:.2f}x faster in bf16", evidence, fix_text("unused_bf16"))]

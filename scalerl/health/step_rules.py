@@ -19,6 +19,7 @@ from scalerl.health.compute_rules import (
     parallel_granularity,
     stragglers,
     token_imbalance,
+    unused_bf16,
 )
 from scalerl.health.expert_rules import expert_load
 from scalerl.health.rollout_rules import rollout_pipeline
@@ -240,7 +241,7 @@ __all__ = ["STEP_RULES", "StepView", "reward_collapse", "run_step_rules"]
 
 STEP_RULES: tuple[Callable[[StepView], list[Finding]], ...] = (
     stragglers, token_imbalance, parallel_granularity, comm_share, achieved_bandwidth, memory_peak,
-    host_device_share, data_wait, checkpoint_interval, non_finite, expert_load, rollout_pipeline,
+    host_device_share, data_wait, checkpoint_interval, non_finite, expert_load, rollout_pipeline, unused_bf16,
 )
 
 

@@ -174,6 +174,15 @@ _RULES = (
          thresholds={"bubble": Threshold(
              0.25, 0.5, True, " of the step",
              "every pipeline rank idles for the bubble: a quarter of the update at 25%, half at 50%")}),
+    Rule("unused_bf16", "compute/precision",
+         "bf16 over fp32 speed of the model's MLP matmul, probed at start (the CUDA peaks' ratio on GPUs), in a "
+         "run that computes in fp32 on a device with bf16 matmul hardware",
+         "trainer.precision=bf16 (update and log-prob passes in bf16 autocast over fp32 master weights), or "
+         "trainer.precision=auto, which probes at start and chooses",
+         thresholds={"bf16_over_fp32": Threshold(
+             1.5, None, True, "x fp32",
+             "the matmuls are most of a large model's step; at 1.5x their bf16 speed a bf16 run's update "
+             "and log-prob passes gain more than autocast's casts and the ops that stay fp32 cost")}),
     Rule("stragglers", "compute/stragglers",
          "each rank's own work per step (step time minus time blocked waiting for peers and in collectives), "
          "slowest rank against the median rank",

@@ -52,6 +52,8 @@ TREE: tuple[Branch, ...] = (
              "is each tensor/pipeline shard big enough that compute outweighs its communication and bubbles?"),
         Leaf("compute/stragglers", "uneven work across ranks (stragglers)",
              "does any rank take far longer than the others for the same work?"),
+        Leaf("compute/precision", "compute precision",
+             "does the run multiply in bf16 where the device measures bf16 faster than fp32?"),
         Leaf("compute/expert_load", "MoE expert load imbalance",
              "do a MoE model's experts get about the same share of tokens, and does a capacity factor drop few?"),
     )),

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from scalerl.comm.counting.accounting import CommCounter
 from scalerl.comm.gradients.reducer import GradientReducer
@@ -75,6 +76,7 @@ class ModuleParts:
         self.expert_parallel = expert_parallel  # the context experts are sharded over (parallel.ep > 1)
         self.gradient_reducer = gradient_reducer  # DDP's comm hook state: byte counts, compression plan
         self.router_aux = RouterAuxLoss.of(model)  # MoE: load-balancing loss and load metrics; None if dense
+        self.sharded = any(isinstance(p, DTensor) for p in model.parameters())  # FSDP2 or tensor parallel
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
@@ -94,18 +96,23 @@ class ModuleParts:
     def forward_backward(self, micros: Sequence[MicroBatch], loss_fn: LossFn, autocast=None, grad_scaler=None) -> int:
         """Accumulate the gradients of ``sum(loss_fn(output, target))`` over ``micros``; returns the number of
         loss calls. DDP all-reduces only on the last backward; FSDP reduce-scatters on every one."""
-        for i, micro in enumerate(micros):
-            no_sync = getattr(self.trained, "no_sync", None) if i < len(micros) - 1 else None
-            # DDP decides in its forward whether the backward all-reduces: the forward belongs inside no_sync.
-            with no_sync() if no_sync else contextlib.nullcontext():
-                with autocast or contextlib.nullcontext():
-                    output = self.trained(micro.input_ids, attention_mask=micro.attention_mask,
-                                          logits_to_keep=micro.keep)
-                loss = loss_fn(output, micro.target)
-                if self.router_aux is not None:
-                    mask = micro.attention_mask if isinstance(micro.attention_mask, torch.Tensor) else None
-                    loss = loss + self.router_aux.loss_term(mask, len(micros))  # packed rows: no padding
-                (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
+        # Plain (unsharded) weights are cast to the compute dtype once for all micro-batches, not once each;
+        # FSDP2/TP parameters are gathered per forward, and a cast held across gathers would be stale.
+        holds = autocast is not None and not self.sharded
+        with autocast.holding_casts() if holds else contextlib.nullcontext():
+            for i, micro in enumerate(micros):
+                no_sync = getattr(self.trained, "no_sync", None) if i < len(micros) - 1 else None
+                # DDP decides in its forward whether the backward all-reduces: the forward belongs inside no_sync.
+                with no_sync() if no_sync else contextlib.nullcontext():
+                    with autocast or contextlib.nullcontext():
+                        output = self.trained(micro.input_ids, attention_mask=micro.attention_mask,
+                                              logits_to_keep=micro.keep)
+                    with autocast.paused() if holds else contextlib.nullcontext():  # fp32 loss and backward
+                        loss = loss_fn(output, micro.target)
+                        if self.router_aux is not None:
+                            mask = micro.attention_mask if isinstance(micro.attention_mask, torch.Tensor) else None
+                            loss = loss + self.router_aux.loss_term(mask, len(micros))  # packed rows: no padding
+                        (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
         return len(micros)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

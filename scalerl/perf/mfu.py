@@ -5,7 +5,9 @@ A rank's share depends on the layout. Tensor parallelism splits every matmul ove
 parallelism splits the trained layers over ``pp`` stages, but every pipeline rank generates (and computes
 log-probs) with a full replica, so generation is divided by ``tp`` only. Data parallelism splits the batch,
 which the token counts (this rank's share of the batch) already reflect. The peak is the tensor-core
-peak of the training precision (bf16/fp16 under autocast), fp32 otherwise.
+peak of the training precision (bf16/fp16 under autocast), fp32 otherwise; on a CPU it is measured per
+dtype, so a bf16 run on AVX-512 BF16 / AMX is read against the bf16 matmul speed, not fp32's (which hides
+that headroom: 4x on an AVX-512 BF16 EPYC core).
 
 Reported per step: ``perf/mfu`` (all the step's FLOPs over the step's time), ``perf/mfu/gen`` (generation
 over generation time) and ``perf/mfu/update`` (forward + backward of the update over its time). FLOPs are

@@ -10,6 +10,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from scalerl.algorithms.entropy import logprobs_from_logits
 from scalerl.models.decoder import CausalLM
@@ -65,12 +66,16 @@ def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size:
     """``per_token(output, micro)`` over the model's fp32 outputs at the positions before each response token,
     micro-batch by micro-batch (all-padding columns trimmed), masked and padded back to ``[B, R]``."""
     out = []
-    with gathered_once(model):
+    # Plain weights are cast to the compute dtype once for the pass (`Autocast.holding_casts`), not per
+    # micro-batch; FSDP2/TP parameters are left to autocast's per-forward casts.
+    holds = autocast is not None and not any(isinstance(p, DTensor) for p in model.parameters())
+    with gathered_once(model), autocast.holding_casts() if holds else contextlib.nullcontext():
         for micro in micro_batches(batch, micro_batch_size):
             micro, _, right = micro.trimmed()
             response_len = micro.response_ids.shape[1]
             input_ids, attention_mask = packed_batch_or_none(micro.input_ids, micro.attention_mask, packed_kernel)
             with autocast or contextlib.nullcontext():
                 output = model(input_ids, attention_mask=attention_mask, logits_to_keep=response_len + 1)
-            out.append(F.pad(per_token(output[:, :-1].float(), micro) * micro.response_mask, (0, right)))
+            with autocast.paused() if holds else contextlib.nullcontext():  # fp32 log-softmax
+                out.append(F.pad(per_token(output[:, :-1].float(), micro) * micro.response_mask, (0, right)))
     return torch.cat(out)

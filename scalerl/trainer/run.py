@@ -47,6 +47,7 @@ from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.parallel.parallelize import ModelParts, PipelineOptions, parallelize
 from scalerl.perf.memory import max_memory_gb
 from scalerl.perf.mfu import RankShare, StepWork, step_mfu
+from scalerl.perf.precision import choose_precision
 from scalerl.perf.timing import StepTimer, busy_time
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.tracking import MetricsLogger
@@ -55,6 +56,7 @@ from scalerl.trainer.run_directory import (
     CHECKPOINTS_DIR,
     prepare_output_dir,
     resume_from_checkpoint,
+    say,
 )
 from scalerl.trainer.run_failures import SkippedStepGuard
 from scalerl.trainer.update import OptimizerStep
@@ -154,8 +156,19 @@ class TrainingRun:
                                                          on_meta=self.weights_source is not None)
         apply_lora_from_config(model, self.cfg.model.lora, t.seed)  # before any copy or layout of the policy
         self.model_config = model.config
+        # trainer.precision=auto is resolved here, once, and written back: every later reader sees bf16 or fp32.
+        self.precision_choice = choose_precision(t.precision, self.device, model.config, agree=self._min_over_ranks)
+        if t.precision == "auto":
+            say(self.dist, f"trainer.precision=auto: {self.precision_choice.precision} "
+                           f"({self.precision_choice.reason})")
+            t.precision = self.precision_choice.precision
         self.autocast = Autocast(t.precision, self.device)
         return model
+
+    def _min_over_ranks(self, value: float) -> float:
+        if self.dist.world_size == 1:
+            return value
+        return float(self.dist.all_reduce(torch.tensor([value], device=self.dist.device), op="min", over="trainer"))
 
     def lay_out(self, model: nn.Module, trainable: bool = True) -> ModelParts:
         """``model`` laid out for training on this run's layout (`parallelize`; ``trainable=False``: a frozen
@@ -205,6 +218,7 @@ class TrainingRun:
             resume_step=self.step + 1 if self._resume_from is not None else 0,  # a fresh run starts fresh files
         )
         self.monitor = HealthMonitor.for_run(t.monitor_every, self.cfg, self.dist.dims, self.device, log=main)
+        self.monitor.context.update(self.precision_choice.health_context())  # compute/precision's evidence
         self.dist.comm.reset()  # set-up traffic (layouts, resume) is not a step's
 
     def state_module(self) -> nn.Module:

@@ -34,7 +34,7 @@ def test_lr_schedules():
 
 
 def test_precisions():
-    assert set(config.PRECISIONS) == {"fp32", *AUTOCAST_DTYPES}
+    assert set(config.PRECISIONS) == {"fp32", "auto", *AUTOCAST_DTYPES}  # auto resolves to fp32 or bf16
 
 
 def test_builtin_rewards():

@@ -222,6 +222,21 @@ def test_pipeline_bubble():
     assert f.status == FAULT and "parallel.microbatches" in f.fix
 
 
+def test_fp32_on_a_cpu_measured_faster_in_bf16_is_unused_headroom():
+    _, _, context = healthy_profile()
+    fp32 = dict(context, precision="fp32", dtype_bytes=4, bf16_hardware="avx512_bf16", bf16_over_fp32=3.9,
+                bf16_probe_shape=[512, 896, 4864])
+    f = the_finding(profile_findings(context=fp32), "compute/precision")
+    assert f.status == WARNING and f.evidence["bf16_over_fp32"] == 3.9 and "3.90x faster in bf16" in f.summary
+    assert "trainer.precision=bf16" in f.fix and "trainer.precision=auto" in f.fix
+    # bf16 already, no bf16 hardware, or a probe that found bf16 no faster: nothing to say
+    for quiet in (dict(fp32, precision="bf16"), dict(fp32, bf16_hardware=""), dict(fp32, bf16_over_fp32=1.1),
+                  dict(fp32, bf16_pays=False)):  # ... or a model too small for bf16 to shorten its step
+        assert "compute/precision" not in alarms(profile_findings(context=quiet))
+    no_probe = {k: v for k, v in fp32.items() if k != "bf16_over_fp32"}
+    assert roll_up(profile_findings(context=no_probe))["compute/precision"].status == NOT_MEASURED
+
+
 # ------------------------------------------------------------------------------------------ resources
 def test_memory_near_capacity_names_the_phase():
     records = [rank_profile(r) for r in range(4)]

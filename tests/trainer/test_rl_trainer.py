@@ -142,3 +142,17 @@ def test_continuous_batching_rollouts_train_as_the_fixed_batch(tiny_config, leng
         for key in ("critic/score/mean", "response_length/mean"):
             assert continuous[key] == fixed[key], key
         assert abs(continuous["actor/pg_loss"] - fixed["actor/pg_loss"]) < 1e-5
+
+
+@pytest.mark.parametrize("speedup, chosen", [(3.0, "bf16"), (1.1, "fp32")])
+def test_precision_auto_is_chosen_at_start_said_and_written_back(tiny_config, length_reward, capsys, monkeypatch,
+                                                                 speedup, chosen):
+    from scalerl.perf import precision
+
+    monkeypatch.setattr(precision, "bf16_hardware", lambda device: "avx512_bf16")
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device, rows, inner, outer: speedup)
+    monkeypatch.setattr(precision, "AUTO_MIN_MLP_FLOPS", 0)  # the test model is tinier than auto's bf16 size
+    trainer = RLTrainer.from_config(tiny_config("trainer.precision=auto", length_reward))
+    assert trainer.cfg.trainer.precision == chosen and trainer.autocast.precision == chosen
+    assert f"trainer.precision=auto: {chosen} (bf16 ran this model's MLP matmul" in capsys.readouterr().out
+    assert trainer.monitor.context["bf16_over_fp32"] == speedup  # the doctor's compute/precision evidence

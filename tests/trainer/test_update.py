@@ -128,3 +128,39 @@ def test_fp16_loss_scaling_reaches_the_critic_update():
     assert len(seen) == 2 and all(v > 100 * metrics["critic/vf_loss"] / 2 for v in seen)
     assert metrics["critic/vf_loss"] > 0 and metrics["critic/skipped_steps"] == 0
     assert scaler.get_scale() == 2.0**10  # finite gradients: the scale was not cut
+
+
+def test_bf16_casts_held_over_micro_batches_give_the_per_micro_batch_gradients():
+    """`Autocast.holding_casts`: the weights are cast once for all micro-batches instead of once each; the
+    gradients (and the log-probs) are the ones per-micro-batch autocast gives, loss and backward in fp32."""
+    from scalerl.core.device import Autocast
+
+    autocast = Autocast("bf16", torch.device("cpu"))
+    model = tiny_model(seed=3)
+    batch = _batch(model)
+    objective = PolicyObjective(_actor_cfg(), 1.0)
+    ctx = single_process_context()
+    parts = parallelize(model, ctx)
+
+    def grads(hold: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        original = Autocast.holding_casts
+        if not hold:  # the previous behaviour: each micro-batch's forward in its own autocast
+            Autocast.holding_casts = lambda self: __import__("contextlib").nullcontext()
+        try:
+            from scalerl.trainer.update import _forward_inputs, mini_batch_counts
+            plan = UpdatePlan(epochs=1, mini_batch_size=32, micro_batch_size=8, shuffle=False)
+            objective.start_mini_batch(mini_batch_counts(batch, ctx, None))
+            micros = _forward_inputs(parts, batch, plan, objective, ctx)
+            assert len(micros) == 4
+            parts.forward_backward(micros, objective, autocast)
+            logprobs = response_logprobs(model, batch, 1.0, 8, autocast)
+        finally:
+            Autocast.holding_casts = original
+        return {**{n: p.grad.clone() for n, p in model.named_parameters()}, "logprobs": logprobs}
+
+    held, per_micro = grads(True), grads(False)
+    assert all(g.dtype == torch.float32 for g in held.values())  # fp32 master gradients, fp32 log-probs
+    for name, value in held.items():
+        torch.testing.assert_close(value, per_micro[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert held["layers.0.mlp.up_proj.weight"].abs().sum() > 0
