@@ -116,10 +116,13 @@ def test_a_sleeping_data_loader_is_a_data_wait(runs):
 
 def test_skewed_lengths_are_an_imbalance_until_balancing_is_on(runs):
     skewed = runs["skewed"][0]["report"]
-    assert set(alarms(skewed)) == {"compute/data_sharding"}, alarms(skewed)
+    # The forced lengths also make a generation tail (mean far below max); that leaf may warn beside it.
+    tail = {"rollout/generation_tail"}
+    assert "compute/data_sharding" in alarms(skewed) and set(alarms(skewed)) - tail == {"compute/data_sharding"}, \
+        alarms(skewed)
     f = _finding(skewed, "compute/data_sharding")
     assert "trainer.balance_batch=true" in f["fix"] and f["evidence"]["max_over_mean"] > 1.5
     balanced = runs["skewed_balanced"][0]["report"]
-    assert alarms(balanced) == {}, alarms(balanced)
+    assert set(alarms(balanced)) - tail == set(), alarms(balanced)
     leaf = next(leaf for b in balanced["tree"] for leaf in b["leaves"] if leaf["id"] == "compute/data_sharding")
     assert leaf["status"] == "ok" and leaf["findings"][0]["evidence"]["balance/token_imbalance_before"] > 1.5
