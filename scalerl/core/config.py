@@ -286,8 +286,10 @@ class RolloutSection(_Section):
     placement: str = opt("colocated", "colocated (the trainer's ranks generate with the trained weights) | "
                                       "standalone (rollout.workers extra ranks with their own copy)")
     workers: int = opt(1, "standalone: rollout worker ranks, the last ranks of the world")
-    dtype: str = opt("fp32", "standalone: the workers' weight dtype, and what weight sync sends: "
-                     + " | ".join(ROLLOUT_DTYPES))
+    dtype: str = opt("fp32", "standalone: the workers' weight dtype, and what weight sync sends; with "
+                             "rollout.engine=vllm also the colocated engine's: " + " | ".join(ROLLOUT_DTYPES))
+    vllm_kv_cache_gib: float = opt(1.0, "rollout.engine=vllm: the KV cache vLLM reserves, in GiB (its own default "
+                                        "takes most of the free memory)", above=0)
     staleness: int = opt(0, "standalone: 0 = generate with the latest weights; 1 = generate step k+1 with "
                             "step k's weights while the trainer updates (one-step asynchronous)")
     tis_cap: float = opt(2.0, "truncated importance sampling: cap of exp(old - rollout log-prob) per token, applied "
@@ -313,8 +315,9 @@ class RolloutSection(_Section):
             p.append("rollout.stale_logprobs=behavior needs rollout.staleness=1 and rollout.dtype=fp32 (got "
                      f"staleness={self.staleness}, dtype={self.dtype}): without staleness the rollouts are on-policy "
                      "already, and bf16 workers' log-probs differ from the trainer's forward, so they are recomputed")
-        if self.placement == "colocated" and (self.staleness or self.dtype != "fp32"):
-            p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only "
+        if self.placement == "colocated" and (self.staleness or (self.dtype != "fp32" and self.engine == "builtin")):
+            p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only (dtype also "
+                     "to rollout.engine=vllm) "
                      f"(got staleness={self.staleness}, dtype={self.dtype} with placement=colocated)")
         return p
 

@@ -82,7 +82,9 @@ class ColocatedRollouts:
         if pp > 1 and stop - start >= MIN_ROWS_PER_PIPELINE_RANK * pp:
             return self._generate_over_pipeline(batch, start, stop)
         sampling = replace(batch.sampling, row_offset=start, total_rows=len(batch.prompts))
-        return self.engine.generate(batch.prompts[start:stop], sampling)
+        out = self.engine.generate(batch.prompts[start:stop], sampling)
+        getattr(self.engine, "sleep", lambda: None)()  # vLLM on a GPU gives its memory to the update
+        return out
 
     def _generate_over_pipeline(self, batch: StepPrompts, start: int, stop: int) -> GenerationOutput:
         """Every pipeline rank holds a full replica: each generates 1/pp of the DP share's rows (per-row

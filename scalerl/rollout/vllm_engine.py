@@ -9,12 +9,15 @@ extension and layerwise reload (`scalerl.rollout.vllm_weight_loading`).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from scalerl.comm.weights.sender import ROLLOUT_DTYPES
 from scalerl.core.errors import UserError
+from scalerl.models.hf_checkpoint import save_pretrained
 from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
 from scalerl.rollout.vllm_weight_loading import (
     layer_groups,
@@ -135,6 +138,7 @@ def map_vllm_outputs(
 
 WORKER_EXTENSION = "scalerl.rollout.vllm_weight_loading.VLLMWeightLoader"
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+MIN_CPU_HEAD_DIM = 32  # "Unsupported CPU attention configuration: head_dim=16"
 LOAD_BUCKET_BYTES = 64 * 1024 * 1024  # peak extra memory of a weight load: about one bucket, plus one layer
 
 
@@ -158,6 +162,14 @@ class VLLMEngine:
                  **llm_kwargs: Any):
         vllm = import_vllm()
         on_cpu = not torch.cuda.is_available()
+        head_dim = model_head_dim(model_path)
+        if on_cpu and head_dim is not None and head_dim < MIN_CPU_HEAD_DIM:
+            raise UserError(f"vLLM's CPU attention refuses head_dim {head_dim} (< {MIN_CPU_HEAD_DIM}) of the model "
+                            f"in {model_path}: use rollout.engine=builtin for it")
+        if on_cpu:  # compiling costs about a minute of start-up; tests and short runs do not earn it back
+            llm_kwargs.setdefault("enforce_eager", True)
+        else:  # the memory of the update comes back from the engine between generations (`sleep`)
+            llm_kwargs.setdefault("enable_sleep_mode", True)
         if on_cpu and tensor_parallel_size > 1:
             raise UserError(f"vLLM's CPU build runs tensor_parallel_size={tensor_parallel_size} only across "
                             "NUMA nodes with its own launcher; scalerl runs vLLM on CPU with TP 1 (use rollout "
@@ -172,8 +184,10 @@ class VLLMEngine:
                             tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
                             logprobs_mode="processed_logprobs", **llm_kwargs)
         self.loads = 0
+        self.can_sleep, self.asleep = bool(llm_kwargs.get("enable_sleep_mode")), False
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        self._wake()
         params = [self._vllm.SamplingParams(**kw) for kw in vllm_sampling_kwargs(sampling, len(prompts))]
         outputs = self.llm.generate(vllm_prompts(prompts), params, use_tqdm=False)
         return map_vllm_outputs(outputs, prompts, self.pad_token_id)
@@ -184,6 +198,7 @@ class VLLMEngine:
         bucket's checksum is compared with the one taken in the engine's process. Returns the bytes loaded.
         Tensors of a vLLM layer must come together (`layer_groups`); the prefix cache is reset after."""
         hf_named = [(n, t.detach().to("cpu", self.dtype).contiguous()) for n, t in hf_weight_names(named_tensors)]
+        self._wake()
         rpc = self.llm.collective_rpc
         rpc("scalerl_start_load")
         loaded = 0
@@ -215,13 +230,17 @@ class VLLMEngine:
         return [[hf_of[h] for h in group] for group in layer_groups(hf_of).values()]
 
     def sleep(self) -> None:
-        """Release the KV cache and weights during an update (GPU only: vLLM's CPU worker cannot sleep)."""
-        if torch.cuda.is_available():
+        """Between a generation and the next weight load, release the KV cache and offload the weights, so the
+        update has the memory (vLLM's sleep mode: GPU only, and untested here, where there is no GPU; on
+        CPU it does nothing). `generate` and `load_weights` wake it first."""
+        if self.can_sleep and not self.asleep:
             self.llm.sleep(level=1)
+            self.asleep = True
 
-    def wake_up(self) -> None:
-        if torch.cuda.is_available():
+    def _wake(self) -> None:
+        if self.asleep:
             self.llm.wake_up()
+            self.asleep = False
 
     def close(self) -> None:
         """Shut the engine core down (its child process and memory)."""
@@ -229,6 +248,35 @@ class VLLMEngine:
         shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def model_head_dim(model_path: str | Path) -> int | None:
+    """The attention head size in a model directory's ``config.json`` (None if it does not say)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg)
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return None
+
+
+def colocated_vllm_engine(model: torch.nn.Module, cfg: Any, output_dir: Path, pad_token_id: int) -> VLLMEngine:
+    """The vLLM engine beside the trainer (``rollout.engine=vllm``, colocated). It starts on
+    ``trainer.init_from`` / ``model.path``, or, for a model with no directory (a built-in one), on the
+    policy's initial weights saved under the run's output directory; the trainer loads every update into it."""
+    source = cfg.trainer.init_from or cfg.model.path
+    if not source:
+        source = Path(output_dir) / "vllm_initial_weights"
+        if hasattr(model, "save_pretrained"):  # the transformers fallback
+            model.save_pretrained(source)
+        else:
+            save_pretrained(model, source)
+    return VLLMEngine(str(source), pad_token_id, dtype=cfg.rollout.dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
+                      seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
 
 
 def hf_weight_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

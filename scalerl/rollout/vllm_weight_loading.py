@@ -121,18 +121,26 @@ class VLLMWeightLoader:
         return checksum
 
     def scalerl_finish_load(self) -> list[str]:
-        """Re-process what is left and end the session; returns the parameters of touched layers that were
-        not loaded (empty when the load was whole)."""
+        """Re-process what is left and end the session; returns the layers loaded in part and the parameters
+        of touched layers not loaded at all (empty when the load was whole)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
         model = self.model_runner.get_model()
         touched = {name.rpartition(".")[0] for name in self._scalerl_loaded}
+        partial = []
+        for name, layer in model.named_modules():
+            info = get_layerwise_info(layer)  # a layer still waiting for tensors was loaded in part
+            if info.can_load() and info.load_numel_total and 0 < info.load_numel < info.load_numel_total:
+                partial.append(name)
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             _reprocess_tied_layers(model, touched)
         params = [name for name, _ in model.named_parameters()]
-        return sorted(n for n in params if n.rpartition(".")[0] in touched and n not in self._scalerl_loaded)
+        unloaded = [n for n in params if n.rpartition(".")[0] in touched and n not in self._scalerl_loaded]
+        return sorted(set(unloaded) | set(partial))
 
 
 

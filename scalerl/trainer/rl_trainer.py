@@ -152,14 +152,14 @@ class RLTrainer(TrainingRun):
         self.start_logging()
 
     def _build_engine(self):
-        if self.cfg.rollout.engine == "builtin":
+        """The engine the trainer's ranks generate with (colocated) and evaluate with. Standalone, the workers
+        run ``rollout.engine`` and the trainer evaluates with the built-in one."""
+        r = self.cfg.rollout
+        if r.engine == "builtin" or r.placement == "standalone":
             return BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=self.dist.all_finished)
-        from scalerl.rollout.vllm_engine import VLLMEngine
+        from scalerl.rollout.vllm_engine import colocated_vllm_engine
 
-        source = self.cfg.trainer.init_from or self.cfg.model.path
-        if not source:
-            raise DataError("rollout.engine=vllm needs model.path (vLLM loads the model directory itself)")
-        return VLLMEngine(source, self.tokenizer.pad_token_id)
+        return colocated_vllm_engine(self.policy.model, self.cfg, self.output_dir, self.tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------------------------------ one step
     def run_step(self) -> tuple[dict[str, float], StepWork]:
@@ -391,6 +391,7 @@ class RLTrainer(TrainingRun):
 
     def close(self) -> None:
         self.rollouts.close()
+        getattr(self.engine, "close", lambda: None)()  # a vLLM engine's child process
         super().close()
 
 
