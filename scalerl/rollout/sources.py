@@ -122,6 +122,7 @@ class StandaloneRollouts:
         self.policy, self.ctx, self.pad_token_id = policy, ctx, pad_token_id
         self.dtype, self.staleness = ROLLOUT_DTYPES[rollout_cfg.dtype], rollout_cfg.staleness
         self.behavior_logprobs = rollout_cfg.stale_logprobs == "behavior"
+        self.exact_engine = rollout_cfg.engine == "builtin"  # vLLM's kernels differ from the trainer's
         self.driver = WorkerDriver(ctx) if ctx.rank == 0 else None  # rank 0 talks to the workers
         self.weight_sync: WeightSync = PushToWorkers.from_config(policy, ctx, self.driver, rollout_cfg.dtype,
                                                                  weight_sync_cfg)
@@ -130,9 +131,9 @@ class StandaloneRollouts:
 
     @property
     def logprobs_match_training_forward(self) -> bool:
-        """fp32 workers compute what the trainer's fp32 forward does: of the latest weights, or, one step stale
+        """fp32 built-in workers compute what the trainer's fp32 forward does: of the latest weights, or, one step stale
         with rollout.stale_logprobs=behavior, of the behaviour policy PPO then takes its ratio against."""
-        return self.dtype == torch.float32 and (not self.staleness or self.behavior_logprobs)
+        return self.exact_engine and self.dtype == torch.float32 and (not self.staleness or self.behavior_logprobs)
 
     def generate(self, batch: StepPrompts) -> GenerationOutput:
         if self.ready is not None and self.ready[0] == batch.step:

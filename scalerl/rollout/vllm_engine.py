@@ -264,13 +264,13 @@ def model_head_dim(model_path: str | Path) -> int | None:
     return None
 
 
-def colocated_vllm_engine(model: torch.nn.Module, cfg: Any, output_dir: Path, pad_token_id: int) -> VLLMEngine:
-    """The vLLM engine beside the trainer (``rollout.engine=vllm``, colocated). It starts on
-    ``trainer.init_from`` / ``model.path``, or, for a model with no directory (a built-in one), on the
-    policy's initial weights saved under the run's output directory; the trainer loads every update into it."""
+def vllm_engine_from_config(model: torch.nn.Module, cfg: Any, scratch_dir: Path, pad_token_id: int) -> VLLMEngine:
+    """The vLLM engine of ``rollout.engine=vllm`` (beside the trainer, or in a rollout worker). It starts on
+    ``trainer.init_from`` / ``model.path``, or, for a model with no directory (a built-in one), on
+    ``model``'s weights saved under ``scratch_dir``; weight sync then loads every update into it."""
     source = cfg.trainer.init_from or cfg.model.path
     if not source:
-        source = Path(output_dir) / "vllm_initial_weights"
+        source = Path(scratch_dir) / "vllm_initial_weights"
         if hasattr(model, "save_pretrained"):  # the transformers fallback
             model.save_pretrained(source)
         else:

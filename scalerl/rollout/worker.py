@@ -1,11 +1,13 @@
 """A standalone rollout worker: a rank outside the trainer's mesh with its own copy of the policy (in
-``rollout.dtype``), serving the trainer's requests in order until told to stop (the requests and their
+``rollout.dtype``; in a vLLM engine with ``rollout.engine=vllm``), serving the trainer's requests in order until told to stop (the requests and their
 encodings: `scalerl.rollout.worker_protocol`).
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +43,17 @@ class RolloutWorker:
         # The trainer's adapted modules, so pushes of its adapters land by name (`synced_tensors`).
         apply_lora_from_config(model, cfg.model.lora, cfg.trainer.seed)
         self.model = model.to(ROLLOUT_DTYPES[cfg.rollout.dtype]).eval().requires_grad_(False)
-        self.engine = BuiltinEngine(self.model, tokenizer.pad_token_id)
+        self.scratch = None
+        if cfg.rollout.engine == "vllm":
+            # vLLM holds its own copy, fed through the shadow copy of `engine_weight_receiver`; the first push
+            # (and the first after a restart, when this worker reports no verified version) is a full one.
+            from scalerl.rollout.vllm_engine import vllm_engine_from_config
+
+            self.scratch = tempfile.TemporaryDirectory(prefix="scalerl_vllm_worker_")
+            self.engine = vllm_engine_from_config(self.model, cfg, Path(self.scratch.name), tokenizer.pad_token_id)
+            self.model = None
+        else:
+            self.engine = BuiltinEngine(self.model, tokenizer.pad_token_id)
         self.device, self.driver, self.sync_group = device, driver_rank, sync_group
         self.receiver = engine_weight_receiver(self.engine, shadow_device=device)
         self.timeout_s = float(getattr(cfg.trainer, "dist_timeout_s", 600))
@@ -60,6 +72,13 @@ class RolloutWorker:
                 serve_broadcast(self.receiver.handle, self.sync_group, self.driver, self.device, self.timeout_s)
                 self.stats.weight_loads += 1
             elif op == OP_STOP:
+                self.close()
                 return self.stats
             else:
                 raise RuntimeError(f"rollout worker: unknown request {op} from rank {self.driver}")
+
+    def close(self) -> None:
+        """Stop a vLLM engine's child process and remove its initial weights."""
+        getattr(self.engine, "close", lambda: None)()
+        if self.scratch is not None:
+            self.scratch.cleanup()

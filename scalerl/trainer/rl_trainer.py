@@ -157,9 +157,9 @@ class RLTrainer(TrainingRun):
         r = self.cfg.rollout
         if r.engine == "builtin" or r.placement == "standalone":
             return BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=self.dist.all_finished)
-        from scalerl.rollout.vllm_engine import colocated_vllm_engine
+        from scalerl.rollout.vllm_engine import vllm_engine_from_config
 
-        return colocated_vllm_engine(self.policy.model, self.cfg, self.output_dir, self.tokenizer.pad_token_id)
+        return vllm_engine_from_config(self.policy.model, self.cfg, self.output_dir, self.tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------------------------------ one step
     def run_step(self) -> tuple[dict[str, float], StepWork]:
