@@ -19,6 +19,7 @@ from scalerl.comm.weights.sender import ROLLOUT_DTYPES
 from scalerl.core.errors import UserError
 from scalerl.models.hf_checkpoint import save_pretrained
 from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
+from scalerl.rollout.engine_choice import MIN_CPU_HEAD_DIM
 from scalerl.rollout.vllm_weight_loading import (
     layer_groups,
     pack_tensors,
@@ -138,7 +139,6 @@ def map_vllm_outputs(
 
 WORKER_EXTENSION = "scalerl.rollout.vllm_weight_loading.VLLMWeightLoader"
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-MIN_CPU_HEAD_DIM = 32  # "Unsupported CPU attention configuration: head_dim=16"
 LOAD_BUCKET_BYTES = 64 * 1024 * 1024  # peak extra memory of a weight load: about one bucket, plus one layer
 
 

@@ -17,6 +17,7 @@ from scalerl.comm.weights.sender import ROLLOUT_DTYPES
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.lora import apply_lora_from_config
 from scalerl.rollout.builtin_engine import BuiltinEngine
+from scalerl.rollout.engine_choice import resolve_engine
 from scalerl.rollout.messages import recv_tensors, send_tensors
 from scalerl.rollout.weight_loading import engine_weight_receiver
 from scalerl.rollout.worker_protocol import (
@@ -44,7 +45,7 @@ class RolloutWorker:
         apply_lora_from_config(model, cfg.model.lora, cfg.trainer.seed)
         self.model = model.to(ROLLOUT_DTYPES[cfg.rollout.dtype]).eval().requires_grad_(False)
         self.scratch = None
-        if cfg.rollout.engine == "vllm":
+        if resolve_engine(cfg, model, trainer_ranks=1) == "vllm":
             # vLLM holds its own copy, fed through the shadow copy of `engine_weight_receiver`; the first push
             # (and the first after a restart, when this worker reports no verified version) is a full one.
             from scalerl.rollout.vllm_engine import vllm_engine_from_config
