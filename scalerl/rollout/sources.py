@@ -122,7 +122,7 @@ class StandaloneRollouts:
         self.policy, self.ctx, self.pad_token_id = policy, ctx, pad_token_id
         self.dtype, self.staleness = ROLLOUT_DTYPES[rollout_cfg.dtype], rollout_cfg.staleness
         self.behavior_logprobs = rollout_cfg.stale_logprobs == "behavior"
-        self.exact_engine = rollout_cfg.engine == "builtin"  # vLLM's kernels differ from the trainer's
+        self.exact_engine = getattr(rollout_cfg, "engine", "builtin") == "builtin"  # vLLM's kernels differ
         self.driver = WorkerDriver(ctx) if ctx.rank == 0 else None  # rank 0 talks to the workers
         self.weight_sync: WeightSync = PushToWorkers.from_config(policy, ctx, self.driver, rollout_cfg.dtype,
                                                                  weight_sync_cfg)

@@ -125,7 +125,6 @@ class VLLMWeightLoader:
         of touched layers not loaded at all (empty when the load was whole)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         model = self.model_runner.get_model()

@@ -6,7 +6,6 @@ test_sources.test_asynchronous_rollouts_lag_one_step)."""
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
