@@ -1,6 +1,7 @@
 """Built-in engine vs Hugging Face `generate` on the same weights, measured side by side in one run.
 
     python benchmarks/generation.py [--lengths fixed|rl|stream|all] [--repeats 5] [--threads 1] [--json out.json]
+                                    [--engines builtin,vllm,hf]  (vllm: the rows of benchmarks/generation_vllm.py)
 
 Both sample (temperature 1, top-p 1) in fp32 with a KV cache from 16-token prompts, on one intra-op thread.
 Runs are interleaved (HF, scalerl, HF, ...) after a warm-up and each side's median is reported, so machine
@@ -485,6 +486,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16, help="--roofline: tokens per timed run")
     parser.add_argument("--compile-cost", action="store_true", help="torch.compile's warm-up vs its step time")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--engines", default="builtin,hf",
+                        help="builtin,hf: the built-in engine beside HF generate (the rows above); with vllm also "
+                             "vLLM beside the built-in engine (benchmarks/generation_vllm.py, its --vllm-* options)")
+    from generation_vllm import add_vllm_arguments, vllm_rows_from_args  # beside this file
+
+    add_vllm_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with open("/proc/loadavg") as f:
@@ -499,8 +506,13 @@ def main() -> None:
                 json.dump(rows, f, indent=2)
         return
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = run(args.lengths, args.repeats, tmp, args.sweep_compact_at, dtype)
+    engines = set(args.engines.split(","))
+    rows = []
+    if "hf" in engines:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = run(args.lengths, args.repeats, tmp, args.sweep_compact_at, dtype)
+    if "vllm" in engines:
+        rows += vllm_rows_from_args(args)
     for kind in ("fixed", "rl"):
         ratios = [r["ratio"] for r in rows if r["lengths"] == kind]
         if ratios:

@@ -188,13 +188,19 @@ def cmd_version(args: argparse.Namespace) -> int:
     print(f"scalerl: {__version__}")
     print(f"python: {platform.python_version()} ({sys.executable})")
     print(f"torch: {torch.__version__}")
-    for package in ("ray", "transformers", "vllm"):
+    for package in ("ray", "transformers"):
         version = _installed_version(package)
         print(f"{package}: {version if version else 'not installed'}")
     from scalerl.perf.precision import CPU_BF16_FLAGS, cpu_bf16_features
 
     features = cpu_bf16_features()
     print(f"CPU bf16: {', '.join(features) if features else 'none'} (of {', '.join(CPU_BF16_FLAGS)} in /proc/cpuinfo)")
+
+    from scalerl.rollout.vllm_engine import vllm_build
+
+    build = vllm_build()
+    print("vllm: " + ("not installed" if build is None else
+                      f"{build['version']} ({build['device']} build; torchvision: {build['torchvision']})"))
     if torch.cuda.is_available():
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "n/a"
         print(f"CUDA: {torch.version.cuda}")

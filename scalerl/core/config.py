@@ -60,7 +60,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 MODEL_IMPLEMENTATIONS = ("auto", "scalerl", "transformers")
 TASKS = ("arithmetic", "gsm8k", "math")
 DATA_FORMATS = ("auto", "gsm8k", "math", "rows", "verl", "trl")
-ROLLOUT_ENGINES = ("builtin", "vllm")
+ROLLOUT_ENGINES = ("builtin", "vllm", "auto")
 ROLLOUT_PLACEMENTS = ("colocated", "standalone")
 LR_SCHEDULES = ("constant", "cosine")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -291,8 +291,10 @@ class RolloutSection(_Section):
     placement: str = opt("colocated", "colocated (the trainer's ranks generate with the trained weights) | "
                                       "standalone (rollout.workers extra ranks with their own copy)")
     workers: int = opt(1, "standalone: rollout worker ranks, the last ranks of the world")
-    dtype: str = opt("fp32", "standalone: the workers' weight dtype, and what weight sync sends: "
-                     + " | ".join(ROLLOUT_DTYPES))
+    dtype: str = opt("fp32", "standalone: the workers' weight dtype, and what weight sync sends; with "
+                             "rollout.engine=vllm also the colocated engine's: " + " | ".join(ROLLOUT_DTYPES))
+    vllm_kv_cache_gib: float = opt(1.0, "rollout.engine=vllm: the KV cache vLLM reserves, in GiB (its own default "
+                                        "takes most of the free memory)", above=0)
     staleness: int = opt(0, "standalone: K >= 0, the most policy versions a trained sample may lag: the prompts "
                             "of steps k+1..k+K go to the workers while step k trains (0 = synchronous, 1 = one-step "
                             "asynchronous); older samples are dropped from the loss and counted")
@@ -332,8 +334,9 @@ class RolloutSection(_Section):
             p.append("rollout.stale_logprobs=behavior needs rollout.staleness >= 1 and rollout.dtype=fp32 (got "
                      f"staleness={self.staleness}, dtype={self.dtype}): without staleness the rollouts are on-policy "
                      "already, and bf16 workers' log-probs differ from the trainer's forward, so they are recomputed")
-        if self.placement == "colocated" and (self.staleness or self.dtype != "fp32"):
-            p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only "
+        if self.placement == "colocated" and (self.staleness or (self.dtype != "fp32" and self.engine == "builtin")):
+            p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only (dtype also "
+                     "to rollout.engine=vllm) "
                      f"(got staleness={self.staleness}, dtype={self.dtype} with placement=colocated)")
         return p
 

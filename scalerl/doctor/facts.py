@@ -71,7 +71,15 @@ def versions() -> dict[str, str | None]:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
     return {"python": platform.python_version(), "torch": torch.__version__, "cuda": cuda, "nccl": nccl,
             "gpu_driver": gpu_driver_version() if cuda else None, "scalerl": __version__,
-            "ray": _installed("ray"), "transformers": _installed("transformers")}
+            "ray": _installed("ray"), "transformers": _installed("transformers"), "vllm": vllm_version()}
+
+
+def vllm_version() -> str | None:
+    """The vLLM build and device, e.g. ``0.32.0 (cpu build)``, without importing it; None if not installed."""
+    from scalerl.rollout.vllm_engine import vllm_build
+
+    build = vllm_build()
+    return None if build is None else f"{build['version']} ({build['device']} build)"
 
 
 def _installed(package: str) -> str | None:

@@ -26,9 +26,9 @@ from scalerl.health.thresholds import RULES
 from scalerl.health.tree import FAULT, NOT_MEASURED, OK, Finding, worst
 from scalerl.health.wording import finding, ranges, rate, size_text
 
-VERSION_KEYS = ("torch", "cuda", "nccl", "scalerl", "python", "gpu_driver")
+VERSION_KEYS = ("torch", "cuda", "nccl", "scalerl", "python", "gpu_driver", "vllm")
 PACKAGES = {"torch": "torch", "scalerl": "scalerl", "python": "python", "cuda": "torch (its CUDA build)",
-            "nccl": "torch (its bundled NCCL)", "gpu_driver": "nvidia-driver"}
+            "nccl": "torch (its bundled NCCL)", "gpu_driver": "nvidia-driver", "vllm": "vllm"}
 
 
 def pair_text(p: dict[str, Any]) -> str:

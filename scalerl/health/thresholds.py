@@ -59,7 +59,7 @@ class Rule:
 _RULES = (
     # ------------------------------------------------------------------------------ communication
     Rule("library_versions", "communication/library_versions",
-         "python, torch, CUDA, NCCL, GPU driver and scalerl versions reported by every rank",
+         "python, torch, CUDA, NCCL, GPU driver, scalerl and vLLM versions reported by every rank",
          "install the same version on every node (`pip install {package}=={majority}` on {hosts}); "
          "`scalerl version` on a node prints what it runs",
          severities={
@@ -70,6 +70,7 @@ _RULES = (
              "python": Severity(WARNING, "not read by collectives, but a sign the nodes' environments differ"),
              "gpu_driver": Severity(WARNING, "same CUDA build, different drivers: usually works, can differ in "
                                              "speed and in bugs"),
+             "vllm": Severity(WARNING, "rollout workers on different vLLM builds (or devices) sample differently"),
          }),
     Rule("socket_interface", "communication/topology",
          "*_SOCKET_IFNAME against each node's interfaces; the interface collectives use (kind, address)",

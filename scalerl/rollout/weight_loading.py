@@ -13,8 +13,10 @@ copy, and the receiver's checksums verify the very bits the engine generates wit
 keeps a shadow copy in the rollout dtype (what the delta is applied to and verified against) and hands
 each changed tensor to ``load_weights`` once its last bucket arrived.
 
-The built-in engine exposes its parameters (in place). The vLLM adapter implements ``load_weights`` with
-vLLM's own ``model.load_weights`` and no ``named_weights``; it is GPU-only and not tested here.
+The built-in engine exposes its parameters (in place). The vLLM adapter implements ``load_weights`` through
+vLLM's worker extension and layerwise reload (`scalerl.rollout.vllm_weight_loading`) and no
+``named_weights``; it re-processes whole layers, so it also names its ``layer_groups`` and a changed tensor
+is loaded with the rest of its layer (q/k/v, gate/up).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class EngineWeightStore:
         self.shadow_device = torch.device(shadow_device)
         self.tensors: dict[str, torch.Tensor] = {}
         self.in_place = False
+        self.group_of: dict[str, tuple[str, ...]] = {}
 
     def prepare(self, plan: WeightPlan) -> None:
         own = self.engine.named_weights()
@@ -64,13 +67,18 @@ class EngineWeightStore:
             e.name: torch.zeros(e.shape, dtype=plan.dtype, device=self.shadow_device) for e in plan.entries
         }
         check_store_fits(self, plan)
+        # An engine that re-processes whole layers (vLLM) must get every tensor of a layer that changed.
+        groups = getattr(self.engine, "layer_groups", None)
+        self.group_of = ({n: tuple(g) for g in groups([e.name for e in plan.entries]) for n in g}
+                         if groups is not None else {})
 
     def tensor(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
     def loaded(self, names: Sequence[str]) -> None:
         if not self.in_place:
-            self.engine.load_weights([(n, self.tensors[n]) for n in names])
+            whole = dict.fromkeys(m for n in names for m in self.group_of.get(n, (n,)))
+            self.engine.load_weights([(n, self.tensors[n]) for n in whole])
 
 
 def engine_weight_receiver(engine: WeightLoadingEngine, shadow_device: torch.device | str = "cpu") -> WeightReceiver:

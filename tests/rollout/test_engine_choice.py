@@ -1,0 +1,63 @@
+"""rollout.engine=auto: the rule and its reasons (vLLM's presence simulated either way)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from scalerl.models.config import ModelConfig
+from scalerl.models.decoder import build_model
+from scalerl.rollout import engine_choice
+from scalerl.rollout.engine_choice import VLLM_MIN_PARAMETERS, choose_engine
+
+
+@pytest.fixture
+def vllm_installed(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(engine_choice.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(engine_choice.torch.cuda, "is_available", lambda: False)
+
+
+class Big(torch.nn.Module):
+    """Parameter count of a large model without its memory (meta tensors), head_dim 64."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(VLLM_MIN_PARAMETERS, device="meta"))
+        self.config = ModelConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+
+
+def test_auto_rule_and_reasons(vllm_installed):
+    tiny = build_model(ModelConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1), seed=0)
+    engine, why = choose_engine(tiny, "colocated", 1)
+    assert engine == "builtin" and "parameters <" in why
+    assert choose_engine(Big(), "colocated", 1)[0] == "vllm"
+    assert choose_engine(Big(), "standalone", 4)[0] == "vllm"
+    engine, why = choose_engine(Big(), "colocated", 2)
+    assert engine == "builtin" and "one trainer rank" in why
+    narrow = Big()
+    narrow.config = ModelConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)  # head_dim 16
+    engine, why = choose_engine(narrow, "colocated", 1)
+    assert engine == "builtin" and "head_dim 16" in why
+
+
+def test_auto_without_vllm(monkeypatch):
+    monkeypatch.setattr(engine_choice.importlib.util, "find_spec", lambda name, *a: None)
+    assert choose_engine(Big(), "colocated", 1) == ("builtin", "vLLM is not installed")
+
+
+def test_auto_in_a_run_picks_and_says(tiny_config, capsys):
+    from scalerl.core.config import load_config
+    from scalerl.trainer.rl_trainer import RLTrainer
+
+    trainer = RLTrainer.from_config(load_config(None, ["rollout.engine=auto", "trainer.total_steps=1",
+                                                       f"trainer.output_dir={tiny_config}"]))
+    assert trainer.cfg.rollout.engine == "builtin"
+    assert "rollout.engine=auto: builtin (" in capsys.readouterr().out
+    trainer.close()
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    return tmp_path / "run"
