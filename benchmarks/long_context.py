@@ -53,7 +53,7 @@ class PeakSampler:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=5.0)  # the sampler stops within a millisecond of the event
         self.peak = max(self.peak, resident_bytes())
 
 

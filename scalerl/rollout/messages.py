@@ -79,6 +79,7 @@ class PendingSend:
         return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
+        """Until the peer has read the message; each send is bounded by the process group's timeout."""
         for w in self.works:
             w.wait()
         self.tensors = []

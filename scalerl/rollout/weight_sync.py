@@ -190,7 +190,9 @@ class BackgroundPush:
         return metrics
 
     def wait(self) -> dict[str, float] | None:
-        """Wait for the push in flight; its metrics (None when there was none)."""
+        """Wait for the push in flight; its metrics (None when there was none). Bounded: every broadcast and
+        ack of the push has the process group's timeout (trainer.dist_timeout_s), after which the thread
+        ends with the error, raised here."""
         if self.thread is None:
             return None
         self.thread.join()
