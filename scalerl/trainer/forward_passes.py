@@ -18,6 +18,7 @@ from scalerl.models.packing import choose_packed_kernel, packed_batch_or_none
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.fsdp_generation import gathered_once
 from scalerl.rollout.batch import RolloutBatch
+from scalerl.trainer.objectives import MicroBatchObjective
 from scalerl.trainer.run_directory import say
 from scalerl.trainer.update import micro_batches
 
@@ -45,26 +46,30 @@ def response_logprobs(
     """Per-token log-probs ``[B, R]`` of the batch's responses under ``model`` at the sampling temperature
     (zero on padding)."""
 
-    def logprobs(logits: torch.Tensor, micro: RolloutBatch) -> torch.Tensor:
+    def logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if temperature not in (0.0, 1.0):
             logits = logits / temperature
-        return logprobs_from_logits(logits, micro.response_ids)
+        return logprobs_from_logits(logits, ids)
 
-    return _per_response_token(model, batch, micro_batch_size, autocast, logprobs, packed_kernel)
+    def per_token(output, micro: RolloutBatch) -> torch.Tensor:  # sp: on each rank's shard of the logits
+        return MicroBatchObjective.response_token_outputs(output, micro.response_ids, logprobs)
+
+    return _per_response_token(model, batch, micro_batch_size, autocast, per_token, packed_kernel)
 
 
 @torch.no_grad()
 def response_values(critic: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast=None,
                     packed_kernel: str | None = None) -> torch.Tensor:
     """The critic's values ``[B, R]`` at the positions before each response token (zero on padding)."""
-    return _per_response_token(critic, batch, micro_batch_size, autocast, lambda values, micro: values,
-                               packed_kernel)
+    return _per_response_token(critic, batch, micro_batch_size, autocast,
+                               lambda values, micro: values[:, :-1].float(), packed_kernel)
 
 
 def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast, per_token,
                         packed_kernel: str | None = None) -> torch.Tensor:
-    """``per_token(output, micro)`` over the model's fp32 outputs at the positions before each response token,
-    micro-batch by micro-batch (all-padding columns trimmed), masked and padded back to ``[B, R]``."""
+    """``per_token(output, micro)`` (``[B, R]`` float32 from the model's output at the positions before each
+    response token), micro-batch by micro-batch (all-padding columns trimmed), masked and padded back to
+    ``[B, R]``."""
     out = []
     # Plain weights are cast to the compute dtype once for the pass (`Autocast.holding_casts`), not per
     # micro-batch; FSDP2/TP parameters are left to autocast's per-forward casts.
@@ -77,5 +82,5 @@ def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size:
             with autocast or contextlib.nullcontext():
                 output = model(input_ids, attention_mask=attention_mask, logits_to_keep=response_len + 1)
             with autocast.paused() if holds else contextlib.nullcontext():  # fp32 log-softmax
-                out.append(F.pad(per_token(output[:, :-1].float(), micro) * micro.response_mask, (0, right)))
+                out.append(F.pad(per_token(output, micro) * micro.response_mask, (0, right)))
     return torch.cat(out)

@@ -19,6 +19,7 @@ from scalerl.algorithms.entropy import entropy_from_logits, logprobs_from_logits
 from scalerl.algorithms.kl import kl_penalty
 from scalerl.algorithms.loss_registry import POLICY_LOSSES, PolicyLoss, PolicyLossOptions
 from scalerl.algorithms.losses import aggregate_loss, value_loss
+from scalerl.parallel.sequence_parallel import SequenceShards
 from scalerl.rollout.batch import RolloutBatch
 
 
@@ -69,6 +70,15 @@ class MicroBatchObjective:
         response_len = target.shape[1]
         return output[:, -response_len - 1 : -1].float()
 
+    @staticmethod
+    def response_token_outputs(output, ids: torch.Tensor, per_token) -> torch.Tensor:
+        """``per_token(logits, ids)`` (float32 logits ``[B, R, V]`` predicting response tokens ``ids``
+        ``[B, R]``) -> ``[B, R, ...]``. Under sequence parallelism ``output`` is this rank's shard of the logits
+        (`SequenceShards`): ``per_token`` runs there and only its results are gathered."""
+        if isinstance(output, SequenceShards):  # the last kept position predicts nothing: label 0, cut off
+            return output.per_token(per_token, torch.nn.functional.pad(ids, (0, 1)))[:, :-1]
+        return per_token(MicroBatchObjective.response_outputs(output, ids), ids)
+
 
 def policy_loss_options(actor_cfg: Any) -> PolicyLossOptions:
     """The `actor` keys the policy losses read, under verl's names (each loss reads its own)."""
@@ -108,22 +118,25 @@ class PolicyObjective(MicroBatchObjective):
         return torch.stack([batch.response_ids.float(), batch.response_mask, batch.old_logprobs,
                             batch.advantages, ref, weights], dim=-1)
 
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        logits = self.response_outputs(logits, target)
+    def token_logprobs_and_entropy(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[..., 2]``: the log-prob of each id and the entropy (a metric only, without gradient, unless
+        ``actor.entropy_coeff`` makes it a loss term), at the sampling temperature."""
         if self.temperature != 1.0:
             logits = logits / self.temperature  # log-probs of what the sampler drew at this temperature
-        ids, mask, old, adv, ref, weights = target[..., 0].long(), *target[..., 1:].unbind(-1)
         logp = logprobs_from_logits(logits, ids)
+        with torch.enable_grad() if self.cfg.entropy_coeff else torch.no_grad():
+            entropy = entropy_from_logits(logits)
+        return torch.stack([logp, entropy], dim=-1)
+
+    def __call__(self, logits, target: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        ids, mask, old, adv, ref, weights = target[..., 0].long(), *target[..., 1:].unbind(-1)
+        logp, entropy = self.response_token_outputs(logits, ids, self.token_logprobs_and_entropy).unbind(-1)
         pg_loss, pg_metrics = self.loss(old, logp, adv, mask, cfg.loss_agg_mode, self.options, **self.agg,
                                         token_weights=weights, generator=self.generator)
         loss = pg_loss
         if cfg.entropy_coeff:
-            entropy = entropy_from_logits(logits)
             loss = loss - cfg.entropy_coeff * aggregate_loss(entropy, mask, cfg.loss_agg_mode, **self.agg)
-        else:
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits)
         weight = self._token_weight(mask)
         parts = {"actor/pg_loss": pg_loss,
                  "actor/entropy": (entropy * mask).sum() / mask.sum().clamp(min=1) * weight}
@@ -167,9 +180,9 @@ class SFTObjective(MicroBatchObjective):
     def target(batch: RolloutBatch) -> torch.Tensor:
         return torch.stack([batch.response_ids.float(), batch.response_mask], dim=-1)
 
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits, target: torch.Tensor) -> torch.Tensor:
         ids, mask = target[..., 0].long(), target[..., 1]
-        logp = logprobs_from_logits(self.response_outputs(logits, target), ids)
+        logp = self.response_token_outputs(logits, ids, logprobs_from_logits)
         loss = aggregate_loss(-logp, mask, "token-mean", **self.agg)
         self._record({"sft/loss": loss})
         return loss

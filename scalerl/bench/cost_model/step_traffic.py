@@ -19,8 +19,9 @@ model times. Bytes follow `scalerl.comm.counting.accounting` (docs/comm-accounti
   generates 1/pp of the rows); ``weight_sync``: the full replica refreshed from the stages once per step
   (one broadcast per tensor), or, with standalone rollout workers, the weights pushed to them.
 - ``sequence``: Ulysses sequence parallelism (``sp``): per decoder layer, 4 all-to-alls (q, k, v in; the
-  attention output back) in every forward and 4 in every backward, and one all-gather of the final hidden
-  states per forward, over the sp ranks (`scalerl.parallel.sequence_parallel.sequence_parallel_bytes`);
+  attention output back) in every forward and 4 in every backward, and one all-gather of float32 per-token
+  results per forward (2 a token in the policy loss, 1 in a log-prob or value pass; the head runs on each
+  rank's shard), over the sp ranks (`scalerl.parallel.sequence_parallel.sequence_parallel_bytes`);
   gradients are then reduced over ``dp x sp`` (DDP's group, or FSDP2's shard group ``dp_shard x sp``).
   Generation runs unsplit (no sequence traffic).
 - ``metrics``: small control collectives (metric reduction, token counts per mini-batch, finish votes
@@ -264,22 +265,24 @@ def _tensor_parallel(model: ModelConfig, step: StepShape, layout: Layout, layers
 
 
 def _sequence_parallel(model: ModelConfig, step: StepShape, layout: Layout, fwd_only: int) -> list[Collective]:
-    """Ulysses' all-to-alls and hidden-state gathers on a training micro-batch (forward and backward) and
-    on each forward-only pass's micro-batches; the width is padded up to a multiple of sp, as the code does."""
+    """Ulysses' all-to-alls and per-token gathers on a training micro-batch (forward and backward; the policy
+    loss gathers 2 results a token, log-prob and entropy) and on each forward-only pass's micro-batches (1 a
+    token: log-probs or values); the width is padded up to a multiple of sp, as the code does."""
     s, be, sp = layout.sp, layout.backend, layout.placement("sp")
     width = math.ceil(step.train_width / s) * s
     layers = model.num_hidden_layers
 
     def payload(backward: bool) -> dict[str, float]:
-        return sequence_parallel_bytes(step.micro_rows, width, model.hidden_size, model.num_attention_heads,
-                                       model.num_key_value_heads, model.head_dim, layers, s, step.act_bytes,
-                                       backward=backward)
+        return sequence_parallel_bytes(step.micro_rows, width, model.num_attention_heads, model.num_key_value_heads,
+                                       model.head_dim, layers, s, outputs_per_token=2 if backward else 1,
+                                       element_bytes=step.act_bytes, backward=backward)
 
     train, forward = payload(True), payload(False)
     return [Collective("sequence", "all_to_all", train["all_to_all"] / (8 * layers), 8 * layers * step.micro_batches,
                        sp, be),
             Collective("sequence", "all_to_all", forward["all_to_all"] / (4 * layers), 4 * layers * fwd_only, sp, be),
-            Collective("sequence", "all_gather", train["all_gather"], step.micro_batches + fwd_only, sp, be)]
+            Collective("sequence", "all_gather", train["all_gather"], step.micro_batches, sp, be),
+            Collective("sequence", "all_gather", forward["all_gather"], fwd_only, sp, be)]
 
 
 def _pipeline(model: ModelConfig, step: StepShape, layout: Layout, p_bytes: float) -> list[Collective]:
