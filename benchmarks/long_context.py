@@ -6,7 +6,8 @@ sp=1, 2 and 4, and the step time, all in one run.
 Each sp runs in its own gloo group of sp processes (one thread each), through `parallelize` (DDP over the sp
 ranks, the all-to-alls around attention) on the built-in model's architecture (hidden 128, 2 layers, 4 heads
 over 2 kv heads; positions up to the longest length). A step is one forward + backward of a next-token loss
-on one sequence of L tokens (a packed row or one long response: plain causal attention, no padding mask).
+on one sequence of L tokens (a packed row or one long response: plain causal attention, no padding mask),
+the log-probs taken as the trainer's losses take them (`MicroBatchObjective.response_token_outputs`).
 Lengths are tried in increasing order until a step's peak goes over the limit on some rank.
 
 Memory method: each rank's resident set (``/proc/self/statm``) sampled every millisecond by a thread during
@@ -57,8 +58,13 @@ class PeakSampler:
         self.peak = max(self.peak, resident_bytes())
 
 
-def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits[0, :-1].float(), target[0, 1:])
+def _loss(output, target: torch.Tensor) -> torch.Tensor:
+    """Mean next-token negative log-likelihood, through the losses' own per-token path (under sp: log-probs
+    computed on each rank's shard of the logits, only they gathered)."""
+    from scalerl.algorithms.entropy import logprobs_from_logits
+    from scalerl.trainer.objectives import MicroBatchObjective
+
+    return -MicroBatchObjective.response_token_outputs(output, target[:, 1:], logprobs_from_logits).mean()
 
 
 def _step(parts, ids: torch.Tensor) -> tuple[int, int, float]:

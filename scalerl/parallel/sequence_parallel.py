@@ -254,7 +254,12 @@ class SequenceShards:
         keep = layout.keep or (layout.packed.padded_shape[1] if layout.packed is not None else layout.length)
         if labels.shape[1] != keep:
             raise ValueError(f"per-token labels cover {labels.shape[1]} positions; the forward kept {keep}")
-        return self.layout.gather(fn(self.logits.float(), self.layout.labels(labels)))
+        local = fn(self.logits.float(), layout.labels(labels))
+        if self.logits.requires_grad and not local.requires_grad:
+            # Nothing kept on this rank (a shard of prompt only): its backward must still run, since its
+            # tokens' keys and values reach the other ranks' queries and the all-to-alls pair up in backward.
+            local = local + self.logits.flatten()[:0].sum()
+        return layout.gather(local)
 
 
 def _sequence_to_heads(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:

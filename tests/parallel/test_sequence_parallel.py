@@ -37,10 +37,12 @@ def _batch(replica: int):
 
 
 def _per_token(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """What losses read per token: a label's log-prob and the log-normaliser."""
-    from scalerl.algorithms.entropy import logprobs_from_logits
+    """What the policy loss reads per token: a label's log-prob and the entropy (the trainer's functions,
+    which give an empty result without a graph on a shard with no kept position: that rank's backward
+    must run all the same)."""
+    from scalerl.algorithms.entropy import entropy_from_logits, logprobs_from_logits
 
-    return torch.stack([logprobs_from_logits(logits, labels), logits.logsumexp(-1)], dim=-1)
+    return torch.stack([logprobs_from_logits(logits, labels), entropy_from_logits(logits)], dim=-1)
 
 
 def _token_outputs(output, labels: torch.Tensor, fn) -> torch.Tensor:

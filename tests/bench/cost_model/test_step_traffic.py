@@ -125,18 +125,20 @@ def test_the_constants_it_mirrors_come_from_the_code():
 
 def test_sequence_parallel_traffic_follows_the_code():
     """Ulysses' bytes: one training micro-batch of 3 x 13 tokens (padded to 16) on the tiny model at sp=4 sent
-    23,040 ``sequence`` bytes per rank in `tests/parallel/test_sequence_parallel.py` (18,432 all-to-all, 4,608
-    all-gather); gradients reduce over dp x sp, as DDP 4 / FSDP 4 would; generation adds nothing."""
+    18,720 ``sequence`` bytes per rank in `tests/parallel/test_sequence_parallel.py` (18,432 all-to-all, 288
+    all-gather: 2 float32 per-token results, the head runs on each shard); gradients reduce over dp x sp, as
+    DDP 4 / FSDP 4 would; generation adds nothing."""
     tiny = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2)
     one_micro = StepShape(rows=3, prompt_len=5, response_len=8, train_width=13, micro_rows=3, mini_rows=3)
     modelled = bytes_by_kind(step_collectives(tiny, one_micro, Layout(sp=4)))
-    assert modelled["sequence"] == pytest.approx(23040)
+    assert modelled["sequence"] == pytest.approx(18720)
     assert modelled["grad"] == pytest.approx(bytes_by_kind(step_collectives(tiny, one_micro, Layout(dp_replicate=4)))["grad"])
     fsdp = bytes_by_kind(step_collectives(MODEL, STEP, Layout(dp_shard=2, sp=2)))
     assert fsdp["grad"] == pytest.approx(bytes_by_kind(step_collectives(MODEL, STEP, Layout(dp_shard=4)))["grad"])
     assert "sequence" not in bytes_by_kind(step_collectives(MODEL, STEP, Layout(dp_shard=2)))
     with_passes = StepShape(rows=3, prompt_len=5, response_len=8, train_width=13, micro_rows=3, mini_rows=3,
-                            forward_passes=2)  # two forward-only passes: half a training micro-batch's all-to-alls each
+                            forward_passes=2)  # two forward-only passes: half a training micro-batch's all-to-alls each,
+    # and one per-token result (a log-prob or a value) gathered
     assert bytes_by_kind(step_collectives(tiny, with_passes, Layout(sp=4)))["sequence"] == pytest.approx(
-        23040 + 2 * (18432 / 2 + 4608))
+        18720 + 2 * (18432 / 2 + 144))
