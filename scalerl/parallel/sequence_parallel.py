@@ -159,7 +159,7 @@ class LeftPadding:
         first = real.int().argmax(-1)
         last = real.shape[1] - 1 - real.flip(-1).int().argmax(-1)
         count = real.sum(-1)
-        if bool(((last - first + 1 == count) | (count == 0)).all()):  # one host sync per forward
+        if bool(((last - first + 1 == count) | (count == 0)).all()):  # host syncs once a forward, as packing does
             return LeftPadding(first.tolist())
         return attention_mask_4d(mask, mask.shape[1])
 
