@@ -194,12 +194,12 @@ class StandaloneRollouts:
         self.in_flight.append((batch, parts))
 
     def _collect_oldest(self) -> None:
-        """The oldest step in flight, whole, on every trainer rank (rank 0 receives it from the workers, in
-        the order it sent the parts: each worker answers in order)."""
+        """The oldest step in flight, whole, on every trainer rank (rank 0 receives its parts from the workers;
+        a streaming worker may answer a later part first, which the driver keeps for its turn)."""
         batch, parts = self.in_flight.popleft()
         out, idle = None, torch.zeros(1, dtype=torch.float64)
         if self.driver is not None:
-            replies = {start: self.driver.receive(worker) for worker, start, _ in parts}
+            replies = {start: self.driver.collect(worker, batch.step, start) for worker, start, _ in parts}
             out = GenerationOutput.concat([replies[start].out for start in sorted(replies)], self.pad_token_id)
             idle[0] = sum(r.idle_s for r in replies.values()) / len(self.driver.workers)
         if self.ctx.world_size > 1:

@@ -4,14 +4,20 @@ the trainer's end of the conversation, counted.
 The trainer's rank 0 drives every worker with tensor messages (`scalerl.rollout.messages`, no pickle):
 
     GENERATE  -> (step, sampling, prompts)  reply: the generation output of those rows, every token's policy
-                                            version, and the worker's idle time before it (`WorkerReply`)
+                                            version, the step and row range it answers, and the worker's idle
+                                            time before it (`WorkerReply`)
     WEIGHTS   -> (version) a weight sync    the worker then receives it (`scalerl.comm.weights`: buckets
                                             broadcast over the trainer's rank 0 + workers group, verified,
                                             deltas after the first) and generates with ``version`` from then on
     STOP                                    the worker returns
 
 A worker serves requests strictly in the order they arrive, so the order the trainer sends them in decides
-which weights generate what: a GENERATE sent after WEIGHTS(v) is generated with version v. Both ends send
+which weights generate what: a GENERATE sent after WEIGHTS(v) is generated with version v. With
+``rollout.partial=true`` a worker streams (`scalerl.rollout.worker`): the rows of every GENERATE it has read
+decode together, a WEIGHTS lands between two engine steps and the rows in flight go on with the new weights
+(a GENERATE sent after WEIGHTS(v) still starts with v), and each GENERATE is answered once all its rows
+finished, so replies may come out of order: each names its step and rows, and the driver matches it to
+what it owes (`WorkerDriver.collect`). Both ends send
 without waiting for the other to read (`isend_tensors`): the trainer queues requests for the steps it runs
 ahead (`rollout.staleness`), a worker answers and goes on to its next request. Requests go to the worker
 with the fewest tokens in flight (`WorkerDriver.least_loaded`); a worker that dies is named, with the steps
@@ -97,15 +103,16 @@ class WorkerReply:
     step: int
     idle_s: float
     gen_s: float
+    row_start: int  # the step's rows it answers: row_start .. row_start + len(out) (the request's row_offset)
 
 
-def encode_reply(out: GenerationOutput, step: int, idle_s: float, gen_s: float) -> list[torch.Tensor]:
-    return [*encode_output(out), torch.tensor([step, idle_s, gen_s], dtype=torch.float64)]
+def encode_reply(out: GenerationOutput, step: int, idle_s: float, gen_s: float, row_start: int) -> list[torch.Tensor]:
+    return [*encode_output(out), torch.tensor([step, idle_s, gen_s, row_start], dtype=torch.float64)]
 
 
 def decode_reply(message: list[torch.Tensor]) -> WorkerReply:
-    step, idle_s, gen_s = message[-1].tolist()
-    return WorkerReply(decode_output(message[:-1]), int(step), idle_s, gen_s)
+    step, idle_s, gen_s, row_start = message[-1].tolist()
+    return WorkerReply(decode_output(message[:-1]), int(step), idle_s, gen_s, int(row_start))
 
 
 class RolloutWorkerError(UserError, RuntimeError):
@@ -125,11 +132,13 @@ class WorkerDriver:
     def __init__(self, ctx: DistContext):
         self.ctx = ctx
         self.workers = list(ctx.rollout_ranks)
-        self.owed: dict[int, deque[tuple[int, int]]] = {w: deque() for w in self.workers}  # (step, tokens)
+        # (step, first row) -> tokens, per worker, in the order sent
+        self.owed: dict[int, dict[tuple[int, int], int]] = {w: {} for w in self.workers}
+        self.arrived: dict[tuple[int, int], WorkerReply] = {}  # replies read before they were asked for
         self.sends: deque[PendingSend] = deque()
 
     def tokens_in_flight(self, worker: int) -> int:
-        return sum(tokens for _, tokens in self.owed[worker])
+        return sum(self.owed[worker].values())
 
     def least_loaded(self) -> int:
         """The worker with the fewest tokens in flight (the lowest rank among equals)."""
@@ -137,12 +146,19 @@ class WorkerDriver:
 
     def request_generation(self, worker: int, step: int, sampling: SamplingParams, prompt_ids: torch.Tensor,
                            prompt_lengths: torch.Tensor, tokens: int = 0) -> None:
+        """Rows ``sampling.row_offset`` on of ``step`` to ``worker`` (one part per step and first row)."""
         self._send("rollout", encode_request(step, sampling, prompt_ids, prompt_lengths), worker)
-        self.owed[worker].append((step, tokens))
+        self.owed[worker][(step, sampling.row_offset)] = tokens
+
+    def collect(self, worker: int, step: int, row_start: int) -> WorkerReply:
+        """``worker``'s reply to the part of ``step`` from row ``row_start``: read when it comes, replies to
+        other parts it sends first kept for their turn (a streaming worker answers as rows finish)."""
+        while (step, row_start) not in self.arrived:
+            self.receive(worker)
+        return self.arrived.pop((step, row_start))
 
     def receive(self, worker: int) -> WorkerReply:
-        """``worker``'s reply to the oldest GENERATE it has not answered yet."""
-        step, _ = self.owed[worker][0]
+        """``worker``'s next reply (kept in ``arrived`` too), matched to a part it owes."""
         try:
             reply = self._recv(worker)
         except RuntimeError as e:
@@ -151,9 +167,12 @@ class WorkerDriver:
                 f"rollout worker rank {worker} did not answer (it owed the rollouts of steps {owed}): {e}. The "
                 "weight push's group includes every worker, so the run stops here; restart it with "
                 "trainer.resume=auto (the steps in flight are generated again)") from e
-        if reply.step != step:
-            raise RuntimeError(f"rollout worker rank {worker} answered step {reply.step}, expected step {step}")
-        self.owed[worker].popleft()
+        part = (reply.step, reply.row_start)
+        if part not in self.owed[worker]:
+            raise RuntimeError(f"rollout worker rank {worker} answered step {reply.step} from row {reply.row_start}, "
+                               f"which it does not owe (it owes {sorted(self.owed[worker])})")
+        del self.owed[worker][part]
+        self.arrived[part] = reply
         return reply
 
     def _recv(self, worker: int) -> WorkerReply:

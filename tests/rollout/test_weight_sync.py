@@ -212,7 +212,7 @@ class _QueueDriver(WorkerDriver):
             ones = torch.ones(rows, 2, dtype=torch.long)
             out = GenerationOutput(ones, ones, ones, ones, torch.zeros(rows, 2), ["stop"] * rows,
                                    token_versions(ones, self.versions[worker]))
-            return decode_reply(encode_reply(out, int(message[0][1]), 0.25, 0.0))
+            return decode_reply(encode_reply(out, int(message[0][1]), 0.25, 0.0, int(message[1][5])))  # row_offset
 
 
 def _standalone(staleness: int, driver: _QueueDriver) -> StandaloneRollouts:
