@@ -29,6 +29,7 @@ trainer and rollout, the transport behind it.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Protocol
@@ -112,6 +113,7 @@ class PushToWorkers:
     def __init__(self, policy: ModelParts, local: WeightSync, sender: WeightSender, driver: WorkerDriver | None,
                  ctx: DistContext):
         self.policy, self.local, self.sender, self.driver, self.ctx = policy, local, sender, driver, ctx
+        self.broadcast = sender.channel  # over rank 0 + every worker
 
     @classmethod
     def from_config(cls, policy: ModelParts, ctx: DistContext, driver: WorkerDriver | None, rollout_dtype: str,
@@ -125,6 +127,7 @@ class PushToWorkers:
         start = time.perf_counter()
         moved = self.local.sync()[BYTES]
         if self.driver is not None:
+            self.to_live_workers()
             self.driver.announce_weights(version)
         report = self.sender.sync(synced_tensors(self.policy.model))
         metrics = self.metrics(report, moved)
@@ -132,6 +135,10 @@ class PushToWorkers:
         if self.driver is not None:
             self.ctx.comm.add_wait("weight_sync", metrics[EXPOSED])
         return metrics
+
+    def to_live_workers(self) -> None:
+        """After a worker died, the pushes go point to point to the live workers (rank 0 only)."""
+        self.sender.channel = self.driver.push_channel(self.broadcast)
 
     def metrics(self, report: SyncReport, moved: float) -> dict[str, float]:
         """A push's metrics, its bytes counted as ``weight_sync`` traffic (rank 0's)."""
@@ -168,6 +175,7 @@ class BackgroundPush:
         self.thread: threading.Thread | None = None
         self.outcome: tuple[SyncReport | None, Exception | None] = (None, None)
         self.moved = 0.0
+        self.dead_at_start = 0  # rollout workers dead when the push in flight started
 
     def sync(self, version: int = 0) -> dict[str, float]:
         start = time.perf_counter()
@@ -180,8 +188,10 @@ class BackgroundPush:
             metrics = self.push.metrics(SyncReport(), moved)
         else:
             snapshot = [(n, _full(t).detach().clone()) for n, t in tensors]
+            self.push.to_live_workers()
             self.push.driver.announce_weights(version)
             self.outcome, self.moved = (None, None), moved
+            self.dead_at_start = len(self.push.driver.dead)
             self.thread = threading.Thread(target=self._run, args=(snapshot,), name="weight-push", daemon=True)
             self.thread.start()
             metrics = finished if finished is not None else self.push.metrics(SyncReport(), 0.0)
@@ -199,6 +209,11 @@ class BackgroundPush:
         self.thread = None
         report, error = self.outcome
         if error is not None:
+            driver = self.push.driver
+            if driver is not None and len(driver.dead) > self.dead_at_start:  # a worker died during the push
+                print(f"warning: the weight push failed as rollout workers {sorted(driver.dead)} died ({error}); "
+                      "this step pushes again to the live workers", file=sys.stderr, flush=True)
+                return None
             raise error
         return self.push.metrics(report, self.moved)
 

@@ -28,6 +28,7 @@ to read them, and each reports how long the worker sat idle before it.
 from __future__ import annotations
 
 import queue
+import sys
 import tempfile
 import threading
 import time
@@ -52,11 +53,13 @@ from scalerl.rollout.messages import PendingSend, isend_tensors, recv_tensors
 from scalerl.rollout.weight_loading import engine_weight_receiver
 from scalerl.rollout.worker_protocol import (
     OP_GENERATE,
+    OP_PUSH_DIRECT,
     OP_STOP,
     OP_WEIGHTS,
     decode_request,
     encode_reply,
     request_op,
+    serve_point_to_point,
     token_versions,
 )
 
@@ -241,6 +244,7 @@ class RolloutWorker:
         self.timeout_s = float(getattr(cfg.trainer, "dist_timeout_s", 600))
         self.stats = WorkerStats()
         self.version = 0  # the policy version of the weights it holds (the trainer's, from WEIGHTS)
+        self.push_direct = False  # whether pushes come point to point (after another worker died)
 
     def serve(self) -> WorkerStats:
         return self._serve_streaming() if self.partial else self._serve_in_order()
@@ -265,6 +269,8 @@ class RolloutWorker:
                 idle = 0.0
             elif op == OP_WEIGHTS:
                 idle += self._load_weights(int(message[0][1]))
+            elif op == OP_PUSH_DIRECT:
+                self.push_direct = True
             elif op == OP_STOP:
                 return self._stop(replies)
             else:
@@ -298,6 +304,8 @@ class RolloutWorker:
                     next_id += len(request.prompts)
                 elif op == OP_WEIGHTS:
                     weights = message
+                elif op == OP_PUSH_DIRECT:
+                    self.push_direct = True
                 elif op == OP_STOP:
                     self.engine.abort(list(rows))  # what the trainer no longer needs (a run's last steps ahead)
                     return self._stop(replies)
@@ -330,9 +338,20 @@ class RolloutWorker:
                             [None] * len(prompts), len(prompts))
 
     def _load_weights(self, version: int) -> float:
-        """Receive a weight sync (every tensor verified) and generate with ``version`` from now on; the seconds."""
+        """Receive a weight sync (every tensor verified) and generate with ``version`` from now on; the seconds.
+        A push cut short by another worker's death leaves the version as it was (what was written is
+        unverified, and the trainer's next push, over the live workers, finds it so and resends it)."""
         start = time.perf_counter()
-        serve_broadcast(self.receiver.handle, self.sync_group, self.driver, self.device, self.timeout_s)
+        try:
+            if self.push_direct:  # another worker died: pushes come point to point
+                serve_point_to_point(self.receiver.handle, self.driver, self.device)
+            else:
+                serve_broadcast(self.receiver.handle, self.sync_group, self.driver, self.device, self.timeout_s)
+        except RuntimeError as e:  # WeightSyncError is one
+            print(f"warning: rollout worker: the weight push of version {version} failed ({e}); generating with "
+                  f"version {self.version} until the next push", file=sys.stderr, flush=True)
+            self.receiver.version = 0  # partly written: the next push must be a full one
+            return time.perf_counter() - start
         if hasattr(self.engine, "refresh_weights"):  # the built-in decode layout of the new weights;
             self.engine.refresh_weights()  # vLLM's loads already went into its own layout
         self.version = version

@@ -10,6 +10,8 @@ The trainer's rank 0 drives every worker with tensor messages (`scalerl.rollout.
                                             broadcast over the trainer's rank 0 + workers group, verified,
                                             deltas after the first) and generates with ``version`` from then on
     STOP                                    the worker returns
+    PUSH_DIRECT  after a worker died        later pushes come point to point from rank 0 (`PointToPointChannel`)
+                                            instead of over the group that includes the dead worker
 
 A worker serves requests strictly in the order they arrive, so the order the trainer sends them in decides
 which weights generate what: a GENERATE sent after WEIGHTS(v) is generated with version v. With
@@ -20,13 +22,15 @@ finished, so replies may come out of order: each names its step and rows, and th
 what it owes (`WorkerDriver.collect`). Both ends send
 without waiting for the other to read (`isend_tensors`): the trainer queues requests for the steps it runs
 ahead (`rollout.staleness`), a worker answers and goes on to its next request. Requests go to the worker
-with the fewest tokens in flight (`WorkerDriver.least_loaded`); a worker that dies is named, with the steps
-it owed (`RolloutWorkerError`). A generation output also travels among the trainer's ranks in the same
+with the fewest tokens in flight (`WorkerDriver.least_loaded`); a worker that dies is named and its requests
+go again to the live workers (`WorkerDriver`); the run stops, naming them, when none is left
+(`RolloutWorkerError`). A generation output also travels among the trainer's ranks in the same
 encoding (`broadcast_output`).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from scalerl.comm.weights.channel import Ack, Kind, Message, WeightSyncError
 from scalerl.core.errors import UserError
 from scalerl.parallel.distributed import DistContext
 from scalerl.rollout.engine import GenerationOutput, SamplingParams
@@ -42,9 +47,11 @@ from scalerl.rollout.messages import (
     broadcast_tensors,
     isend_tensors,
     recv_tensors,
+    send_tensors,
 )
 
-OP_GENERATE, OP_WEIGHTS, OP_STOP = 1, 2, 3
+OP_GENERATE, OP_WEIGHTS, OP_STOP, OP_PUSH_DIRECT = 1, 2, 3, 4
+PUSH_TAG = 1  # weight-push messages sent point to point: a stream apart from requests and replies (tag 0)
 
 
 def encode_request(step: int, sampling: SamplingParams, prompt_ids: torch.Tensor, prompt_lengths: torch.Tensor):
@@ -127,18 +134,27 @@ def request_op(message: list[torch.Tensor]) -> int:
 class WorkerDriver:
     """The trainer's rank 0 end: requests to the workers and their replies, each send counted (``rollout``
     or ``weight_sync`` traffic, a point-to-point send of its payload) and timed; the tokens each worker has
-    in flight (requested, not yet received: prompt + the response limit per row)."""
+    in flight (requested, not yet received: prompt + the response limit per row).
+
+    A worker that stops answering (its process died, or its link) is named in the log and counted
+    (``dead``); the requests it owed go again, as sent, to the least-loaded live worker (a row's draws are
+    tied to its step row, so the re-issued rows sample what they would have), and the weight pushes from
+    then on go point to point to the live workers (`push_channel`). The run stops, naming them, only when no worker
+    is left. (A worker cannot rejoin a running job's process group; a job restarted by its launcher starts
+    every worker again, and each gets a full push: it reports no verified version.)"""
 
     def __init__(self, ctx: DistContext):
         self.ctx = ctx
-        self.workers = list(ctx.rollout_ranks)
-        # (step, first row) -> tokens, per worker, in the order sent
-        self.owed: dict[int, dict[tuple[int, int], int]] = {w: {} for w in self.workers}
+        self.workers = list(ctx.rollout_ranks)  # the live ones
+        self.dead: dict[int, str] = {}  # rank -> what failed
+        # (step, first row) -> (tokens, the request as sent), per worker
+        self.owed: dict[int, dict[tuple[int, int], tuple[int, list[torch.Tensor]]]] = {w: {} for w in self.workers}
         self.arrived: dict[tuple[int, int], WorkerReply] = {}  # replies read before they were asked for
-        self.sends: deque[PendingSend] = deque()
+        self.sends: deque[tuple[int, PendingSend]] = deque()  # (worker, send)
+        self.direct: PointToPointChannel | None = None  # the pushes' channel after a death
 
     def tokens_in_flight(self, worker: int) -> int:
-        return sum(self.owed[worker].values())
+        return sum(tokens for tokens, _ in self.owed[worker].values())
 
     def least_loaded(self) -> int:
         """The worker with the fewest tokens in flight (the lowest rank among equals)."""
@@ -147,26 +163,30 @@ class WorkerDriver:
     def request_generation(self, worker: int, step: int, sampling: SamplingParams, prompt_ids: torch.Tensor,
                            prompt_lengths: torch.Tensor, tokens: int = 0) -> None:
         """Rows ``sampling.row_offset`` on of ``step`` to ``worker`` (one part per step and first row)."""
-        self._send("rollout", encode_request(step, sampling, prompt_ids, prompt_lengths), worker)
-        self.owed[worker][(step, sampling.row_offset)] = tokens
+        message = encode_request(step, sampling, prompt_ids, prompt_lengths)
+        self._send("rollout", message, worker)
+        self.owed[worker][(step, sampling.row_offset)] = (tokens, message)
 
-    def collect(self, worker: int, step: int, row_start: int) -> WorkerReply:
-        """``worker``'s reply to the part of ``step`` from row ``row_start``: read when it comes, replies to
-        other parts it sends first kept for their turn (a streaming worker answers as rows finish)."""
-        while (step, row_start) not in self.arrived:
-            self.receive(worker)
-        return self.arrived.pop((step, row_start))
+    def collect(self, step: int, row_start: int) -> WorkerReply:
+        """The reply to the part of ``step`` from row ``row_start``, from whichever worker owes it now: read
+        when it comes, replies to other parts that come first kept for their turn (a streaming worker
+        answers as rows finish)."""
+        part = (step, row_start)
+        while part not in self.arrived:
+            owner = next((w for w in self.workers if part in self.owed[w]), None)
+            if owner is None:
+                raise RuntimeError(f"no rollout worker owes step {step} from row {row_start}")
+            self.receive(owner)
+        return self.arrived.pop(part)
 
-    def receive(self, worker: int) -> WorkerReply:
-        """``worker``'s next reply (kept in ``arrived`` too), matched to a part it owes."""
+    def receive(self, worker: int) -> WorkerReply | None:
+        """``worker``'s next reply (kept in ``arrived`` too), matched to a part it owes; None when the worker
+        turned out dead (what it owed re-issued)."""
         try:
             reply = self._recv(worker)
         except RuntimeError as e:
-            owed = sorted({s for s, _ in self.owed[worker]})
-            raise RolloutWorkerError(
-                f"rollout worker rank {worker} did not answer (it owed the rollouts of steps {owed}): {e}. The "
-                "weight push's group includes every worker, so the run stops here; restart it with "
-                "trainer.resume=auto (the steps in flight are generated again)") from e
+            self._lost(worker, e)
+            return None
         part = (reply.step, reply.row_start)
         if part not in self.owed[worker]:
             raise RuntimeError(f"rollout worker rank {worker} answered step {reply.step} from row {reply.row_start}, "
@@ -175,8 +195,43 @@ class WorkerDriver:
         self.arrived[part] = reply
         return reply
 
+    def _lost(self, worker: int, error: Exception) -> None:
+        """``worker`` is dead: named, and its requests re-issued to the live workers (or the run stops)."""
+        owed = self.owed.pop(worker)
+        steps = sorted({s for s, _ in owed})
+        self.workers.remove(worker)
+        self.dead[worker] = str(error)
+        if not self.workers:
+            raise RolloutWorkerError(
+                f"rollout workers {sorted(self.dead)} all stopped answering (the last, rank {worker}, owed the "
+                f"rollouts of steps {steps}): {error}. Restart the run with trainer.resume=auto (the steps in "
+                "flight are generated again)") from error
+        moved = []
+        for part, (tokens, message) in sorted(owed.items()):
+            target = self.least_loaded()
+            self._send("rollout", message, target)
+            self.owed[target][part] = (tokens, message)
+            moved.append(target)
+        print(f"warning: rollout worker rank {worker} stopped answering ({str(error).splitlines()[0][:200]}); its "
+              f"requests for steps {steps} went again to ranks {sorted(set(moved))}; {len(self.workers)} workers "
+              f"left {self.workers}", file=sys.stderr, flush=True)
+
     def _recv(self, worker: int) -> WorkerReply:
         return decode_reply(recv_tensors(worker, device=self.ctx.device))
+
+    def push_channel(self, broadcast):
+        """The channel the next weight push goes over: ``broadcast`` (over rank 0 + every worker) while all
+        are alive; after a death, point-to-point messages to the live workers (a process group cannot drop a
+        member, and a new one cannot be formed without it), each told once with PUSH_DIRECT, which it reads
+        in its request order."""
+        if not self.dead:
+            return broadcast
+        if self.direct is None:
+            for worker in self.workers:
+                self._send("weight_sync", [torch.tensor([OP_PUSH_DIRECT, 0])], worker)
+            self.direct = PointToPointChannel(self.workers, self.ctx.device)
+        self.direct.workers = list(self.workers)
+        return self.direct
 
     def announce_weights(self, version: int = 0) -> None:
         """Tell every worker a weight sync of ``version`` follows (it then joins the sender's broadcasts)."""
@@ -187,17 +242,63 @@ class WorkerDriver:
         for worker in self.workers:
             self._send("rollout", [torch.tensor([OP_STOP, 0])], worker)
         while self.sends:
-            self.sends.popleft().wait()
+            worker, pending = self.sends.popleft()
+            if worker in self.workers:  # a dead worker's sends never complete
+                pending.wait()
 
     def _send(self, kind: str, tensors: list[torch.Tensor], worker: int) -> int:
         start = time.perf_counter()
         pending = isend_tensors(tensors, worker, device=self.ctx.device)
-        self.sends.append(pending)
-        while self.sends and self.sends[0].done():  # keep only the sends still in flight
-            self.sends.popleft().wait()
+        self.sends.append((worker, pending))
+        while self.sends and (self.sends[0][0] in self.dead or self.sends[0][1].done()):  # keep those in flight
+            _, done = self.sends.popleft()
+            if done.done():
+                done.wait()
         self.ctx.comm.record(kind, "send", pending.nbytes, 2, dim="rollout_workers")
         self.ctx.comm.add_wait(kind, time.perf_counter() - start)
         return pending.nbytes
+
+
+class PointToPointChannel:
+    """A weight push's transport to the live workers after one died: each message sent to each worker, each
+    answering with its ack (the `scalerl.comm.weights.channel` conversation, unchanged), over the default
+    group with `PUSH_TAG`, so the requests and replies between the same ranks are not mixed in. Each send and
+    receive has the process group's timeout."""
+
+    def __init__(self, workers: list[int], device: torch.device):
+        self.workers, self.device = list(workers), device
+
+    @property
+    def num_receivers(self) -> int:
+        return len(self.workers)
+
+    def exchange(self, message: Message) -> list[Ack]:
+        self._send(message)
+        return [Ack.from_tensor(recv_tensors(w, device=self.device, tag=PUSH_TAG)[0].cpu()) for w in self.workers]
+
+    def abort(self, message: Message) -> None:
+        self._send(message)
+
+    def _send(self, message: Message) -> None:
+        payload = (torch.frombuffer(bytearray(message.payload), dtype=torch.uint8) if message.payload
+                   else torch.zeros(0, dtype=torch.uint8))
+        sends = [isend_tensors([message.header(), payload], w, device=self.device, tag=PUSH_TAG) for w in self.workers]
+        for pending in sends:
+            pending.wait()
+
+
+def serve_point_to_point(handle, src: int, device: torch.device) -> Message:
+    """A worker's side of one push over `PointToPointChannel`: answer messages from ``src`` until ``END``
+    (returned); raises `WeightSyncError` on ``ABORT``."""
+    while True:
+        header, payload = recv_tensors(src, device=device, tag=PUSH_TAG)
+        message = Message.from_wire(header.cpu(), memoryview(payload.cpu().numpy()).cast("B") if payload.numel()
+                                    else b"")
+        if message.kind == Kind.ABORT:
+            raise WeightSyncError(f"weight sync aborted by the sender (rank {src}), bucket {message.bucket}")
+        send_tensors([handle(message).tensor()], src, device=device, tag=PUSH_TAG)
+        if message.kind == Kind.END:
+            return message
 
 
 def broadcast_output(out: GenerationOutput | None, src: int, group, ctx: DistContext) -> GenerationOutput:
