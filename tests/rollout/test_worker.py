@@ -188,3 +188,29 @@ def test_without_a_push_the_stream_samples_what_the_fixed_batch_samples(scenario
     assert torch.allclose(streamed.logprobs, fixed.logprobs, atol=1e-5)
     assert streamed.finish_reasons == fixed.finish_reasons
     assert set(streamed.weight_versions[streamed.response_mask.bool()].tolist()) == {2}
+
+
+def test_the_streaming_engine_for_vllm_comes_from_its_module(tmp_path, monkeypatch):
+    """rollout.engine=vllm: the worker's streaming engine is `streaming_vllm_engine(cfg, model_dir,
+    pad_token_id)` started on the model's weights saved in the worker's scratch directory; without that
+    module, an error naming rollout.partial and the way out."""
+    import sys
+    import types
+
+    from scalerl.core.config import load_config
+    from scalerl.core.errors import UserError
+    from scalerl.rollout.worker import streaming_engine
+    from tests.tiny import tiny_model
+
+    cfg = load_config(None, [*CFG, "rollout.engine=vllm"])
+    model = tiny_model()
+    monkeypatch.setitem(sys.modules, "scalerl.rollout.vllm_async_engine", None)  # not importable
+    with pytest.raises(UserError, match=r"rollout.partial=true with rollout.engine=vllm needs.*rollout.partial=false"):
+        streaming_engine(cfg, model, 0, tmp_path)
+    calls = []
+    fake = types.SimpleNamespace(streaming_vllm_engine=lambda *args: calls.append(args) or "engine")
+    monkeypatch.setitem(sys.modules, "scalerl.rollout.vllm_async_engine", fake)
+    assert streaming_engine(cfg, model, 7, tmp_path) == "engine"
+    (given_cfg, model_dir, pad), = calls
+    assert given_cfg is cfg and pad == 7 and (tmp_path / "vllm_initial_weights" / "config.json").is_file()
+    assert model_dir == str(tmp_path / "vllm_initial_weights")
