@@ -83,7 +83,7 @@ def _scenarios(rank: int) -> dict | None:
     before = copy.deepcopy(model)
     request(1, PROMPTS, no_stop)
     push(lambda: model.norm.weight.mul_(-1.5))  # version 1
-    tokens, versions, _ = rows(driver.collect(1, 1, 0))
+    tokens, versions, _ = rows(driver.collect(1, 0))
     continuations = []
     for prompt, toks, vers in zip(PROMPTS, tokens, versions):
         switch = vers.index(1) if 1 in vers else len(vers)
@@ -103,7 +103,7 @@ def _scenarios(rank: int) -> dict | None:
     request(2, PROMPTS, no_stop)
     push(perturb)  # version 2
     after = copy.deepcopy(model)
-    tokens, versions, out = rows(driver.collect(1, 2, 0))
+    tokens, versions, out = rows(driver.collect(2, 0))
     results["full_push"] = dict(tokens=tokens, versions=versions, logprobs=out.logprobs,
                                 reference=_swap_mid_stream(before, after, pad, PROMPTS, no_stop, versions))
 
@@ -119,7 +119,7 @@ def _scenarios(rank: int) -> dict | None:
                              stop_token_ids=[tokenizer.eos_token_id])
     request(5, PROMPTS, sampled)
     fixed = BuiltinEngine(model, pad).generate(PROMPTS, sampled)
-    streamed = driver.collect(1, 5, 2).out
+    streamed = driver.collect(5, 2).out
     results["seeded"] = dict(fixed=fixed, streamed=streamed)
 
     # 5. STOP with a request still decoding: the worker drops it and returns.
