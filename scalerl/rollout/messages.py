@@ -71,6 +71,13 @@ def send_tensors(tensors: list[torch.Tensor], dst: int, group=None, device: torc
     return sent
 
 
+# Messages a sender keeps in flight before it waits for the oldest: gloo's send work reports completion only
+# inside ``wait`` (``is_completed`` stays False after the peer has read it), so a sender that only polled
+# would hold every message it ever sent. The oldest of this many has long been read where the peer reads in
+# order, so the wait is short; it is bounded by the process group's timeout.
+MAX_PENDING_SENDS = 16
+
+
 class PendingSend:
     """A message in flight: its sends' handles and the tensors they read, kept alive until `wait`."""
 

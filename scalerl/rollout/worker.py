@@ -49,7 +49,7 @@ from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.continuous_engine import GenerationRequest, RequestOutput
 from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
 from scalerl.rollout.engine_choice import resolve_engine
-from scalerl.rollout.messages import PendingSend, isend_tensors, recv_tensors
+from scalerl.rollout.messages import MAX_PENDING_SENDS, PendingSend, isend_tensors, recv_tensors
 from scalerl.rollout.weight_loading import engine_weight_receiver
 from scalerl.rollout.worker_protocol import (
     OP_GENERATE,
@@ -362,7 +362,7 @@ class RolloutWorker:
 
     def _answer(self, replies: deque[PendingSend], reply: list[torch.Tensor]) -> None:
         replies.append(isend_tensors(reply, self.driver, device=self.device))
-        while replies and replies[0].done():
+        while replies and (replies[0].done() or len(replies) > MAX_PENDING_SENDS):
             replies.popleft().wait()
         self.stats.requests += 1
 

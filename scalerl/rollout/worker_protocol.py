@@ -43,6 +43,7 @@ from scalerl.core.errors import UserError
 from scalerl.parallel.distributed import DistContext
 from scalerl.rollout.engine import GenerationOutput, SamplingParams
 from scalerl.rollout.messages import (
+    MAX_PENDING_SENDS,
     PendingSend,
     broadcast_tensors,
     isend_tensors,
@@ -250,10 +251,11 @@ class WorkerDriver:
         start = time.perf_counter()
         pending = isend_tensors(tensors, worker, device=self.ctx.device)
         self.sends.append((worker, pending))
-        while self.sends and (self.sends[0][0] in self.dead or self.sends[0][1].done()):  # keep those in flight
-            _, done = self.sends.popleft()
-            if done.done():
-                done.wait()
+        while self.sends and (self.sends[0][0] in self.dead or self.sends[0][1].done()
+                              or len(self.sends) > MAX_PENDING_SENDS):  # keep a few in flight
+            to, oldest = self.sends.popleft()
+            if to not in self.dead:  # a dead worker's sends never complete
+                oldest.wait()
         self.ctx.comm.record(kind, "send", pending.nbytes, 2, dim="rollout_workers")
         self.ctx.comm.add_wait(kind, time.perf_counter() - start)
         return pending.nbytes

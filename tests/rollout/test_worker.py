@@ -50,15 +50,25 @@ def _scenarios(rank: int) -> dict | None:
     sender = WeightSender.from_config(cfg.weight_sync, "fp32", BroadcastChannel(group, src=0))
     version = 0
 
-    def push(change=lambda: None):
-        """WEIGHTS sent at once (the worker reads it between two engine steps, then waits for the
-        broadcast), the weights changed, then pushed."""
+    def push():
         nonlocal version
         driver.announce_weights(version)
+        sender.sync(list(model.named_parameters()))
+        version += 1
+
+    def push_during(step, prompts, sampling, change):
+        """A request with a push of ``change`` behind it, the worker held by a push of the same weights
+        before them both, so it reads the request and the WEIGHTS of the change together: the change lands
+        after the request's first engine step (versions v, then v + 1)."""
+        nonlocal version
+        driver.announce_weights(version)
+        request(step, prompts, sampling)
+        driver.announce_weights(version + 1)
+        sender.sync(list(model.named_parameters()))
         with torch.no_grad():
             change()
         sender.sync(list(model.named_parameters()))
-        version += 1
+        version += 2
 
     def request(step, prompts, sampling):
         ids, mask = left_pad(prompts, pad)
@@ -81,12 +91,11 @@ def _scenarios(rank: int) -> dict | None:
     # 1. A push that changes only the final norm (the logits, not the keys and values) lands mid-generation:
     # the tokens after it are exactly the new weights' greedy continuation of the prefix.
     before = copy.deepcopy(model)
-    request(1, PROMPTS, no_stop)
-    push(lambda: model.norm.weight.mul_(-1.5))  # version 1
+    push_during(1, PROMPTS, no_stop, lambda: model.norm.weight.mul_(-1.5))  # versions 1 (as before), 2
     tokens, versions, _ = rows(driver.collect(1, 0))
     continuations = []
     for prompt, toks, vers in zip(PROMPTS, tokens, versions):
-        switch = vers.index(1) if 1 in vers else len(vers)
+        switch = vers.index(2) if 2 in vers else len(vers)
         continuations.append((toks[:switch], greedy(model, [prompt + toks[:switch]], MAX_NEW - switch)[0]
                               if switch < MAX_NEW else []))
     results["norm_push"] = dict(tokens=tokens, versions=versions, old=greedy(before, PROMPTS, MAX_NEW),
@@ -100,16 +109,19 @@ def _scenarios(rank: int) -> dict | None:
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
 
-    request(2, PROMPTS, no_stop)
-    push(perturb)  # version 2
+    push_during(2, PROMPTS, no_stop, perturb)  # versions 3 (as before), 4
     after = copy.deepcopy(model)
     tokens, versions, out = rows(driver.collect(2, 0))
     results["full_push"] = dict(tokens=tokens, versions=versions, logprobs=out.logprobs,
                                 reference=_swap_mid_stream(before, after, pad, PROMPTS, no_stop, versions))
 
-    # 3. Replies as requests finish: a long request, then a short one, answered short first.
+    # 3. Replies as requests finish: a long request, then a short one, answered short first. A push between
+    # them holds the worker (after one step of the long one) until the short one has surely arrived.
     request(3, PROMPTS[:1], SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
+    driver.announce_weights(version)
     request(4, PROMPTS[1:], SamplingParams(max_new_tokens=3, temperature=0.0, row_offset=1))
+    sender.sync(list(model.named_parameters()))  # version 5, the same weights
+    version += 1
     first, second = driver.receive(1), driver.receive(1)
     results["order"] = [(first.step, first.row_start), (second.step, second.row_start)]
     results["short_lengths"] = first.out.response_mask.sum(-1).tolist()
@@ -130,15 +142,15 @@ def _scenarios(rank: int) -> dict | None:
 
 def _swap_mid_stream(before, after, pad, prompts, sampling, versions):
     """The tokens one process's continuous engine gives when its weights change from ``before`` to ``after``
-    where the worker's did (at the first token of version 2), the rows' KV cache kept. Every row started at
+    where the worker's did (at the first token of version 4), the rows' KV cache kept. Every row started at
     the first step, which samples 1 + finish_check_every tokens, each later step finish_check_every."""
     from scalerl.rollout.builtin_engine import BuiltinEngine
     from scalerl.rollout.continuous_engine import GenerationRequest
 
     engine = BuiltinEngine(before, pad).continuous_engine(64, MAX_NEW, 8)
     every = engine.finish_check_every
-    switch = versions[0].index(2)
-    assert all(v.index(2) == switch for v in versions) and (switch - 1) % every == 0
+    switch = versions[0].index(4)
+    assert all(v.index(4) == switch for v in versions) and (switch - 1) % every == 0
     for i, p in enumerate(prompts):
         engine.submit(GenerationRequest(i, p, sampling))
     outputs, steps = {}, 0
@@ -161,8 +173,8 @@ def test_a_push_mid_generation_continues_the_rows_with_the_new_weights(scenarios
     s = scenarios["norm_push"]
     assert all(len(t) == MAX_NEW for t in s["tokens"])  # nothing lost, every row to its limit
     for toks, vers, old, (prefix, continuation) in zip(s["tokens"], s["versions"], s["old"], s["continuations"]):
-        assert vers == sorted(vers) and set(vers) == {0, 1}  # two versions, the old first
-        switch = vers.index(1)
+        assert vers == sorted(vers) and set(vers) == {1, 2}  # two versions, the old first
+        switch = vers.index(2)
         assert 0 < switch < MAX_NEW
         assert toks[:switch] == old[:switch]  # before the push: the old weights' tokens
         assert toks[switch:] == continuation  # after: the new weights' from that prefix
@@ -170,7 +182,7 @@ def test_a_push_mid_generation_continues_the_rows_with_the_new_weights(scenarios
 
 def test_a_full_weight_change_continues_from_the_kept_kv_cache(scenarios):
     s = scenarios["full_push"]
-    assert all(set(v) == {1, 2} for v in s["versions"])
+    assert all(set(v) == {3, 4} for v in s["versions"])
     assert s["tokens"] == s["reference"]
     assert torch.isfinite(s["logprobs"]).all()
 
@@ -187,7 +199,7 @@ def test_without_a_push_the_stream_samples_what_the_fixed_batch_samples(scenario
     assert torch.equal(streamed.prompt_ids, fixed.prompt_ids)
     assert torch.allclose(streamed.logprobs, fixed.logprobs, atol=1e-5)
     assert streamed.finish_reasons == fixed.finish_reasons
-    assert set(streamed.weight_versions[streamed.response_mask.bool()].tolist()) == {2}
+    assert set(streamed.weight_versions[streamed.response_mask.bool()].tolist()) == {5}
 
 
 def test_the_streaming_engine_for_vllm_comes_from_its_module(tmp_path, monkeypatch):
