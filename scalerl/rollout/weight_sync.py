@@ -126,15 +126,27 @@ class PushToWorkers:
     def sync(self, version: int = 0) -> dict[str, float]:
         start = time.perf_counter()
         moved = self.local.sync()[BYTES]
-        if self.driver is not None:
-            self.to_live_workers()
-            self.driver.announce_weights(version)
-        report = self.sender.sync(synced_tensors(self.policy.model))
+        report = self._push(version)
         metrics = self.metrics(report, moved)
         metrics[EXPOSED] = time.perf_counter() - start
         if self.driver is not None:
             self.ctx.comm.add_wait("weight_sync", metrics[EXPOSED])
         return metrics
+
+    def _push(self, version: int) -> SyncReport:
+        """Announce and push; a push that fails as a worker turns out dead goes again, to the live ones."""
+        dead = len(self.driver.dead) if self.driver is not None else 0
+        try:
+            if self.driver is not None:
+                self.to_live_workers()
+                self.driver.announce_weights(version)
+            return self.sender.sync(synced_tensors(self.policy.model))
+        except RuntimeError as e:
+            if self.driver is None or len(self.driver.dead) == dead or not self.driver.workers:
+                raise
+            print(f"warning: the weight push failed as rollout workers {sorted(self.driver.dead)} died ({e}); "
+                  "pushing again to the live workers", file=sys.stderr, flush=True)
+            return self._push(version)
 
     def to_live_workers(self) -> None:
         """After a worker died, the pushes go point to point to the live workers (rank 0 only)."""
@@ -188,10 +200,10 @@ class BackgroundPush:
             metrics = self.push.metrics(SyncReport(), moved)
         else:
             snapshot = [(n, _full(t).detach().clone()) for n, t in tensors]
+            self.dead_at_start = len(self.push.driver.dead)  # before the announcement, which may find one
             self.push.to_live_workers()
             self.push.driver.announce_weights(version)
             self.outcome, self.moved = (None, None), moved
-            self.dead_at_start = len(self.push.driver.dead)
             self.thread = threading.Thread(target=self._run, args=(snapshot,), name="weight-push", daemon=True)
             self.thread.start()
             metrics = finished if finished is not None else self.push.metrics(SyncReport(), 0.0)

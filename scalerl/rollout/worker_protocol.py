@@ -165,8 +165,8 @@ class WorkerDriver:
                            prompt_lengths: torch.Tensor, tokens: int = 0) -> None:
         """Rows ``sampling.row_offset`` on of ``step`` to ``worker`` (one part per step and first row)."""
         message = encode_request(step, sampling, prompt_ids, prompt_lengths)
+        self.owed[worker][(step, sampling.row_offset)] = (tokens, message)  # first: re-issued if the send fails
         self._send("rollout", message, worker)
-        self.owed[worker][(step, sampling.row_offset)] = (tokens, message)
 
     def collect(self, step: int, row_start: int) -> WorkerReply:
         """The reply to the part of ``step`` from row ``row_start``, from whichever worker owes it now: read
@@ -210,9 +210,9 @@ class WorkerDriver:
         moved = []
         for part, (tokens, message) in sorted(owed.items()):
             target = self.least_loaded()
-            self._send("rollout", message, target)
             self.owed[target][part] = (tokens, message)
             moved.append(target)
+            self._send("rollout", message, target)
         print(f"warning: rollout worker rank {worker} stopped answering ({str(error).splitlines()[0][:200]}); its "
               f"requests for steps {steps} went again to ranks {sorted(set(moved))}; {len(self.workers)} workers "
               f"left {self.workers}", file=sys.stderr, flush=True)
@@ -228,7 +228,7 @@ class WorkerDriver:
         if not self.dead:
             return broadcast
         if self.direct is None:
-            for worker in self.workers:
+            for worker in list(self.workers):
                 self._send("weight_sync", [torch.tensor([OP_PUSH_DIRECT, 0])], worker)
             self.direct = PointToPointChannel(self.workers, self.ctx.device)
         self.direct.workers = list(self.workers)
@@ -236,11 +236,11 @@ class WorkerDriver:
 
     def announce_weights(self, version: int = 0) -> None:
         """Tell every worker a weight sync of ``version`` follows (it then joins the sender's broadcasts)."""
-        for worker in self.workers:
+        for worker in list(self.workers):
             self._send("weight_sync", [torch.tensor([OP_WEIGHTS, version])], worker)
 
     def stop(self) -> None:
-        for worker in self.workers:
+        for worker in list(self.workers):
             self._send("rollout", [torch.tensor([OP_STOP, 0])], worker)
         while self.sends:
             worker, pending = self.sends.popleft()
@@ -248,8 +248,15 @@ class WorkerDriver:
                 pending.wait()
 
     def _send(self, kind: str, tensors: list[torch.Tensor], worker: int) -> int:
+        """Send without waiting; a worker whose connection is already known closed is lost here (0 bytes)."""
+        if worker in self.dead:
+            return 0
         start = time.perf_counter()
-        pending = isend_tensors(tensors, worker, device=self.ctx.device)
+        try:
+            pending = isend_tensors(tensors, worker, device=self.ctx.device)
+        except RuntimeError as e:
+            self._lost(worker, e)
+            return 0
         self.sends.append((worker, pending))
         while self.sends and (self.sends[0][0] in self.dead or self.sends[0][1].done()
                               or len(self.sends) > MAX_PENDING_SENDS):  # keep a few in flight

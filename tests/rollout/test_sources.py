@@ -79,6 +79,13 @@ def _two_workers(rank: int, out: str) -> None:
     _train(f"{out}/worker_dies", ["rollout.placement=standalone", "rollout.workers=2", "trainer.total_steps=3"])
 
 
+def _worker_dies_one_step_ahead(rank: int, out: str) -> None:
+    if rank == 2:
+        _die_at_generate(2)
+    _train(f"{out}/worker_dies_k1", ["rollout.placement=standalone", "rollout.workers=2", "rollout.staleness=1",
+                                     "trainer.total_steps=4", "trainer.dist_timeout_s=120"])
+
+
 def _die_at_generate(call: int) -> None:
     """This process exits, as if killed, inside its ``call``-th generation (after reading the request)."""
     import os
@@ -103,6 +110,7 @@ def runs(tmp_path_factory):
     _train(str(out / "colocated_32_rows"), ["trainer.total_steps=3", "trainer.batch_size=8"])
     run_in_group(_world2_runs, 2, str(out), timeout_s=900)
     run_in_group(_two_workers, 3, str(out), timeout_s=600, may_vanish=(2,))
+    run_in_group(_worker_dies_one_step_ahead, 3, str(out), timeout_s=600, may_vanish=(2,))
     return out
 
 
@@ -201,6 +209,19 @@ def test_a_dead_workers_requests_go_to_the_live_one(runs):
     assert [r["response_length/mean"] for r in survived] == [r["response_length/mean"] for r in straight]
     assert _max_diff(_weights(runs / "two_workers"), _weights(runs / "worker_dies")) < 1e-5
     assert all(r["weight_sync/resyncs"] == 0 for r in survived)
+
+
+def test_a_worker_dying_one_step_ahead_cuts_a_background_push_short_and_the_run_goes_on(runs):
+    """Staleness 1: worker rank 2 dies in step 2 while the background push of version 1 is under way; the
+    push fails, the live worker keeps its weights and takes a full push at the next step, point to point,
+    and the run trains its 4 steps. What the live worker generated with the weights it kept may be more
+    than K=1 versions behind by training time: such samples are dropped from the loss and counted."""
+    rows = _metrics(runs / "worker_dies_k1")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["rollout/dead_workers"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert any(r["weight_sync/full_push"] == 1.0 for r in rows[1:])  # the live worker's full push after
+    assert all(r["rollout/staleness/max"] <= 1 or r["rollout/dropped_stale"] > 0 for r in rows)
+    assert rows[0]["rollout/dropped_stale"] == 0 and rows[-1]["rollout/staleness/max"] <= 1
 
 
 def test_resume_regenerates_the_steps_in_flight(runs):
