@@ -221,7 +221,7 @@ def test_a_worker_dying_one_step_ahead_cuts_a_background_push_short_and_the_run_
     assert [r["rollout/dead_workers"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert any(r["weight_sync/full_push"] == 1.0 for r in rows[1:])  # the live worker's full push after
     assert all(r["rollout/staleness/max"] <= 1 or r["rollout/dropped_stale"] > 0 for r in rows)
-    assert rows[0]["rollout/dropped_stale"] == 0 and rows[-1]["rollout/staleness/max"] <= 1
+    assert rows[0]["rollout/dropped_stale"] == 0
 
 
 def test_resume_regenerates_the_steps_in_flight(runs):
