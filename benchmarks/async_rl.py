@@ -2,7 +2,7 @@
 the reward / held-out accuracy curve, same seed.
 
     python benchmarks/async_rl.py [--steps 120] [--sft-steps 1000] [--batch-size 64] [--json FILE]
-    python benchmarks/async_rl.py --setting long [--staleness 0 1 2 4] [--workers 1 2] [--seeds 0 1 2]
+    python benchmarks/async_rl.py --setting long [--staleness 0 1 2 4] [--workers 1 2] [--seeds 0 1 2] [--partial]
 
 ``--setting long`` is generation-heavy: the demo's model untrained (no SFT), so responses run until the
 stop character comes up at random or ``--max-new-tokens`` (256), 4 prompts x 8 samples per step. Its reward
@@ -11,7 +11,10 @@ mode generates the same lengths from the same weights and the comparison is of t
 the update still runs its full forward and backward. The push is dense (``weight_sync.mode=full``), what a
 sync of weights that did change costs here. It prints, per worker count, samples/s and each staleness's
 ratio over synchronous (the median step over steps 3 onwards; the median over seeds of each), with the
-trainer's and the workers' idle time and the weight push's exposed and own time.
+trainer's and the workers' idle time and the weight push's exposed and own time. ``--partial`` also runs
+every staleness >= 1 with ``rollout.partial=true`` (streaming workers: continuous batching over every request
+in flight, pushes landing mid-response), right after the same seed's in-order run, and adds the share of
+responses that span versions.
 
 The demo's configuration (built-in model and task): an SFT warm start on the weak teacher's data (cached in
 outputs/bench_async_rl/sft), then GRPO with one trainer rank and one rollout worker rank (world 2, gloo on
@@ -64,7 +67,7 @@ LONG = ["trainer.batch_size=4", "actor.ppo_mini_batch_size=32", "actor.ppo_micro
 
 
 def _long(rank: int, steps: int, staleness: int, workers: int, seed: int, max_new_tokens: int,
-          background: bool = True, stale_logprobs: str = "recompute") -> None:
+          background: bool = True, stale_logprobs: str = "recompute", partial: bool = False) -> None:
     from scalerl.trainer.rl_trainer import train
 
     train(_demo_config([*LONG, f"trainer.total_steps={steps}", f"trainer.seed={seed}", "trainer.overwrite=true",
@@ -72,11 +75,14 @@ def _long(rank: int, steps: int, staleness: int, workers: int, seed: int, max_ne
                         f"rollout.workers={workers}", f"rollout.staleness={staleness}",
                         f"weight_sync.background={str(background).lower()}",
                         *([f"rollout.stale_logprobs={stale_logprobs}"] if staleness else []),
-                        f"trainer.output_dir={_long_dir(staleness, workers, seed, background, stale_logprobs)}"]))
+                        f"rollout.partial={str(partial).lower()}",
+                        f"trainer.output_dir={_long_dir(staleness, workers, seed, background, stale_logprobs, partial)}"]))
 
 
-def _long_dir(staleness: int, workers: int, seed: int, background: bool = True, stale_logprobs: str = "recompute") -> Path:
+def _long_dir(staleness: int, workers: int, seed: int, background: bool = True, stale_logprobs: str = "recompute",
+              partial: bool = False) -> Path:
     suffix = ("" if background else "-inline-push") + ("-behavior" if staleness and stale_logprobs == "behavior" else "")
+    suffix += "-partial" if partial else ""
     return OUT / "long" / f"workers{workers}-staleness{staleness}-seed{seed}{suffix}"
 
 
@@ -86,44 +92,50 @@ def summarize_long(run: Path) -> dict:
     median = {k: statistics.median(r[k] for r in steps) for k in (
         "timing_s/step", "timing_s/trainer_idle", "timing_s/rollout_idle", "timing_s/update_actor",
         "timing_s/old_log_prob", "timing_s/weight_sync_exposed", "weight_sync/push_s", "response_length/mean")}
-    return {"median": median, "staleness_max": max(r["rollout/staleness/max"] for r in steps)}
+    return {"median": median, "staleness_max": max(r["rollout/staleness/max"] for r in steps),
+            "partial_fraction": statistics.mean(r.get("rollout/partial_fraction", 0.0) for r in steps)}
 
 
 def main_long(args) -> None:
     n = _demo_config([]).rollout.n
     sequences = 4 * n
-    table: dict[tuple[int, int], list[dict]] = {}
+    table: dict[tuple[int, int, bool], list[dict]] = {}
+    modes = [(s, False) for s in args.staleness]
+    if args.partial:
+        modes = [m for s in args.staleness for m in ([(s, False), (s, True)] if s else [(s, False)])]
     for workers in args.workers:
-        for seed in args.seeds:  # every staleness of a seed back to back: a shared machine's load drifts slowly
-            for staleness in args.staleness:
+        for seed in args.seeds:  # every mode of a seed back to back: a shared machine's load drifts slowly
+            for staleness, partial in modes:
                 run_in_group(_long, 1 + workers, args.steps, staleness, workers, seed, args.max_new_tokens, True,
-                             args.stale_logprobs, timeout_s=3600)
-                table.setdefault((workers, staleness), []).append(
-                    summarize_long(_long_dir(staleness, workers, seed, True, args.stale_logprobs)))
+                             args.stale_logprobs, partial, timeout_s=3600)
+                table.setdefault((workers, staleness, partial), []).append(
+                    summarize_long(_long_dir(staleness, workers, seed, True, args.stale_logprobs, partial)))
     results = {}
-    for (workers, staleness), runs in table.items():
+    for (workers, staleness, partial), runs in table.items():
         med = {k: statistics.median(r["median"][k] for r in runs) for k in runs[0]["median"]}
         steps = [r["median"]["timing_s/step"] for r in runs]
-        base = [r["median"]["timing_s/step"] for r in table.get((workers, 0), [])]
+        base = [r["median"]["timing_s/step"] for r in table.get((workers, 0, False), [])]
         ratios = [b / s for b, s in zip(base, steps)]  # per seed: synchronous step over this one, same block
-        results[f"workers={workers},staleness={staleness}"] = {
+        results[f"workers={workers},staleness={staleness},partial={partial}"] = {
             **med, "samples_per_s": sequences / med["timing_s/step"], "step_s_per_seed": steps,
-            "ratio_per_seed": ratios, "staleness_max": max(r["staleness_max"] for r in runs)}
+            "ratio_per_seed": ratios, "staleness_max": max(r["staleness_max"] for r in runs),
+            "partial_fraction": statistics.mean(r["partial_fraction"] for r in runs)}
     print(f"{sequences} samples per step, {args.steps} steps, seeds {args.seeds}, rollout.stale_logprobs="
           f"{args.stale_logprobs} when stale; medians over steps 3+ and seeds")
-    print("| workers | staleness | step | samples/s | trainer idle | rollout idle | update | old log-probs | "
-          "push exposed | push own | vs sync, per seed (median) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| workers | staleness | partial | step | samples/s | trainer idle | rollout idle | update | old log-probs | "
+          "push exposed | push own | responses spanning versions | vs sync, per seed (median) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for workers in args.workers:
-        for staleness in args.staleness:
-            r = results[f"workers={workers},staleness={staleness}"]
+        for staleness, partial in modes:
+            r = results[f"workers={workers},staleness={staleness},partial={partial}"]
             ratios = r["ratio_per_seed"]
             ratio = (f"{', '.join(f'{x:.2f}' for x in ratios)} ({statistics.median(ratios):.2f}x)" if ratios
                      else "-")
-            print(f"| {workers} | {staleness} | {r['timing_s/step']:.3f} s | {r['samples_per_s']:.1f} | "
-                  f"{r['timing_s/trainer_idle']:.3f} s | {r['timing_s/rollout_idle']:.3f} s | "
+            print(f"| {workers} | {staleness} | {'yes' if partial else 'no'} | {r['timing_s/step']:.3f} s | "
+                  f"{r['samples_per_s']:.1f} | {r['timing_s/trainer_idle']:.3f} s | {r['timing_s/rollout_idle']:.3f} s | "
                   f"{r['timing_s/update_actor']:.3f} s | {r['timing_s/old_log_prob']:.3f} s | "
-                  f"{r['timing_s/weight_sync_exposed']:.3f} s | {r['weight_sync/push_s']:.3f} s | {ratio} |")
+                  f"{r['timing_s/weight_sync_exposed']:.3f} s | {r['weight_sync/push_s']:.3f} s | "
+                  f"{r['partial_fraction']:.0%} | {ratio} |")
     if args.inline_push:  # the same staleness with the push in the step: what the background push saves
         print("| workers | staleness | push | step | push exposed | push own |")
         print("| --- | --- | --- | --- | --- | --- |")
@@ -205,6 +217,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1], help="long: rollout.workers values")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="long: trainer.seed values")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="long: rollout.max_new_tokens")
+    parser.add_argument("--partial", action="store_true",
+                        help="long: also run each staleness >= 1 with rollout.partial=true (streaming workers)")
     parser.add_argument("--inline-push", action="store_true",
                         help="long: also run each staleness >= 1 with weight_sync.background=false (first seed), "
                              "and print the push's exposed time both ways")

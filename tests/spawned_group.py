@@ -38,11 +38,12 @@ def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn: Call
 
 
 def run_in_group(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600,
-                 init_group: bool = True) -> list[Any]:
+                 init_group: bool = True, may_vanish: tuple[int, ...] = ()) -> list[Any]:
     """``[fn(0, *args), ..., fn(world_size - 1, *args)]``, each run in its own process of one gloo group.
     ``fn`` must be a module-level function and its result picklable. A rank that fails raises here; ranks
     still running after ``timeout_s`` are killed and named. ``init_group=False`` only sets the rendezvous
-    variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT...) and leaves joining to ``fn``."""
+    variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT...) and leaves joining to ``fn``. Ranks in ``may_vanish``
+    may end without a result (a test killing a process: ``os._exit(0)``); theirs is None."""
     results = mp.Manager().dict()
     context = mp.start_processes(
         _rank_main, args=(world_size, free_port(), timeout_s, fn, args, results, init_group), nprocs=world_size,
@@ -55,4 +56,4 @@ def run_in_group(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
             for p in context.processes:
                 p.kill()
             raise TimeoutError(f"ranks {alive} of {fn.__name__} did not finish within {timeout_s:.0f} s")
-    return [results[rank] for rank in range(world_size)]
+    return [results.get(rank) if rank in may_vanish else results[rank] for rank in range(world_size)]

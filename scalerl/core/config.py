@@ -298,6 +298,10 @@ class RolloutSection(_Section):
     staleness: int = opt(0, "standalone: K >= 0, the most policy versions a trained sample may lag: the prompts "
                             "of steps k+1..k+K go to the workers while step k trains (0 = synchronous, 1 = one-step "
                             "asynchronous); older samples are dropped from the loss and counted")
+    partial: bool = opt(False, "standalone, rollout.staleness >= 1: workers stream (continuous batching over every "
+                               "request in flight) and a weight sync lands between two engine steps without waiting "
+                               "for the rows in flight, which go on with the new weights (one response may mix "
+                               "versions, recorded per token); timing-dependent, so not bitwise reproducible")
     is_level: str = opt("token", "off-policy correction of rollouts sampled by other weights or numerics: one "
                                  "importance weight per token | per sequence (" + " | ".join(IS_LEVELS) + ")")
     is_mode: str = opt("truncate", "what the cap does to a weight above it: truncate (min(w, cap), verl's TIS) | "
@@ -334,6 +338,11 @@ class RolloutSection(_Section):
             p.append("rollout.stale_logprobs=behavior needs rollout.staleness >= 1 and rollout.dtype=fp32 (got "
                      f"staleness={self.staleness}, dtype={self.dtype}): without staleness the rollouts are on-policy "
                      "already, and bf16 workers' log-probs differ from the trainer's forward, so they are recomputed")
+        if self.partial and (self.placement != "standalone" or not self.staleness):
+            p.append(f"rollout.partial=true needs rollout.placement=standalone and rollout.staleness >= 1 (got "
+                     f"placement={self.placement}, staleness={self.staleness}): a partial rollout is one a weight push "
+                     "to standalone workers lands in, and at staleness 0 no rollout is in flight during a push; "
+                     "set rollout.partial=false or raise rollout.staleness")
         if self.placement == "colocated" and (self.staleness or (self.dtype != "fp32" and self.engine == "builtin")):
             p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only (dtype also "
                      "to rollout.engine=vllm) "

@@ -55,18 +55,27 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in (torch.bool, torch.bfloat16) else t
 
 
-def send_tensors(tensors: list[torch.Tensor], dst: int, group=None, device: torch.device | None = None) -> int:
-    """Send ``tensors`` to global rank ``dst``; returns the payload bytes sent (header included)."""
+def send_tensors(tensors: list[torch.Tensor], dst: int, group=None, device: torch.device | None = None,
+                 tag: int = 0) -> int:
+    """Send ``tensors`` to global rank ``dst``; returns the payload bytes sent (header included). Messages
+    of another ``tag`` between the same two ranks are a separate stream (received with that tag)."""
     device = device or torch.device("cpu")
     header = _header(tensors).to(device)
-    dist.send(torch.tensor([header.numel()], device=device), dst=dst, group=group)
-    dist.send(header, dst=dst, group=group)
+    dist.send(torch.tensor([header.numel()], device=device), dst=dst, group=group, tag=tag)
+    dist.send(header, dst=dst, group=group, tag=tag)
     sent = (header.numel() + 1) * header.element_size()
     for t in tensors:
         wire = _wire(t.to(device))
-        dist.send(wire, dst=dst, group=group)
+        dist.send(wire, dst=dst, group=group, tag=tag)
         sent += wire.numel() * wire.element_size()
     return sent
+
+
+# Messages a sender keeps in flight before it waits for the oldest: gloo's send work reports completion only
+# inside ``wait`` (``is_completed`` stays False after the peer has read it), so a sender that only polled
+# would hold every message it ever sent. The oldest of this many has long been read where the peer reads in
+# order, so the wait is short; it is bounded by the process group's timeout.
+MAX_PENDING_SENDS = 16
 
 
 class PendingSend:
@@ -86,30 +95,30 @@ class PendingSend:
 
 
 def isend_tensors(tensors: list[torch.Tensor], dst: int, group=None,
-                  device: torch.device | None = None) -> PendingSend:
+                  device: torch.device | None = None, tag: int = 0) -> PendingSend:
     """`send_tensors` without waiting for the peer: the same bytes, in the same order (one peer's messages on
     one group are received in the order they were sent)."""
     device = device or torch.device("cpu")
     header = _header(tensors).to(device)
     wires = [torch.tensor([header.numel()], device=device), header, *(_wire(t.to(device)) for t in tensors)]
-    works = [dist.isend(w, dst=dst, group=group) for w in wires]
+    works = [dist.isend(w, dst=dst, group=group, tag=tag) for w in wires]
     return PendingSend(works, wires, sum(w.numel() * w.element_size() for w in wires))
 
 
-def recv_tensors(src: int, group=None, device: torch.device | None = None) -> list[torch.Tensor]:
-    """Receive a message sent by `send_tensors` from global rank ``src``."""
+def recv_tensors(src: int, group=None, device: torch.device | None = None, tag: int = 0) -> list[torch.Tensor]:
+    """Receive a message sent by `send_tensors` from global rank ``src`` (with ``tag``)."""
     device = device or torch.device("cpu")
     length = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(length, src=src, group=group)
+    dist.recv(length, src=src, group=group, tag=tag)
     if not 0 < int(length) <= _HEADER_LIMIT:
         raise RuntimeError(f"rank {src} sent a tensor message header of {int(length)} values; expected 1-{_HEADER_LIMIT}")
     header = torch.empty(int(length), dtype=torch.int64, device=device)
-    dist.recv(header, src=src, group=group)
+    dist.recv(header, src=src, group=group, tag=tag)
     out = []
     for dtype, shape in _layout(header.cpu()):
         t = torch.empty(shape, dtype=dtype, device=device)
         wire = _wire(t)
-        dist.recv(wire, src=src, group=group)
+        dist.recv(wire, src=src, group=group, tag=tag)
         out.append(t)
     return out
 

@@ -13,8 +13,9 @@ and both hold the weight sync that brings the generating weights up to date afte
   up to K later steps are in flight while a step trains (`prefetch`); the workers answer in request order,
   and a step's outputs are collected when the trainer reaches it, so a request sent after the push of
   version v is generated with v, whatever the timing. `step_metrics` reports the trainer's wait for
-  rollouts (``timing_s/trainer_idle``) and the workers' wait for requests or weights (``timing_s/rollout_idle``,
-  the mean over workers, as they report it).
+  rollouts (``timing_s/trainer_idle``), the workers' wait for requests or weights (``timing_s/rollout_idle``,
+  the mean over live workers, as they report it) and how many workers died (``rollout/dead_workers``, the
+  latest one's rank ``rollout/last_dead_worker``, -1 for none: their requests went again to the live ones).
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ class StandaloneRollouts:
         self.in_flight: deque[tuple[StepPrompts, list[tuple[int, int, int]]]] = deque()  # (batch, parts), oldest first
         self.ready: dict[int, GenerationOutput] = {}  # collected, not handed out yet
         self.trainer_idle = self.rollout_idle = 0.0  # seconds since the last `step_metrics`
+        self.dead_workers = 0  # workers that stopped answering, their requests re-issued (`WorkerDriver`)
+        self.last_dead = -1  # the rank of the latest of them (-1: none)
 
     @property
     def logprobs_match_training_forward(self) -> bool:
@@ -168,7 +171,8 @@ class StandaloneRollouts:
         return self.weight_sync.sync(version)
 
     def step_metrics(self) -> dict[str, float]:
-        metrics = {"timing_s/trainer_idle": self.trainer_idle, "timing_s/rollout_idle": self.rollout_idle}
+        metrics = {"timing_s/trainer_idle": self.trainer_idle, "timing_s/rollout_idle": self.rollout_idle,
+                   "rollout/dead_workers": float(self.dead_workers), "rollout/last_dead_worker": float(self.last_dead)}
         self.trainer_idle = self.rollout_idle = 0.0
         return metrics
 
@@ -194,18 +198,21 @@ class StandaloneRollouts:
         self.in_flight.append((batch, parts))
 
     def _collect_oldest(self) -> None:
-        """The oldest step in flight, whole, on every trainer rank (rank 0 receives it from the workers, in
-        the order it sent the parts: each worker answers in order)."""
+        """The oldest step in flight, whole, on every trainer rank (rank 0 receives its parts from the workers;
+        a streaming worker may answer a later part first, which the driver keeps for its turn)."""
         batch, parts = self.in_flight.popleft()
-        out, idle = None, torch.zeros(1, dtype=torch.float64)
+        out, idle = None, torch.tensor([0.0, 0.0, -1.0], dtype=torch.float64)  # idle s, dead workers, last dead
         if self.driver is not None:
-            replies = {start: self.driver.receive(worker) for worker, start, _ in parts}
+            replies = {start: self.driver.collect(batch.step, start) for _, start, _ in parts}
             out = GenerationOutput.concat([replies[start].out for start in sorted(replies)], self.pad_token_id)
             idle[0] = sum(r.idle_s for r in replies.values()) / len(self.driver.workers)
+            idle[1] = len(self.driver.dead)
+            idle[2] = max(self.driver.dead, key=list(self.driver.dead).index, default=-1)
         if self.ctx.world_size > 1:
             out = broadcast_output(out, 0, self.ctx.group, self.ctx)
             idle = broadcast_tensors([idle] if self.ctx.rank == 0 else None, 0, self.ctx.group, self.ctx.device)[0]
         self.rollout_idle += float(idle[0])
+        self.dead_workers, self.last_dead = int(idle[1]), int(idle[2])
         self.ready[batch.step] = out
 
 

@@ -5,7 +5,9 @@ version ``step``, and a sample's staleness is the difference, taken at its oldes
 With ``rollout.staleness=K`` a sample more than K versions behind is dropped from the loss (its response
 mask zeroed, so it adds no tokens to the normalisation) and counted; the request order of
 `scalerl.rollout.sources.StandaloneRollouts` keeps every sample within K, so a drop says something went
-out of order (a worker that fell behind, a re-issued request).
+out of order (a worker that fell behind, a re-issued request). With ``rollout.partial=true`` a response
+may span versions (a weight sync landed while it decoded); its oldest token still decides, and
+``rollout/partial_fraction`` counts such responses.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def check_staleness(weight_versions: torch.Tensor, response_mask: torch.Tensor, 
                     max_staleness: int) -> StalenessCheck:
     """Which rows a step at ``trainer_version`` keeps, and the metrics (over valid tokens):
     ``rollout/staleness/mean`` and ``/max``, ``rollout/staleness/hist/<k>`` (the share of tokens k versions
-    behind, k = 0..K; the same keys every step), ``rollout/dropped_stale`` (rows more than K behind)."""
+    behind, k = 0..K; the same keys every step), ``rollout/dropped_stale`` (rows more than K behind),
+    ``rollout/partial_fraction`` (the share of rows whose tokens span more than one version)."""
     valid = response_mask.bool()
     lag = (trainer_version - weight_versions.long()).clamp(min=0)[valid]
     rows = row_staleness(weight_versions, response_mask, trainer_version)
@@ -42,6 +45,16 @@ def check_staleness(weight_versions: torch.Tensor, response_mask: torch.Tensor, 
         "rollout/staleness/mean": float(lag.float().sum()) / count,
         "rollout/staleness/max": float(lag.max()) if lag.numel() else 0.0,
         "rollout/dropped_stale": float((~keep).sum()),
+        "rollout/partial_fraction": float(spans_versions(weight_versions, response_mask).sum()) / max(len(keep), 1),
         **{f"rollout/staleness/hist/{k}": float((lag == k).sum()) / count for k in range(max_staleness + 1)},
     }
     return StalenessCheck(keep, metrics)
+
+
+def spans_versions(weight_versions: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] bool: rows whose generated tokens come from more than one policy version (a partial rollout)."""
+    valid = response_mask.bool()
+    versions = weight_versions.long()
+    lowest = torch.where(valid, versions, torch.iinfo(torch.int64).max).min(dim=-1).values
+    highest = torch.where(valid, versions, torch.iinfo(torch.int64).min).max(dim=-1).values
+    return valid.any(dim=-1) & (lowest != highest)

@@ -29,6 +29,7 @@ trainer and rollout, the transport behind it.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Protocol
@@ -112,6 +113,7 @@ class PushToWorkers:
     def __init__(self, policy: ModelParts, local: WeightSync, sender: WeightSender, driver: WorkerDriver | None,
                  ctx: DistContext):
         self.policy, self.local, self.sender, self.driver, self.ctx = policy, local, sender, driver, ctx
+        self.broadcast = sender.channel  # over rank 0 + every worker
 
     @classmethod
     def from_config(cls, policy: ModelParts, ctx: DistContext, driver: WorkerDriver | None, rollout_dtype: str,
@@ -124,14 +126,31 @@ class PushToWorkers:
     def sync(self, version: int = 0) -> dict[str, float]:
         start = time.perf_counter()
         moved = self.local.sync()[BYTES]
-        if self.driver is not None:
-            self.driver.announce_weights(version)
-        report = self.sender.sync(synced_tensors(self.policy.model))
+        report = self._push(version)
         metrics = self.metrics(report, moved)
         metrics[EXPOSED] = time.perf_counter() - start
         if self.driver is not None:
             self.ctx.comm.add_wait("weight_sync", metrics[EXPOSED])
         return metrics
+
+    def _push(self, version: int) -> SyncReport:
+        """Announce and push; a push that fails as a worker turns out dead goes again, to the live ones."""
+        dead = len(self.driver.dead) if self.driver is not None else 0
+        try:
+            if self.driver is not None:
+                self.to_live_workers()
+                self.driver.announce_weights(version)
+            return self.sender.sync(synced_tensors(self.policy.model))
+        except RuntimeError as e:
+            if self.driver is None or len(self.driver.dead) == dead or not self.driver.workers:
+                raise
+            print(f"warning: the weight push failed as rollout workers {sorted(self.driver.dead)} died ({e}); "
+                  "pushing again to the live workers", file=sys.stderr, flush=True)
+            return self._push(version)
+
+    def to_live_workers(self) -> None:
+        """After a worker died, the pushes go point to point to the live workers (rank 0 only)."""
+        self.sender.channel = self.driver.push_channel(self.broadcast)
 
     def metrics(self, report: SyncReport, moved: float) -> dict[str, float]:
         """A push's metrics, its bytes counted as ``weight_sync`` traffic (rank 0's)."""
@@ -168,6 +187,7 @@ class BackgroundPush:
         self.thread: threading.Thread | None = None
         self.outcome: tuple[SyncReport | None, Exception | None] = (None, None)
         self.moved = 0.0
+        self.dead_at_start = 0  # rollout workers dead when the push in flight started
 
     def sync(self, version: int = 0) -> dict[str, float]:
         start = time.perf_counter()
@@ -180,6 +200,8 @@ class BackgroundPush:
             metrics = self.push.metrics(SyncReport(), moved)
         else:
             snapshot = [(n, _full(t).detach().clone()) for n, t in tensors]
+            self.dead_at_start = len(self.push.driver.dead)  # before the announcement, which may find one
+            self.push.to_live_workers()
             self.push.driver.announce_weights(version)
             self.outcome, self.moved = (None, None), moved
             self.thread = threading.Thread(target=self._run, args=(snapshot,), name="weight-push", daemon=True)
@@ -199,6 +221,11 @@ class BackgroundPush:
         self.thread = None
         report, error = self.outcome
         if error is not None:
+            driver = self.push.driver
+            if driver is not None and len(driver.dead) > self.dead_at_start:  # a worker died during the push
+                print(f"warning: the weight push failed as rollout workers {sorted(driver.dead)} died ({error}); "
+                      "this step pushes again to the live workers", file=sys.stderr, flush=True)
+                return None
             raise error
         return self.push.metrics(report, self.moved)
 

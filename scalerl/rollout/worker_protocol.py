@@ -4,23 +4,33 @@ the trainer's end of the conversation, counted.
 The trainer's rank 0 drives every worker with tensor messages (`scalerl.rollout.messages`, no pickle):
 
     GENERATE  -> (step, sampling, prompts)  reply: the generation output of those rows, every token's policy
-                                            version, and the worker's idle time before it (`WorkerReply`)
+                                            version, the step and row range it answers, and the worker's idle
+                                            time before it (`WorkerReply`)
     WEIGHTS   -> (version) a weight sync    the worker then receives it (`scalerl.comm.weights`: buckets
                                             broadcast over the trainer's rank 0 + workers group, verified,
                                             deltas after the first) and generates with ``version`` from then on
     STOP                                    the worker returns
+    PUSH_DIRECT  after a worker died        later pushes come point to point from rank 0 (`PointToPointChannel`)
+                                            instead of over the group that includes the dead worker
 
 A worker serves requests strictly in the order they arrive, so the order the trainer sends them in decides
-which weights generate what: a GENERATE sent after WEIGHTS(v) is generated with version v. Both ends send
+which weights generate what: a GENERATE sent after WEIGHTS(v) is generated with version v. With
+``rollout.partial=true`` a worker streams (`scalerl.rollout.worker`): the rows of every GENERATE it has read
+decode together, a WEIGHTS lands between two engine steps and the rows in flight go on with the new weights
+(a GENERATE sent after WEIGHTS(v) still starts with v), and each GENERATE is answered once all its rows
+finished, so replies may come out of order: each names its step and rows, and the driver matches it to
+what it owes (`WorkerDriver.collect`). Both ends send
 without waiting for the other to read (`isend_tensors`): the trainer queues requests for the steps it runs
 ahead (`rollout.staleness`), a worker answers and goes on to its next request. Requests go to the worker
-with the fewest tokens in flight (`WorkerDriver.least_loaded`); a worker that dies is named, with the steps
-it owed (`RolloutWorkerError`). A generation output also travels among the trainer's ranks in the same
+with the fewest tokens in flight (`WorkerDriver.least_loaded`); a worker that dies is named and its requests
+go again to the live workers (`WorkerDriver`); the run stops, naming them, when none is left
+(`RolloutWorkerError`). A generation output also travels among the trainer's ranks in the same
 encoding (`broadcast_output`).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -28,17 +38,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from scalerl.comm.weights.channel import Ack, Kind, Message, WeightSyncError
 from scalerl.core.errors import UserError
 from scalerl.parallel.distributed import DistContext
 from scalerl.rollout.engine import GenerationOutput, SamplingParams
 from scalerl.rollout.messages import (
+    MAX_PENDING_SENDS,
     PendingSend,
     broadcast_tensors,
     isend_tensors,
     recv_tensors,
+    send_tensors,
 )
 
-OP_GENERATE, OP_WEIGHTS, OP_STOP = 1, 2, 3
+OP_GENERATE, OP_WEIGHTS, OP_STOP, OP_PUSH_DIRECT = 1, 2, 3, 4
+PUSH_TAG = 1  # weight-push messages sent point to point: a stream apart from requests and replies (tag 0)
 
 
 def encode_request(step: int, sampling: SamplingParams, prompt_ids: torch.Tensor, prompt_lengths: torch.Tensor):
@@ -97,15 +111,16 @@ class WorkerReply:
     step: int
     idle_s: float
     gen_s: float
+    row_start: int  # the step's rows it answers: row_start .. row_start + len(out) (the request's row_offset)
 
 
-def encode_reply(out: GenerationOutput, step: int, idle_s: float, gen_s: float) -> list[torch.Tensor]:
-    return [*encode_output(out), torch.tensor([step, idle_s, gen_s], dtype=torch.float64)]
+def encode_reply(out: GenerationOutput, step: int, idle_s: float, gen_s: float, row_start: int) -> list[torch.Tensor]:
+    return [*encode_output(out), torch.tensor([step, idle_s, gen_s, row_start], dtype=torch.float64)]
 
 
 def decode_reply(message: list[torch.Tensor]) -> WorkerReply:
-    step, idle_s, gen_s = message[-1].tolist()
-    return WorkerReply(decode_output(message[:-1]), int(step), idle_s, gen_s)
+    step, idle_s, gen_s, row_start = message[-1].tolist()
+    return WorkerReply(decode_output(message[:-1]), int(step), idle_s, gen_s, int(row_start))
 
 
 class RolloutWorkerError(UserError, RuntimeError):
@@ -120,16 +135,27 @@ def request_op(message: list[torch.Tensor]) -> int:
 class WorkerDriver:
     """The trainer's rank 0 end: requests to the workers and their replies, each send counted (``rollout``
     or ``weight_sync`` traffic, a point-to-point send of its payload) and timed; the tokens each worker has
-    in flight (requested, not yet received: prompt + the response limit per row)."""
+    in flight (requested, not yet received: prompt + the response limit per row).
+
+    A worker that stops answering (its process died, or its link) is named in the log and counted
+    (``dead``); the requests it owed go again, as sent, to the least-loaded live worker (a row's draws are
+    tied to its step row, so the re-issued rows sample what they would have), and the weight pushes from
+    then on go point to point to the live workers (`push_channel`). The run stops, naming them, only when no worker
+    is left. (A worker cannot rejoin a running job's process group; a job restarted by its launcher starts
+    every worker again, and each gets a full push: it reports no verified version.)"""
 
     def __init__(self, ctx: DistContext):
         self.ctx = ctx
-        self.workers = list(ctx.rollout_ranks)
-        self.owed: dict[int, deque[tuple[int, int]]] = {w: deque() for w in self.workers}  # (step, tokens)
-        self.sends: deque[PendingSend] = deque()
+        self.workers = list(ctx.rollout_ranks)  # the live ones
+        self.dead: dict[int, str] = {}  # rank -> what failed
+        # (step, first row) -> (tokens, the request as sent), per worker
+        self.owed: dict[int, dict[tuple[int, int], tuple[int, list[torch.Tensor]]]] = {w: {} for w in self.workers}
+        self.arrived: dict[tuple[int, int], WorkerReply] = {}  # replies read before they were asked for
+        self.sends: deque[tuple[int, PendingSend]] = deque()  # (worker, send)
+        self.direct: PointToPointChannel | None = None  # the pushes' channel after a death
 
     def tokens_in_flight(self, worker: int) -> int:
-        return sum(tokens for _, tokens in self.owed[worker])
+        return sum(tokens for tokens, _ in self.owed[worker].values())
 
     def least_loaded(self) -> int:
         """The worker with the fewest tokens in flight (the lowest rank among equals)."""
@@ -137,48 +163,151 @@ class WorkerDriver:
 
     def request_generation(self, worker: int, step: int, sampling: SamplingParams, prompt_ids: torch.Tensor,
                            prompt_lengths: torch.Tensor, tokens: int = 0) -> None:
-        self._send("rollout", encode_request(step, sampling, prompt_ids, prompt_lengths), worker)
-        self.owed[worker].append((step, tokens))
+        """Rows ``sampling.row_offset`` on of ``step`` to ``worker`` (one part per step and first row)."""
+        message = encode_request(step, sampling, prompt_ids, prompt_lengths)
+        self.owed[worker][(step, sampling.row_offset)] = (tokens, message)  # first: re-issued if the send fails
+        self._send("rollout", message, worker)
 
-    def receive(self, worker: int) -> WorkerReply:
-        """``worker``'s reply to the oldest GENERATE it has not answered yet."""
-        step, _ = self.owed[worker][0]
+    def collect(self, step: int, row_start: int) -> WorkerReply:
+        """The reply to the part of ``step`` from row ``row_start``, from whichever worker owes it now: read
+        when it comes, replies to other parts that come first kept for their turn (a streaming worker
+        answers as rows finish)."""
+        part = (step, row_start)
+        while part not in self.arrived:
+            owner = next((w for w in self.workers if part in self.owed[w]), None)
+            if owner is None:
+                raise RuntimeError(f"no rollout worker owes step {step} from row {row_start}")
+            self.receive(owner)
+        return self.arrived.pop(part)
+
+    def receive(self, worker: int) -> WorkerReply | None:
+        """``worker``'s next reply (kept in ``arrived`` too), matched to a part it owes; None when the worker
+        turned out dead (what it owed re-issued)."""
         try:
             reply = self._recv(worker)
         except RuntimeError as e:
-            owed = sorted({s for s, _ in self.owed[worker]})
-            raise RolloutWorkerError(
-                f"rollout worker rank {worker} did not answer (it owed the rollouts of steps {owed}): {e}. The "
-                "weight push's group includes every worker, so the run stops here; restart it with "
-                "trainer.resume=auto (the steps in flight are generated again)") from e
-        if reply.step != step:
-            raise RuntimeError(f"rollout worker rank {worker} answered step {reply.step}, expected step {step}")
-        self.owed[worker].popleft()
+            self._lost(worker, e)
+            return None
+        part = (reply.step, reply.row_start)
+        if part not in self.owed[worker]:
+            raise RuntimeError(f"rollout worker rank {worker} answered step {reply.step} from row {reply.row_start}, "
+                               f"which it does not owe (it owes {sorted(self.owed[worker])})")
+        del self.owed[worker][part]
+        self.arrived[part] = reply
         return reply
+
+    def _lost(self, worker: int, error: Exception) -> None:
+        """``worker`` is dead: named, and its requests re-issued to the live workers (or the run stops)."""
+        owed = self.owed.pop(worker)
+        steps = sorted({s for s, _ in owed})
+        self.workers.remove(worker)
+        self.dead[worker] = str(error)
+        if not self.workers:
+            raise RolloutWorkerError(
+                f"rollout workers {sorted(self.dead)} all stopped answering (the last, rank {worker}, owed the "
+                f"rollouts of steps {steps}): {error}. Restart the run with trainer.resume=auto (the steps in "
+                "flight are generated again)") from error
+        moved = []
+        for part, (tokens, message) in sorted(owed.items()):
+            target = self.least_loaded()
+            self.owed[target][part] = (tokens, message)
+            moved.append(target)
+            self._send("rollout", message, target)
+        print(f"warning: rollout worker rank {worker} stopped answering ({str(error).splitlines()[0][:200]}); its "
+              f"requests for steps {steps} went again to ranks {sorted(set(moved))}; {len(self.workers)} workers "
+              f"left {self.workers}", file=sys.stderr, flush=True)
 
     def _recv(self, worker: int) -> WorkerReply:
         return decode_reply(recv_tensors(worker, device=self.ctx.device))
 
+    def push_channel(self, broadcast):
+        """The channel the next weight push goes over: ``broadcast`` (over rank 0 + every worker) while all
+        are alive; after a death, point-to-point messages to the live workers (a process group cannot drop a
+        member, and a new one cannot be formed without it), each told once with PUSH_DIRECT, which it reads
+        in its request order."""
+        if not self.dead:
+            return broadcast
+        if self.direct is None:
+            for worker in list(self.workers):
+                self._send("weight_sync", [torch.tensor([OP_PUSH_DIRECT, 0])], worker)
+            self.direct = PointToPointChannel(self.workers, self.ctx.device)
+        self.direct.workers = list(self.workers)
+        return self.direct
+
     def announce_weights(self, version: int = 0) -> None:
         """Tell every worker a weight sync of ``version`` follows (it then joins the sender's broadcasts)."""
-        for worker in self.workers:
+        for worker in list(self.workers):
             self._send("weight_sync", [torch.tensor([OP_WEIGHTS, version])], worker)
 
     def stop(self) -> None:
-        for worker in self.workers:
+        for worker in list(self.workers):
             self._send("rollout", [torch.tensor([OP_STOP, 0])], worker)
         while self.sends:
-            self.sends.popleft().wait()
+            worker, pending = self.sends.popleft()
+            if worker in self.workers:  # a dead worker's sends never complete
+                pending.wait()
 
     def _send(self, kind: str, tensors: list[torch.Tensor], worker: int) -> int:
+        """Send without waiting; a worker whose connection is already known closed is lost here (0 bytes)."""
+        if worker in self.dead:
+            return 0
         start = time.perf_counter()
-        pending = isend_tensors(tensors, worker, device=self.ctx.device)
-        self.sends.append(pending)
-        while self.sends and self.sends[0].done():  # keep only the sends still in flight
-            self.sends.popleft().wait()
+        try:
+            pending = isend_tensors(tensors, worker, device=self.ctx.device)
+        except RuntimeError as e:
+            self._lost(worker, e)
+            return 0
+        self.sends.append((worker, pending))
+        while self.sends and (self.sends[0][0] in self.dead or self.sends[0][1].done()
+                              or len(self.sends) > MAX_PENDING_SENDS):  # keep a few in flight
+            to, oldest = self.sends.popleft()
+            if to not in self.dead:  # a dead worker's sends never complete
+                oldest.wait()
         self.ctx.comm.record(kind, "send", pending.nbytes, 2, dim="rollout_workers")
         self.ctx.comm.add_wait(kind, time.perf_counter() - start)
         return pending.nbytes
+
+
+class PointToPointChannel:
+    """A weight push's transport to the live workers after one died: each message sent to each worker, each
+    answering with its ack (the `scalerl.comm.weights.channel` conversation, unchanged), over the default
+    group with `PUSH_TAG`, so the requests and replies between the same ranks are not mixed in. Each send and
+    receive has the process group's timeout."""
+
+    def __init__(self, workers: list[int], device: torch.device):
+        self.workers, self.device = list(workers), device
+
+    @property
+    def num_receivers(self) -> int:
+        return len(self.workers)
+
+    def exchange(self, message: Message) -> list[Ack]:
+        self._send(message)
+        return [Ack.from_tensor(recv_tensors(w, device=self.device, tag=PUSH_TAG)[0].cpu()) for w in self.workers]
+
+    def abort(self, message: Message) -> None:
+        self._send(message)
+
+    def _send(self, message: Message) -> None:
+        payload = (torch.frombuffer(bytearray(message.payload), dtype=torch.uint8) if message.payload
+                   else torch.zeros(0, dtype=torch.uint8))
+        sends = [isend_tensors([message.header(), payload], w, device=self.device, tag=PUSH_TAG) for w in self.workers]
+        for pending in sends:
+            pending.wait()
+
+
+def serve_point_to_point(handle, src: int, device: torch.device) -> Message:
+    """A worker's side of one push over `PointToPointChannel`: answer messages from ``src`` until ``END``
+    (returned); raises `WeightSyncError` on ``ABORT``."""
+    while True:
+        header, payload = recv_tensors(src, device=device, tag=PUSH_TAG)
+        message = Message.from_wire(header.cpu(), memoryview(payload.cpu().numpy()).cast("B") if payload.numel()
+                                    else b"")
+        if message.kind == Kind.ABORT:
+            raise WeightSyncError(f"weight sync aborted by the sender (rank {src}), bucket {message.bucket}")
+        send_tensors([handle(message).tensor()], src, device=device, tag=PUSH_TAG)
+        if message.kind == Kind.END:
+            return message
 
 
 def broadcast_output(out: GenerationOutput | None, src: int, group, ctx: DistContext) -> GenerationOutput:

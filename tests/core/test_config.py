@@ -223,3 +223,14 @@ def test_staleness_beyond_one_step():
         load_config(None, ["rollout.placement=standalone", "rollout.staleness=-1"])
     with pytest.raises(ConfigError, match="rollout.staleness=2 with algorithm.filter_groups"):
         load_config(None, ["rollout.placement=standalone", "rollout.staleness=2", "algorithm.filter_groups.enable=true"])
+
+
+def test_partial_rollouts_need_standalone_workers_and_staleness():
+    from scalerl.core.config import load_config
+
+    ok = ["rollout.placement=standalone", "rollout.staleness=2", "rollout.partial=true"]
+    assert load_config(None, ok).rollout.partial is True
+    for bad in (["rollout.partial=true"], ["rollout.placement=standalone", "rollout.partial=true"]):
+        with pytest.raises(ConfigError, match=r"rollout.partial=true needs rollout.placement=standalone and "
+                                              r"rollout.staleness >= 1"):
+            load_config(None, bad)

@@ -57,6 +57,8 @@ def _world2_runs(rank: int, out: str) -> None:
         "async_behavior": ["rollout.placement=standalone", "rollout.staleness=1", "rollout.stale_logprobs=behavior",
                            "trainer.total_steps=3"],
         "bf16": ["rollout.placement=standalone", "rollout.dtype=bf16", "trainer.total_steps=3"],
+        "partial": ["rollout.placement=standalone", "rollout.staleness=2", "rollout.partial=true",
+                    "trainer.total_steps=3"],
         "resumed": ["rollout.placement=standalone", "trainer.total_steps=2", "trainer.save_every=2"],
         # colocated, 32 rows: each pipeline rank's replica generates half (16 rows, the split's threshold)
         "pipeline": ["parallel.pp=2", "trainer.total_steps=3", "trainer.batch_size=8"],
@@ -71,6 +73,34 @@ def _two_workers(rank: int, out: str) -> None:
     _train(f"{out}/two_workers_k2", [*k2, "trainer.total_steps=4"])
     _train(f"{out}/resumed_k2", [*k2, "trainer.total_steps=2", "trainer.save_every=2"])
     _train(f"{out}/resumed_k2", [*k2, "trainer.total_steps=4", "trainer.resume=auto"])
+    # Last, as it leaves the group one rank short: worker rank 2 dies while generating its part of step 2.
+    if rank == 2:
+        _die_at_generate(2)
+    _train(f"{out}/worker_dies", ["rollout.placement=standalone", "rollout.workers=2", "trainer.total_steps=3"])
+
+
+def _worker_dies_one_step_ahead(rank: int, out: str) -> None:
+    if rank == 2:
+        _die_at_generate(2)
+    _train(f"{out}/worker_dies_k1", ["rollout.placement=standalone", "rollout.workers=2", "rollout.staleness=1",
+                                     "trainer.total_steps=4", "trainer.dist_timeout_s=120"])
+
+
+def _die_at_generate(call: int) -> None:
+    """This process exits, as if killed, inside its ``call``-th generation (after reading the request)."""
+    import os
+
+    from scalerl.rollout.builtin_engine import BuiltinEngine
+
+    original, calls = BuiltinEngine.generate, [0]
+
+    def generate(self, prompts, sampling):
+        calls[0] += 1
+        if calls[0] == call:
+            os._exit(0)
+        return original(self, prompts, sampling)
+
+    BuiltinEngine.generate = generate
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +109,8 @@ def runs(tmp_path_factory):
     _train(str(out / "colocated"), ["trainer.total_steps=3"])  # the reference: one process
     _train(str(out / "colocated_32_rows"), ["trainer.total_steps=3", "trainer.batch_size=8"])
     run_in_group(_world2_runs, 2, str(out), timeout_s=900)
-    run_in_group(_two_workers, 3, str(out), timeout_s=600)
+    run_in_group(_two_workers, 3, str(out), timeout_s=600, may_vanish=(2,))
+    run_in_group(_worker_dies_one_step_ahead, 3, str(out), timeout_s=600, may_vanish=(2,))
     return out
 
 
@@ -154,6 +185,43 @@ def test_k_steps_ahead_lag_k_versions_over_two_workers(runs):
     assert all(0 <= r["timing_s/weight_sync_exposed"] <= r["timing_s/update_weights"] + 1e-3 for r in rows)
     reference = _metrics(runs / "colocated")
     assert rows[0]["critic/score/mean"] == reference[0]["critic/score/mean"]  # step 1: the initial weights
+
+
+def test_partial_rollouts_train_within_the_bound(runs):
+    """rollout.partial=true (streaming workers): the first step samples what the colocated run samples (every
+    row's draws its own, whatever shares the batch), no sample lags more than K=2 versions or is dropped,
+    and the share of responses that span versions is reported (where a push lands depends on timing)."""
+    rows, reference = _metrics(runs / "partial"), _metrics(runs / "colocated")
+    assert rows[0]["critic/score/mean"] == reference[0]["critic/score/mean"]
+    assert rows[0]["response_length/mean"] == reference[0]["response_length/mean"]
+    assert [r["rollout/staleness/max"] <= min(i, 2) for i, r in enumerate(rows)] == [True] * 3
+    assert all(r["rollout/dropped_stale"] == 0 and 0 <= r["rollout/partial_fraction"] <= 1 for r in rows)
+
+
+def test_a_dead_workers_requests_go_to_the_live_one(runs):
+    """Worker rank 2 is killed in step 2: its part of the step goes again to rank 1 and the pushes from then
+    on go to rank 1 alone; the run finishes with what two live workers give (every row's draws are its
+    own), the death counted from step 2."""
+    straight, survived = _metrics(runs / "two_workers"), _metrics(runs / "worker_dies")
+    assert [r["rollout/dead_workers"] for r in survived] == [0.0, 1.0, 1.0]
+    assert [r["rollout/last_dead_worker"] for r in survived] == [-1.0, 2.0, 2.0]
+    assert [r["critic/score/mean"] for r in survived] == [r["critic/score/mean"] for r in straight]
+    assert [r["response_length/mean"] for r in survived] == [r["response_length/mean"] for r in straight]
+    assert _max_diff(_weights(runs / "two_workers"), _weights(runs / "worker_dies")) < 1e-5
+    assert all(r["weight_sync/resyncs"] == 0 for r in survived)
+
+
+def test_a_worker_dying_one_step_ahead_cuts_a_background_push_short_and_the_run_goes_on(runs):
+    """Staleness 1: worker rank 2 dies in step 2 while the background push of version 1 is under way; the
+    push fails, the live worker keeps its weights and takes a full push at the next step, point to point,
+    and the run trains its 4 steps. What the live worker generated with the weights it kept may be more
+    than K=1 versions behind by training time: such samples are dropped from the loss and counted."""
+    rows = _metrics(runs / "worker_dies_k1")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["rollout/dead_workers"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert any(r["weight_sync/full_push"] == 1.0 for r in rows[1:])  # the live worker's full push after
+    assert all(r["rollout/staleness/max"] <= 1 or r["rollout/dropped_stale"] > 0 for r in rows)
+    assert rows[0]["rollout/dropped_stale"] == 0
 
 
 def test_resume_regenerates_the_steps_in_flight(runs):

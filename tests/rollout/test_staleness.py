@@ -18,6 +18,7 @@ def test_lag_histogram_and_drops():
     assert m["rollout/staleness/max"] == 4.0 and abs(m["rollout/staleness/mean"] - sum(lags) / 9) < 1e-9
     assert [m[f"rollout/staleness/hist/{k}"] for k in range(4)] == [3 / 9, 2 / 9, 2 / 9, 1 / 9]
     assert "rollout/staleness/hist/4" not in m  # the keys are 0..K every step, whatever the lags
+    assert m["rollout/partial_fraction"] == 1 / 4  # row 1 mixes versions 3 and 4 (a partial rollout)
 
 
 def test_on_policy_rollouts_keep_everything():
@@ -25,3 +26,4 @@ def test_on_policy_rollouts_keep_everything():
     check = check_staleness(versions, torch.ones(2, 3), trainer_version=4, max_staleness=0)
     assert check.keep.all() and check.metrics["rollout/staleness/hist/0"] == 1.0
     assert check.metrics["rollout/dropped_stale"] == 0.0 and check.metrics["rollout/staleness/max"] == 0.0
+    assert check.metrics["rollout/partial_fraction"] == 0.0

@@ -33,6 +33,7 @@ from scalerl.rollout.weight_sync import (
 )
 from scalerl.rollout.worker_protocol import (
     OP_GENERATE,
+    OP_PUSH_DIRECT,
     OP_WEIGHTS,
     RolloutWorkerError,
     WorkerDriver,
@@ -112,10 +113,13 @@ def test_an_engine_with_its_own_copy_loads_the_refreshed_replica():
 
 class _Driver:
     def __init__(self, events: list[str], workers=(5, 6)):
-        self.events, self.workers = events, workers
+        self.events, self.workers, self.dead = events, workers, {}
 
     def announce_weights(self, version: int = 0) -> None:
         self.events.append("announce")
+
+    def push_channel(self, broadcast):  # every worker alive: the push's own channel
+        return broadcast
 
 
 class _Receiver(WeightReceiver):
@@ -205,14 +209,15 @@ class _QueueDriver(WorkerDriver):
     def _recv(self, worker):
         while True:
             message = self.queues[worker].pop(0)
-            if request_op(message) == OP_WEIGHTS:
-                self.versions[worker] = int(message[0][1])
+            if request_op(message) != OP_GENERATE:
+                if request_op(message) == OP_WEIGHTS:
+                    self.versions[worker] = int(message[0][1])
                 continue
             rows = message[3].shape[0]
             ones = torch.ones(rows, 2, dtype=torch.long)
             out = GenerationOutput(ones, ones, ones, ones, torch.zeros(rows, 2), ["stop"] * rows,
                                    token_versions(ones, self.versions[worker]))
-            return decode_reply(encode_reply(out, int(message[0][1]), 0.25, 0.0))
+            return decode_reply(encode_reply(out, int(message[0][1]), 0.25, 0.0, int(message[1][5])))  # row_offset
 
 
 def _standalone(staleness: int, driver: _QueueDriver) -> StandaloneRollouts:
@@ -265,15 +270,30 @@ def test_parts_go_to_the_least_loaded_worker():
     assert rollouts.generate(_step(1)).response_ids.shape[0] == 4 and driver.tokens_in_flight(6) == 0
 
 
-def test_a_worker_that_dies_is_named_with_the_steps_it_owed():
+def test_a_dead_workers_requests_go_again_to_a_live_one_and_the_last_death_stops_the_run():
+    """Worker 6 dies owing step 3: the request goes again, as sent, to worker 5, which answers it; the push
+    channel turns point to point, to worker 5 alone. When 5 dies too, the error names both."""
     driver = _QueueDriver()
-    driver.request_generation(6, 3, SamplingParams(max_new_tokens=2), torch.ones(1, 2, dtype=torch.long),
+    driver.request_generation(6, 3, SamplingParams(max_new_tokens=2, total_rows=1), torch.ones(1, 2, dtype=torch.long),
                               torch.tensor([2]), tokens=4)
+    alive_recv = driver._recv
 
-    def dead(worker):
-        raise RuntimeError("Connection closed by peer")
+    def recv(worker):
+        if worker == 6 or dead_too:
+            raise RuntimeError("Connection closed by peer")
+        return alive_recv(worker)
 
-    driver._recv = dead
-    with pytest.raises(RolloutWorkerError, match=r"rollout worker rank 6 did not answer \(it owed the rollouts of "
-                                                 r"steps \[3\]\).*trainer.resume=auto"):
-        driver.receive(6)
+    dead_too = False
+    driver._recv = recv
+    assert driver.collect(3, 0).step == 3
+    assert [r[:2] for r in driver.requests] == [(6, 3), (5, 3)] and driver.workers == [5] and list(driver.dead) == [6]
+    broadcast = object()
+    channel = driver.push_channel(broadcast)
+    assert channel is not broadcast and channel.workers == [5]
+    assert request_op(driver.queues[5][-1]) == OP_PUSH_DIRECT
+    dead_too = True
+    driver.request_generation(5, 4, SamplingParams(max_new_tokens=2, total_rows=1), torch.ones(1, 2, dtype=torch.long),
+                              torch.tensor([2]), tokens=4)
+    with pytest.raises(RolloutWorkerError, match=r"rollout workers \[5, 6\] all stopped answering \(the last, rank 5, "
+                                                 r"owed the rollouts of steps \[4\]\).*trainer.resume=auto"):
+        driver.collect(4, 0)

@@ -52,9 +52,9 @@ def test_every_token_carries_its_policy_version_and_the_reply_its_idle_time():
     out = GenerationOutput(torch.tensor([[5], [6]]), torch.ones(2, 1, dtype=torch.long), torch.tensor([[1, 2, 0], [3, 0, 0]]),
                            mask, torch.zeros(2, 3), ["stop", "stop"], token_versions(mask, 7))
     assert out.weight_versions.tolist() == [[7, 7, -1], [7, -1, -1]]
-    reply = decode_reply(encode_reply(out, step=4, idle_s=0.5, gen_s=1.5))
+    reply = decode_reply(encode_reply(out, step=4, idle_s=0.5, gen_s=1.5, row_start=6))
     assert torch.equal(reply.out.weight_versions, out.weight_versions)
-    assert (reply.step, reply.idle_s, reply.gen_s) == (4, 0.5, 1.5)
+    assert (reply.step, reply.idle_s, reply.gen_s, reply.row_start) == (4, 0.5, 1.5, 6)
     unknown = decode_output(encode_output(GenerationOutput(out.prompt_ids, out.prompt_mask, out.response_ids, mask,
                                                            out.logprobs, out.finish_reasons)))
     assert (unknown.weight_versions == -1).all()  # no versions known: -1, never a plausible version
@@ -86,5 +86,6 @@ def test_a_worker_that_goes_away_is_named_over_gloo():
     from tests.spawned_group import run_in_group
 
     message, _ = run_in_group(_worker_leaves_without_answering, 2, timeout_s=120)
-    assert message.startswith("rollout worker rank 1 did not answer (it owed the rollouts of steps [5])")
+    assert message.startswith("rollout workers [1] all stopped answering (the last, rank 1, owed the rollouts of "
+                              "steps [5])")
     assert "trainer.resume=auto" in message
