@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from scalerl.algorithms.entropy import logprobs_from_logits
 from scalerl.models.decoder import CausalLM
-from scalerl.models.packing import choose_packed_kernel, packed_batch_or_none
+from scalerl.models.packing import choose_packed_kernel, packed_batch_or_none, response_layout
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.fsdp_generation import gathered_once
 from scalerl.rollout.batch import RolloutBatch
@@ -45,10 +45,10 @@ def response_logprobs(
     """Per-token log-probs ``[B, R]`` of the batch's responses under ``model`` at the sampling temperature
     (zero on padding)."""
 
-    def logprobs(logits: torch.Tensor, micro: RolloutBatch) -> torch.Tensor:
+    def logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if temperature not in (0.0, 1.0):
             logits = logits / temperature
-        return logprobs_from_logits(logits, micro.response_ids)
+        return logprobs_from_logits(logits, labels)
 
     return _per_response_token(model, batch, micro_batch_size, autocast, logprobs, packed_kernel)
 
@@ -57,14 +57,16 @@ def response_logprobs(
 def response_values(critic: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast=None,
                     packed_kernel: str | None = None) -> torch.Tensor:
     """The critic's values ``[B, R]`` at the positions before each response token (zero on padding)."""
-    return _per_response_token(critic, batch, micro_batch_size, autocast, lambda values, micro: values,
+    return _per_response_token(critic, batch, micro_batch_size, autocast, lambda values, labels: values,
                                packed_kernel)
 
 
 def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast, per_token,
                         packed_kernel: str | None = None) -> torch.Tensor:
-    """``per_token(output, micro)`` over the model's fp32 outputs at the positions before each response token,
-    micro-batch by micro-batch (all-padding columns trimmed), masked and padded back to ``[B, R]``."""
+    """``per_token(output, labels)`` over the model's fp32 outputs at the positions before each response token
+    and the response ids, micro-batch by micro-batch (all-padding columns trimmed), masked and padded back to
+    ``[B, R]``. Packed, the model returns only the predictions of the masked response tokens ``[M, ...]``, so
+    ``per_token`` (a log-softmax over the vocabulary) runs on those and its ``[M]`` results are put in place."""
     out = []
     # Plain weights are cast to the compute dtype once for the pass (`Autocast.holding_casts`), not per
     # micro-batch; FSDP2/TP parameters are left to autocast's per-forward casts.
@@ -73,9 +75,15 @@ def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size:
         for micro in micro_batches(batch, micro_batch_size):
             micro, _, right = micro.trimmed()
             response_len = micro.response_ids.shape[1]
-            input_ids, attention_mask = packed_batch_or_none(micro.input_ids, micro.attention_mask, packed_kernel)
+            marked = micro.response_mask > 0
+            input_ids, attention_mask = packed_batch_or_none(micro.input_ids, micro.attention_mask, packed_kernel,
+                                                             marked)
             with autocast or contextlib.nullcontext():
                 output = model(input_ids, attention_mask=attention_mask, logits_to_keep=response_len + 1)
             with autocast.paused() if holds else contextlib.nullcontext():  # fp32 log-softmax
-                out.append(F.pad(per_token(output[:, :-1].float(), micro) * micro.response_mask, (0, right)))
+                if packed_kernel is None:
+                    values = per_token(output[:, :-1].float(), micro.response_ids)
+                else:
+                    values = response_layout(per_token(output[0].float(), micro.response_ids[marked]), marked)
+                out.append(F.pad(values * micro.response_mask, (0, right)))
     return torch.cat(out)

@@ -3,7 +3,10 @@ by default), clipped value regression for the critic, token-mean cross-entropy f
 
 Each is called as ``loss(output, target)`` on one micro-batch, by a plain forward or by the last pipeline
 stage alike: ``output`` is the model's output whose last positions cover the response (logits, or values
-for the critic), ``target`` the per-token tensor `target(batch)` builds. Losses are normalised by the whole
+for the critic), ``target`` the per-token tensor `target(batch)` builds. Packed (``packed_outputs``, set by
+the update loop with ``actor.use_remove_padding``), ``output`` holds only the predictions of the response
+tokens the loss mask marks, ``[1, M, ...]``: log-softmax and entropy run on those M tokens, and only their
+per-token results go back to the ``[rows, response]`` layout the aggregation reads (`response_layout`). Losses are normalised by the whole
 mini-batch's counts over all data-parallel ranks (`start_mini_batch`), so micro-batch losses add up to the
 mini-batch loss and DP ranks average to the single-process gradient. Metrics are recorded the same way,
 as parts that add up, and `summary` averages them over mini-batches.
@@ -19,6 +22,7 @@ from scalerl.algorithms.entropy import entropy_from_logits, logprobs_from_logits
 from scalerl.algorithms.kl import kl_penalty
 from scalerl.algorithms.loss_registry import POLICY_LOSSES, PolicyLoss, PolicyLossOptions
 from scalerl.algorithms.losses import aggregate_loss, value_loss
+from scalerl.models.packing import response_layout
 from scalerl.rollout.batch import RolloutBatch
 
 
@@ -26,8 +30,12 @@ class MicroBatchObjective:
     """Bookkeeping shared by the losses: the mini-batch's aggregation counts, metric parts per call."""
 
     metric_names: tuple[str, ...] = ()
+    mask_channel = 1  # where `target` keeps the response mask (the tokens a packed output predicts)
 
     def __init__(self) -> None:
+        # Outputs in the packed layout of the masked response tokens (`scalerl.models.packing`); set by the
+        # update loop for each mini-batch's micro-batches.
+        self.packed_outputs = False
         self.agg: dict[str, Any] = {}
         self._calls: list[dict[str, torch.Tensor]] = []
         self._totals: dict[str, torch.Tensor] = {}
@@ -63,11 +71,27 @@ class MicroBatchObjective:
         """Output positions the loss reads: the one before each response token, plus the last."""
         return batch.response_ids.shape[1] + 1
 
-    @staticmethod
-    def response_outputs(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The outputs at positions ``P - 1 + t`` that predict response token ``t`` (float32)."""
+    def response_outputs(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The outputs that predict the response tokens (float32): at positions ``P - 1 + t`` ``[B, R, ...]``,
+        or, packed, those of the masked tokens ``[M, ...]``."""
+        if self.packed_outputs:
+            if output.shape[0] != 1:
+                raise ValueError(f"packed outputs are one row [1, M, ...]; got {tuple(output.shape)}")
+            return output[0].float()
         response_len = target.shape[1]
         return output[:, -response_len - 1 : -1].float()
+
+    def response_tokens(self, target: torch.Tensor) -> torch.Tensor:
+        """``[B, R]`` bool: the response tokens a packed output predicts (the loss mask's)."""
+        return target[..., self.mask_channel] > 0
+
+    def per_token(self, packed: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Per-token results computed on `response_outputs` in the ``[B, R]`` layout (packed: put in place)."""
+        return response_layout(packed, self.response_tokens(target)) if self.packed_outputs else packed
+
+    def response_labels(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Response ids ``[B, R]`` aligned with `response_outputs` (packed: the masked ones, ``[M]``)."""
+        return ids[self.response_tokens(target)] if self.packed_outputs else ids
 
 
 def policy_loss_options(actor_cfg: Any) -> PolicyLossOptions:
@@ -114,16 +138,16 @@ class PolicyObjective(MicroBatchObjective):
         if self.temperature != 1.0:
             logits = logits / self.temperature  # log-probs of what the sampler drew at this temperature
         ids, mask, old, adv, ref, weights = target[..., 0].long(), *target[..., 1:].unbind(-1)
-        logp = logprobs_from_logits(logits, ids)
+        logp = self.per_token(logprobs_from_logits(logits, self.response_labels(ids, target)), target)
         pg_loss, pg_metrics = self.loss(old, logp, adv, mask, cfg.loss_agg_mode, self.options, **self.agg,
                                         token_weights=weights, generator=self.generator)
         loss = pg_loss
         if cfg.entropy_coeff:
-            entropy = entropy_from_logits(logits)
+            entropy = self.per_token(entropy_from_logits(logits), target)
             loss = loss - cfg.entropy_coeff * aggregate_loss(entropy, mask, cfg.loss_agg_mode, **self.agg)
         else:
             with torch.no_grad():
-                entropy = entropy_from_logits(logits)
+                entropy = self.per_token(entropy_from_logits(logits), target)
         weight = self._token_weight(mask)
         parts = {"actor/pg_loss": pg_loss,
                  "actor/entropy": (entropy * mask).sum() / mask.sum().clamp(min=1) * weight}
@@ -140,6 +164,7 @@ class ValueObjective(MicroBatchObjective):
     """Clipped value regression onto the returns; ``target[..., :]`` = (return, old value, mask)."""
 
     metric_names = ("critic/vf_loss", "critic/vf_clipfrac")
+    mask_channel = 2
 
     def __init__(self, critic_cfg: Any, loss_agg_mode: str):
         super().__init__()
@@ -151,7 +176,7 @@ class ValueObjective(MicroBatchObjective):
 
     def __call__(self, values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         returns, old_values, mask = target.unbind(-1)
-        vpreds = self.response_outputs(values, target)
+        vpreds = self.per_token(self.response_outputs(values, target), target)
         loss, metrics = value_loss(vpreds, returns, old_values, mask, self.cfg.cliprange_value,
                                    agg=self.loss_agg_mode, **self.agg)
         self._record({"critic/vf_loss": loss, "critic/vf_clipfrac": metrics["vf_clipfrac"] * self._token_weight(mask)})
@@ -169,7 +194,8 @@ class SFTObjective(MicroBatchObjective):
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         ids, mask = target[..., 0].long(), target[..., 1]
-        logp = logprobs_from_logits(self.response_outputs(logits, target), ids)
+        logp = self.per_token(logprobs_from_logits(self.response_outputs(logits, target),
+                                                   self.response_labels(ids, target)), target)
         loss = aggregate_loss(-logp, mask, "token-mean", **self.agg)
         self._record({"sft/loss": loss})
         return loss
