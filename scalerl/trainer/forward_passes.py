@@ -33,7 +33,9 @@ def packed_kernel_for(model: nn.Module, use_remove_padding: bool, ctx: DistConte
     if ctx.dims.pp > 1:
         raise ValueError("actor.use_remove_padding=true does not apply with parallel.pp > 1 (stages fix shapes)")
     kernel = choose_packed_kernel(ctx.device)
-    say(ctx, f"sequence packing: micro-batches packed into rows of real tokens, attention kernel {kernel}")
+    # flash-attention's varlen kernel takes fp16/bf16 only: in fp32 its layers run SDPA per sequence.
+    note = " (fp16/bf16 compute; fp32 runs sdpa_per_sequence)" if kernel == "flash_varlen" else ""
+    say(ctx, f"sequence packing: micro-batches packed into rows of real tokens, attention kernel {kernel}{note}")
     return kernel
 
 
