@@ -6,10 +6,10 @@ stage alike: ``output`` is the model's output whose last positions cover the res
 for the critic), ``target`` the per-token tensor `target(batch)` builds. Packed (``packed_outputs``, set by
 the update loop with ``actor.use_remove_padding``), ``output`` holds only the predictions of the response
 tokens the loss mask marks, ``[1, M, ...]``: log-softmax and entropy run on those M tokens, and only their
-per-token results go back to the ``[rows, response]`` layout the aggregation reads (`response_layout`). Losses are normalised by the whole
-mini-batch's counts over all data-parallel ranks (`start_mini_batch`), so micro-batch losses add up to the
-mini-batch loss and DP ranks average to the single-process gradient. Metrics are recorded the same way,
-as parts that add up, and `summary` averages them over mini-batches.
+per-token results go back to the ``[rows, response]`` layout the aggregation reads (`response_layout`).
+Losses are normalised by the whole mini-batch's counts over all data-parallel ranks (`start_mini_batch`),
+so micro-batch losses add up to the mini-batch loss and DP ranks average to the single-process gradient.
+Metrics are recorded the same way, as parts that add up, and `summary` averages them over mini-batches.
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ class MicroBatchObjective:
         """``[B, R]`` bool: the response tokens a packed output predicts (the loss mask's)."""
         return target[..., self.mask_channel] > 0
 
-    def per_token(self, packed: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def per_token(self, values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Per-token results computed on `response_outputs` in the ``[B, R]`` layout (packed: put in place)."""
-        return response_layout(packed, self.response_tokens(target)) if self.packed_outputs else packed
+        return response_layout(values, self.response_tokens(target)) if self.packed_outputs else values
 
     def response_labels(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Response ids ``[B, R]`` aligned with `response_outputs` (packed: the masked ones, ``[M]``)."""

@@ -229,7 +229,7 @@ def test_packed_micro_batches_bound_real_tokens_only():
     assert sorted(i for b in batches for i in b) == list(range(10))
     assert all(sum(lengths[i] for i in batch) <= 1200 for batch in batches)
     # 600 + 500 + 90 share one: rows x longest (1800) is over the budget, which packed rows never pay.
-    assert sorted(batches, key=len)[0] == [0, 1, 5] and len(batches) == 2
+    assert min(batches, key=len) == [0, 1, 5] and len(batches) == 2
     assert len(packed_micro_batches(lengths, 1200, same_count_across=len(batches) + 2)) == len(batches) + 2
     with pytest.raises(ValueError, match="actor.micro_batch_max_tokens=599"):
         packed_micro_batches(lengths, 599)
@@ -237,8 +237,7 @@ def test_packed_micro_batches_bound_real_tokens_only():
 
 def _count_rows(monkeypatch, model):
     """Rows reaching the head and the vocabulary-wide log-softmax/entropy, counted as they run."""
-    import scalerl.trainer.forward_passes as forward_passes
-    import scalerl.trainer.objectives as objectives
+    from scalerl.trainer import forward_passes, objectives
 
     rows = {"head": 0, "log_softmax": 0, "entropy": 0}
 
