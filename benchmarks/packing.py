@@ -32,6 +32,7 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -95,6 +96,8 @@ def interleaved(paths: dict, repeats: int) -> dict[str, tuple[float, float]]:
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
             samples[name].append(timed(paths[name]))
+            print(f"    repeat {r}: {name} {samples[name][-1][0]:.3f} s wall, {samples[name][-1][1]:.3f} s CPU",
+                  file=sys.stderr, flush=True)  # progress, and the samples behind the medians
     return {name: (statistics.median(w for w, _ in got), statistics.median(c for _, c in got))
             for name, got in samples.items()}
 
