@@ -153,7 +153,8 @@ def measure(model_name: str, dist_name: str, args) -> dict:
         row[f"update {name}"], row[f"update cpu {name}"] = wall, cpu
     for name, (wall, cpu) in logprobs.items():
         row[f"logprob {name}"], row[f"logprob cpu {name}"] = wall, cpu
-    print(f"  {model_name} ({row['layers']}) {dist_name}: done, load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"  {model_name} ({row['layers']}) {dist_name}: done, load average {os.getloadavg()[0]:.1f}",
+          file=sys.stderr, flush=True)
     return row
 
 
@@ -170,7 +171,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per path (medians; at least 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-mask", action="store_true", help="also time the block-mask kernel's update")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (inter-op: 1)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch intra-op threads (inter-op: 1); 1 on an oversubscribed machine, where a thread "
+                        "that waits for a descheduled peer spins and the spin counts as CPU time")
     args = parser.parse_args()
     if args.repeats < 3:
         parser.error("--repeats must be at least 3 (the table gives medians)")
@@ -181,20 +184,25 @@ def main() -> None:
     print(f"packed attention kernel on {device}: {choose_packed_kernel(device)} (flash_attn installed: "
           f"{flash_attn_available()}); the rows below time sdpa_per_sequence on the CPU; "
           f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}", flush=True)
-    rows = [measure(m, d, args) for m in args.models.split(",") for d in args.dists.split(",")]
     print("| model (layers) | lengths (scale) | real tokens | processed padded / packed | loss rows padded / packed "
           "| update padded s (CPU s) | update packed s (CPU s) | update speed-up wall (CPU) "
           "| log-prob padded s (CPU s) | log-prob packed s (CPU s) | log-prob speed-up wall (CPU) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['model']} ({r['layers']}) | {r['dist']} (x{r['scale']:g}) | {r['real']} "
-              f"| {r['tokens padded']} / {r['tokens packed']} | {r['loss rows padded']} / {r['loss rows packed']} "
-              f"| {r['update padded']:.3f} ({r['update cpu padded']:.3f}) "
-              f"| {r['update packed']:.3f} ({r['update cpu packed']:.3f}) "
-              f"| {r['update padded'] / r['update packed']:.2f}x ({r['update cpu padded'] / r['update cpu packed']:.2f}x) "
-              f"| {r['logprob padded']:.3f} ({r['logprob cpu padded']:.3f}) "
-              f"| {r['logprob packed']:.3f} ({r['logprob cpu packed']:.3f}) "
-              f"| {r['logprob padded'] / r['logprob packed']:.2f}x ({r['logprob cpu padded'] / r['logprob cpu packed']:.2f}x) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    rows = []
+    for model_name in args.models.split(","):
+        for dist in args.dists.split(","):  # each row printed when measured: a timeout keeps the finished ones
+            r = measure(model_name, dist, args)
+            rows.append(r)
+            print(f"| {r['model']} ({r['layers']}) | {r['dist']} (x{r['scale']:g}) | {r['real']} "
+                  f"| {r['tokens padded']} / {r['tokens packed']} | {r['loss rows padded']} / {r['loss rows packed']} "
+                  f"| {r['update padded']:.3f} ({r['update cpu padded']:.3f}) "
+                  f"| {r['update packed']:.3f} ({r['update cpu packed']:.3f}) "
+                  f"| {r['update padded'] / r['update packed']:.2f}x "
+                  f"({r['update cpu padded'] / r['update cpu packed']:.2f}x) "
+                  f"| {r['logprob padded']:.3f} ({r['logprob cpu padded']:.3f}) "
+                  f"| {r['logprob packed']:.3f} ({r['logprob cpu packed']:.3f}) "
+                  f"| {r['logprob padded'] / r['logprob packed']:.2f}x "
+                  f"({r['logprob cpu padded'] / r['logprob cpu packed']:.2f}x) |", flush=True)
     if args.compare_mask:
         for r in rows:
             print(f"  {r['model']} {r['dist']}: update packed with the block mask {r['update packed (mask)']:.3f} s "
