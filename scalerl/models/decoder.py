@@ -352,7 +352,8 @@ class CausalLM(nn.Module):
             input_ids: ``[B, T]`` token ids.
             attention_mask: ``[B, cache_start + T]`` with 1 for real tokens (covers cached keys too);
                 ``None`` means no padding. Or a `PackedBatch` (``input_ids`` is then its ``[1, N]`` row, no
-                cache): attention runs per sequence and the output comes back in the padded layout.
+                cache): attention runs per sequence and the output comes back in the padded layout (or,
+                built with ``response_tokens``, as the predictions of those tokens only, ``[1, M, ...]``).
             position_ids: ``[B, T]``; derived from ``attention_mask`` when omitted.
             kv_cache: preallocated cache written at ``[cache_start, cache_start + T)``.
             logits_to_keep: if > 0, project only the last ``logits_to_keep`` positions (prefill needs one).

@@ -12,8 +12,15 @@ attention where each sequence starts. Attention is block-diagonal and causal, by
 * ``sdpa_block_mask``: one SDPA over the whole row with a boolean ``[1, 1, N, N]`` mask built from per-token
   sequence ids (same sequence and key <= query), which computes every cross-sequence score and masks it.
 
-The model returns its outputs unpacked (`PackedBatch.unpack`) into the padded ``[B, keep, ...]`` layout the
-losses and log-prob passes read, zeros on padding, so the loss code has one path for both.
+What the model returns for a packed row depends on how the batch was built:
+
+* with ``response_tokens`` (``[B, R]`` bool, the response tokens whose predictions the caller reads: the
+  losses' and log-prob passes' mask), the outputs at the positions that predict those tokens only,
+  ``[1, M, ...]`` in row-major order: the final norm, the head and the caller's log-softmax then run on the
+  M real response tokens, and the caller puts its per-token results (no vocabulary dimension) back into the
+  ``[B, R]`` layout with `response_layout`. The trainer's update, log-prob and value passes build it so;
+* without, the outputs unpacked (`PackedBatch.unpack`) into the padded ``[B, keep, ...]`` layout, zeros on
+  padding (the head runs on the real tokens among the kept ones; the layout is padded width).
 """
 
 from __future__ import annotations
@@ -78,9 +85,12 @@ class PackedBatch:
     row (N for padding, which reads a zero row when unpacking).
 
     Pass it as the model's ``attention_mask`` with ``input_ids=packed.input_ids``; the model then returns
-    outputs in the padded layout (``[B, logits_to_keep or T, ...]``)."""
+    outputs in the padded layout (``[B, logits_to_keep or T, ...]``), or, with ``response_tokens`` ``[B, R]``
+    (the last R columns of the batch are its responses), only the outputs predicting the marked response
+    tokens, ``[1, M, ...]`` (module docstring)."""
 
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, kernel: str = "sdpa_per_sequence"):
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, kernel: str = "sdpa_per_sequence",
+                 response_tokens: torch.Tensor | None = None):
         real = attention_mask.bool()
         self.input_ids = input_ids[real].unsqueeze(0)
         self.position_ids = ((attention_mask.long().cumsum(-1) - 1)[real]).unsqueeze(0)
@@ -89,6 +99,15 @@ class PackedBatch:
         index = real.flatten().long().cumsum(0).view(real.shape) - 1
         self.token_index = torch.where(real, index, torch.full_like(index, total))
         self.padded_shape = tuple(real.shape)
+        self.response_positions = None  # packed positions predicting the marked response tokens, [M]
+        if response_tokens is not None:
+            width, columns = response_tokens.shape[1], real.shape[1]
+            # The output at column c predicts the token at c + 1: response token t sits at T - R + t.
+            predicting = self.token_index[:, columns - width - 1 : columns - 1][response_tokens.bool()]
+            if bool((predicting == total).any()):  # one sync per micro-batch, as the lengths above
+                raise ValueError("response_tokens marks a response token whose preceding position is padding "
+                                 "(an empty prompt?): nothing predicts it in the packed row")
+            self.response_positions = predicting
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +116,10 @@ class PackedBatch:
     def kept_tokens(self, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed positions whose outputs the last ``keep`` padded columns need (all for 0), ascending
         ``[M]``, and the flat ``[B * keep]`` slots they go to (the same order: both are row-major). The
-        model's final norm and head then run on those M real tokens only."""
+        model's final norm and head then run on those M real tokens only. Built with ``response_tokens``: the
+        positions predicting them (``keep`` is then the response width + 1 or 0) and no slots."""
+        if self.response_positions is not None:
+            return self.response_positions, None
         index = self.token_index[:, -keep:] if keep else self.token_index
         real = index.flatten() < self.num_tokens
         return index.flatten()[real], real.nonzero().squeeze(1)
@@ -105,17 +127,31 @@ class PackedBatch:
     def unpack(self, kept: torch.Tensor, slots: torch.Tensor, keep: int = 0) -> torch.Tensor:
         """``kept`` ``[1, M, ...]`` (outputs at `kept_tokens`' positions) into the padded ``[B, keep, ...]``
         layout, zeros on padding. A copy into place, whose gradient is a gather (a scatter-add backward
-        over a vocabulary-wide row is many times slower on CPU)."""
+        over a vocabulary-wide row is many times slower on CPU). Built with ``response_tokens``: ``kept``
+        itself, the packed layout the caller reads."""
+        if self.response_positions is not None:
+            return kept
         rows = self.padded_shape[0]
         width = keep or self.padded_shape[1]
         out = kept.new_zeros((rows * width, *kept.shape[2:])).index_copy(0, slots, kept[0])
         return out.view(rows, width, *kept.shape[2:])
 
 
-def packed_batch_or_none(input_ids: torch.Tensor, attention_mask: torch.Tensor, kernel: str | None):
+def response_layout(values: torch.Tensor, response_tokens: torch.Tensor) -> torch.Tensor:
+    """Per-token results ``[M, ...]`` of the marked response tokens (row-major, as a `PackedBatch` built with
+    ``response_tokens`` returns them) into the ``[B, R, ...]`` layout, zeros elsewhere. Differentiable; no
+    vocabulary dimension is ever unpacked."""
+    marked = response_tokens.bool()
+    out = values.new_zeros((*marked.shape, *values.shape[1:]))
+    return out.masked_scatter(marked.view(*marked.shape, *(1,) * (values.dim() - 1)), values)
+
+
+def packed_batch_or_none(input_ids: torch.Tensor, attention_mask: torch.Tensor, kernel: str | None,
+                         response_tokens: torch.Tensor | None = None):
     """``(input_ids, attention_mask)`` to call a model with: the packed row and its `PackedBatch` when
-    ``kernel`` names one, else the padded pair unchanged."""
+    ``kernel`` names one (outputs in the packed layout of ``response_tokens`` when given), else the padded
+    pair unchanged."""
     if kernel is None:
         return input_ids, attention_mask
-    packed = PackedBatch(input_ids, attention_mask, kernel)
+    packed = PackedBatch(input_ids, attention_mask, kernel, response_tokens)
     return packed.input_ids, packed

@@ -359,32 +359,18 @@ def token_imbalance(seqlens: Sequence[int], partitions: Sequence[Sequence[int]])
     return max(sums) / (total / len(sums))
 
 
-def packed_micro_batches(seqlens: Sequence[int], response_lens: Sequence[int], max_tokens: int,
-                         same_count_across: int | None = None) -> list[list[int]]:
-    """Micro-batches for packed rows (``actor.use_remove_padding``): the real tokens of each stay within
-    ``max_tokens``, and so does its response layout, rows x longest response (the loss reads logits in the
-    padded ``[rows, response]`` layout, so that is its memory). First-fit decreasing by length; a sample
-    longer than the budget is an error (a packed row holds whole sequences). ``same_count_across`` as in
-    `token_budget_micro_batches` (the largest micro-batches are halved until the count is reached)."""
-    lengths, responses = _as_lengths(seqlens), _as_lengths(response_lens)
+def packed_micro_batches(seqlens: Sequence[int], max_tokens: int, same_count_across: int | None = None
+                         ) -> list[list[int]]:
+    """Micro-batches for packed rows (``actor.use_remove_padding``): the real tokens of each sum to at most
+    ``max_tokens``, and that is all a packed micro-batch costs (the loss reads the predictions of its real
+    response tokens only, `scalerl.models.packing`). First-fit decreasing by length (`_pack_first_fit`); a
+    sample longer than the budget is an error (a packed row holds whole sequences). ``same_count_across``
+    as in `token_budget_micro_batches` (the largest micro-batches are split until the count is reached)."""
+    lengths = _as_lengths(seqlens)
     if lengths and max(lengths) > max_tokens:
         raise ValueError(f"actor.micro_batch_max_tokens={max_tokens} is shorter than a sequence of "
                          f"{max(lengths)} tokens; a packed row holds whole sequences (raise the budget)")
-    batches: list[list[int]] = []
-    sums: list[int] = []
-    widths: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for b in range(len(batches)):
-            width = max(widths[b], responses[i])
-            if sums[b] + lengths[i] <= max_tokens and (len(batches[b]) + 1) * width <= max_tokens:
-                batches[b].append(i)
-                sums[b] += lengths[i]
-                widths[b] = width
-                break
-        else:
-            batches.append([i])
-            sums.append(lengths[i])
-            widths.append(responses[i])
+    batches = _pack_first_fit(lengths, sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)), max_tokens)
     if same_count_across is not None:
         if not len(batches) <= same_count_across <= len(lengths):
             raise ValueError(f"same_count_across={same_count_across} must lie between the {len(batches)} "
@@ -392,3 +378,10 @@ def packed_micro_batches(seqlens: Sequence[int], response_lens: Sequence[int], m
         while len(batches) < same_count_across:
             _split_most_expensive(lengths, batches, padded=False)
     return [sorted(batch) for batch in batches]
+
+
+def sequence_lengths(attention_mask):
+    """Real tokens per row ``[B]`` of an ``attention_mask`` ``[B, T]``: the count that balancing across DP
+    ranks (`balance_across_ranks` in `scalerl.trainer.rollout_rebalance`) and the packed micro-batch budget
+    (`packed_micro_batches`) both use, so a rank's share is what its packed micro-batches process."""
+    return attention_mask.long().sum(-1)

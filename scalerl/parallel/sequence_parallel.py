@@ -369,3 +369,10 @@ def sequence_parallel_bytes(batch: int, tokens: int, heads: int, kv_heads: int, 
     forward = layers * per_head * (2 * heads + 2 * max(kv_heads, sp))  # q, k, v in and the output back
     return {"all_to_all": forward * (2 if backward else 1),
             "all_gather": batch * tokens * outputs_per_token * 4}
+
+
+def splits_sequences(model: nn.Module) -> bool:
+    """Whether `apply_sequence_parallel` hooked ``model``: its forwards then return this rank's shard (the
+    policy's `SequenceShards`) or gathered values, in the padded layout, so packed callers unpack as usual."""
+    lm = getattr(model, "backbone", model)
+    return isinstance(lm, CausalLM) and any(layer.self_attn.sequence_parallel is not None for layer in lm.layers[:1])

@@ -14,11 +14,11 @@ from torch.distributed.tensor import DTensor
 
 from scalerl.algorithms.entropy import logprobs_from_logits
 from scalerl.models.decoder import CausalLM
-from scalerl.models.packing import choose_packed_kernel, packed_batch_or_none
+from scalerl.models.packing import choose_packed_kernel, packed_batch_or_none, response_layout
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.fsdp_generation import gathered_once
+from scalerl.parallel.sequence_parallel import SequenceShards, splits_sequences
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.trainer.objectives import MicroBatchObjective
 from scalerl.trainer.run_directory import say
 from scalerl.trainer.update import micro_batches
 
@@ -34,7 +34,9 @@ def packed_kernel_for(model: nn.Module, use_remove_padding: bool, ctx: DistConte
     if ctx.dims.pp > 1:
         raise ValueError("actor.use_remove_padding=true does not apply with parallel.pp > 1 (stages fix shapes)")
     kernel = choose_packed_kernel(ctx.device)
-    say(ctx, f"sequence packing: micro-batches packed into rows of real tokens, attention kernel {kernel}")
+    # flash-attention's varlen kernel takes fp16/bf16 only: in fp32 its layers run SDPA per sequence.
+    note = " (fp16/bf16 compute; fp32 runs sdpa_per_sequence)" if kernel == "flash_varlen" else ""
+    say(ctx, f"sequence packing: micro-batches packed into rows of real tokens, attention kernel {kernel}{note}")
     return kernel
 
 
@@ -46,30 +48,30 @@ def response_logprobs(
     """Per-token log-probs ``[B, R]`` of the batch's responses under ``model`` at the sampling temperature
     (zero on padding)."""
 
-    def logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if temperature not in (0.0, 1.0):
             logits = logits / temperature
-        return logprobs_from_logits(logits, ids)
+        return logprobs_from_logits(logits, labels)
 
-    def per_token(output, micro: RolloutBatch) -> torch.Tensor:  # sp: on each rank's shard of the logits
-        return MicroBatchObjective.response_token_outputs(output, micro.response_ids, logprobs)
-
-    return _per_response_token(model, batch, micro_batch_size, autocast, per_token, packed_kernel)
+    return _per_response_token(model, batch, micro_batch_size, autocast, logprobs, packed_kernel)
 
 
 @torch.no_grad()
 def response_values(critic: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast=None,
                     packed_kernel: str | None = None) -> torch.Tensor:
     """The critic's values ``[B, R]`` at the positions before each response token (zero on padding)."""
-    return _per_response_token(critic, batch, micro_batch_size, autocast,
-                               lambda values, micro: values[:, :-1].float(), packed_kernel)
+    return _per_response_token(critic, batch, micro_batch_size, autocast, lambda values, labels: values,
+                               packed_kernel)
 
 
 def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast, per_token,
                         packed_kernel: str | None = None) -> torch.Tensor:
-    """``per_token(output, micro)`` (``[B, R]`` float32 from the model's output at the positions before each
-    response token), micro-batch by micro-batch (all-padding columns trimmed), masked and padded back to
-    ``[B, R]``."""
+    """``per_token(output, labels)`` over the model's fp32 outputs at the positions before each response token
+    and the response ids, micro-batch by micro-batch (all-padding columns trimmed), masked and padded back to
+    ``[B, R]``. Packed, the model returns only the predictions of the masked response tokens ``[M, ...]``, so
+    ``per_token`` (a log-softmax over the vocabulary) runs on those and its ``[M]`` results are put in place.
+    Under sequence parallelism the policy returns this rank's shard of the logits (`SequenceShards`):
+    ``per_token`` runs there and only its results are gathered."""
     out = []
     # Plain weights are cast to the compute dtype once for the pass (`Autocast.holding_casts`), not per
     # micro-batch; FSDP2/TP parameters are left to autocast's per-forward casts.
@@ -78,9 +80,18 @@ def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size:
         for micro in micro_batches(batch, micro_batch_size):
             micro, _, right = micro.trimmed()
             response_len = micro.response_ids.shape[1]
-            input_ids, attention_mask = packed_batch_or_none(micro.input_ids, micro.attention_mask, packed_kernel)
+            marked = micro.response_mask > 0
+            packed_outputs = packed_kernel is not None and not splits_sequences(model)  # sp unpacks its shards
+            input_ids, attention_mask = packed_batch_or_none(micro.input_ids, micro.attention_mask, packed_kernel,
+                                                             marked if packed_outputs else None)
             with autocast or contextlib.nullcontext():
                 output = model(input_ids, attention_mask=attention_mask, logits_to_keep=response_len + 1)
             with autocast.paused() if holds else contextlib.nullcontext():  # fp32 log-softmax
-                out.append(F.pad(per_token(output, micro) * micro.response_mask, (0, right)))
+                if isinstance(output, SequenceShards):  # the last kept position predicts nothing: label 0
+                    values = output.per_token(per_token, F.pad(micro.response_ids, (0, 1)))[:, :-1]
+                elif not packed_outputs:
+                    values = per_token(output[:, :-1].float(), micro.response_ids)
+                else:
+                    values = response_layout(per_token(output[0].float(), micro.response_ids[marked]), marked)
+                out.append(F.pad(values * micro.response_mask, (0, right)))
     return torch.cat(out)

@@ -3,10 +3,13 @@ by default), clipped value regression for the critic, token-mean cross-entropy f
 
 Each is called as ``loss(output, target)`` on one micro-batch, by a plain forward or by the last pipeline
 stage alike: ``output`` is the model's output whose last positions cover the response (logits, or values
-for the critic), ``target`` the per-token tensor `target(batch)` builds. Losses are normalised by the whole
-mini-batch's counts over all data-parallel ranks (`start_mini_batch`), so micro-batch losses add up to the
-mini-batch loss and DP ranks average to the single-process gradient. Metrics are recorded the same way,
-as parts that add up, and `summary` averages them over mini-batches.
+for the critic), ``target`` the per-token tensor `target(batch)` builds. Packed (``packed_outputs``, set by
+the update loop with ``actor.use_remove_padding``), ``output`` holds only the predictions of the response
+tokens the loss mask marks, ``[1, M, ...]``: log-softmax and entropy run on those M tokens, and only their
+per-token results go back to the ``[rows, response]`` layout the aggregation reads (`response_layout`).
+Losses are normalised by the whole mini-batch's counts over all data-parallel ranks (`start_mini_batch`),
+so micro-batch losses add up to the mini-batch loss and DP ranks average to the single-process gradient.
+Metrics are recorded the same way, as parts that add up, and `summary` averages them over mini-batches.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from scalerl.algorithms.entropy import entropy_from_logits, logprobs_from_logits
 from scalerl.algorithms.kl import kl_penalty
 from scalerl.algorithms.loss_registry import POLICY_LOSSES, PolicyLoss, PolicyLossOptions
 from scalerl.algorithms.losses import aggregate_loss, value_loss
+from scalerl.models.packing import response_layout
 from scalerl.parallel.sequence_parallel import SequenceShards
 from scalerl.rollout.batch import RolloutBatch
 
@@ -27,8 +31,12 @@ class MicroBatchObjective:
     """Bookkeeping shared by the losses: the mini-batch's aggregation counts, metric parts per call."""
 
     metric_names: tuple[str, ...] = ()
+    mask_channel = 1  # where `target` keeps the response mask (the tokens a packed output predicts)
 
     def __init__(self) -> None:
+        # Outputs in the packed layout of the masked response tokens (`scalerl.models.packing`); set by the
+        # update loop for each mini-batch's micro-batches.
+        self.packed_outputs = False
         self.agg: dict[str, Any] = {}
         self._calls: list[dict[str, torch.Tensor]] = []
         self._totals: dict[str, torch.Tensor] = {}
@@ -64,20 +72,37 @@ class MicroBatchObjective:
         """Output positions the loss reads: the one before each response token, plus the last."""
         return batch.response_ids.shape[1] + 1
 
-    @staticmethod
-    def response_outputs(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The outputs at positions ``P - 1 + t`` that predict response token ``t`` (float32)."""
+    def response_outputs(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The outputs that predict the response tokens (float32): at positions ``P - 1 + t`` ``[B, R, ...]``,
+        or, packed, those of the masked tokens ``[M, ...]``."""
+        if self.packed_outputs:
+            if output.shape[0] != 1:
+                raise ValueError(f"packed outputs are one row [1, M, ...]; got {tuple(output.shape)}")
+            return output[0].float()
         response_len = target.shape[1]
         return output[:, -response_len - 1 : -1].float()
 
-    @staticmethod
-    def response_token_outputs(output, ids: torch.Tensor, per_token) -> torch.Tensor:
-        """``per_token(logits, ids)`` (float32 logits ``[B, R, V]`` predicting response tokens ``ids``
-        ``[B, R]``) -> ``[B, R, ...]``. Under sequence parallelism ``output`` is this rank's shard of the logits
-        (`SequenceShards`): ``per_token`` runs there and only its results are gathered."""
+    def response_tokens(self, target: torch.Tensor) -> torch.Tensor:
+        """``[B, R]`` bool: the response tokens a packed output predicts (the loss mask's)."""
+        return target[..., self.mask_channel] > 0
+
+    def per_token(self, values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Per-token results computed on `response_outputs` in the ``[B, R]`` layout (packed: put in place)."""
+        return response_layout(values, self.response_tokens(target)) if self.packed_outputs else values
+
+    def response_labels(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Response ids ``[B, R]`` aligned with `response_outputs` (packed: the masked ones, ``[M]``)."""
+        return ids[self.response_tokens(target)] if self.packed_outputs else ids
+
+    def response_token_outputs(self, output, ids: torch.Tensor, target: torch.Tensor, per_token) -> torch.Tensor:
+        """``per_token(logits, ids)`` on the float32 outputs predicting the response tokens -> ``[B, R, ...]``.
+        Packed, those are the masked tokens' ``[M, ...]``, put back in place. Under sequence parallelism
+        ``output`` is this rank's shard of the logits (`SequenceShards`): ``per_token`` runs there and only its
+        results are gathered."""
         if isinstance(output, SequenceShards):  # the last kept position predicts nothing: label 0, cut off
             return output.per_token(per_token, torch.nn.functional.pad(ids, (0, 1)))[:, :-1]
-        return per_token(MicroBatchObjective.response_outputs(output, ids), ids)
+        return self.per_token(per_token(self.response_outputs(output, target), self.response_labels(ids, target)),
+                              target)
 
 
 def policy_loss_options(actor_cfg: Any) -> PolicyLossOptions:
@@ -131,7 +156,7 @@ class PolicyObjective(MicroBatchObjective):
     def __call__(self, logits, target: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         ids, mask, old, adv, ref, weights = target[..., 0].long(), *target[..., 1:].unbind(-1)
-        logp, entropy = self.response_token_outputs(logits, ids, self.token_logprobs_and_entropy).unbind(-1)
+        logp, entropy = self.response_token_outputs(logits, ids, target, self.token_logprobs_and_entropy).unbind(-1)
         pg_loss, pg_metrics = self.loss(old, logp, adv, mask, cfg.loss_agg_mode, self.options, **self.agg,
                                         token_weights=weights, generator=self.generator)
         loss = pg_loss
@@ -153,6 +178,7 @@ class ValueObjective(MicroBatchObjective):
     """Clipped value regression onto the returns; ``target[..., :]`` = (return, old value, mask)."""
 
     metric_names = ("critic/vf_loss", "critic/vf_clipfrac")
+    mask_channel = 2
 
     def __init__(self, critic_cfg: Any, loss_agg_mode: str):
         super().__init__()
@@ -164,7 +190,7 @@ class ValueObjective(MicroBatchObjective):
 
     def __call__(self, values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         returns, old_values, mask = target.unbind(-1)
-        vpreds = self.response_outputs(values, target)
+        vpreds = self.per_token(self.response_outputs(values, target), target)
         loss, metrics = value_loss(vpreds, returns, old_values, mask, self.cfg.cliprange_value,
                                    agg=self.loss_agg_mode, **self.agg)
         self._record({"critic/vf_loss": loss, "critic/vf_clipfrac": metrics["vf_clipfrac"] * self._token_weight(mask)})
@@ -182,7 +208,7 @@ class SFTObjective(MicroBatchObjective):
 
     def __call__(self, logits, target: torch.Tensor) -> torch.Tensor:
         ids, mask = target[..., 0].long(), target[..., 1]
-        logp = self.response_token_outputs(logits, ids, logprobs_from_logits)
+        logp = self.response_token_outputs(logits, ids, target, logprobs_from_logits)
         loss = aggregate_loss(-logp, mask, "token-mean", **self.agg)
         self._record({"sft/loss": loss})
         return loss

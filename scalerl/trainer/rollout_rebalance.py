@@ -17,6 +17,7 @@ from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.seqlen_balance import (
     balance_across_ranks,
     contiguous_partition,
+    sequence_lengths,
     token_imbalance,
 )
 from scalerl.rollout.batch import RolloutBatch
@@ -25,7 +26,8 @@ from scalerl.rollout.batch import RolloutBatch
 def rebalance_batch(batch: RolloutBatch, ctx: DistContext, local_groups: int) -> tuple[RolloutBatch, dict[str, float]]:
     """This rank's rows after balancing, and ``balance/token_imbalance`` (max/mean tokens per rank) before
     and after. ``local_groups`` offsets group ids so they stay unique once rows change rank."""
-    lengths = ctx.all_gather(batch.attention_mask.sum(-1), kind="rebalance").tolist()
+    # Real tokens per row: the count the packed micro-batch budget (actor.micro_batch_max_tokens) sums.
+    lengths = ctx.all_gather(sequence_lengths(batch.attention_mask), kind="rebalance").tolist()
     before = token_imbalance(lengths, contiguous_partition(lengths, ctx.dp_size, equal_size=True))
     partitions = balance_across_ranks(lengths, ctx.dp_size, equal_size=True)
     after = token_imbalance(lengths, partitions)

@@ -20,6 +20,7 @@ from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import MicroBatch, ModelParts
 from scalerl.parallel.seqlen_balance import (
     packed_micro_batches,
+    sequence_lengths,
     token_budget_micro_batches,
 )
 from scalerl.rollout.batch import RolloutBatch
@@ -91,14 +92,11 @@ def token_budget_batches(batch: RolloutBatch, max_tokens: int, ctx: DistContext,
     """Dynamic batch size: micro-batches packed up to ``max_tokens`` padded tokens (real tokens when
     ``packed``, `packed_micro_batches`: a longer sequence is an error). Ranks agree on the count (the largest
     any rank needs), since sharded/TP forwards must run in lockstep."""
-    lengths = batch.attention_mask.sum(-1).tolist()
-    # The response layout's width per row: up to its last loss token (environment tokens may sit before it).
-    columns = torch.arange(1, batch.response_mask.shape[1] + 1, device=batch.response_mask.device)
-    responses = (columns * (batch.response_mask > 0)).amax(-1).tolist()
+    lengths = sequence_lengths(batch.attention_mask).tolist()  # real tokens: what rebalancing across ranks counts too
 
     def pack(count: int | None = None) -> list[list[int]]:
         if packed:
-            return packed_micro_batches(lengths, responses, max_tokens, same_count_across=count)
+            return packed_micro_batches(lengths, max_tokens, same_count_across=count)
         return token_budget_micro_batches(lengths, max_tokens, same_count_across=count)
 
     groups = pack()
@@ -119,9 +117,13 @@ def _forward_inputs(parts: ModelParts, mini: RolloutBatch, plan: UpdatePlan, obj
         micros = micro_batches(mini, plan.micro_batch_size)
     if not parts.fixed_shapes:  # columns that are padding in every row cost compute and change nothing
         micros = [m.trimmed()[0] for m in micros]
-    # Packed, the model reads one row of real tokens and hands back outputs in the padded layout.
-    return [MicroBatch(*packed_batch_or_none(m.input_ids, m.attention_mask, packed), objective.target(m),
-                       objective.keep(m)) for m in micros]
+    # Packed, the model reads one row of real tokens and hands back only the predictions of the masked
+    # response tokens, [1, M, ...]: the loss's log-softmax runs on those M tokens (`objectives`).
+    # Under sequence parallelism the shards keep the padded layout (`SequenceShards`).
+    objective.packed_outputs = packed is not None and ctx.dims.sp == 1
+    return [MicroBatch(*packed_batch_or_none(m.input_ids, m.attention_mask, packed,
+                                             m.response_mask > 0 if objective.packed_outputs else None),
+                       objective.target(m), objective.keep(m)) for m in micros]
 
 
 def run_update(

@@ -221,16 +221,101 @@ def test_the_trainer_with_packing_trains_like_the_padded_one(tiny_config, length
             assert torch.allclose(a[name], b[name], atol=1e-5), (model, name)
 
 
-def test_packed_micro_batches_bound_real_tokens_and_the_response_layout():
+def test_packed_micro_batches_bound_real_tokens_only():
     from scalerl.parallel.seqlen_balance import packed_micro_batches
 
     lengths = [600, 90, 80, 70, 60, 500, 50, 40, 30, 20]
-    responses = [550, 40, 30, 20, 10, 450, 10, 10, 10, 10]
-    batches = packed_micro_batches(lengths, responses, 1200)
+    batches = packed_micro_batches(lengths, 1200)
     assert sorted(i for b in batches for i in b) == list(range(10))
-    for batch in batches:
-        assert sum(lengths[i] for i in batch) <= 1200
-        assert len(batch) * max(responses[i] for i in batch) <= 1200  # the loss's [rows, response] layout
-    assert len(packed_micro_batches(lengths, responses, 1200, same_count_across=len(batches) + 2)) == len(batches) + 2
+    assert all(sum(lengths[i] for i in batch) <= 1200 for batch in batches)
+    # 600 + 500 + 90 share one: rows x longest (1800) is over the budget, which packed rows never pay.
+    assert min(batches, key=len) == [0, 1, 5] and len(batches) == 2
+    assert len(packed_micro_batches(lengths, 1200, same_count_across=len(batches) + 2)) == len(batches) + 2
     with pytest.raises(ValueError, match="actor.micro_batch_max_tokens=599"):
-        packed_micro_batches(lengths, responses, 599)
+        packed_micro_batches(lengths, 599)
+
+
+def _count_rows(monkeypatch, model):
+    """Rows reaching the head and the vocabulary-wide log-softmax/entropy, counted as they run."""
+    from scalerl.trainer import forward_passes, objectives
+
+    rows = {"head": 0, "log_softmax": 0, "entropy": 0}
+
+    def counted(key, fn):
+        def run(logits, *args, **kwargs):
+            rows[key] += logits.shape[:-1].numel()
+            return fn(logits, *args, **kwargs)
+        return run
+
+    for module in (objectives, forward_passes):
+        monkeypatch.setattr(module, "logprobs_from_logits", counted("log_softmax", module.logprobs_from_logits))
+    monkeypatch.setattr(objectives, "entropy_from_logits", counted("entropy", objectives.entropy_from_logits))
+    head = model.lm_head if hasattr(model, "lm_head") else model.value_head
+    head.register_forward_hook(lambda module, args, out: rows.__setitem__("head", rows["head"] + args[0].shape[:-1].numel()))
+    return rows
+
+
+@pytest.mark.parametrize("plan_name", ["padded", "packed", "packed_budget"])
+def test_packed_head_and_log_softmax_run_on_the_real_response_tokens_only(monkeypatch, plan_name):
+    from scalerl.parallel.distributed import single_process_context
+    from scalerl.parallel.parallelize import parallelize
+    from scalerl.trainer.forward_passes import response_logprobs
+
+    model = arch_model("qwen2")
+    batch = rollout_batch(model)
+    batch.response_mask[0, 1] = 0  # an environment token inside a response: real, but not predicted packed
+    marked = int((batch.response_mask > 0).sum())
+    rows = _count_rows(monkeypatch, model)
+    ctx = single_process_context()
+    plan = plans()[plan_name]
+    loss_and_grads(parallelize(model, ctx), model, batch, plan, "token-mean", ctx)
+    update_rows = dict(rows)
+    rows.update(head=0, log_softmax=0)
+    packed = response_logprobs(model, batch, 1.0, 5, packed_kernel=plan.packed_kernel)
+    if plan_name == "padded":  # the counters see padded width: the packed assertions below can fail
+        width = batch.response_ids.shape[1]
+        assert update_rows["log_softmax"] == update_rows["entropy"] == len(batch) * width > marked
+        assert rows["log_softmax"] == len(batch) * width and rows["head"] > marked
+        return
+    assert update_rows == {"head": marked, "log_softmax": marked, "entropy": marked}
+    assert rows["head"] == rows["log_softmax"] == marked
+    padded = response_logprobs(model, batch, 1.0, 5)
+    assert float((padded - packed).abs().max()) <= 1e-5 and float(packed[0, 1]) == 0.0
+
+
+def test_the_packed_value_pass_runs_the_value_head_on_the_real_response_tokens_only(monkeypatch):
+    from scalerl.models.value_model import ValueModel
+    from scalerl.trainer.forward_passes import response_values
+
+    model = arch_model("qwen3")
+    batch = rollout_batch(model)
+    critic = ValueModel(model)
+    torch.nn.init.normal_(critic.value_head.weight)
+    rows = _count_rows(monkeypatch, critic)
+    packed = response_values(critic, batch, 6, packed_kernel="sdpa_per_sequence")
+    assert rows["head"] == int((batch.response_mask > 0).sum())
+    assert float((response_values(critic, batch, 6) - packed).abs().max()) <= 1e-5
+
+
+def _balance_and_pack(rank):
+    """Rebalanced across two DP ranks, then cut into packed micro-batches: the per-rank real tokens."""
+    from scalerl.core.config import ParallelSection
+    from scalerl.parallel.distributed import init_distributed
+    from scalerl.trainer.rollout_rebalance import rebalance_batch
+    from scalerl.trainer.update import token_budget_batches
+    from tests.trainer.test_rollout_rebalance import _skewed_batch
+
+    ctx = init_distributed(ParallelSection(dp_replicate=2), torch.device("cpu"))
+    batch, metrics = rebalance_batch(_skewed_batch(rank), ctx, local_groups=2)
+    micros = token_budget_batches(batch, 16, ctx, packed=True)
+    return {"metrics": metrics, "packed_tokens": sum(int(m.attention_mask.sum()) for m in micros),
+            "padded_width": batch.input_ids.numel()}
+
+
+def test_balancing_across_ranks_counts_the_tokens_the_packed_budget_counts():
+    results = run_in_group(_balance_and_pack, 2)
+    tokens = [r["packed_tokens"] for r in results]
+    # The imbalance the rebalancer reports is that of the real tokens each rank's packed micro-batches hold
+    # (padded widths would give another number: the rows differ in padding).
+    assert results[0]["metrics"]["balance/token_imbalance"] == pytest.approx(max(tokens) / (sum(tokens) / 2))
+    assert all(r["padded_width"] > r["packed_tokens"] for r in results)
