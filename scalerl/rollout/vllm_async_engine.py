@@ -94,7 +94,7 @@ class VLLMAsyncEngine:
             raise
         self._version = 0
         self._call(self.llm.update_weight_version("0"), call_timeout_s, "labelling the weight version")
-        self._finished: queue.Queue = queue.Queue()  # RequestOutput | BaseException, from the loop's tasks
+        self._finished: queue.Queue[_Finished] = queue.Queue()  # from the loop's tasks
         self._in_flight: dict[int, str] = {}  # caller's request id -> vLLM's (unique over the engine's life)
         self._serial = itertools.count()
         self.paused = False  # a failed weight load leaves generation paused until a load succeeds
@@ -136,11 +136,12 @@ class VLLMAsyncEngine:
                     else self._finished.get_nowait()
             except queue.Empty:
                 return outputs
-            if isinstance(item, BaseException):
-                raise RuntimeError("vLLM's AsyncLLM failed a request") from item
-            if self._in_flight.get(item.request_id) == item.vllm_id:  # not aborted meanwhile
-                del self._in_flight[item.request_id]
-                outputs.append(item.output)
+            if self._in_flight.get(item.request_id) != item.vllm_id:  # aborted meanwhile
+                continue
+            del self._in_flight[item.request_id]
+            if isinstance(item.output, BaseException):
+                raise RuntimeError(f"vLLM's AsyncLLM failed request {item.request_id}") from item.output
+            outputs.append(item.output)
 
     def has_unfinished(self) -> bool:
         return bool(self._in_flight)
@@ -242,9 +243,8 @@ class VLLMAsyncEngine:
                 request, completion, self._version)))
         except asyncio.CancelledError:
             raise
-        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
-            if self._in_flight.get(request.request_id) == vllm_id:
-                self._finished.put(err)
+        except Exception as err:  # noqa: BLE001 - raised in the caller's thread by `step`
+            self._finished.put(_Finished(request.request_id, vllm_id, err))
 
     def _call(self, coroutine, timeout: float, what: str):
         """Run ``coroutine`` on the engine's loop and wait for it at most ``timeout`` seconds."""
@@ -256,13 +256,14 @@ class VLLMAsyncEngine:
             raise TimeoutError(f"vLLM's AsyncLLM: {what} took over {timeout:.0f} s") from err
 
     def _check_open(self) -> None:
-        if self.closed:
+        if self.closed or self.llm is None:
             raise RuntimeError("the vLLM async engine is closed")
         if self.llm.errored:
             raise RuntimeError(f"vLLM's AsyncLLM is dead: {self.llm.dead_error}")
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Abort what is in flight, shut the engine core down and stop the loop thread, each within ``timeout``."""
+        """Abort what is in flight, stop the loop's tasks, shut the engine core down and stop the loop thread,
+        each within ``timeout``."""
         if self.closed:
             return
         self.closed = True
@@ -272,22 +273,29 @@ class VLLMAsyncEngine:
             self._in_flight.clear()
         finally:
             try:
+                self._cancel_tasks(timeout)  # the output handler first: it would log the engine core's exit
                 self.llm.shutdown(timeout=timeout)
             finally:
+                self.llm = None  # its __del__ would shut down again at interpreter exit
                 self._stop_loop(timeout)
 
-    def _stop_loop(self, timeout: float) -> None:
-        async def cancel_tasks():
+    def _cancel_tasks(self, timeout: float) -> None:
+        async def cancel():
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
                 t.cancel()
-            await asyncio.wait(tasks, timeout=timeout) if tasks else None
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout)
 
         if self._thread.is_alive():
             try:
-                asyncio.run_coroutine_threadsafe(cancel_tasks(), self.loop).result(timeout + 5)
+                asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(timeout + 5)
             except Exception:  # noqa: BLE001 - stopping anyway
                 pass
+
+    def _stop_loop(self, timeout: float) -> None:
+        self._cancel_tasks(timeout)
+        if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout)
         if not self._thread.is_alive():
@@ -303,7 +311,7 @@ class VLLMAsyncEngine:
 class _Finished:
     __slots__ = ("request_id", "vllm_id", "output")
 
-    def __init__(self, request_id: int, vllm_id: str, output: RequestOutput):
+    def __init__(self, request_id: int, vllm_id: str, output: RequestOutput | Exception):
         self.request_id, self.vllm_id, self.output = request_id, vllm_id, output
 
 
