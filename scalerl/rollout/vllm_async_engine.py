@@ -96,6 +96,7 @@ class VLLMAsyncEngine:
         self._call(self.llm.update_weight_version("0"), call_timeout_s, "labelling the weight version")
         self._finished: queue.Queue[_Finished] = queue.Queue()  # from the loop's tasks
         self._in_flight: dict[int, str] = {}  # caller's request id -> vLLM's (unique over the engine's life)
+        self._tasks: dict[str, Any] = {}  # vLLM's id -> the concurrent future of its task on the loop
         self._serial = itertools.count()
         self.paused = False  # a failed weight load leaves generation paused until a load succeeds
         self.loads = 0
@@ -122,7 +123,7 @@ class VLLMAsyncEngine:
         params = self._vllm.SamplingParams(**vllm_sampling_kwargs(s, 1)[0], output_kind=self._final_only)
         vllm_id = f"{request.request_id}-{next(self._serial)}"
         self._in_flight[request.request_id] = vllm_id
-        asyncio.run_coroutine_threadsafe(self._generate(request, vllm_id, params), self.loop)
+        self._tasks[vllm_id] = asyncio.run_coroutine_threadsafe(self._generate(request, vllm_id, params), self.loop)
 
     def step(self) -> list[RequestOutput]:
         """The requests finished since the last call (in finishing order); waits up to ``step_wait_s`` for
@@ -139,6 +140,7 @@ class VLLMAsyncEngine:
             if self._in_flight.get(item.request_id) != item.vllm_id:  # aborted meanwhile
                 continue
             del self._in_flight[item.request_id]
+            self._tasks.pop(item.vllm_id, None)
             if isinstance(item.output, BaseException):
                 raise RuntimeError(f"vLLM's AsyncLLM failed request {item.request_id}") from item.output
             outputs.append(item.output)
@@ -154,6 +156,8 @@ class VLLMAsyncEngine:
     def abort(self, request_ids: Iterable[int]) -> int:
         """Drop these requests, waiting or in flight (vLLM frees their KV blocks); returns how many."""
         vllm_ids = [self._in_flight.pop(i) for i in set(request_ids) if i in self._in_flight]
+        for vllm_id in vllm_ids:  # a task still adding its request stops there; one running aborts in vLLM
+            self._tasks.pop(vllm_id).cancel()
         if vllm_ids:
             self._call(self.llm.abort(vllm_ids), self.call_timeout_s, f"aborting {len(vllm_ids)} requests")
         return len(vllm_ids)

@@ -171,6 +171,7 @@ def test_weight_load_mid_generation_resumes_requests_with_new_weights(engine):
         out = got[i]
         assert len(out.token_ids) == MAX_NEW and out.finish_reason == "length"  # finished, not restarted
         versions = out.weight_versions.tolist()
+        assert 1 in versions, "the load came after the requests finished"
         split = versions.index(1)
         assert 0 < split and versions == [0] * split + [1] * (MAX_NEW - split), versions
         before, _ = builtin_greedy(old, p, MAX_NEW)
