@@ -98,7 +98,8 @@ class VLLMAsyncEngine:
         self._in_flight: dict[int, str] = {}  # caller's request id -> vLLM's (unique over the engine's life)
         self._tasks: dict[str, Any] = {}  # vLLM's id -> the concurrent future of its task on the loop
         self._serial = itertools.count()
-        self.paused = False  # a failed weight load leaves generation paused until a load succeeds
+        self.paused = False  # by weight loads (or a relabelling) until `step()` or a version is assigned
+        self._loaded_in_pause = False
         self.loads = 0
         self.closed = False
 
@@ -128,6 +129,8 @@ class VLLMAsyncEngine:
     def step(self) -> list[RequestOutput]:
         """The requests finished since the last call (in finishing order); waits up to ``step_wait_s`` for
         one when none has, and not at all when nothing is in flight."""
+        if self.paused:  # the weight loads since the last step are one update: generation resumes with it
+            self._resume(self._version + 1 if self._loaded_in_pause else self._version)
         outputs = []
         wait = self.step_wait_s if self._in_flight else 0.0
         deadline = time.monotonic() + wait
@@ -178,32 +181,44 @@ class VLLMAsyncEngine:
 
     @weight_version.setter
     def weight_version(self, version: int) -> None:
-        """Label the tokens sampled from now on with ``version`` (generation pauses for the change, so every
-        token gets the label of the weights that sampled it)."""
-        if version == self._version:
-            return
+        """Label the tokens sampled from now on with ``version``; after weight loads this ends the update and
+        resumes generation (otherwise generation pauses for the change, so every token gets the label of the
+        weights that sampled it)."""
+        version = int(version)
         if self.paused:
-            raise RuntimeError("generation is paused after a failed weight load: load whole weights "
-                               "(load_weights) before labelling a version")
-        self._paused_for(lambda: None, int(version), clear_cache=False)
+            self._resume(version)
+        elif version != self._version:
+            self._call(self.llm.pause_generation(mode="keep", clear_cache=False), self.call_timeout_s,
+                       f"pausing generation to label weight version {version}")
+            self.paused = True
+            self._resume(version)
 
     # ------------------------------------------------------------------------------- weight loads
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
-        """Pause generation (requests in flight kept), load whole tensors (trainer names) in checksummed buckets,
-        label the weights ``version`` (default: the current one + 1) and resume: the requests in flight go on
-        with the new weights, their later tokens labelled with the new version. Returns the bytes loaded. A
-        load that fails to verify raises `WeightLoadError` and leaves generation paused (nothing is sampled
-        with half-loaded weights) until a load succeeds."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load whole tensors (trainer names) in checksummed buckets with generation paused (requests in flight
+        kept, the KV cache cleared). Returns the bytes loaded. Loads until the next `step()` or
+        ``weight_version`` assignment form one update (weight sync calls this once per bucket of a push):
+        generation resumes there, the tokens from then on labelled with the version assigned, or the current
+        one + 1 at `step()`. A load that fails to verify raises `WeightLoadError`; if no load of the update
+        succeeded, generation resumes under the old label (as the built-in engine goes on with what was
+        written until the next, full, push)."""
         self._check_open()
-        new_version = self._version + 1 if version is None else int(version)
-        rpc = self._rpc
-
-        def load() -> int:
-            return load_in_checked_buckets(rpc, named_tensors, self.dtype, self.load_bucket_bytes)
-
-        loaded = self._paused_for(load, new_version, clear_cache=True)
+        if not self.paused:
+            self._call(self.llm.pause_generation(mode="keep", clear_cache=True), self.call_timeout_s,
+                       "pausing generation for a weight load")
+            self.paused = True
+        loaded = load_in_checked_buckets(self._rpc, named_tensors, self.dtype, self.load_bucket_bytes)
+        self._loaded_in_pause = True
         self.loads += 1
         return loaded
+
+    def _resume(self, version: int) -> None:
+        """Label the weights ``version`` and resume the paused scheduler (the requests in flight go on, those
+        whose KV cache was cleared prefilled again with the weights now loaded)."""
+        self._call(self.llm.update_weight_version(str(version)), self.call_timeout_s, f"labelling version {version}")
+        self._version = version
+        self._call(self.llm.resume_generation(), self.call_timeout_s, f"resuming generation at version {version}")
+        self.paused = self._loaded_in_pause = False
 
     def layer_groups(self, names: Iterable[str]) -> list[list[str]]:
         """Trainer names grouped by the vLLM layer they load into (what a delta load must send together)."""
@@ -212,22 +227,6 @@ class VLLMAsyncEngine:
     def named_weights(self) -> None:
         """vLLM exposes no tensors to write in place (weight sync keeps a shadow copy)."""
         return None
-
-    def _paused_for(self, action, version: int, clear_cache: bool):
-        """Run ``action()`` with vLLM's scheduler paused (in-flight requests frozen, not aborted), then label
-        the weights ``version`` and resume. ``clear_cache`` drops every KV block (the running requests are
-        prefilled again at resume: their cached keys and values came from the old weights)."""
-        what = f"weight version {version}"
-        if not self.paused:
-            self._call(self.llm.pause_generation(mode="keep", clear_cache=clear_cache), self.call_timeout_s,
-                       f"pausing generation for {what}")
-            self.paused = True
-        result = action()
-        self._call(self.llm.update_weight_version(str(version)), self.call_timeout_s, f"labelling {what}")
-        self._version = version
-        self._call(self.llm.resume_generation(), self.call_timeout_s, f"resuming generation after {what}")
-        self.paused = False
-        return result
 
     def _rpc(self, method: str, args: tuple = ()) -> list:
         return self._call(self.llm.collective_rpc(method, timeout=self.call_timeout_s, args=args),
