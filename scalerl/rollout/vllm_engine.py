@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -146,6 +146,59 @@ class WeightLoadError(RuntimeError):
     """A weight load into vLLM did not verify (a bucket's checksum differed, or a layer was left partly loaded)."""
 
 
+def sleep_mode_available() -> bool:
+    """Whether vLLM's sleep mode can run here (CUDA / ROCm / XPU; not vLLM's CPU worker)."""
+    return torch.cuda.is_available()
+
+
+def vllm_engine_args(model_path: str, dtype: str = "fp32", kv_cache_gib: float = 1.0, tensor_parallel_size: int = 1,
+                     seed: int = 0, **engine_kwargs: Any) -> dict[str, Any]:
+    """The engine arguments both scalerl vLLM engines start with (``vllm.LLM(**args)``,
+    ``AsyncEngineArgs(**args)``): token ids in and out, our worker extension for weight loads, log-probs after
+    temperature; on CPU eager mode, TP 1 and a head_dim vLLM's CPU attention takes (clear errors otherwise)."""
+    on_cpu = not torch.cuda.is_available()
+    head_dim = model_head_dim(model_path)
+    if on_cpu and head_dim is not None and head_dim < MIN_CPU_HEAD_DIM:
+        raise UserError(f"vLLM's CPU attention refuses head_dim {head_dim} (< {MIN_CPU_HEAD_DIM}) of the model "
+                        f"in {model_path}: use rollout.engine=builtin for it")
+    if on_cpu:  # compiling costs about a minute of start-up; tests and short runs do not earn it back
+        engine_kwargs.setdefault("enforce_eager", True)
+    if on_cpu and tensor_parallel_size > 1:
+        raise UserError(f"vLLM's CPU build runs tensor_parallel_size={tensor_parallel_size} only across "
+                        "NUMA nodes with its own launcher; scalerl runs vLLM on CPU with TP 1 (use rollout "
+                        "workers for more engines)")
+    # An explicit KV cache size (on CPU vLLM's default takes most of the RAM, which the trainer needs).
+    engine_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 1024**3))
+    return dict(model=model_path, skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
+                tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
+                logprobs_mode="processed_logprobs", **engine_kwargs)
+
+
+def load_in_checked_buckets(rpc: Callable[..., list], named_tensors: Iterable[tuple[str, torch.Tensor]],
+                            dtype: torch.dtype, bucket_bytes: int) -> int:
+    """Load whole tensors (trainer names) into a vLLM engine through `VLLMWeightLoader`, in buckets of about
+    ``bucket_bytes``, each bucket's checksum compared with the one taken in the engine's process; ``rpc`` is
+    the engine's ``collective_rpc`` (called ``rpc(method, args=...)``, returning one result per worker).
+    Returns the bytes loaded; raises `WeightLoadError` on a checksum mismatch or a layer left partly loaded."""
+    hf_named = [(n, t.detach().to("cpu", dtype).contiguous()) for n, t in hf_weight_names(named_tensors)]
+    rpc("scalerl_start_load")
+    loaded = 0
+    for b, bucket in enumerate(weight_buckets(hf_named, bucket_bytes)):
+        names, tensors = [n for n, _ in bucket], [t for _, t in bucket]
+        expected = tensors_checksum(tensors)
+        for got in rpc("scalerl_load_bucket", args=(names, pack_tensors(tensors))):
+            if got != expected:
+                rpc("scalerl_finish_load")
+                raise WeightLoadError(f"vLLM weight load: bucket {b} ({names[0]} ...) arrived with checksum "
+                                      f"{got}, sent {expected}")
+        loaded += sum(t.numel() * t.element_size() for t in tensors)
+    for unloaded in rpc("scalerl_finish_load"):
+        if unloaded:
+            raise WeightLoadError(f"vLLM weight load left {len(unloaded)} parameters of the layers it touched "
+                                  f"unloaded: {unloaded[:5]} (a layer must get all of its tensors in one load)")
+    return loaded
+
+
 class VLLMEngine:
     """Runs a vLLM ``LLM`` on a model directory in this process (its engine core in a child process).
 
@@ -159,37 +212,30 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, pad_token_id: int, dtype: str = "fp32", kv_cache_gib: float = 1.0,
                  tensor_parallel_size: int = 1, seed: int = 0, load_bucket_bytes: int = LOAD_BUCKET_BYTES,
-                 **llm_kwargs: Any):
+                 sleep_between_generations: bool = False, **llm_kwargs: Any):
         vllm = import_vllm()
-        on_cpu = not torch.cuda.is_available()
-        head_dim = model_head_dim(model_path)
-        if on_cpu and head_dim is not None and head_dim < MIN_CPU_HEAD_DIM:
-            raise UserError(f"vLLM's CPU attention refuses head_dim {head_dim} (< {MIN_CPU_HEAD_DIM}) of the model "
-                            f"in {model_path}: use rollout.engine=builtin for it")
-        if on_cpu:  # compiling costs about a minute of start-up; tests and short runs do not earn it back
-            llm_kwargs.setdefault("enforce_eager", True)
-        else:  # the memory of the update comes back from the engine between generations (`sleep`)
-            llm_kwargs.setdefault("enable_sleep_mode", True)
-        if on_cpu and tensor_parallel_size > 1:
-            raise UserError(f"vLLM's CPU build runs tensor_parallel_size={tensor_parallel_size} only across "
-                            "NUMA nodes with its own launcher; scalerl runs vLLM on CPU with TP 1 (use rollout "
-                            "workers for more engines)")
-        # An explicit KV cache size (on CPU vLLM's default takes most of the RAM, which the trainer needs).
-        llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 1024**3))
         self._vllm = vllm
         self.pad_token_id = pad_token_id
         self.dtype = ROLLOUT_DTYPES[dtype]
         self.load_bucket_bytes = load_bucket_bytes
-        self.llm = vllm.LLM(model=model_path, skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
-                            tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
-                            logprobs_mode="processed_logprobs", **llm_kwargs)
+        # Sleep mode (colocated: the trainer's update gets the KV cache's and the weights' memory back) exists
+        # on GPUs only; vLLM's CPU worker ignores sleep with a warning, so it is not asked for there.
+        self.can_sleep = sleep_between_generations and sleep_mode_available()
+        self.sleep_skipped = (None if self.can_sleep or not sleep_between_generations else
+                              "vLLM's CPU worker has no sleep mode (the KV cache and weights stay in RAM)")
+        if self.can_sleep:
+            llm_kwargs.setdefault("enable_sleep_mode", True)
+        self.llm = vllm.LLM(**vllm_engine_args(model_path, dtype, kv_cache_gib, tensor_parallel_size, seed,
+                                               **llm_kwargs))
         self.loads = 0
-        self.can_sleep, self.asleep = bool(llm_kwargs.get("enable_sleep_mode")), False
+        self.asleep = False
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         self._wake()
         params = [self._vllm.SamplingParams(**kw) for kw in vllm_sampling_kwargs(sampling, len(prompts))]
         outputs = self.llm.generate(vllm_prompts(prompts), params, use_tqdm=False)
+        if self.can_sleep:  # colocated on a GPU: the update that follows gets the memory
+            self.sleep()
         return map_vllm_outputs(outputs, prompts, self.pad_token_id)
 
     # The receiving interface of weight sync (scalerl/rollout/weight_loading.py).
@@ -197,24 +243,8 @@ class VLLMEngine:
         """Load whole tensors (trainer names) into vLLM in buckets of about ``load_bucket_bytes``; every
         bucket's checksum is compared with the one taken in the engine's process. Returns the bytes loaded.
         Tensors of a vLLM layer must come together (`layer_groups`); the prefix cache is reset after."""
-        hf_named = [(n, t.detach().to("cpu", self.dtype).contiguous()) for n, t in hf_weight_names(named_tensors)]
         self._wake()
-        rpc = self.llm.collective_rpc
-        rpc("scalerl_start_load")
-        loaded = 0
-        for b, bucket in enumerate(weight_buckets(hf_named, self.load_bucket_bytes)):
-            names, tensors = [n for n, _ in bucket], [t for _, t in bucket]
-            expected = tensors_checksum(tensors)
-            for got in rpc("scalerl_load_bucket", args=(names, pack_tensors(tensors))):
-                if got != expected:
-                    rpc("scalerl_finish_load")
-                    raise WeightLoadError(f"vLLM weight load: bucket {b} ({names[0]} ...) arrived with checksum "
-                                          f"{got}, sent {expected}")
-            loaded += sum(t.numel() * t.element_size() for t in tensors)
-        for unloaded in rpc("scalerl_finish_load"):
-            if unloaded:
-                raise WeightLoadError(f"vLLM weight load left {len(unloaded)} parameters of the layers it touched "
-                                      f"unloaded: {unloaded[:5]} (a layer must get all of its tensors in one load)")
+        loaded = load_in_checked_buckets(self.llm.collective_rpc, named_tensors, self.dtype, self.load_bucket_bytes)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.loads += 1
         return loaded
@@ -226,13 +256,13 @@ class VLLMEngine:
 
     def layer_groups(self, names: Iterable[str]) -> list[list[str]]:
         """Trainer names grouped by the vLLM layer they load into (what a delta load must send together)."""
-        hf_of = {hf: ours for (hf, _), ours in zip(hf_weight_names((n, None) for n in names), names)}
-        return [[hf_of[h] for h in group] for group in layer_groups(hf_of).values()]
+        return vllm_layer_groups(names)
 
     def sleep(self) -> None:
-        """Between a generation and the next weight load, release the KV cache and offload the weights, so the
-        update has the memory (vLLM's sleep mode: GPU only, and untested here, where there is no GPU; on
-        CPU it does nothing). `generate` and `load_weights` wake it first."""
+        """Release the KV cache and offload the weights until the next `generate` or `load_weights` (vLLM's
+        sleep mode, level 1: the weights come back for a delta load). Only with
+        ``sleep_between_generations`` on a GPU, where `generate` calls it after each generation; on CPU
+        (`sleep_skipped` says why) it does nothing. Untested here: no GPU was at hand."""
         if self.can_sleep and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
@@ -276,7 +306,15 @@ def vllm_engine_from_config(model: torch.nn.Module, cfg: Any, scratch_dir: Path,
         else:
             save_pretrained(model, source)
     return VLLMEngine(str(source), pad_token_id, dtype=cfg.rollout.dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
-                      seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+                      seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+                      sleep_between_generations=cfg.rollout.placement == "colocated")
+
+
+def vllm_layer_groups(names: Iterable[str]) -> list[list[str]]:
+    """Trainer names grouped by the vLLM layer they load into (what a delta load must send together)."""
+    names = list(names)
+    hf_of = {hf: ours for (hf, _), ours in zip(hf_weight_names((n, None) for n in names), names)}
+    return [[hf_of[h] for h in group] for group in layer_groups(hf_of).values()]
 
 
 def hf_weight_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

