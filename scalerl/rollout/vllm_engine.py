@@ -160,8 +160,15 @@ class VLLMEngine:
     def __init__(self, model_path: str, pad_token_id: int, dtype: str = "fp32", kv_cache_gib: float = 1.0,
                  tensor_parallel_size: int = 1, seed: int = 0, load_bucket_bytes: int = LOAD_BUCKET_BYTES,
                  **llm_kwargs: Any):
-        vllm = import_vllm()
         on_cpu = not torch.cuda.is_available()
+        if on_cpu and tensor_parallel_size > 1:  # before importing vLLM: refused whether or not it is installed
+            raise UserError(f"rollout.vllm_tensor_parallel_size={tensor_parallel_size}: vLLM's CPU build runs tensor "
+                            "parallelism only across NUMA nodes with its own launcher; scalerl runs vLLM on CPU with "
+                            "TP 1 (use rollout.workers for more engines)")
+        if not on_cpu and tensor_parallel_size > torch.cuda.device_count():
+            raise UserError(f"rollout.vllm_tensor_parallel_size={tensor_parallel_size} is more than the "
+                            f"{torch.cuda.device_count()} GPUs visible here")
+        vllm = import_vllm()
         head_dim = model_head_dim(model_path)
         if on_cpu and head_dim is not None and head_dim < MIN_CPU_HEAD_DIM:
             raise UserError(f"vLLM's CPU attention refuses head_dim {head_dim} (< {MIN_CPU_HEAD_DIM}) of the model "
@@ -170,10 +177,6 @@ class VLLMEngine:
             llm_kwargs.setdefault("enforce_eager", True)
         else:  # the memory of the update comes back from the engine between generations (`sleep`)
             llm_kwargs.setdefault("enable_sleep_mode", True)
-        if on_cpu and tensor_parallel_size > 1:
-            raise UserError(f"vLLM's CPU build runs tensor_parallel_size={tensor_parallel_size} only across "
-                            "NUMA nodes with its own launcher; scalerl runs vLLM on CPU with TP 1 (use rollout "
-                            "workers for more engines)")
         # An explicit KV cache size (on CPU vLLM's default takes most of the RAM, which the trainer needs).
         llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 1024**3))
         self._vllm = vllm
@@ -276,7 +279,8 @@ def vllm_engine_from_config(model: torch.nn.Module, cfg: Any, scratch_dir: Path,
         else:
             save_pretrained(model, source)
     return VLLMEngine(str(source), pad_token_id, dtype=cfg.rollout.dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
-                      seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+                      seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+                      tensor_parallel_size=cfg.rollout.vllm_tensor_parallel_size)
 
 
 def hf_weight_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

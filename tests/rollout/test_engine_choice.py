@@ -61,3 +61,24 @@ def test_auto_in_a_run_picks_and_says(tiny_config, capsys):
 @pytest.fixture
 def tiny_config(tmp_path):
     return tmp_path / "run"
+
+
+def test_vllm_tensor_parallel_refused_where_it_cannot_run(tmp_path, monkeypatch):
+    """rollout.vllm_tensor_parallel_size: an error on CPU (before vLLM is imported or started), beyond the
+    visible GPUs, and with the built-in engine (where it would do nothing)."""
+    from scalerl.core.config import ConfigError, load_config
+    from scalerl.core.errors import UserError
+    from scalerl.rollout.vllm_engine import VLLMEngine, vllm_engine_from_config
+
+    with pytest.raises(ConfigError, match="rollout.vllm_tensor_parallel_size=2 applies to vLLM only"):
+        load_config(None, ["rollout.vllm_tensor_parallel_size=2"])
+    cfg = load_config(None, ["rollout.engine=vllm", "rollout.vllm_tensor_parallel_size=2", "model.hidden_size=128",
+                             "model.num_attention_heads=2", "model.num_key_value_heads=1"])
+    model = build_model(ModelConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1), seed=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match=r"rollout.vllm_tensor_parallel_size=2: vLLM's CPU build"):
+        vllm_engine_from_config(model, cfg, tmp_path, pad_token_id=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match="more than the 1 GPUs visible"):
+        VLLMEngine(str(tmp_path / "vllm_initial_weights"), 0, tensor_parallel_size=2)
