@@ -8,7 +8,13 @@ import torch
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
 from scalerl.rollout import engine_choice
-from scalerl.rollout.engine_choice import VLLM_MIN_PARAMETERS, choose_engine
+from scalerl.rollout.engine_choice import (
+    VLLM_CPU_MIN_TOKENS_PER_STEP,
+    VLLM_MIN_PARAMETERS,
+    choose_engine,
+    generated_tokens_per_engine,
+    resolve_engine,
+)
 
 
 @pytest.fixture
@@ -40,6 +46,32 @@ def test_auto_rule_and_reasons(vllm_installed):
     narrow.config = ModelConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)  # head_dim 16
     engine, why = choose_engine(narrow, "colocated", 1)
     assert engine == "builtin" and "head_dim 16" in why
+
+
+def test_auto_on_cpu_weighs_the_per_step_load_against_the_tokens(vllm_installed, monkeypatch):
+    """On CPU a large model goes to vLLM only when an engine generates enough tokens per step to pay for
+    loading the weights into it every step; on a GPU the size alone decides."""
+    engine, why = choose_engine(Big(), "colocated", 1, VLLM_CPU_MIN_TOKENS_PER_STEP - 1)
+    assert engine == "builtin" and f"{VLLM_CPU_MIN_TOKENS_PER_STEP - 1} generated tokens per step" in why
+    engine, why = choose_engine(Big(), "standalone", 1, VLLM_CPU_MIN_TOKENS_PER_STEP)
+    assert engine == "vllm" and f"{VLLM_CPU_MIN_TOKENS_PER_STEP} tokens per step per engine" in why
+    monkeypatch.setattr(engine_choice.torch.cuda, "is_available", lambda: True)
+    assert choose_engine(Big(), "colocated", 1, 1)[0] == "vllm"
+
+
+def test_tokens_per_engine_from_the_config_trainer_and_workers_decide_alike(vllm_installed):
+    from scalerl.core.config import load_config
+
+    rows = ["trainer.batch_size=4", "rollout.n=8", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size=8",
+            "rollout.engine=auto"]
+    cfg = load_config(None, [*rows, f"rollout.max_new_tokens={VLLM_CPU_MIN_TOKENS_PER_STEP // 32}"])
+    assert generated_tokens_per_engine(cfg) == VLLM_CPU_MIN_TOKENS_PER_STEP
+    assert resolve_engine(cfg, Big(), trainer_ranks=1) == "vllm"
+    two_workers = load_config(None, [*rows, f"rollout.max_new_tokens={VLLM_CPU_MIN_TOKENS_PER_STEP // 32}",
+                                     "rollout.placement=standalone", "rollout.workers=2"])
+    assert generated_tokens_per_engine(two_workers) == VLLM_CPU_MIN_TOKENS_PER_STEP // 2  # each worker half
+    assert resolve_engine(two_workers, Big(), trainer_ranks=1) == "builtin"
+    assert resolve_engine(load_config(None, ["rollout.engine=vllm"]), Big(), 1) == "vllm"  # explicit: as given
 
 
 def test_auto_without_vllm(monkeypatch):
