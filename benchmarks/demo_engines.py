@@ -90,6 +90,9 @@ def main() -> None:
     parser.add_argument("--kv-gib", type=float, default=1.0)
     parser.add_argument("--placements", default="colocated", help="colocated and/or standalone, comma-separated")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per standalone run")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep what an earlier call left in --out for this seed: its SFT and built-in demo "
+                             "(demo_result.json) and any standalone run that finished (final/)")
     args = parser.parse_args()
     placements = args.placements.split(",")
     if not set(placements) <= {"colocated", "standalone"}:
@@ -98,7 +101,10 @@ def main() -> None:
     out = args.out / f"seed{args.seed}"
     base = [f"trainer.output_dir={out}", f"trainer.seed={args.seed}", "trainer.logger=[jsonl]"]
     cfg = load_config(DEMO_CONFIG, base)
-    demo = run_demo(cfg)
+    if args.reuse and (out / "demo_result.json").exists():
+        demo = json.loads((out / "demo_result.json").read_text())
+    else:
+        demo = run_demo(cfg)
     builtin = summarize(out / "grpo" / "metrics.jsonl", demo["total_seconds"] - demo["sft_seconds"])
     result = {"seed": args.seed, "builtin": builtin}
     if "colocated" in placements:
@@ -116,9 +122,13 @@ def main() -> None:
     if "standalone" in placements:
         for engine in ("builtin", "vllm"):
             run_dir = out / f"grpo_standalone_{engine}"
-            seconds = run_standalone([*base, f"trainer.init_from={out / 'sft' / 'model'}",
-                                      f"trainer.output_dir={run_dir}", f"rollout.engine={engine}",
-                                      f"rollout.vllm_kv_cache_gib={args.kv_gib}"], args.timeout)
+            if args.reuse and (run_dir / "final").exists():  # its wall time: the sum of its steps
+                seconds = sum(json.loads(line).get("timing_s/step", 0.0)
+                              for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+            else:
+                seconds = run_standalone([*base, f"trainer.init_from={out / 'sft' / 'model'}",
+                                          f"trainer.output_dir={run_dir}", f"rollout.engine={engine}",
+                                          f"rollout.vllm_kv_cache_gib={args.kv_gib}"], args.timeout)
             summary = summarize(run_dir / "metrics.jsonl", seconds)
             summary["in_run_after"] = summary.pop("after")
             summary["after"] = evaluate_final(run_dir / "final", base)  # a fresh evaluation of the final model
