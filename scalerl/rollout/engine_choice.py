@@ -28,8 +28,11 @@ import torch
 VLLM_MIN_PARAMETERS = 100_000_000
 MIN_CPU_HEAD_DIM = 32  # vLLM's CPU attention: "Unsupported CPU attention configuration: head_dim=16"
 # On CPU, generated tokens per step (per engine) below which vLLM's per-step weight load costs more than its
-# faster decoding saves: the break-even of the measured load (s per parameter) over the measured decoding
-# saving (s per parameter and token), benchmarks/generation_vllm.py --grpo on the 0.5B shape.
+# faster decoding saves. Measured (docs/performance.md): the load 51-65 ns per parameter above the built-in
+# engine's sync (benchmarks/generation_vllm.py --grpo), the decoding saving 13-44 ps per parameter and token
+# (the tokens/s rows on the 0.5B shape): break-even 1200-5000 tokens. The upper end, because the two
+# mistakes are not alike: vLLM picked wrongly made a step 2.9-3.7x slower (32 tokens a step), the built-in
+# engine picked wrongly costs at most generation's share of the step (16% at 2048 tokens on the 0.5B shape).
 VLLM_CPU_MIN_TOKENS_PER_STEP = 4096
 
 
