@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--kv-gib", type=float, default=1.0)
     parser.add_argument("--placements", default="colocated", help="colocated and/or standalone, comma-separated")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per standalone run")
+    parser.add_argument("--standalone-engines", default="builtin,vllm",
+                        help="standalone: the workers' engines to run (the ratios need both)")
     parser.add_argument("--reuse", action="store_true",
                         help="keep what an earlier call left in --out for this seed: its SFT and built-in demo "
                              "(demo_result.json) and any standalone run that finished (final/)")
@@ -120,7 +122,7 @@ def main() -> None:
         result.update(vllm=vllm, step_ratio_vllm_over_builtin=round(vllm["step_s"] / builtin["step_s"], 2),
                       gen_ratio_vllm_over_builtin=round(vllm["gen_s"] / builtin["gen_s"], 2))
     if "standalone" in placements:
-        for engine in ("builtin", "vllm"):
+        for engine in args.standalone_engines.split(","):
             run_dir = out / f"grpo_standalone_{engine}"
             if args.reuse and (run_dir / "final").exists():  # its wall time: the sum of its steps
                 seconds = sum(json.loads(line).get("timing_s/step", 0.0)
@@ -135,7 +137,8 @@ def main() -> None:
             summary["gain_points"] = round(100 * (summary["after"] - summary["before"]), 1)
             result[f"standalone_{engine}"] = summary
             print(f"standalone {engine}: {json.dumps(result[f'standalone_{engine}'])}", flush=True)
-        sb, sv = result["standalone_builtin"], result["standalone_vllm"]
+        sb, sv = result.get("standalone_builtin"), result.get("standalone_vllm")
+    if "standalone" in placements and sb and sv:
         result.update(standalone_step_ratio_vllm_over_builtin=round(sv["step_s"] / sb["step_s"], 2),
                       standalone_gen_ratio_vllm_over_builtin=round(sv["gen_s"] / sb["gen_s"], 2))
     print(json.dumps(result, indent=2))
