@@ -9,6 +9,19 @@ row's length as its ``max_tokens``), so both produce the same tokens' worth of w
 between the engines after a warm-up and medians are reported, as wall-clock tokens/s (vLLM's engine runs in
 a child process, so this process's CPU time says nothing about it). vLLM's start-up (model load) is
 reported on its own, not in the tokens/s. ``ratio`` = vLLM tokens/s over the built-in engine's.
+
+``--grpo``: one GRPO run per engine on the 0.5B-shaped model (random weights, ``--grpo-layers`` of its 24
+layers), each cell ``ENGINE:PRECISION`` of ``--grpo-cells`` a fresh process running the demo's arithmetic
+task through scalerl's RL trainer with ``rollout.engine=ENGINE`` (``auto``: what `engine_choice` picks, and
+what it said) and ``trainer.precision=PRECISION`` (the update's; vLLM's weights in the same dtype,
+``rollout.dtype``; the built-in engine decodes in the trainer's precision, on its fused bf16 path in bf16).
+Random weights almost never sample the stop token (1 in 151936), so every response runs to
+``--grpo-new-tokens``: RL-like lengths in that they are long next to the prompts (the demo's, about 10
+tokens), the worst case of a long-tailed length distribution. One untimed step, then ``--grpo-steps`` timed
+ones; per cell the medians of the step (wall) and of the trainer's phases: gen, old_log_prob, update_actor,
+update_weights (the sync: the built-in engine re-lays its decode weights, vLLM loads them through its
+layerwise reload, checksummed). Cells run in the order given, repeats reverse it (``--grpo-repeats``).
+vLLM's start-up is reported apart (not in a step). Ratios are built-in's step over each cell's.
 """
 
 from __future__ import annotations
@@ -17,9 +30,12 @@ import argparse
 import copy
 import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -138,6 +154,96 @@ def vllm_rows_from_args(args: argparse.Namespace) -> list[dict]:
                          args.vllm_rl_tokens, args.repeats)
 
 
+# --grpo: one GRPO run per engine on the 0.5B-shaped model -------------------------------------------------
+GRPO_PHASES = ("gen", "old_log_prob", "update_actor", "update_weights")
+
+
+def grpo_cell_overrides(model_dir: str, engine: str, precision: str, prompts: int, n: int, new_tokens: int,
+                        micro: int) -> list[str]:
+    """The demo config's overrides for one cell: the 0.5B-shaped model from ``model_dir``, the batch and lengths,
+    the engine and precision (vLLM's weights in the trainer's precision)."""
+    rows = prompts * n
+    return [f"model.path={model_dir}", "model.tokenizer=builtin", "trainer.logger=[]", "data.num_val=0",
+            "trainer.eval_every=0", "trainer.monitor_every=0", f"trainer.batch_size={prompts}", f"rollout.n={n}",
+            f"rollout.max_new_tokens={new_tokens}", f"actor.ppo_mini_batch_size={rows}",
+            f"actor.ppo_micro_batch_size={micro}", f"rollout.engine={engine}", f"trainer.precision={precision}",
+            f"rollout.dtype={precision if engine != 'builtin' else 'fp32'}", "rollout.vllm_kv_cache_gib=0.5"]
+
+
+def grpo_cell(overrides: list[str], steps: int) -> dict:
+    """Runs in the cell's own process: one untimed step, then ``steps`` timed ones; medians per phase."""
+    from scalerl.core.config import load_config
+    from scalerl.trainer.rl_trainer import RLTrainer
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "scalerl/configs/demo.yaml"),
+                      [f"trainer.output_dir={tempfile.mkdtemp(prefix='grpo_cell_')}", *overrides])
+    start = time.perf_counter()
+    trainer = RLTrainer.from_config(cfg)
+    startup = time.perf_counter() - start
+    rows = []
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        m = trainer.train_step()
+        trainer.step += 1
+        if i:  # the first step pays one-time costs (allocations, kernel choice, vLLM's first load)
+            rows.append({"step": time.perf_counter() - start,
+                         **{p: m.get(f"timing_s/{p}", 0.0) for p in GRPO_PHASES},
+                         "response_length": m["response_length/mean"],
+                         "logprob_diff_max": m.get("rollout/logprob_diff/max", 0.0)})
+    result = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    result["steps"] = [round(r["step"], 2) for r in rows]
+    result.update(engine=trainer.cfg.rollout.engine, startup_s=startup, loads=getattr(trainer.engine, "loads", 0))
+    trainer.close()
+    return result
+
+
+def run_grpo_rows(cells: list[str], layers: int, prompts: int, n: int, new_tokens: int, micro: int, steps: int,
+                  repeats: int, timeout_s: float) -> list[dict]:
+    """Each ``ENGINE:PRECISION`` cell in a fresh process, ``repeats`` times (alternate repeats in reverse)."""
+    from benchmarks.precision import write_model
+
+    fields = dict(model_shape("qwen2.5-0.5b").__dict__, num_hidden_layers=layers, torch_dtype="float32")
+    fields = {k: fields[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads", "attention_bias",
+                                     "tie_word_embeddings", "torch_dtype")}
+    results: dict[str, list[dict]] = {c: [] for c in cells}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_model(fields, Path(tmp) / "model")
+        for repeat in range(repeats):
+            for cell in (cells if repeat % 2 == 0 else cells[::-1]):
+                engine, precision = cell.split(":")
+                overrides = grpo_cell_overrides(str(Path(tmp) / "model"), engine, precision, prompts, n, new_tokens,
+                                                micro)
+                load = os.getloadavg()[0]
+                done = subprocess.run([sys.executable, os.path.abspath(__file__), "--grpo-cell", json.dumps(overrides),
+                                       "--grpo-steps", str(steps)], capture_output=True, text=True, timeout=timeout_s,
+                                      check=False)
+                said = next((ln for ln in done.stdout.splitlines() if ln.startswith("rollout.engine=auto")), "")
+                result = next((json.loads(ln[7:]) for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                if result is None:
+                    raise RuntimeError(f"cell {cell} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+                result.update(cell=cell, said=said, load_before=load, load_after=os.getloadavg()[0])
+                results[cell].append(result)
+                print(f"{cell:12s} repeat {repeat}: step {result['step']:7.2f} s | " + " | ".join(
+                    f"{p} {result[p]:6.2f}" for p in GRPO_PHASES) + f" | engine {result['engine']} | start-up "
+                      f"{result['startup_s']:.0f} s | load {load:.1f}-{result['load_after']:.1f} {said}", flush=True)
+    base = next((c for c in cells if c.startswith("builtin:")), cells[0])
+    rows = []
+    for cell, runs in results.items():
+        row = {k: statistics.median(r[k] for r in runs) for k in ("step", *GRPO_PHASES, "startup_s", "response_length",
+                                                                   "logprob_diff_max")}
+        row.update(cell=cell, engine=runs[0]["engine"], said=runs[0]["said"], runs=runs,
+                   speedup_vs_builtin=statistics.median(r["step"] for r in results[base]) / row["step"])
+        rows.append(row)
+    print(f"\n0.5B-shaped, {layers} of 24 layers, {prompts} prompts x {n} samples, {new_tokens} new tokens; "
+          f"median of {repeats} x {steps} steps; speed-up = {base}'s step / the cell's")
+    print("cell          engine   step s   " + "  ".join(f"{p:>14s}" for p in GRPO_PHASES) + "  speed-up")
+    for row in rows:
+        print(f"{row['cell']:12s}  {row['engine']:7s} {row['step']:7.2f}   " + "  ".join(
+            f"{row[p]:14.2f}" for p in GRPO_PHASES) + f"  {row['speedup_vs_builtin']:7.2f}x")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", choices=("fixed", "rl", "all"), default="all")
@@ -145,11 +251,31 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both engines)")
     parser.add_argument("--json", help="write the rows here")
     add_vllm_arguments(parser)
+    parser.add_argument("--grpo", action="store_true", help="one GRPO run per engine instead of the tokens/s rows")
+    parser.add_argument("--grpo-cells", default="builtin:bf16,vllm:bf16,auto:bf16",
+                        help="ENGINE:PRECISION cells (engine builtin|vllm|auto, precision fp32|bf16)")
+    parser.add_argument("--grpo-layers", type=int, default=24, help="decoder layers of the 0.5B shape (24 real)")
+    parser.add_argument("--grpo-prompts", type=int, default=2)
+    parser.add_argument("--grpo-n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--grpo-new-tokens", type=int, default=128)
+    parser.add_argument("--grpo-micro", type=int, default=4, help="actor.ppo_micro_batch_size")
+    parser.add_argument("--grpo-steps", type=int, default=2, help="timed steps per cell (after one untimed)")
+    parser.add_argument("--grpo-repeats", type=int, default=1)
+    parser.add_argument("--grpo-timeout", type=float, default=1200, help="seconds per cell")
+    parser.add_argument("--grpo-cell", help=argparse.SUPPRESS)  # internal: run one cell's overrides (JSON)
     args = parser.parse_args()
+    if args.grpo_cell:
+        print("RESULT " + json.dumps(grpo_cell(json.loads(args.grpo_cell), args.grpo_steps)), flush=True)
+        return
     torch.set_num_threads(args.threads)
     with open("/proc/loadavg") as f:
         print(f"load average before: {f.read().split()[:3]}")
-    rows = vllm_rows_from_args(args)
+    if args.grpo:
+        rows = run_grpo_rows(args.grpo_cells.split(","), args.grpo_layers, args.grpo_prompts, args.grpo_n,
+                             args.grpo_new_tokens, args.grpo_micro, args.grpo_steps, args.grpo_repeats,
+                             args.grpo_timeout)
+    else:
+        rows = vllm_rows_from_args(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

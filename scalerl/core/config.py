@@ -295,6 +295,9 @@ class RolloutSection(_Section):
                              "rollout.engine=vllm also the colocated engine's: " + " | ".join(ROLLOUT_DTYPES))
     vllm_kv_cache_gib: float = opt(1.0, "rollout.engine=vllm: the KV cache vLLM reserves, in GiB (its own default "
                                         "takes most of the free memory)", above=0)
+    vllm_tensor_parallel_size: int = opt(1, "rollout.engine=vllm: devices each vLLM engine spans (vLLM's tensor "
+                                            "parallelism; GPUs only, at most the GPUs visible to it; refused on "
+                                            "CPU)", at_least=1)
     staleness: int = opt(0, "standalone: K >= 0, the most policy versions a trained sample may lag: the prompts "
                             "of steps k+1..k+K go to the workers while step k trains (0 = synchronous, 1 = one-step "
                             "asynchronous); older samples are dropped from the loss and counted")
@@ -329,6 +332,9 @@ class RolloutSection(_Section):
         _check_choice(p, "rollout.placement", self.placement, ROLLOUT_PLACEMENTS)
         _check(p, self.workers >= 1, "rollout.workers", ">= 1", self.workers)
         _check_choice(p, "rollout.dtype", self.dtype, ROLLOUT_DTYPES)
+        if self.vllm_tensor_parallel_size > 1 and self.engine == "builtin":
+            p.append(f"rollout.vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} applies to vLLM only "
+                     "(rollout.engine=vllm or auto); the built-in engine's tensor parallelism is parallel.tp")
         _check(p, self.staleness >= 0, "rollout.staleness", ">= 0", self.staleness)
         _check_choice(p, "rollout.is_level", self.is_level, IS_LEVELS)
         _check_choice(p, "rollout.is_mode", self.is_mode, IS_MODES)

@@ -151,6 +151,13 @@ def sleep_mode_available() -> bool:
     return torch.cuda.is_available()
 
 
+def check_cpu_tensor_parallel(tensor_parallel_size: int) -> None:
+    if not torch.cuda.is_available() and tensor_parallel_size > 1:
+        raise UserError(f"rollout.vllm_tensor_parallel_size={tensor_parallel_size}: vLLM's CPU build runs tensor "
+                        "parallelism only across NUMA nodes with its own launcher; scalerl runs vLLM on CPU with "
+                        "TP 1 (use rollout.workers for more engines)")
+
+
 def vllm_engine_args(model_path: str, dtype: str = "fp32", kv_cache_gib: float = 1.0, tensor_parallel_size: int = 1,
                      seed: int = 0, **engine_kwargs: Any) -> dict[str, Any]:
     """The engine arguments both scalerl vLLM engines start with (``vllm.LLM(**args)``,
@@ -163,10 +170,7 @@ def vllm_engine_args(model_path: str, dtype: str = "fp32", kv_cache_gib: float =
                         f"in {model_path}: use rollout.engine=builtin for it")
     if on_cpu:  # compiling costs about a minute of start-up; tests and short runs do not earn it back
         engine_kwargs.setdefault("enforce_eager", True)
-    if on_cpu and tensor_parallel_size > 1:
-        raise UserError(f"vLLM's CPU build runs tensor_parallel_size={tensor_parallel_size} only across "
-                        "NUMA nodes with its own launcher; scalerl runs vLLM on CPU with TP 1 (use rollout "
-                        "workers for more engines)")
+    check_cpu_tensor_parallel(tensor_parallel_size)
     # An explicit KV cache size (on CPU vLLM's default takes most of the RAM, which the trainer needs).
     engine_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 1024**3))
     return dict(model=model_path, skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
@@ -213,6 +217,10 @@ class VLLMEngine:
     def __init__(self, model_path: str, pad_token_id: int, dtype: str = "fp32", kv_cache_gib: float = 1.0,
                  tensor_parallel_size: int = 1, seed: int = 0, load_bucket_bytes: int = LOAD_BUCKET_BYTES,
                  sleep_between_generations: bool = False, **llm_kwargs: Any):
+        if torch.cuda.is_available() and tensor_parallel_size > torch.cuda.device_count():
+            raise UserError(f"rollout.vllm_tensor_parallel_size={tensor_parallel_size} is more than the "
+                            f"{torch.cuda.device_count()} GPUs visible here")
+        check_cpu_tensor_parallel(tensor_parallel_size)  # before importing vLLM: refused whether or not installed
         vllm = import_vllm()
         self._vllm = vllm
         self.pad_token_id = pad_token_id
@@ -307,7 +315,8 @@ def vllm_engine_from_config(model: torch.nn.Module, cfg: Any, scratch_dir: Path,
             save_pretrained(model, source)
     return VLLMEngine(str(source), pad_token_id, dtype=cfg.rollout.dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
                       seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-                      sleep_between_generations=cfg.rollout.placement == "colocated")
+                      sleep_between_generations=cfg.rollout.placement == "colocated",
+                      tensor_parallel_size=cfg.rollout.vllm_tensor_parallel_size)
 
 
 def vllm_layer_groups(names: Iterable[str]) -> list[list[str]]:

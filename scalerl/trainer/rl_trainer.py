@@ -35,7 +35,7 @@ from scalerl.perf.timing import StepTimer
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
-from scalerl.rollout.engine_choice import choose_engine
+from scalerl.rollout.engine_choice import choose_engine, generated_tokens_per_engine
 from scalerl.rollout.sources import (
     ColocatedRollouts,
     StandaloneRollouts,
@@ -119,7 +119,7 @@ class RLTrainer(TrainingRun):
         self.reward.last_good_checkpoint = lambda: last_good_checkpoint(self.checkpoint_root)
         self.reward_extra_names: set[str] = set()
         if r.engine == "auto":  # decided once, from the model; standalone workers decide alike
-            r.engine, why = choose_engine(model, r.placement, ctx.world_size)
+            r.engine, why = choose_engine(model, r.placement, ctx.world_size, generated_tokens_per_engine(cfg))
             if ctx.is_main:
                 print(f"rollout.engine=auto: {r.engine} ({why})", flush=True)
         self.engine = self._build_engine()  # generates when colocated, evaluates always

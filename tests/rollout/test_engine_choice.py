@@ -8,7 +8,13 @@ import torch
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
 from scalerl.rollout import engine_choice
-from scalerl.rollout.engine_choice import VLLM_MIN_PARAMETERS, choose_engine
+from scalerl.rollout.engine_choice import (
+    VLLM_CPU_MIN_TOKENS_PER_STEP,
+    VLLM_MIN_PARAMETERS,
+    choose_engine,
+    generated_tokens_per_engine,
+    resolve_engine,
+)
 
 
 @pytest.fixture
@@ -42,6 +48,32 @@ def test_auto_rule_and_reasons(vllm_installed):
     assert engine == "builtin" and "head_dim 16" in why
 
 
+def test_auto_on_cpu_weighs_the_per_step_load_against_the_tokens(vllm_installed, monkeypatch):
+    """On CPU a large model goes to vLLM only when an engine generates enough tokens per step to pay for
+    loading the weights into it every step; on a GPU the size alone decides."""
+    engine, why = choose_engine(Big(), "colocated", 1, VLLM_CPU_MIN_TOKENS_PER_STEP - 1)
+    assert engine == "builtin" and f"{VLLM_CPU_MIN_TOKENS_PER_STEP - 1} generated tokens per step" in why
+    engine, why = choose_engine(Big(), "standalone", 1, VLLM_CPU_MIN_TOKENS_PER_STEP)
+    assert engine == "vllm" and f"{VLLM_CPU_MIN_TOKENS_PER_STEP} tokens per step per engine" in why
+    monkeypatch.setattr(engine_choice.torch.cuda, "is_available", lambda: True)
+    assert choose_engine(Big(), "colocated", 1, 1)[0] == "vllm"
+
+
+def test_tokens_per_engine_from_the_config_trainer_and_workers_decide_alike(vllm_installed):
+    from scalerl.core.config import load_config
+
+    rows = ["trainer.batch_size=4", "rollout.n=8", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size=8",
+            "rollout.engine=auto"]
+    cfg = load_config(None, [*rows, f"rollout.max_new_tokens={VLLM_CPU_MIN_TOKENS_PER_STEP // 32}"])
+    assert generated_tokens_per_engine(cfg) == VLLM_CPU_MIN_TOKENS_PER_STEP
+    assert resolve_engine(cfg, Big(), trainer_ranks=1) == "vllm"
+    two_workers = load_config(None, [*rows, f"rollout.max_new_tokens={VLLM_CPU_MIN_TOKENS_PER_STEP // 32}",
+                                     "rollout.placement=standalone", "rollout.workers=2"])
+    assert generated_tokens_per_engine(two_workers) == VLLM_CPU_MIN_TOKENS_PER_STEP // 2  # each worker half
+    assert resolve_engine(two_workers, Big(), trainer_ranks=1) == "builtin"
+    assert resolve_engine(load_config(None, ["rollout.engine=vllm"]), Big(), 1) == "vllm"  # explicit: as given
+
+
 def test_auto_without_vllm(monkeypatch):
     monkeypatch.setattr(engine_choice.importlib.util, "find_spec", lambda name, *a: None)
     assert choose_engine(Big(), "colocated", 1) == ("builtin", "vLLM is not installed")
@@ -61,3 +93,24 @@ def test_auto_in_a_run_picks_and_says(tiny_config, capsys):
 @pytest.fixture
 def tiny_config(tmp_path):
     return tmp_path / "run"
+
+
+def test_vllm_tensor_parallel_refused_where_it_cannot_run(tmp_path, monkeypatch):
+    """rollout.vllm_tensor_parallel_size: an error on CPU (before vLLM is imported or started), beyond the
+    visible GPUs, and with the built-in engine (where it would do nothing)."""
+    from scalerl.core.config import ConfigError, load_config
+    from scalerl.core.errors import UserError
+    from scalerl.rollout.vllm_engine import VLLMEngine, vllm_engine_from_config
+
+    with pytest.raises(ConfigError, match="rollout.vllm_tensor_parallel_size=2 applies to vLLM only"):
+        load_config(None, ["rollout.vllm_tensor_parallel_size=2"])
+    cfg = load_config(None, ["rollout.engine=vllm", "rollout.vllm_tensor_parallel_size=2", "model.hidden_size=128",
+                             "model.num_attention_heads=2", "model.num_key_value_heads=1"])
+    model = build_model(ModelConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1), seed=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match=r"rollout.vllm_tensor_parallel_size=2: vLLM's CPU build"):
+        vllm_engine_from_config(model, cfg, tmp_path, pad_token_id=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match="more than the 1 GPUs visible"):
+        VLLMEngine(str(tmp_path / "vllm_initial_weights"), 0, tensor_parallel_size=2)
