@@ -63,21 +63,28 @@ def _weight_and_bias(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | No
 
 # oneDNN's blocked weight layout on CPU: reordered once per sync, read by `_linear_pointwise`. Measured on
 # one core (AMD EPYC, AVX-512 BF16): 1.3-2.1x faster than F.linear on the plain bf16 tensor at decode
-# shapes (it re-reads the plain layout each call), same bits; in fp32 2-2.7x faster from 16 rows on,
-# ~1e-6 relative apart (summation order). The row count it is tuned for; other counts run as fast.
+# shapes (it re-reads the plain layout each call), same bits; in fp32 1.3-2.7x faster from 16 rows on for
+# matrices from 1376 x 256 up, ~1e-6 relative apart (summation order). But each `_linear_pointwise` call
+# costs about 18 us however small the product, where F.linear on a plain fp32 matrix costs 3-6 us: plain
+# fp32 is faster up to 256 x 256 at any row count and ties at 512 x 256 (`benchmarks/generation.py`
+# rows of docs/performance.md), so fp32 matrices up to FP32_PLAIN_MAX elements stay plain (the tiny model's
+# all, the small model's q/k/v, o and LM head). The row count the blocked layout is tuned for; other counts
+# run as fast.
 PACK_ROWS = 16
+FP32_PLAIN_MAX = 512 * 256
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class PackedLinear:
-    """One weight matrix (and bias) laid out for the kernel that reads it: oneDNN's blocked format on CPU,
-    the plain tensor elsewhere (GPUs' matmuls read the plain one at full speed)."""
+    """One weight matrix (and bias) laid out for the kernel that reads it: oneDNN's blocked format on CPU
+    (but small fp32 matrices, see FP32_PLAIN_MAX), the plain tensor elsewhere (GPUs' matmuls read the plain
+    one at full speed)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocked: bool = True):
         self.nbytes = weight.numel() * weight.element_size()
         self.bias = bias
-        self.onednn = (blocked and ONEDNN_LINEAR and weight.device.type == "cpu"
-                       and weight.dtype in (torch.float32, torch.bfloat16))
+        self.onednn = blocked and ONEDNN_LINEAR and weight.device.type == "cpu" and (
+            weight.dtype == torch.bfloat16 or (weight.dtype == torch.float32 and weight.numel() > FP32_PLAIN_MAX))
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if self.onednn else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,16 +205,22 @@ class DecodeModel:
         hidden = F.embedding(input_ids, self.embedding).float()
         cos, signed_sin = self._rotation(position_ids, bsz, seq, heads + kv_heads)
         half = head_dim // 2
+        # Below fp32, the norms' and the rotation's last op writes its result rounded to the compute dtype
+        # into these (one allocation per forward, not a cast per use: each is read before the next write).
+        normed = rotated = None
+        if dtype != torch.float32:
+            normed = torch.empty(bsz, seq, cfg.hidden_size, dtype=dtype, device=input_ids.device)
+            rotated = torch.empty(bsz, seq, all_heads, head_dim, dtype=dtype, device=input_ids.device)
         for index, lw in enumerate(self.layers):
             attn = lw.attn
-            qkv = lw.qkv(rms_norm(hidden, lw.input_norm, eps).to(dtype)).view(bsz, seq, all_heads, head_dim)
+            qkv = lw.qkv(rms_norm(hidden, lw.input_norm, eps, normed)).view(bsz, seq, all_heads, head_dim)
             if attn.qk_norm:  # the model's own modules: the same numerics as its (autocast) forward
                 q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=2)
                 qkv = torch.cat((attn.q_norm(q), attn.k_norm(k), v), dim=2)
             # One rotation over all heads in fp32 (cos/sin are), as autocast's forward rotates q and k, as
             # three ops (rotate_half(x) * sin == roll(x, half) * signed_sin), then rounded to the compute
             # dtype as autocast's attention takes q, k and v (the fp32 cache holds the rounded values).
-            qkv = torch.addcmul(qkv * cos, qkv.roll(half, dims=-1), signed_sin).to(dtype).transpose(1, 2)
+            qkv = torch.addcmul(qkv * cos, qkv.roll(half, dims=-1), signed_sin, out=rotated).transpose(1, 2)
             keys, values = kv_cache.update_kv(index, qkv[:, heads:], cache_start)
             q = qkv[:, :heads].float()
             layer_mask = bias
@@ -218,11 +231,11 @@ class DecodeModel:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layer_mask,
                                                  enable_gqa=heads != kv_heads, scale=attn.scale)
             hidden = hidden + lw.o(out.transpose(1, 2).reshape(bsz, seq, heads * head_dim).to(dtype))
-            gate, up = lw.gate_up(rms_norm(hidden, lw.post_norm, eps).to(dtype)).chunk(2, dim=-1)
+            gate, up = lw.gate_up(rms_norm(hidden, lw.post_norm, eps, normed)).chunk(2, dim=-1)
             hidden = hidden + lw.down(lw.act(gate) * up)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return self.lm_head(rms_norm(hidden, self.final_norm, eps).to(dtype))
+        return self.lm_head(rms_norm(hidden, self.final_norm, eps, None if normed is None else normed[:, -hidden.shape[1]:]))
 
     def _rotation(self, position_ids: torch.Tensor, bsz: int, seq: int, rotated_heads: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,9 +259,10 @@ class DecodeModel:
         return self._rope
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` in fp32 as ``x * rsqrt(sum(x^2) + n eps) * (weight sqrt(n))``,
     five plain ops (``weight`` and ``eps`` given prescaled, `DecodeModel._norm_weight`): ``F.rms_norm``'s CPU
     kernel took 34 us at a decode step's ``[16, 1, 256]`` where these take about 14 us, and a sum 3.3 us
-    where a mean takes 6.1; the fp32 result differs from the mean's in the last bits."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps) * weight
+    where a mean takes 6.1; the fp32 result differs from the mean's in the last bits. ``out``: where the
+    result goes, rounded to its dtype (as ``.to(dtype)`` rounds)."""
+    return torch.mul(x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps), weight, out=out)

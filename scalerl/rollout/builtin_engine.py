@@ -251,7 +251,7 @@ class BuiltinEngine:
                     keep = _rows_to_keep(rows.unfinished, unfinished)
                     rows, tokens = rows.select(keep), tokens[keep]
                     cache.keep_rows(keep, filled=prompt_len + t)  # the cache holds positions < prompt_len + t
-            rows.positions = rows.positions + 1
+            rows.positions += 1  # in place: the loop allocates no per-step state
             cur = prompt_len + t
             logits = forward(
                 tokens.unsqueeze(1),
