@@ -44,6 +44,9 @@ model loaded in bf16); the default fp32 compares fp32 with fp32.
 and for the fused decode path (`DecodeModel(compile=True)`), in ``--dtype`` (why the engine does not
 compile by default).
 
+``--linear-layouts``: oneDNN's blocked weight layout against plain ``F.linear`` for each matrix shape of these
+models at 1, 16 and 64 rows (why `DecodeModel` keeps small fp32 matrices plain).
+
 ``--roofline``: scalerl alone, fp32 against bf16, on the small and a Qwen2.5-0.5B-shaped model (published
 config, random weights; ``--layers-05b`` of its 24 layers, 4-token prompts so prefill stays cheap) at batch
 1, 8, 16, 64. Per row: the decode step (an N-token run minus a 1-token run, CPU time), tokens/s of decode,
@@ -454,6 +457,42 @@ def compile_cost(batch: int = 16, dtype: torch.dtype = torch.float32) -> None:
               f"difference| {(logits.float() - eager_logits.float()).abs().max().item():.1e}", flush=True)
 
 
+# ---------------------------------------------------------------------- blocked vs plain weight layout
+LAYOUT_SHAPES = [(128, 64), (352, 64), (64, 176), (256, 256), (512, 256), (1376, 256), (256, 688), (1152, 896),
+                 (9728, 896), (896, 4864)]  # [out, in]: the tiny, small and 0.5B-shaped models' matrices
+
+
+def linear_layouts() -> None:
+    """One decode-shaped product per weight matrix of the benchmark's models, oneDNN's blocked layout
+    (`torch.ops.mkldnn._linear_pointwise`) against F.linear on the plain tensor, at 1, 16 and 64 rows, fp32
+    and bf16; CPU time, best of 5: where `DecodeModel` keeps fp32 matrices plain (FP32_PLAIN_MAX)."""
+    mkldnn = torch.ops.mkldnn
+
+    def best_us(fn, calls: int) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            start = time.process_time()
+            for _ in range(calls):
+                fn()
+            times.append((time.process_time() - start) / calls * 1e6)
+        return min(times)
+
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            for out_features, in_features in LAYOUT_SHAPES:
+                plain = (torch.randn(out_features, in_features) / in_features ** 0.5).to(dtype)
+                blocked = mkldnn._reorder_linear_weight(plain, 16)
+                cells = []
+                for rows in (1, 16, 64):
+                    x = torch.randn(rows, 1, in_features).to(dtype)
+                    calls = max(5, int(2e5 / (out_features * in_features / 1000 + 20)))
+                    b = best_us(lambda: mkldnn._linear_pointwise(x, blocked, None, "none", [None], ""), calls)
+                    p = best_us(lambda: F.linear(x, plain), calls)
+                    cells.append(f"{rows:2d} rows: blocked {b:8.1f} us, plain {p:8.1f} us ({'blocked' if b < p else 'plain'})")
+                print(f"{str(dtype):15s} {out_features:5d} x {in_features:4d}: " + " | ".join(cells), flush=True)
+
+
 # ---------------------------------------------------------------------------- roofline, fp32 vs bf16
 ROOFLINE_MODELS = {
     "small (4L, h256, V256)": dict(vocab_size=VOCAB, **SIZES["small (4L, h256, V256)"]),
@@ -530,6 +569,8 @@ def main() -> None:
                         help="--roofline: decoder layers of the 0.5B-shaped model (24 in the real one; 0: skip it)")
     parser.add_argument("--new-tokens", type=int, default=16, help="--roofline: tokens per timed run")
     parser.add_argument("--compile-cost", action="store_true", help="torch.compile's warm-up vs its step time")
+    parser.add_argument("--linear-layouts", action="store_true",
+                        help="oneDNN's blocked weight layout vs plain F.linear per matrix shape (decode rows)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--engines", default="builtin,hf",
                         help="builtin,hf: the built-in engine beside HF generate (the rows above); with vllm also "
@@ -541,6 +582,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with open("/proc/loadavg") as f:
         print(f"load average before: {f.read().split()[:3]}")
+    if args.linear_layouts:
+        linear_layouts()
+        return
     if args.compile_cost:
         compile_cost(dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
         return

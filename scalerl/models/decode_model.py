@@ -4,7 +4,10 @@
 gate/up into one ``[2 intermediate, hidden]`` matrix, in the engine's compute dtype and, on CPU, reordered
 into oneDNN's blocked format (`PackedLinear`), so a layer makes four matmul calls where the training layout
 makes seven, and in bf16 reads half the bytes of fp32 weights without casting them per call (autocast's
-per-call cast of fp32 weights costs more than the bf16 kernel saves).
+per-call cast of fp32 weights costs more than the bf16 kernel saves). A decode step is about 200 ops (242
+before): RoPE is applied to q, k and v in one three-op pass straight off the q/k/v product and the new keys
+and values go into the cache in one copy (`KVCache.update_kv`); sampling takes one pass over the
+vocabulary fewer (`scalerl.rollout.sampling`).
 
 Numerics follow bf16 autocast of the training forward (`scalerl.models.decoder.CausalLM` under
 ``torch.autocast``): matmuls in the compute dtype; the residual stream, norms, RoPE and the logits' softmax
@@ -66,8 +69,8 @@ def _weight_and_bias(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | No
 # shapes (it re-reads the plain layout each call), same bits; in fp32 1.3-2.7x faster from 16 rows on for
 # matrices from 1376 x 256 up, ~1e-6 relative apart (summation order). But each `_linear_pointwise` call
 # costs about 18 us however small the product, where F.linear on a plain fp32 matrix costs 3-6 us: plain
-# fp32 is faster up to 256 x 256 at any row count and ties at 512 x 256 (`benchmarks/generation.py`
-# rows of docs/performance.md), so fp32 matrices up to FP32_PLAIN_MAX elements stay plain (the tiny model's
+# fp32 is faster up to 256 x 256 at any row count and ties at 512 x 256 (`benchmarks/generation.py
+# --linear-layouts`, docs/performance.md), so fp32 matrices up to FP32_PLAIN_MAX elements stay plain (the tiny model's
 # all, the small model's q/k/v, o and LM head). The row count the blocked layout is tuned for; other counts
 # run as fast.
 PACK_ROWS = 16

@@ -41,7 +41,8 @@ class KVCache:
         else:
             shape = (self.num_layers, self.batch_size, k.shape[1], self.max_len, k.shape[3])
             self.keys = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.values = torch.empty(shape[:-1] + (v.shape[3],), dtype=v.dtype, device=v.device)
+            shape = (self.num_layers, self.batch_size, v.shape[1], self.max_len, v.shape[3])
+            self.values = torch.empty(shape, dtype=v.dtype, device=v.device)
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         return (self.kv,) if self.kv is not None else (self.keys, self.values)
