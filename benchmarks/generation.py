@@ -44,6 +44,9 @@ model loaded in bf16); the default fp32 compares fp32 with fp32.
 and for the fused decode path (`DecodeModel(compile=True)`), in ``--dtype`` (why the engine does not
 compile by default).
 
+``--profile-step``: the top-level ops one decode step of the engine runs (small model, batch 16, fp32 and
+bf16), counted by the profiler, by name.
+
 ``--linear-layouts``: oneDNN's blocked weight layout against plain ``F.linear`` for each matrix shape of these
 models at 1, 16 and 64 rows (why `DecodeModel` keeps small fp32 matrices plain).
 
@@ -457,6 +460,31 @@ def compile_cost(batch: int = 16, dtype: torch.dtype = torch.float32) -> None:
               f"difference| {(logits.float() - eager_logits.float()).abs().max().item():.1e}", flush=True)
 
 
+# ------------------------------------------------------------------------------ ops per decode step
+def profile_step(batch: int = 16) -> None:
+    """Top-level ops (what the dispatcher runs for Python calls) per decode step of the engine on the small
+    model, fp32 and bf16: a 9-token run's minus a 1-token run's, over 8 steps, by op name."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build_model(ModelConfig(vocab_size=VOCAB, **SIZES["small (4L, h256, V256)"]), seed=0).eval()
+    prompts = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(0)).tolist()
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = BuiltinEngine(model, PAD_ID, dtype=dtype)
+        counts = []
+        for n in (9, 1):
+            sampling = SamplingParams(max_new_tokens=n, temperature=1.0, seed=0)
+            engine.generate(prompts, sampling)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                engine.generate(prompts, sampling)
+            counts.append(Counter(e.name for e in prof.events() if e.cpu_parent is None))
+        per_step = {name: (counts[0][name] - counts[1][name]) / 8 for name in counts[0]}
+        top = sorted(((n, name) for name, n in per_step.items() if n), reverse=True)[:12]
+        print(f"{str(dtype):15s} batch {batch}: {sum(per_step.values()):.0f} top-level ops per decode step; most "
+              f"frequent: " + ", ".join(f"{name.split('::')[-1]} {n:g}" for n, name in top), flush=True)
+
+
 # ---------------------------------------------------------------------- blocked vs plain weight layout
 LAYOUT_SHAPES = [(128, 64), (352, 64), (64, 176), (256, 256), (512, 256), (1376, 256), (256, 688), (1152, 896),
                  (9728, 896), (896, 4864)]  # [out, in]: the tiny, small and 0.5B-shaped models' matrices
@@ -569,6 +597,7 @@ def main() -> None:
                         help="--roofline: decoder layers of the 0.5B-shaped model (24 in the real one; 0: skip it)")
     parser.add_argument("--new-tokens", type=int, default=16, help="--roofline: tokens per timed run")
     parser.add_argument("--compile-cost", action="store_true", help="torch.compile's warm-up vs its step time")
+    parser.add_argument("--profile-step", action="store_true", help="ops per decode step (small model, batch 16)")
     parser.add_argument("--linear-layouts", action="store_true",
                         help="oneDNN's blocked weight layout vs plain F.linear per matrix shape (decode rows)")
     parser.add_argument("--json", help="write the rows here")
@@ -584,6 +613,9 @@ def main() -> None:
         print(f"load average before: {f.read().split()[:3]}")
     if args.linear_layouts:
         linear_layouts()
+        return
+    if args.profile_step:
+        profile_step()
         return
     if args.compile_cost:
         compile_cost(dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
