@@ -69,10 +69,10 @@ class KVCache:
         end = start + kv.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: writing up to position {end} but the cache holds {self.max_len}")
-        rows, heads = kv.shape[0], kv.shape[1] // 2
-        buffer = self._layer_kv[layer]
-        buffer[:rows, :, start:end] = kv
-        return buffer[:rows, :heads, view_start:end], buffer[:rows, heads:, view_start:end]
+        heads = kv.shape[1] // 2
+        filled = self._layer_kv[layer][: kv.shape[0], :, view_start:end]  # few view ops: a step runs this per layer
+        filled[:, :, start - view_start :] = kv
+        return filled[:, :heads], filled[:, heads:]
 
     def keep_rows(self, keep: torch.Tensor, filled: int) -> None:
         """Shrink the batch to ``keep.numel()`` rows, new row ``i`` being current row ``keep[i]``. Only the
