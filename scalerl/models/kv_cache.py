@@ -6,11 +6,12 @@ import torch
 
 
 class KVCache:
-    """Keys and values for every layer, ``[layers, B, kv_heads, max_len, head_dim]``, as two views of one
-    buffer ``kv`` ``[layers, B, 2 kv_heads, max_len, head_dim]`` (keys in the first heads, values in the
-    rest), so the fused decode path writes a layer's new keys and values with one copy (``update_kv``) and
-    moving rows or columns is one copy per layer, not two. (Keys and values of different shapes or dtypes,
-    which no built-in model has, get two buffers.)
+    """Keys and values for every layer, ``[layers, B, kv_heads, max_len, head_dim]``.
+
+    For the fused decode path (``allocate`` then ``update_kv``) they are two views of one buffer ``kv``
+    ``[layers, B, 2 kv_heads, max_len, head_dim]`` (keys in the first heads, values in the rest), so a layer's
+    new keys and values go in with one copy and moving rows or columns is one copy per layer, not two. The
+    model's own forward (``update``) gets two buffers, as its keys and values come apart.
 
     Preallocating avoids the ``torch.cat`` per layer per token that grows a cache quadratically in copies.
     The buffers are allocated at the first ``update``, from the keys the model actually produced: their
@@ -35,14 +36,13 @@ class KVCache:
         self.keys, self.values = self.kv[:, :, :kv_heads], self.kv[:, :, kv_heads:]
         self._layer_kv = tuple(self.kv.unbind(0))
 
-    def _allocate_for(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if k.shape == v.shape and k.dtype == v.dtype:
-            self.allocate(k.shape[1], k.shape[3], k.dtype, k.device)
-        else:
-            shape = (self.num_layers, self.batch_size, k.shape[1], self.max_len, k.shape[3])
-            self.keys = torch.empty(shape, dtype=k.dtype, device=k.device)
-            shape = (self.num_layers, self.batch_size, v.shape[1], self.max_len, v.shape[3])
-            self.values = torch.empty(shape, dtype=v.dtype, device=v.device)
+    def _allocate_separate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Two buffers shaped after ``k`` and ``v`` ``[B, heads, T, dim]``: the model's own forward writes keys
+        and values apart (``update``), and torch.compile of that forward takes no aliasing key/value views."""
+        shape = (self.num_layers, self.batch_size, k.shape[1], self.max_len, k.shape[3])
+        self.keys = torch.empty(shape, dtype=k.dtype, device=k.device)
+        shape = (self.num_layers, self.batch_size, v.shape[1], self.max_len, v.shape[3])
+        self.values = torch.empty(shape, dtype=v.dtype, device=v.device)
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         return (self.kv,) if self.kv is not None else (self.keys, self.values)
@@ -53,7 +53,7 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keys is None:
-            self._allocate_for(k, v)
+            self._allocate_separate(k, v)
         end = start + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: writing up to position {end} but the cache holds {self.max_len}")
@@ -67,6 +67,9 @@ class KVCache:
         """Write ``kv`` ``[rows, 2 kv_heads, T, head_dim]`` (keys then values, the buffer's head order) at
         ``start`` in one copy; returns the layer's keys and values over columns ``[view_start, start + T)``."""
         end = start + kv.shape[2]
+        if self.kv is None:
+            raise ValueError("update_kv needs the shared key/value buffer: call allocate() first (this cache was "
+                             "allocated by update(), the model's own forward)")
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: writing up to position {end} but the cache holds {self.max_len}")
         heads = kv.shape[1] // 2
@@ -126,8 +129,10 @@ class SlotKVCache(KVCache):
     def write_rows(self, slots: torch.Tensor, prefilled: KVCache, end: int) -> None:
         """Copy a prefill's cache (``[layers, k, heads, P, dim]``) into rows ``slots`` at columns ``[end - P, end)``."""
         keys, values = prefilled.keys, prefilled.values
-        if self.keys is None:
-            self._allocate_for(keys[0], values[0])
+        if self.keys is None and prefilled.kv is not None:
+            self.allocate(keys.shape[2], keys.shape[4], keys.dtype, keys.device)
+        elif self.keys is None:
+            self._allocate_separate(keys[0], values[0])
         start = end - keys.shape[3]
         if self.kv is not None and prefilled.kv is not None:
             self.kv[:, slots, :, start:end] = prefilled.kv

@@ -2,6 +2,8 @@
 architecture, the model's own forward for the others, relaid out after every weight write, and in bf16 the
 numerics of a bf16-autocast forward."""
 
+import os
+
 import pytest
 import torch
 
@@ -136,6 +138,8 @@ def test_small_fp32_matrices_stay_plain_and_the_rest_take_the_blocked_layout():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("SCALERL_COMPILE_TESTS"),
+                    reason="compiles with inductor: 629 s on the shared 2-core machine; SCALERL_COMPILE_TESTS=1 runs it")
 def test_compiled_decode_path_gives_the_eager_tokens():
     """``compile=True`` (plain weights through torch.compile; off by default, slower here): same greedy tokens."""
     model = _model({})
