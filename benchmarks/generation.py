@@ -12,8 +12,10 @@ leaves out the time other tenants of a shared machine hold the cores and is the 
 ratio, the table puts scalerl's decode step CPU time (a 64-token run minus a 1-token run, over 63 steps)
 next to the CPU time of the same step's matmuls (packed q/k/v, o, packed gate/up, down, lm_head, in the layout
 the engine decodes from) and attention (SDPA over the mean cache length) run back to back in isolation on the
-same tensors: a roofline on this CPU. The gap is the
-loop's own overhead (norms, RoPE, sampling, cache writes, the dispatcher).
+same tensors: a roofline on this CPU. The gap is the loop's own overhead (norms, RoPE, sampling, cache
+writes, the dispatcher). Each layer's attention reads its own keys and values there, views of one buffer
+laid out as the engine's cache; the row also gives the earlier measure, in which every layer read one
+contiguous key/value tensor that stayed in the core's caches.
 
 ``--lengths rl``: RL-like response lengths. Each row's length is drawn log-normally (median a quarter of
 the 128 new tokens, sigma 1, clipped to [2, 128]) and both engines are made to stop there by the same
@@ -38,8 +40,15 @@ an untimed run of each, the decode forwards, the rows they carry and the key col
 ``--dtype bf16`` runs both sides in bf16 (scalerl: bf16 copies laid out once per sync, `DecodeModel`; HF: the
 model loaded in bf16); the default fp32 compares fp32 with fp32.
 
-``--compile-cost``: torch.compile's warm-up of the forward against the decode-step time it saves (why the
-engine does not compile).
+``--compile-cost``: torch.compile's warm-up against the decode-step time it saves, for the model's forward
+and for the fused decode path (`DecodeModel(compile=True)`), in ``--dtype`` (why the engine does not
+compile by default).
+
+``--profile-step``: the top-level ops one decode step of the engine runs (small model, batch 16, fp32 and
+bf16), counted by the profiler, by name.
+
+``--linear-layouts``: oneDNN's blocked weight layout against plain ``F.linear`` for each matrix shape of these
+models at 1, 16 and 64 rows (why `DecodeModel` keeps small fp32 matrices plain).
 
 ``--roofline``: scalerl alone, fp32 against bf16, on the small and a Qwen2.5-0.5B-shaped model (published
 config, random weights; ``--layers-05b`` of its 24 layers, 4-token prompts so prefill stays cheap) at batch
@@ -252,40 +261,65 @@ def run_stream(name: str, ours, repeats: int, requests: int = STREAM_REQUESTS, r
 
 def decode_work(model, fn) -> dict[str, int]:
     """Decode forwards run by ``fn``, the rows they carry and the key columns their attention reads
-    (rows x key-mask width, summed): the work a step's fixed cost, its matmuls and its attention scale with."""
+    (rows x key-mask width, summed): the work a step's fixed cost, its matmuls and its attention scale with.
+    Counted on the model's own forward and on the fused path's (`DecodeModel`), whichever runs."""
     counts = {"forwards": 0, "rows": 0, "key_reads": 0}
 
-    def count(_, args, kwargs):
-        if args[0].shape[1] == 1:
+    def count(input_ids, attention_mask):
+        if input_ids.shape[1] == 1:
             counts["forwards"] += 1
-            counts["rows"] += args[0].shape[0]
-            counts["key_reads"] += args[0].shape[0] * kwargs["attention_mask"].shape[1]
+            counts["rows"] += input_ids.shape[0]
+            counts["key_reads"] += input_ids.shape[0] * attention_mask.shape[1]
 
-    handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    handle = model.register_forward_pre_hook(lambda _, args, kwargs: count(args[0], kwargs["attention_mask"]),
+                                             with_kwargs=True)
+    fused_forward = DecodeModel.__call__
+
+    def counted(self, input_ids, attention_mask, *args, **kwargs):
+        count(input_ids, attention_mask)
+        return fused_forward(self, input_ids, attention_mask, *args, **kwargs)
+
+    DecodeModel.__call__ = counted
     try:
         fn()
     finally:
         handle.remove()
+        DecodeModel.__call__ = fused_forward
     return counts
 
 
 # ----------------------------------------------------------------------------- fixed lengths, roofline
-def decode_kernel_time(decode: DecodeModel, batch: int, cache_len: int, repeats: int) -> float:
+def decode_kernel_time(decode: DecodeModel, batch: int, cache_len: int, repeats: int,
+                       per_layer_cache: bool = True) -> float:
     """CPU seconds for one decode step's matmuls (packed q/k/v, o, packed gate/up, down, LM head, in the
     decode dtype) and attention (SDPA over ``cache_len`` fp32 keys, as the step runs it), back to back in
-    isolation on the same tensors (median)."""
+    isolation on the same tensors (median).
+
+    ``per_layer_cache``: each layer's attention reads its own keys and values, views of one buffer laid out
+    as the engine's cache (`KVCache`), as a real step does; otherwise every layer reads the same contiguous
+    keys and values, which then stay in the core's caches (the earlier, hot-cache measure: at batch 16 on
+    the small model each layer's keys and values are 0.8 MB, and the four layers' 3 MB do not fit in L2)."""
+    from scalerl.models.kv_cache import KVCache
+
     cfg, dtype = decode.config, decode.dtype
     x = torch.randn(batch, 1, cfg.hidden_size, dtype=dtype)
     q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim)
-    kv = torch.randn(batch, cfg.num_key_value_heads, cache_len, cfg.head_dim)
+    if per_layer_cache:
+        cache = KVCache(len(decode.layers), batch, cache_len + FIXED_NEW_TOKENS // 2)
+        cache.allocate(cfg.num_key_value_heads, cfg.head_dim, torch.float32, x.device)
+        cache.kv.normal_()
+        kvs = [(cache.keys[i, :, :, :cache_len], cache.values[i, :, :, :cache_len]) for i in range(len(decode.layers))]
+    else:
+        kv = torch.randn(batch, cfg.num_key_value_heads, cache_len, cfg.head_dim)
+        kvs = [(kv, kv)] * len(decode.layers)
     bias = torch.zeros(batch, 1, 1, cache_len)
     mlp_in = torch.randn(batch, 1, cfg.intermediate_size, dtype=dtype)
     attn_out = torch.randn(batch, 1, cfg.num_attention_heads * cfg.head_dim, dtype=dtype)
 
     def step():
-        for lw in decode.layers:
+        for lw, (k, v) in zip(decode.layers, kvs):
             lw.qkv(x)
-            F.scaled_dot_product_attention(q, kv, kv, attn_mask=bias, enable_gqa=True)
+            F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
             lw.o(attn_out)
             lw.gate_up(x)
             lw.down(mlp_in)
@@ -339,18 +373,23 @@ def run_fixed(name: str, ours, hf, batch: int, repeats: int, dtype: torch.dtype 
         {"hf": hf_fn, "scalerl": lambda: scalerl_fn(FIXED_NEW_TOKENS), "scalerl_1": lambda: scalerl_fn(1)}, repeats
     )
     step_s = (cpu["scalerl"] - cpu["scalerl_1"]) / (FIXED_NEW_TOKENS - 1)
-    kernels_s = decode_kernel_time(DecodeModel(ours, dtype), batch, PROMPT_LEN + FIXED_NEW_TOKENS // 2, repeats)
+    decode = DecodeModel(ours, dtype)
+    kernels_s = decode_kernel_time(decode, batch, PROMPT_LEN + FIXED_NEW_TOKENS // 2, repeats)
+    hot_s = decode_kernel_time(decode, batch, PROMPT_LEN + FIXED_NEW_TOKENS // 2, repeats, per_layer_cache=False)
     tokens = batch * FIXED_NEW_TOKENS
     row = {
         "model": name, "batch": batch, "lengths": "fixed", "hf_tokens_per_s": tokens / t["hf"],
         "scalerl_tokens_per_s": tokens / t["scalerl"], "ratio": t["hf"] / t["scalerl"],
         "ratio_cpu_time": cpu["hf"] / cpu["scalerl"], "scalerl_step_ms": step_s * 1e3, "kernels_step_ms": kernels_s * 1e3,
+        "kernels_hot_kv_step_ms": hot_s * 1e3,
     }
     print(
         f"{name:24s} batch {batch:3d} fixed: HF {row['hf_tokens_per_s']:7.0f} tok/s | scalerl "
         f"{row['scalerl_tokens_per_s']:7.0f} tok/s | ratio {row['ratio']:.2f}x (CPU time {row['ratio_cpu_time']:.2f}x) | "
         f"step {row['scalerl_step_ms']:.3f} ms "
-        f"vs matmul+attention {row['kernels_step_ms']:.3f} ms ({row['scalerl_step_ms'] / row['kernels_step_ms']:.2f}x)",
+        f"vs matmul+attention {row['kernels_step_ms']:.3f} ms ({row['scalerl_step_ms'] / row['kernels_step_ms']:.2f}x; "
+        f"one hot key/value tensor {row['kernels_hot_kv_step_ms']:.3f} ms, "
+        f"{row['scalerl_step_ms'] / row['kernels_hot_kv_step_ms']:.2f}x)",
         flush=True,
     )
     return row
@@ -379,37 +418,107 @@ def run(lengths: str, repeats: int, tmp_dir: str, sweep: bool, dtype: torch.dtyp
 
 
 # ------------------------------------------------------------------------------ torch.compile's cost
-def compile_cost(batch: int = 16) -> None:
-    """torch.compile of the model's forward (``dynamic=True``: the cache length grows every step) on the
-    small model: its warm-up against the decode steps it would save, fp32, eager vs compiled."""
+def compile_cost(batch: int = 16, dtype: torch.dtype = torch.float32) -> None:
+    """torch.compile's warm-up against the decode-step time it saves, on the small model at ``batch`` rows:
+    the model's own forward (eager vs compiled) and the fused decode path (`DecodeModel`: eager over
+    oneDNN-blocked weights vs ``compile=True``, compiled over plain weights), ``dynamic=True`` (the cache
+    grows every step). Steps are CPU time, best of 3 runs of 63 steps; the warm-up is compile + 2 steps."""
     from scalerl.models.kv_cache import KVCache
 
     model = build_model(ModelConfig(vocab_size=VOCAB, **SIZES["small (4L, h256, V256)"]), seed=0).eval()
     ids = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
 
-    def decode_step_s(forward, steps: int) -> float:
+    def decode_step_s(forward, steps: int) -> tuple[float, torch.Tensor]:
         cache = KVCache.for_model(model, batch, PROMPT_LEN + FIXED_NEW_TOKENS)
-        mask = torch.ones(batch, PROMPT_LEN + FIXED_NEW_TOKENS, dtype=torch.long)
+        mask = torch.ones(batch, PROMPT_LEN + FIXED_NEW_TOKENS, dtype=torch.bool)
         forward(ids, attention_mask=mask[:, :PROMPT_LEN], kv_cache=cache, cache_start=0, logits_to_keep=1)
-        token = torch.randint(3, VOCAB, (batch, 1))
+        token = torch.randint(3, VOCAB, (batch, 1), generator=torch.Generator().manual_seed(1))
         start = time.process_time()
         for t in range(steps):
             cur = PROMPT_LEN + t
-            forward(token, attention_mask=mask[:, : cur + 1], position_ids=torch.full((batch, 1), cur),
-                    kv_cache=cache, cache_start=cur)
-        return (time.process_time() - start) / steps
+            logits = forward(token, attention_mask=mask[:, : cur + 1], position_ids=torch.full((batch, 1), cur),
+                             kv_cache=cache, cache_start=cur)
+        return (time.process_time() - start) / steps, logits
+
+    cases = {"model forward": (model, lambda: torch.compile(model, dynamic=True))}
+    if dtype == torch.float32:
+        cases = {**cases, "fused path": (DecodeModel(model, dtype), lambda: DecodeModel(model, dtype, compile=True))}
+    else:
+        cases = {"fused path": (DecodeModel(model, dtype), lambda: DecodeModel(model, dtype, compile=True))}
+    for name, (eager, make_compiled) in cases.items():
+        with torch.inference_mode():
+            eager_s, eager_logits = min(decode_step_s(eager, FIXED_NEW_TOKENS - 1) for _ in range(3))
+            compiled = make_compiled()
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
+            decode_step_s(compiled, 2)
+            warm_wall, warm_cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
+            fast, logits = min(decode_step_s(compiled, FIXED_NEW_TOKENS - 1) for _ in range(3))
+        saved = eager_s - fast
+        print(f"{name:14s} {str(dtype):15s} batch {batch}: eager step {eager_s * 1e3:.3f} ms | compiled step "
+              f"{fast * 1e3:.3f} ms | warm-up (compile + 2 steps) {warm_wall:.1f} s wall, {warm_cpu:.1f} s CPU | "
+              f"repaid after {'never' if saved <= 0 else f'{warm_cpu / saved:.0f} steps'} | max |logits "
+              f"difference| {(logits.float() - eager_logits.float()).abs().max().item():.1e}", flush=True)
+
+
+# ------------------------------------------------------------------------------ ops per decode step
+def profile_step(batch: int = 16) -> None:
+    """Top-level ops (what the dispatcher runs for Python calls) per decode step of the engine on the small
+    model, fp32 and bf16: a 9-token run's minus a 1-token run's, over 8 steps, by op name."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build_model(ModelConfig(vocab_size=VOCAB, **SIZES["small (4L, h256, V256)"]), seed=0).eval()
+    prompts = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(0)).tolist()
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = BuiltinEngine(model, PAD_ID, dtype=dtype)
+        counts = []
+        for n in (9, 1):
+            sampling = SamplingParams(max_new_tokens=n, temperature=1.0, seed=0)
+            engine.generate(prompts, sampling)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                engine.generate(prompts, sampling)
+            counts.append(Counter(e.name for e in prof.events() if e.cpu_parent is None))
+        per_step = {name: (counts[0][name] - counts[1][name]) / 8 for name in counts[0]}
+        top = sorted(((n, name) for name, n in per_step.items() if n), reverse=True)[:12]
+        print(f"{str(dtype):15s} batch {batch}: {sum(per_step.values()):.0f} top-level ops per decode step; most "
+              f"frequent: " + ", ".join(f"{name.split('::')[-1]} {n:g}" for n, name in top), flush=True)
+
+
+# ---------------------------------------------------------------------- blocked vs plain weight layout
+LAYOUT_SHAPES = [(128, 64), (352, 64), (64, 176), (256, 256), (512, 256), (1376, 256), (256, 688), (1152, 896),
+                 (9728, 896), (896, 4864)]  # [out, in]: the tiny, small and 0.5B-shaped models' matrices
+
+
+def linear_layouts() -> None:
+    """One decode-shaped product per weight matrix of the benchmark's models, oneDNN's blocked layout
+    (`torch.ops.mkldnn._linear_pointwise`) against F.linear on the plain tensor, at 1, 16 and 64 rows, fp32
+    and bf16; CPU time, best of 5: where `DecodeModel` keeps fp32 matrices plain (FP32_PLAIN_MAX)."""
+    mkldnn = torch.ops.mkldnn
+
+    def best_us(fn, calls: int) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            start = time.process_time()
+            for _ in range(calls):
+                fn()
+            times.append((time.process_time() - start) / calls * 1e6)
+        return min(times)
 
     with torch.inference_mode():
-        eager = min(decode_step_s(model, FIXED_NEW_TOKENS - 1) for _ in range(3))
-        compiled = torch.compile(model, dynamic=True)
-        start_wall, start_cpu = time.perf_counter(), time.process_time()
-        decode_step_s(compiled, 2)
-        warm_wall, warm_cpu = time.perf_counter() - start_wall, time.process_time() - start_cpu
-        fast = min(decode_step_s(compiled, FIXED_NEW_TOKENS - 1) for _ in range(3))
-    saved = eager - fast
-    print(f"eager step {eager * 1e3:.3f} ms | compiled step {fast * 1e3:.3f} ms | warm-up (compile + 2 steps) "
-          f"{warm_wall:.1f} s wall, {warm_cpu:.1f} s CPU | repaid after "
-          f"{'never' if saved <= 0 else f'{warm_cpu / saved:.0f} steps'}", flush=True)
+        for dtype in (torch.float32, torch.bfloat16):
+            for out_features, in_features in LAYOUT_SHAPES:
+                plain = (torch.randn(out_features, in_features) / in_features ** 0.5).to(dtype)
+                blocked = mkldnn._reorder_linear_weight(plain, 16)
+                cells = []
+                for rows in (1, 16, 64):
+                    x = torch.randn(rows, 1, in_features).to(dtype)
+                    calls = max(5, int(2e5 / (out_features * in_features / 1000 + 20)))
+                    b = best_us(lambda: mkldnn._linear_pointwise(x, blocked, None, "none", [None], ""), calls)
+                    p = best_us(lambda: F.linear(x, plain), calls)
+                    cells.append(f"{rows:2d} rows: blocked {b:8.1f} us, plain {p:8.1f} us ({'blocked' if b < p else 'plain'})")
+                print(f"{str(dtype):15s} {out_features:5d} x {in_features:4d}: " + " | ".join(cells), flush=True)
 
 
 # ---------------------------------------------------------------------------- roofline, fp32 vs bf16
@@ -457,13 +566,16 @@ def run_roofline(repeats: int, layers_05b: int, new_tokens: int) -> list[dict]:
                 step_s = (cpu[f"{d}/{new_tokens}"] - cpu[f"{d}/1"]) / (new_tokens - 1)
                 weight_bytes = engine.decode_model.weight_bytes
                 kernels_s = decode_kernel_time(engine.decode_model, batch, prompt_len + new_tokens // 2, repeats)
+                hot_s = decode_kernel_time(engine.decode_model, batch, prompt_len + new_tokens // 2, repeats,
+                                           per_layer_cache=False)
                 row = {"model": name, "dtype": d, "batch": batch, "step_ms": step_s * 1e3,
-                       "kernels_ms": kernels_s * 1e3, "decode_tokens_per_s": batch / step_s,
+                       "kernels_ms": kernels_s * 1e3, "kernels_hot_kv_ms": hot_s * 1e3, "decode_tokens_per_s": batch / step_s,
                        "weight_gb": weight_bytes / 1e9, "weights_gb_per_s": weight_bytes / step_s / 1e9,
                        "copy_gb_per_s": bandwidth, "read_gb_per_s": read_bandwidth, "roofline_tokens_per_s": batch * bandwidth * 1e9 / weight_bytes}
                 rows.append(row)
                 print(f"{name:30s} {d:8s} batch {batch:3d}: step {row['step_ms']:8.3f} ms (kernels "
-                      f"{row['kernels_ms']:8.3f} ms, {step_s / kernels_s:.2f}x) | {row['decode_tokens_per_s']:8.0f} tok/s "
+                      f"{row['kernels_ms']:8.3f} ms, {step_s / kernels_s:.2f}x; one hot key/value tensor "
+                      f"{hot_s * 1e3:8.3f} ms, {step_s / hot_s:.2f}x) | {row['decode_tokens_per_s']:8.0f} tok/s "
                       f"| weights {row['weights_gb_per_s']:5.1f} GB/s of {bandwidth:.1f} | roofline "
                       f"{row['roofline_tokens_per_s']:8.0f} tok/s", flush=True)
             fp32, bf16 = rows[-2]["step_ms"], rows[-1]["step_ms"]
@@ -485,6 +597,9 @@ def main() -> None:
                         help="--roofline: decoder layers of the 0.5B-shaped model (24 in the real one; 0: skip it)")
     parser.add_argument("--new-tokens", type=int, default=16, help="--roofline: tokens per timed run")
     parser.add_argument("--compile-cost", action="store_true", help="torch.compile's warm-up vs its step time")
+    parser.add_argument("--profile-step", action="store_true", help="ops per decode step (small model, batch 16)")
+    parser.add_argument("--linear-layouts", action="store_true",
+                        help="oneDNN's blocked weight layout vs plain F.linear per matrix shape (decode rows)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--engines", default="builtin,hf",
                         help="builtin,hf: the built-in engine beside HF generate (the rows above); with vllm also "
@@ -496,8 +611,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with open("/proc/loadavg") as f:
         print(f"load average before: {f.read().split()[:3]}")
+    if args.linear_layouts:
+        linear_layouts()
+        return
+    if args.profile_step:
+        profile_step()
+        return
     if args.compile_cost:
-        compile_cost()
+        compile_cost(dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
         return
     if args.roofline:
         rows = run_roofline(args.repeats, args.layers_05b, args.new_tokens)

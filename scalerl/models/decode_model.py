@@ -4,7 +4,10 @@
 gate/up into one ``[2 intermediate, hidden]`` matrix, in the engine's compute dtype and, on CPU, reordered
 into oneDNN's blocked format (`PackedLinear`), so a layer makes four matmul calls where the training layout
 makes seven, and in bf16 reads half the bytes of fp32 weights without casting them per call (autocast's
-per-call cast of fp32 weights costs more than the bf16 kernel saves).
+per-call cast of fp32 weights costs more than the bf16 kernel saves). A decode step is about 200 ops (242
+before): RoPE is applied to q, k and v in one three-op pass straight off the q/k/v product and the new keys
+and values go into the cache in one copy (`KVCache.update_kv`); sampling takes one pass over the
+vocabulary fewer (`scalerl.rollout.sampling`).
 
 Numerics follow bf16 autocast of the training forward (`scalerl.models.decoder.CausalLM` under
 ``torch.autocast``): matmuls in the compute dtype; the residual stream, norms, RoPE and the logits' softmax
@@ -25,6 +28,7 @@ tensor parallel: their parameters are DTensors or a stage holds only some layers
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,20 +66,28 @@ def _weight_and_bias(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | No
 
 # oneDNN's blocked weight layout on CPU: reordered once per sync, read by `_linear_pointwise`. Measured on
 # one core (AMD EPYC, AVX-512 BF16): 1.3-2.1x faster than F.linear on the plain bf16 tensor at decode
-# shapes (it re-reads the plain layout each call), same bits; in fp32 2-2.7x faster from 16 rows on,
-# ~1e-6 relative apart (summation order). The row count it is tuned for; other counts run as fast.
+# shapes (it re-reads the plain layout each call), same bits; in fp32 1.3-2.7x faster from 16 rows on for
+# matrices from 1376 x 256 up, ~1e-6 relative apart (summation order). But each `_linear_pointwise` call
+# costs about 18 us however small the product, where F.linear on a plain fp32 matrix costs 3-6 us: plain
+# fp32 is faster up to 256 x 256 at any row count and ties at 512 x 256 (`benchmarks/generation.py
+# --linear-layouts`, docs/performance.md), so fp32 matrices up to FP32_PLAIN_MAX elements stay plain (the tiny model's
+# all, the small model's q/k/v, o and LM head). The row count the blocked layout is tuned for; other counts
+# run as fast.
 PACK_ROWS = 16
+FP32_PLAIN_MAX = 512 * 256
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class PackedLinear:
-    """One weight matrix (and bias) laid out for the kernel that reads it: oneDNN's blocked format on CPU,
-    the plain tensor elsewhere (GPUs' matmuls read the plain one at full speed)."""
+    """One weight matrix (and bias) laid out for the kernel that reads it: oneDNN's blocked format on CPU
+    (but small fp32 matrices, see FP32_PLAIN_MAX), the plain tensor elsewhere (GPUs' matmuls read the plain
+    one at full speed)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocked: bool = True):
         self.nbytes = weight.numel() * weight.element_size()
         self.bias = bias
-        self.onednn = ONEDNN_LINEAR and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+        self.onednn = blocked and ONEDNN_LINEAR and weight.device.type == "cpu" and (
+            weight.dtype == torch.bfloat16 or (weight.dtype == torch.float32 and weight.numel() > FP32_PLAIN_MAX))
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if self.onednn else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,8 +98,11 @@ class PackedLinear:
 
 @dataclass
 class LayerWeights:
-    """One layer's tensors in the decode layout (norm weights fp32: the norms run in fp32)."""
+    """One layer's tensors in the decode layout (norm weights fp32, prescaled for `rms_norm`: the norms run
+    in fp32), and the modules the decode path calls as they are."""
 
+    attn: nn.Module  # its q/k norms, sliding window and scale
+    act: Callable[[torch.Tensor], torch.Tensor]
     input_norm: torch.Tensor
     qkv: PackedLinear  # [q + k + v, hidden], compute dtype
     o: PackedLinear
@@ -99,11 +114,16 @@ class LayerWeights:
 class DecodeModel:
     """A built-in ``CausalLM``'s forward for generation, over packed (and, in bf16, cast) weights."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32):
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, compile: bool = False):
         reason = fused_decode_unsupported(model)
         if reason is not None:
             raise ValueError(f"no fused decode path: {reason}")
         self.model, self.dtype, self.config = model, dtype, model.config
+        # ``compile``: the forward through torch.compile (``dynamic=True``: the cache grows every step, the
+        # batch shrinks at compactions), over plain weights, as the compiler cannot read oneDNN's opaque
+        # blocked tensors. Off by default: measured slower to warm up than it saves (docs/performance.md).
+        self.compiled = compile
+        self._forward = torch.compile(self._eager_forward, dynamic=True) if compile else self._eager_forward
         self.layers: list[LayerWeights] = []
         self._versions: tuple[int, ...] = ()
         self.refresh()
@@ -128,64 +148,83 @@ class DecodeModel:
         with torch.inference_mode():
             self.layers = [self._layer_weights(layer) for layer in self.model.layers]
             lm_head, _ = _weight_and_bias(self.model.lm_head)
-            self.lm_head = PackedLinear(lm_head.to(self.dtype), None)
-            self.final_norm = self.model.norm.weight.detach().float()
+            self.lm_head = PackedLinear(lm_head.to(self.dtype), None, not self.compiled)
+            self.final_norm = self._norm_weight(self.model.norm.weight)
+            self._norm_eps = self.config.hidden_size * self.config.rms_norm_eps
         self._versions = self._version_key()
         return self.weight_bytes
 
     def _layer_weights(self, layer: nn.Module) -> LayerWeights:
-        attn, mlp, dtype = layer.self_attn, layer.mlp, self.dtype
+        attn, mlp, dtype, blocked = layer.self_attn, layer.mlp, self.dtype, not self.compiled
         (q, qb), (k, kb), (v, vb) = (_weight_and_bias(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         o, ob = _weight_and_bias(attn.o_proj)
         (gate, _), (up, _) = _weight_and_bias(mlp.gate_proj), _weight_and_bias(mlp.up_proj)
         down, _ = _weight_and_bias(mlp.down_proj)
         return LayerWeights(
-            input_norm=layer.input_layernorm.weight.detach().float(),
-            qkv=PackedLinear(torch.cat((q, k, v)).to(dtype), None if qb is None else torch.cat((qb, kb, vb)).to(dtype)),
-            o=PackedLinear(o.to(dtype), None if ob is None else ob.to(dtype)),
-            post_norm=layer.post_attention_layernorm.weight.detach().float(),
-            gate_up=PackedLinear(torch.cat((gate, up)).to(dtype), None), down=PackedLinear(down.to(dtype), None),
+            attn=attn, act=mlp.act,
+            input_norm=self._norm_weight(layer.input_layernorm.weight),
+            qkv=PackedLinear(torch.cat((q, k, v)).to(dtype), None if qb is None else torch.cat((qb, kb, vb)).to(dtype),
+                             blocked),
+            o=PackedLinear(o.to(dtype), None if ob is None else ob.to(dtype), blocked),
+            post_norm=self._norm_weight(layer.post_attention_layernorm.weight),
+            gate_up=PackedLinear(torch.cat((gate, up)).to(dtype), None, blocked),
+            down=PackedLinear(down.to(dtype), None, blocked),
         )
+
+    def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A norm's weight times sqrt(hidden), as `rms_norm` takes it (it sums where the model's norm averages)."""
+        return weight.detach().float() * self.config.hidden_size ** 0.5
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, kv_cache: KVCache, cache_start: int,
                 position_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)[:, -input_ids.shape[1]:]
+        if kv_cache.keys is None:  # fp32 entries (holding compute-dtype values): see the attention below
+            cfg = self.config
+            kv_cache.allocate(cfg.num_key_value_heads, cfg.head_dim, torch.float32, input_ids.device)
+        self._rope_tables(input_ids.device)  # built here, outside a compiled forward
+        return self._forward(input_ids, attention_mask, kv_cache, cache_start, position_ids, logits_to_keep)
+
+    __call__ = forward
+
+    def _eager_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, kv_cache: KVCache,
+                       cache_start: int, position_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
         """Logits ``[B, T or logits_to_keep, V]`` (compute dtype) of ``input_ids`` ``[B, T]`` written into
         ``kv_cache`` at ``cache_start``: `CausalLM.forward`'s arguments, ``attention_mask`` ``[B, cache_start
-        + T]`` (1 = real token) required."""
-        cfg, model, dtype = self.config, self.model, self.dtype
+        + T]`` (1 = real token) required.
+
+        Per layer a decode step runs about 20 ops: the norms, four matmuls, the rotation (three ops over
+        q, k and v together: v's heads get cos 1 and sin 0, which leaves them as they are), one copy of
+        the new keys and values into the cache, attention, the gate and the residual adds."""
+        cfg, dtype = self.config, self.dtype
         bsz, seq = input_ids.shape
-        if position_ids is None:
-            position_ids = position_ids_from_mask(attention_mask)[:, -seq:]
-        key_mask = attention_mask
-        eps, heads, kv_heads, head_dim = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_width, kv_width = heads * head_dim, kv_heads * head_dim
-        mask = attention_mask_4d(key_mask, seq)
+        eps, heads, kv_heads, head_dim = self._norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        all_heads = heads + 2 * kv_heads
         # An additive mask, built once for all layers: SDPA's CPU kernel runs faster with it than with a
-        # boolean one (221 vs 286 us at batch 16, 48 keys).
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
-        if kv_cache.keys is None:  # fp32 entries (holding compute-dtype values): see `_attention`
-            shape = (kv_cache.num_layers, kv_cache.batch_size, kv_heads, kv_cache.max_len, head_dim)
-            kv_cache.keys = torch.empty(shape, dtype=torch.float32, device=input_ids.device)
-            kv_cache.values = torch.empty(shape, dtype=torch.float32, device=input_ids.device)
-        hidden = model.embed_tokens(input_ids).float()
-        cos, signed_sin = self._rope_tables(input_ids.device)
-        cos, signed_sin = cos[position_ids].unsqueeze(1), signed_sin[position_ids].unsqueeze(1)
+        # boolean one (221 vs 286 us at batch 16, 48 keys). A decode step's one query sees every real key.
+        mask = attention_mask.bool()[:, None, None, :] if seq == 1 else attention_mask_4d(attention_mask, seq)
+        bias = torch.where(mask, 0.0, float("-inf"))
+        hidden = self.model.embed_tokens(input_ids).float()  # the module: its hooks see the fused forwards too
+        cos, signed_sin = self._rotation(position_ids, bsz, seq, heads + kv_heads)
         half = head_dim // 2
-        for index, (lw, layer) in enumerate(zip(self.layers, model.layers)):
-            attn = layer.self_attn
-            qkv = lw.qkv(rms_norm(hidden, lw.input_norm, eps).to(dtype))
-            q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
-            q, k = q.view(bsz, seq, heads, head_dim), k.view(bsz, seq, kv_heads, head_dim)
+        # Below fp32, the norms' and the rotation's last op writes its result rounded to the compute dtype
+        # into these (one allocation per forward, not a cast per use: each is read before the next write).
+        normed = rotated = None
+        if dtype != torch.float32:
+            normed = torch.empty(bsz, seq, cfg.hidden_size, dtype=dtype, device=input_ids.device)
+            rotated = torch.empty(bsz, seq, all_heads, head_dim, dtype=dtype, device=input_ids.device)
+        for index, lw in enumerate(self.layers):
+            attn = lw.attn
+            qkv = lw.qkv(rms_norm(hidden, lw.input_norm, eps, normed)).view(bsz, seq, all_heads, head_dim)
             if attn.qk_norm:  # the model's own modules: the same numerics as its (autocast) forward
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            # One rotation over q and k heads together, in fp32 (cos/sin are), as autocast's forward does, as
-            # three ops: rotate_half(x) * sin == roll(x, half) * signed_sin. Then rounded to the compute dtype,
-            # as autocast's attention takes them (the fp32 cache holds the rounded values).
-            qk = torch.cat((q, k), dim=2).transpose(1, 2)
-            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), signed_sin).to(dtype)
-            q, k = qk.split((heads, kv_heads), dim=1)
-            keys, values = kv_cache.update(index, k, v.view(bsz, seq, kv_heads, head_dim).transpose(1, 2), cache_start)
-            q = q.float()
+                q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=2)
+                qkv = torch.cat((attn.q_norm(q), attn.k_norm(k), v), dim=2)
+            # One rotation over all heads in fp32 (cos/sin are), as autocast's forward rotates q and k, as
+            # three ops (rotate_half(x) * sin == roll(x, half) * signed_sin), then rounded to the compute
+            # dtype as autocast's attention takes q, k and v (the fp32 cache holds the rounded values).
+            qkv = torch.addcmul(qkv * cos, qkv.roll(half, dims=-1), signed_sin, out=rotated).transpose(1, 2)
+            keys, values = kv_cache.update_kv(index, qkv[:, heads:], cache_start)
+            q = qkv[:, :heads].float()
             layer_mask = bias
             if attn.sliding_window is not None:
                 keys, values, layer_mask = sliding_window_view(keys, values, mask, seq, attn.sliding_window)
@@ -193,27 +232,40 @@ class DecodeModel:
             # shapes (1.7 ms vs 0.29 ms, batch 16), and its output is rounded to bf16 below as autocast's is.
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layer_mask,
                                                  enable_gqa=heads != kv_heads, scale=attn.scale)
-            out = out.transpose(1, 2).reshape(bsz, seq, q_width).to(dtype)
-            hidden = hidden + lw.o(out)
-            gate, up = lw.gate_up(rms_norm(hidden, lw.post_norm, eps).to(dtype)).chunk(2, dim=-1)
-            hidden = hidden + lw.down(layer.mlp.act(gate) * up)
+            hidden = hidden + lw.o(out.transpose(1, 2).reshape(bsz, seq, heads * head_dim).to(dtype))
+            gate, up = lw.gate_up(rms_norm(hidden, lw.post_norm, eps, normed)).chunk(2, dim=-1)
+            hidden = hidden + lw.down(lw.act(gate) * up)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return self.lm_head(rms_norm(hidden, self.final_norm, eps).to(dtype))
+        return self.lm_head(rms_norm(hidden, self.final_norm, eps, None if normed is None else normed[:, -hidden.shape[1]:]))
 
-    __call__ = forward
+    def _rotation(self, position_ids: torch.Tensor, bsz: int, seq: int, rotated_heads: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ``[B, T, heads + 2 kv_heads, head_dim]`` for one forward (every layer's):
+        the positions' table rows for the q and k heads, 1 and 0 for the v heads."""
+        table, cfg = self._rope, self.config
+        both = torch.empty(2, bsz, seq, cfg.num_attention_heads + 2 * cfg.num_key_value_heads, cfg.head_dim,
+                           device=position_ids.device)
+        both[:, :, :, :rotated_heads] = table[:, position_ids].unsqueeze(3)
+        both[0, :, :, rotated_heads:] = 1.0
+        both[1, :, :, rotated_heads:] = 0.0
+        return both[0], both[1]
 
-    def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's fp32 cos table and its sin table with the first half negated, ``[positions, head_dim]``."""
-        if getattr(self, "_rope", None) is None or self._rope[0].device != device:
+    def _rope_tables(self, device: torch.device) -> torch.Tensor:
+        """The model's fp32 cos table and its sin table with the first half negated, ``[2, positions, head_dim]``."""
+        if getattr(self, "_rope", None) is None or self._rope.device != device:
             positions = torch.arange(self.config.max_position_embeddings, device=device).unsqueeze(0)
             cos, sin = (t[0, 0] for t in self.model.rotary(positions, torch.float32))
             half = sin.shape[-1] // 2
-            self._rope = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
+            self._rope = torch.stack((cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)))
         return self._rope
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` in fp32 as five plain ops: ``F.rms_norm``'s CPU kernel took
-    34 us at a decode step's ``[16, 1, 256]`` where these take about 14 us, with the same fp32 result."""
-    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * weight
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` in fp32 as ``x * rsqrt(x . x + n eps) * (weight sqrt(n))``,
+    five ops (``weight`` and ``eps`` given prescaled, `DecodeModel._norm_weight`): ``F.rms_norm``'s CPU
+    kernel took 34 us at a decode step's ``[16, 1, 256]`` where these take about 12 us; a mean takes 6.1 us
+    where a sum takes 3.3 and ``vecdot`` (square and sum in one) 3.3 us; the fp32 result differs from the
+    mean's in the last bits. ``out``: where the
+    result goes, rounded to its dtype (as ``.to(dtype)`` rounds)."""
+    return torch.mul(x * torch.rsqrt(torch.linalg.vecdot(x, x).add_(eps)).unsqueeze(-1), weight, out=out)

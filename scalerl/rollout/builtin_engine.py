@@ -183,10 +183,11 @@ class BuiltinEngine:
     def continuous_engine(self, max_prompt_len: int, max_new_tokens: int, max_num_seqs: int | None = None):
         """A continuous-batching engine on this engine's model and settings (``max_num_seqs`` rows, by default
         this engine's), for prompts up to ``max_prompt_len`` tokens and responses up to ``max_new_tokens``."""
+        fused = self._forward(sharded=False)  # the fused path where the fixed batch takes it
         return ContinuousEngine(
             self.model, self.pad_token_id, max_num_seqs or self.max_num_seqs, max_prompt_len, max_new_tokens,
             finish_check_every=self.finish_check_every, compact_at=self.compact_at,
-            logits_processor=self.logits_processor)
+            logits_processor=self.logits_processor, decode_model=fused if fused is not self.model else None)
 
     def _generate_continuous(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         """``generate`` through continuous batching: row ``i`` is request ``i`` with the draws of global row
@@ -250,7 +251,7 @@ class BuiltinEngine:
                     keep = _rows_to_keep(rows.unfinished, unfinished)
                     rows, tokens = rows.select(keep), tokens[keep]
                     cache.keep_rows(keep, filled=prompt_len + t)  # the cache holds positions < prompt_len + t
-            rows.positions = rows.positions + 1
+            rows.positions += 1  # in place: the loop allocates no per-step state
             cur = prompt_len + t
             logits = forward(
                 tokens.unsqueeze(1),

@@ -14,6 +14,11 @@ which other requests share the batch. Each generated token records ``weight_vers
 loads weights sets; weights may change between ``step()`` calls and rows in flight continue with them.
 Requests decoding together share temperature, top-k and top-p; a request with other ones waits (FIFO)
 until the rows in flight have drained.
+
+Given a ``decode_model`` (`scalerl.models.decode_model.DecodeModel`, as `BuiltinEngine.continuous_engine`
+passes its own), prefills and decode steps run the fused decode path over its packed weights, laid out
+again at a ``step()`` that finds the parameters written since (a weight sync between steps); otherwise the
+model's own forward.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from scalerl.models.decode_model import DecodeModel
 from scalerl.models.decoder import CausalLM
 from scalerl.models.kv_cache import KVCache, SlotKVCache
 from scalerl.rollout.engine import PromptTooLongError, SamplingParams, left_pad
@@ -88,13 +94,19 @@ class ContinuousEngine:
 
     def __init__(self, model: CausalLM, pad_token_id: int, max_num_seqs: int, max_prompt_len: int,
                  max_new_tokens: int, finish_check_every: int | None = None, compact_at: float | None = 0.125,
-                 logits_processor=None):
+                 logits_processor=None, decode_model: DecodeModel | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if decodes_in_lockstep(model):
             raise ValueError("continuous batching needs an unsharded model (FSDP / tensor-parallel ranks decode in "
                              "lockstep); use BuiltinEngine.generate's fixed batch")
         self.model, self.pad_token_id, self.max_num_seqs = model, pad_token_id, max_num_seqs
+        if decode_model is not None and decode_model.model is not model:
+            raise ValueError("decode_model must lay out this engine's model (DecodeModel(model))")
+        self.decode_model = decode_model
+        # The fused path's log-probs match an fp32 training forward only when it computes in fp32.
+        self.logprobs_match_training_forward = decode_model is None or decode_model.dtype == torch.float32
+        self.forward = decode_model if decode_model is not None else model
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.device = device = model.embed_tokens.weight.device
         self.finish_check_every = finish_check_every or (
@@ -169,6 +181,8 @@ class ContinuousEngine:
     def step(self) -> list[RequestOutput]:
         """Fill free slots from the queue, decode ``finish_check_every`` steps, return the requests that finished."""
         with torch.inference_mode():
+            if self.decode_model is not None and self.decode_model.is_stale():
+                self.decode_model.refresh()  # weights written since the last step: rows continue with them
             self._admit()
             if not self.rows:
                 return []
@@ -197,7 +211,7 @@ class ContinuousEngine:
             self._move_columns(0)
         n, col, base = self.rows, self.column, self.cache.view_start
         self.key_mask[:n, col] = True
-        logits = self.model(self.pending[:n, None], attention_mask=self.key_mask[:n, base : col + 1],
+        logits = self.forward(self.pending[:n, None], attention_mask=self.key_mask[:n, base : col + 1],
                             position_ids=self.positions[:n, None], kv_cache=self.cache, cache_start=col)
         index = self.generated[:n].clamp(max=self.max_new_tokens)  # overrun rows write the spare column
         tokens, logprobs = self._sample(logits[:, -1], slice(0, n), index)
@@ -296,7 +310,7 @@ class ContinuousEngine:
             self._move_columns(self._base() + width - self.column)
         end = self.column
         prefilled = KVCache(self.model.config.num_hidden_layers, len(requests), width)
-        logits = self.model(prompt_ids, attention_mask=prompt_mask, kv_cache=prefilled, cache_start=0, logits_to_keep=1)
+        logits = self.forward(prompt_ids, attention_mask=prompt_mask, kv_cache=prefilled, cache_start=0, logits_to_keep=1)
         index = torch.as_tensor(slots, device=self.device)
         self.cache.write_rows(index, prefilled, end)
         self.key_mask[index] = False

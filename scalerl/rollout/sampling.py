@@ -35,28 +35,32 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` ``[B, V]``; returns ``(tokens [B], logprobs [B])``.
 
-    The log-prob is taken from ``log_softmax(logits / T)`` before truncation (T = 1 for greedy): the value
-    a training forward pass at the same temperature recomputes.
+    The log-prob is that of ``softmax(logits / T)`` before truncation (T = 1 for greedy): the value a
+    training forward pass at the same temperature recomputes. It is read off the probabilities the draw
+    uses (``log`` of the sampled token's, ``[B]``) rather than from a ``log_softmax`` over the vocabulary:
+    one full pass fewer (at a 151,936-token vocabulary and 64 rows, a pass over 39 MB), equal to it within
+    fp32 rounding (tested against a full forward's log-probs).
     """
     logits = logits.float()
     if temperature == 0:
-        logprobs = logits.log_softmax(dim=-1)
         tokens = logits.argmax(dim=-1)
-    else:
-        scaled = logits if temperature == 1 else logits / temperature  # x / 1 == x: skip a [B, V] pass
-        logprobs = scaled.log_softmax(dim=-1)
-        filtered = filter_top_k_top_p(scaled, top_k, top_p)
-        tokens = sample_from_logits(filtered, generator, uniform)
-    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return tokens, logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
+    scaled = logits if temperature == 1 else logits / temperature  # x / 1 == x: skip a [B, V] pass
+    probs = scaled.softmax(dim=-1)
+    filtered = filter_top_k_top_p(scaled, top_k, top_p)
+    tokens = sample_from_logits(filtered, generator, uniform, probs if filtered is scaled else None)
+    return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
 
 
 def sample_from_logits(
-    logits: torch.Tensor, generator: torch.Generator | None, uniform: torch.Tensor | None = None
+    logits: torch.Tensor, generator: torch.Generator | None, uniform: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse-CDF sampling: one uniform draw per row instead of ``torch.multinomial``'s one per vocabulary
     entry (5x faster at small batch on CPU). ``right=True`` never lands on a zero-probability token.
-    ``uniform`` ``[B]`` supplies the draws (pre-generated per global row); otherwise ``generator`` does."""
-    cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
+    ``uniform`` ``[B]`` supplies the draws (pre-generated per global row); otherwise ``generator`` does.
+    ``probs``: ``logits.softmax(-1)`` when the caller has it already (read, not written)."""
+    cdf = (logits.softmax(dim=-1) if probs is None else probs).cumsum(dim=-1)
     if uniform is None:
         uniform = torch.rand(cdf.shape[0], device=cdf.device, generator=generator)
     u = uniform.unsqueeze(-1) * cdf[:, -1:]

@@ -2,6 +2,8 @@
 architecture, the model's own forward for the others, relaid out after every weight write, and in bf16 the
 numerics of a bf16-autocast forward."""
 
+import os
+
 import pytest
 import torch
 
@@ -121,3 +123,31 @@ def test_bf16_decoding_computes_what_a_bf16_autocast_forward_does():
         per_precision[autocast] = (out.logprobs - ref)[out.response_mask.bool()].abs()
     # bf16 rounding separates them, not a different computation: close to autocast, closer than to fp32.
     assert per_precision[True].max() < 0.05 and per_precision[True].mean() < per_precision[False].mean()
+
+
+def test_small_fp32_matrices_stay_plain_and_the_rest_take_the_blocked_layout():
+    from scalerl.models.decode_model import FP32_PLAIN_MAX, ONEDNN_LINEAR
+
+    model = build_model(ModelConfig(**{**BASE, "hidden_size": 128, "intermediate_size": 1100, "head_dim": 32}),
+                        seed=0).eval()
+    fp32, bf16 = DecodeModel(model).layers[0], DecodeModel(model, torch.bfloat16).layers[0]
+    assert fp32.o.weight.numel() <= FP32_PLAIN_MAX and not fp32.o.onednn and not fp32.o.weight.is_mkldnn
+    assert fp32.gate_up.weight.numel() > FP32_PLAIN_MAX and fp32.gate_up.onednn == ONEDNN_LINEAR
+    assert bf16.o.onednn == bf16.gate_up.onednn == ONEDNN_LINEAR
+    _assert_same_generation(model, SAMPLINGS[2])  # plain and blocked matrices in one step
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("SCALERL_COMPILE_TESTS"),
+                    reason="compiles with inductor: 629 s on the shared 2-core machine; SCALERL_COMPILE_TESTS=1 runs it")
+def test_compiled_decode_path_gives_the_eager_tokens():
+    """``compile=True`` (plain weights through torch.compile; off by default, slower here): same greedy tokens."""
+    model = _model({})
+    engine = BuiltinEngine(model, PAD)
+    engine.decode_model = DecodeModel(model, compile=True)
+    assert engine.decode_model.compiled and not engine.decode_model.layers[0].gate_up.onednn
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
+    out = engine.generate(_prompts(), sampling)
+    ref = BuiltinEngine(model, PAD).generate(_prompts(), sampling)
+    assert torch.equal(out.response_ids, ref.response_ids)
+    assert (out.logprobs - ref.logprobs).abs().max().item() <= 1e-5

@@ -1,6 +1,7 @@
 """The slot cache of continuous batching: one shared write column, a view from the first live column,
 prefills copied into chosen rows, columns and rows moved."""
 
+import pytest
 import torch
 
 from scalerl.models.kv_cache import KVCache, SlotKVCache
@@ -46,3 +47,19 @@ def test_columns_move_with_overlap_and_rows_move_to_gaps():
     cache.move_rows(torch.tensor([2]), torch.tensor([0]), 1, 6)
     assert torch.equal(cache.keys[:, 0, :, 1:6], moved[:, 2, :, 1:6])
     assert torch.equal(cache.keys[:, 1], moved[:, 1])
+
+
+def test_keys_and_values_share_one_buffer_written_with_one_copy():
+    cache = KVCache(LAYERS, 2, 6)
+    cache.allocate(HEADS, DIM, torch.float32, torch.device("cpu"))
+    cache.kv.copy_(torch.arange(cache.kv.numel(), dtype=torch.float32).view_as(cache.kv))
+    kv = torch.randn(2, 2 * HEADS, 3, DIM)
+    keys, values = cache.update_kv(1, kv, 2)
+    assert keys.shape == values.shape == (2, HEADS, 5, DIM)
+    assert torch.equal(cache.keys[1, :, :, 2:5], kv[:, :HEADS]) and torch.equal(cache.values[1, :, :, 2:5], kv[:, HEADS:])
+    assert keys.data_ptr() == cache.kv[1].data_ptr()  # views of the one buffer, no copy
+    slots = SlotKVCache(LAYERS, 3, 8)
+    slots.write_rows(torch.tensor([2, 0]), cache, end=8)  # the whole buffer, keys and values at once
+    assert torch.equal(slots.values[:, 2, :, 2:8], cache.values[:, 0]) and torch.equal(slots.keys[:, 0, :, 2:8], cache.keys[:, 1])
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        cache.update_kv(0, kv, 4)

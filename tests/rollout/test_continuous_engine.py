@@ -237,3 +237,50 @@ def test_aborted_requests_free_their_slots_and_leave_the_others_unchanged(model)
     assert sorted(outputs) == [1, 2, 3, 5]
     for i, o in outputs.items():
         assert torch.equal(o.token_ids, alone[i].token_ids)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_the_engine_handed_out_decodes_on_the_fused_path_with_the_fixed_batch_tokens(model, sampling):
+    prompts, params = _prompts(), SamplingParams(max_new_tokens=MAX_NEW, seed=3, **sampling)
+    fixed = BuiltinEngine(model, PAD).generate(prompts, params)
+    engine = BuiltinEngine(model, PAD, max_num_seqs=4).continuous_engine(MAX_PROMPT, MAX_NEW)
+    assert engine.decode_model is not None and engine.forward is engine.decode_model
+    requests = [GenerationRequest(i, p, SamplingParams(**{**vars(params), "row_offset": i, "total_rows": len(prompts)}))
+                for i, p in enumerate(prompts)]
+    with ForwardShapes(model) as shapes:  # the model's own forward never runs
+        fused = {o.request_id: o for o in engine.generate_stream(requests)}
+    assert shapes == []
+    unfused = _run(model, requests, 4)
+    for i, o in fused.items():
+        n = int(fixed.response_mask[i].sum())
+        assert torch.equal(o.token_ids, fixed.response_ids[i, :n]) and torch.equal(o.token_ids, unfused[i].token_ids)
+        assert (o.logprobs - fixed.logprobs[i, :n]).abs().max() < 1e-5
+        assert (o.logprobs - unfused[i].logprobs).abs().max() < 1e-5
+
+
+def test_fused_rows_in_flight_continue_with_weights_written_between_steps(model):
+    import copy
+
+    other = copy.deepcopy(model)
+    prompt, sampling = _prompts(1)[0], SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=0)
+    engine = BuiltinEngine(other, PAD, finish_check_every=4).continuous_engine(MAX_PROMPT, MAX_NEW, 1)
+    engine.submit(GenerationRequest(0, prompt, sampling))
+    engine.step()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    out = next(o for _ in range(10) for o in engine.step())
+    before = _run(model, [GenerationRequest(0, prompt, sampling)], 1)[0]
+    after = _run(other, [GenerationRequest(0, prompt, sampling)], 1)[0]
+    assert torch.equal(out.token_ids[:5], before.token_ids[:5])
+    assert (out.logprobs[:5] - before.logprobs[:5]).abs().max() < 1e-5
+    assert not torch.allclose(out.logprobs[5:], before.logprobs[5:])
+    assert not engine.decode_model.is_stale()  # laid out again at the step after the write
+    assert (out.logprobs[5:] - after.logprobs[5:]).abs().max() > 0  # a mix, not the new weights' run either
+
+
+def test_bf16_continuous_engine_decodes_in_bf16_and_says_its_logprobs_differ(model):
+    engine = BuiltinEngine(model, PAD, dtype=torch.bfloat16, max_num_seqs=4).continuous_engine(MAX_PROMPT, MAX_NEW)
+    assert engine.decode_model.dtype == torch.bfloat16 and not engine.logprobs_match_training_forward
+    outputs = list(engine.generate_stream(_requests(_prompts(6), SAMPLINGS[2])))
+    assert len(outputs) == 6 and all(o.token_ids.numel() > 0 for o in outputs)
