@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -88,6 +88,7 @@ class PrecisionChoice:
     bf16_over_fp32: float | None = None  # the probe's speed ratio on the model's MLP shape
     probe_shape: tuple[int, int, int] | None = None
     bf16_pays: bool | None = None  # whether auto's rule holds for this model here (None: not judged)
+    requested: str = ""  # trainer.precision as configured ("auto" before it was resolved)
 
     def health_context(self) -> dict:
         """The doctor's ``compute/precision`` inputs (`scalerl.health.compute_rules.unused_bf16`)."""
@@ -102,6 +103,11 @@ class PrecisionChoice:
 
 def choose_precision(requested: str, device: torch.device, model: ModelConfig, probe: bool = True,
                      agree: Callable[[float], float] | None = None) -> PrecisionChoice:
+    return replace(_choose_precision(requested, device, model, probe, agree), requested=requested)
+
+
+def _choose_precision(requested: str, device: torch.device, model: ModelConfig, probe: bool,
+                      agree: Callable[[float], float] | None) -> PrecisionChoice:
     """``requested`` kept as it is unless it is ``auto``: then bf16 on a CUDA device with bf16, or on a CPU
     with bf16 instructions where the probe measures the model's matmuls at least `AUTO_MIN_SPEEDUP` faster
     in bf16 and that matmul is at least `AUTO_MIN_MLP_FLOPS`; fp32 otherwise. On a bf16-capable CPU the probe also runs for an fp32 run (``probe=False``

@@ -25,6 +25,7 @@ from scalerl.models.lora import apply_lora_from_config
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine_choice import resolve_engine
 from scalerl.rollout.messages import PendingSend, isend_tensors, recv_tensors
+from scalerl.rollout.sources import workers_compute_dtype
 from scalerl.rollout.weight_loading import engine_weight_receiver
 from scalerl.rollout.worker_protocol import (
     OP_GENERATE,
@@ -62,7 +63,8 @@ class RolloutWorker:
             self.engine = vllm_engine_from_config(self.model, cfg, Path(self.scratch.name), tokenizer.pad_token_id)
             self.model = None
         else:
-            self.engine = BuiltinEngine(self.model, tokenizer.pad_token_id, max_num_seqs=cfg.rollout.max_num_seqs)
+            self.engine = BuiltinEngine(self.model, tokenizer.pad_token_id, max_num_seqs=cfg.rollout.max_num_seqs,
+                                        dtype=workers_compute_dtype(cfg.rollout.dtype, cfg.trainer.precision))
         self.device, self.driver, self.sync_group = device, driver_rank, sync_group
         self.receiver = engine_weight_receiver(self.engine, shadow_device=device)
         self.timeout_s = float(getattr(cfg.trainer, "dist_timeout_s", 600))

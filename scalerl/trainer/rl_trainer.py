@@ -124,7 +124,9 @@ class RLTrainer(TrainingRun):
                 print(f"rollout.engine=auto: {r.engine} ({why})", flush=True)
         self.engine = self._build_engine()  # generates when colocated, evaluates always
         if r.placement == "standalone":
-            self.rollouts = StandaloneRollouts(self.policy, ctx, self.tokenizer.pad_token_id, r, cfg.weight_sync)
+            self.rollouts = StandaloneRollouts(self.policy, ctx, self.tokenizer.pad_token_id, r, cfg.weight_sync,
+                                               self.precision_choice.requested, self.engine.compute_dtype
+                                               if self.engine.logprobs_match_training_forward else None)
         else:
             self.rollouts = ColocatedRollouts(self.engine, self.policy, ctx)
         # Steps drawn and sent ahead (rollout.staleness), each with the stream's state from before its draw.
@@ -179,11 +181,12 @@ class RLTrainer(TrainingRun):
         if needs_greedy_baseline(cfg.algorithm.adv_estimator):
             with timer("gen_max"):  # verl's name for ReMax's greedy generation
                 reward_baselines = self._greedy_baselines(self.step_rows, metrics)
-        # The rollout's log-probs equal an fp32 training forward where its source says so (with
-        # rollout.stale_logprobs=behavior, of the one-step-old policy PPO then takes its ratio against);
-        # otherwise (autocast, bf16 workers, stale weights, another engine) they are recomputed (decoupled PPO's
-        # proximal policy), and the rollout's own log-probs weigh the loss (rollout.is_level/is_mode/is_cap).
-        reuse_logprobs = self.rollouts.logprobs_match_training_forward and cfg.trainer.precision == "fp32"
+        # The rollout's log-probs equal the training forward's where its source says so (fp32, or bf16 on CPU
+        # with the built-in engine: one recipe; with rollout.stale_logprobs=behavior, of the one-step-old policy
+        # PPO then takes its ratio against); otherwise (bf16 on CUDA, bf16 workers' copies, stale weights,
+        # another engine) they are recomputed (decoupled PPO's proximal policy), and the rollout's own log-probs
+        # weigh the loss (rollout.is_level/is_mode/is_cap).
+        reuse_logprobs = self.rollouts.logprobs_match_training_forward
         with timer("old_log_prob"):
             if reuse_logprobs:
                 batch.old_logprobs = batch.rollout_logprobs

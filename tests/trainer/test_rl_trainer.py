@@ -56,6 +56,26 @@ def test_mixed_precision_steps_are_finite(tiny_config, length_reward, precision)
         assert not torch.equal(before, trainer.policy.model.layers[0].mlp.up_proj.weight)
 
 
+@pytest.mark.parametrize("precision, engine_args, recomputed", [
+    ("bf16", [], False),  # CPU: the engine decodes by the autocast forward's recipe
+    ("fp32", [], False),
+    ("bf16", ["rollout.max_num_seqs=2"], True),  # continuous batching decodes in the parameters' fp32
+])
+def test_old_logprobs_are_recomputed_only_where_the_engine_computes_otherwise(
+        tiny_config, length_reward, monkeypatch, precision, engine_args, recomputed):
+    from scalerl.trainer import rl_trainer
+
+    calls = []
+    real = rl_trainer.response_logprobs
+    monkeypatch.setattr(rl_trainer, "response_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    trainer = RLTrainer.from_config(tiny_config(f"trainer.precision={precision}", *engine_args, length_reward))
+    batches = []
+    trainer.on_batch = batches.append
+    metrics = trainer.train_step()
+    assert bool(calls) == recomputed and ("rollout/logprob_diff/mean" in metrics) == recomputed
+    assert torch.equal(batches[0].old_logprobs, batches[0].rollout_logprobs) != recomputed
+
+
 def test_resume_is_bitwise_identical(tiny_config, length_reward, tmp_path):
     straight = RLTrainer.from_config(tiny_config("trainer.total_steps=4", length_reward, f"trainer.output_dir={tmp_path / 'a'}"))
     straight.fit()
