@@ -102,8 +102,18 @@ class PrecisionChoice:
 
 
 def choose_precision(requested: str, device: torch.device, model: ModelConfig, probe: bool = True,
-                     agree: Callable[[float], float] | None = None) -> PrecisionChoice:
-    return replace(_choose_precision(requested, device, model, probe, agree), requested=requested)
+                     agree: Callable[[float], float] | None = None,
+                     recompute_under_bf16: str | None = None) -> PrecisionChoice:
+    """`_choose_precision` for the whole step: on a CPU, ``auto`` keeps fp32 where a bf16 run would
+    recompute the rollout's log-probs with fp32 generation (``recompute_under_bf16`` says why it would): the
+    added pass costs about what bf16 saves on the update (0.5B-shaped, 4 layers: step 65.1 s bf16 against
+    53.0 s fp32, the recompute 15.5 s; docs/performance.md, "bf16 against fp32")."""
+    choice = replace(_choose_precision(requested, device, model, probe, agree), requested=requested)
+    if requested == "auto" and choice.precision == "bf16" and recompute_under_bf16 and device.type == "cpu":
+        return replace(choice, precision="fp32", bf16_pays=False, reason=(
+            f"{choice.reason}, but {recompute_under_bf16}: bf16 would add an old-log-prob pass and generate in "
+            "fp32, about what it saves on the update"))
+    return choice
 
 
 def _choose_precision(requested: str, device: torch.device, model: ModelConfig, probe: bool,

@@ -27,6 +27,7 @@ from scalerl.core.device import compute_dtype, resolve_device
 from scalerl.data.errors import DataError
 from scalerl.data.prompts import check_prompts, encode_prompts
 from scalerl.data.sources import prompt_stream_from_config, reward_from_config, rows_from_config
+from scalerl.models.decode_model import fused_decode_unsupported
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
@@ -158,6 +159,24 @@ class RLTrainer(TrainingRun):
         if resumed or r.placement == "standalone":
             self.rollouts.sync_weights(version=self.step)
         self.start_logging()
+
+    def bf16_recompute_reason(self, model) -> str | None:
+        """Where the built-in engine would not decode by the bf16 training forward's recipe
+        (`scalerl.rollout.builtin_engine.logprobs_match_forward`), so bf16 would add a log-prob pass."""
+        r, dims = self.cfg.rollout, self.dist.dims
+        if self.device.type != "cpu":
+            return None  # CUDA: auto goes by the tensor cores (the recompute is cheap beside them)
+        engine = choose_engine(model, r.placement, self.dist.world_size)[0] if r.engine == "auto" else r.engine
+        if engine != "builtin":
+            return f"rollout.engine={engine} generates in its own numerics"
+        if r.placement == "standalone":
+            return "standalone workers started before auto resolves decode in rollout.dtype"
+        if r.max_num_seqs:
+            return "continuous batching (rollout.max_num_seqs) decodes with the model's own fp32 forward"
+        if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1:
+            return "sharded or pipeline-cut weights decode with the model's own fp32 forward"
+        unsupported = fused_decode_unsupported(model)
+        return None if unsupported is None else f"no fused bf16 decode path ({unsupported})"
 
     def _build_engine(self):
         """The engine the trainer's ranks generate with (colocated) and evaluate with. Standalone, the workers

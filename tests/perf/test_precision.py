@@ -67,6 +67,19 @@ def test_auto_follows_the_probe_against_the_threshold(monkeypatch):
     calls = len(shapes)
     assert choose_precision("bf16", CPU, MODEL).precision == "bf16" and len(shapes) == calls
     assert choose_precision("fp16", CPU, MODEL).precision == "fp16"
+    assert fast.requested == "auto" and fp32.requested == "fp32"
+
+
+def test_auto_weighs_the_whole_step_an_old_logprob_recompute_included(monkeypatch):
+    monkeypatch.setattr(precision, "bf16_hardware", lambda device: "avx512_bf16")
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device, rows, inner, outer: 3.2)
+    why = "rollout.engine=vllm generates in its own numerics"
+    recomputing = choose_precision("auto", CPU, MODEL, recompute_under_bf16=why)
+    assert recomputing.precision == "fp32" and why in recomputing.reason and "at 3.20x" in recomputing.reason
+    assert recomputing.health_context()["bf16_pays"] is False
+    assert choose_precision("auto", CPU, MODEL, recompute_under_bf16=None).precision == "bf16"
+    # an explicit choice stays as configured
+    assert choose_precision("bf16", CPU, MODEL, recompute_under_bf16=why).precision == "bf16"
 
 
 def test_the_probe_measures_a_positive_ratio():
