@@ -109,11 +109,13 @@ def choose_precision(requested: str, device: torch.device, model: ModelConfig, p
     added pass costs about what bf16 saves on the update (0.5B-shaped, 4 layers: step 65.1 s bf16 against
     53.0 s fp32, the recompute 15.5 s; docs/performance.md, "bf16 against fp32")."""
     choice = replace(_choose_precision(requested, device, model, probe, agree), requested=requested)
-    if requested == "auto" and choice.precision == "bf16" and recompute_under_bf16 and device.type == "cpu":
-        return replace(choice, precision="fp32", bf16_pays=False, reason=(
-            f"{choice.reason}, but {recompute_under_bf16}: bf16 would add an old-log-prob pass and generate in "
-            "fp32, about what it saves on the update"))
-    return choice
+    if not (recompute_under_bf16 and device.type == "cpu" and choice.bf16_pays):
+        return choice
+    # bf16 would not pay for the step: auto keeps fp32, and the doctor does not call an fp32 run's choice a waste.
+    reason = (f"{choice.reason}, but {recompute_under_bf16}: bf16 would add an old-log-prob pass and generate in "
+              "fp32, about what it saves on the update")
+    return replace(choice, precision="fp32" if requested == "auto" else requested, bf16_pays=False,
+                   reason=reason if requested == "auto" else choice.reason)
 
 
 def _choose_precision(requested: str, device: torch.device, model: ModelConfig, probe: bool,

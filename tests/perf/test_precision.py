@@ -78,8 +78,11 @@ def test_auto_weighs_the_whole_step_an_old_logprob_recompute_included(monkeypatc
     assert recomputing.precision == "fp32" and why in recomputing.reason and "at 3.20x" in recomputing.reason
     assert recomputing.health_context()["bf16_pays"] is False
     assert choose_precision("auto", CPU, MODEL, recompute_under_bf16=None).precision == "bf16"
-    # an explicit choice stays as configured
+    # an explicit choice stays as configured; an fp32 one is not bf16 left unused (the doctor's evidence)
     assert choose_precision("bf16", CPU, MODEL, recompute_under_bf16=why).precision == "bf16"
+    fp32 = choose_precision("fp32", CPU, MODEL, recompute_under_bf16=why)
+    assert fp32.precision == "fp32" and fp32.health_context()["bf16_pays"] is False
+    assert choose_precision("fp32", CPU, MODEL).health_context()["bf16_pays"] is True
 
 
 def test_the_probe_measures_a_positive_ratio():
