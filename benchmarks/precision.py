@@ -8,8 +8,9 @@ nothing downloaded) for one untimed step and ``--steps`` timed ones; precisions 
 repeat (fp32 first in odd repeats, bf16 first in even ones), so a machine that gets busier or quieter does
 not favour one. The table is the median over repeats of each cell's median step; ratio = fp32 / bf16
 seconds (above 1: bf16 faster); ``cpu_step`` is the process's CPU seconds per step (others' load on the
-cores left out). Phases are the trainer's ``timing_s/*``: gen (the built-in engine, decoding in the run's
-precision: bf16 from bf16 weight copies under trainer.precision=bf16), old_log_prob (skipped where the
+cores left out; ``--clock cpu`` makes the phases CPU seconds too). Phases are the trainer's ``timing_s/*``:
+gen (the built-in engine, decoding in the run's precision: bf16 from bf16 weight copies under
+trainer.precision=bf16), old_log_prob (skipped where the
 engine's log-probs stand in for the training forward's: fp32, and bf16 on CPU; ``--extra`` can force the
 recompute, e.g. ``rollout.max_num_seqs=8``), update_actor. ``--auto`` adds a trainer.precision=auto cell per
 model and prints what it chose.
@@ -42,7 +43,11 @@ STEP_SCRIPT = r"""
 import json, statistics, sys, tempfile, time
 from scalerl.core.config import load_config
 from scalerl.trainer.rl_trainer import RLTrainer
-steps, overrides = int(sys.argv[1]), json.loads(sys.argv[2])
+steps, overrides, clock = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+if clock == "cpu":  # the trainer's phase timers read this process's CPU seconds instead of wall seconds
+    import types
+    import scalerl.perf.timing
+    scalerl.perf.timing.time = types.SimpleNamespace(perf_counter=time.process_time)
 cfg = load_config("scalerl/configs/demo.yaml", ["trainer.logger=[]", "data.num_val=0", "trainer.eval_every=0",
                   "trainer.monitor_every=0", f"trainer.output_dir={tempfile.mkdtemp()}", *overrides])
 trainer = RLTrainer.from_config(cfg)
@@ -82,9 +87,9 @@ def model_overrides(name: str, workdir: Path, layers_05b: int) -> list[str]:
     return [f"model.path={directory}", "model.tokenizer=builtin", *overrides]
 
 
-def run_cell(overrides: list[str], precision: str, steps: int, timeout_s: float) -> dict:
+def run_cell(overrides: list[str], precision: str, steps: int, timeout_s: float, clock: str = "wall") -> dict:
     done = subprocess.run([sys.executable, "-c", STEP_SCRIPT, str(steps),
-                           json.dumps([*overrides, f"trainer.precision={precision}"])],
+                           json.dumps([*overrides, f"trainer.precision={precision}"]), clock],
                           capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, check=False)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -102,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers-0.5b", dest="layers_05b", type=int, default=24,
                         help="decoder layers of the 0.5B-shaped model (24 in the real one)")
     parser.add_argument("--auto", action="store_true", help="also run trainer.precision=auto and say what it chose")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="what the phases (timing_s/*) count: wall seconds, or the process's CPU seconds "
+                             "(on a shared machine, others' time on the cores left out)")
     parser.add_argument("--extra", default="", help="comma-separated config overrides for every cell")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", type=Path)
@@ -114,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             for repeat in range(args.repeats):
                 order = ("fp32", "bf16") if repeat % 2 == 0 else ("bf16", "fp32")
                 for precision in order:
-                    cells[precision].append(run_cell(overrides, precision, args.steps, args.timeout))
+                    cells[precision].append(run_cell(overrides, precision, args.steps, args.timeout, args.clock))
                     print(f"{name} {precision} repeat {repeat}: {cells[precision][-1]['step']:.3f} s/step", flush=True)
             if args.auto:
-                auto = run_cell(overrides, "auto", 1, args.timeout)
+                auto = run_cell(overrides, "auto", 1, args.timeout, args.clock)
                 cells["auto"] = [auto]
                 print(f"{name} auto: {auto['said']}", flush=True)
             results[name] = {p: {k: statistics.median(c[k] for c in runs) for k in runs[0] if k not in ("precision", "said")}
