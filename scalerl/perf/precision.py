@@ -26,10 +26,12 @@ PROBE_ROWS = 512  # about one micro-batch of tokens
 # (norms, softmax, the optimizer) does not speed up, so below ~1.5x the step gains little or loses.
 AUTO_MIN_SPEEDUP = 1.5
 # ... and only for a model whose MLP matmul over PROBE_ROWS tokens is at least this many FLOPs. Below it
-# per-op overhead, not the matmuls, sets the step: on an AVX-512 BF16 EPYC (no AMX) the demo's model
-# (h128 x 352: 46 MFLOP) probes 3x faster in bf16, yet its update runs at 1.0-1.2x and the log-prob pass
-# bf16 adds costs what that saves; the small model (h256 x 688: 180 MFLOP) updates 1.7x faster.
-AUTO_MIN_MLP_FLOPS = 1e8
+# per-op overhead, not the matmuls, sets the step. Measured on an AVX-512 BF16 EPYC (no AMX), whole RL step in
+# CPU seconds, the engine decoding in bf16 and no old-log-prob recompute (benchmarks/precision.py --clock cpu):
+# h32 x 64 (2 MFLOP) 1.05x (gen 1.09x, update 1.07x: no gain worth bf16's rounding), the demo's h128 x 352
+# (46 MFLOP) 1.39x, the small h256 x 688 (180 MFLOP) 1.48x. (Before the engine decoded in bf16 and the
+# recompute went, the demo's model was slower in bf16 and this stood at 100 MFLOP.)
+AUTO_MIN_MLP_FLOPS = 1e7
 
 
 def cpu_bf16_features(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
@@ -122,7 +124,8 @@ def _choose_precision(requested: str, device: torch.device, model: ModelConfig, 
                       agree: Callable[[float], float] | None) -> PrecisionChoice:
     """``requested`` kept as it is unless it is ``auto``: then bf16 on a CUDA device with bf16, or on a CPU
     with bf16 instructions where the probe measures the model's matmuls at least `AUTO_MIN_SPEEDUP` faster
-    in bf16 and that matmul is at least `AUTO_MIN_MLP_FLOPS`; fp32 otherwise. On a bf16-capable CPU the probe also runs for an fp32 run (``probe=False``
+    in bf16 and that matmul is at least `AUTO_MIN_MLP_FLOPS`; fp32 otherwise. On a bf16-capable CPU the probe
+    also runs for an fp32 run (``probe=False``
     skips it), so the doctor can say what fp32 leaves unused. ``agree`` turns this rank's measured ratio
     into the one every rank uses (the minimum over ranks), so that ranks never choose differently."""
     hardware = bf16_hardware(device)
