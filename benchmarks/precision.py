@@ -7,10 +7,13 @@ Each (model, precision) cell is a fresh process running the demo's arithmetic ta
 nothing downloaded) for one untimed step and ``--steps`` timed ones; precisions alternate within each
 repeat (fp32 first in odd repeats, bf16 first in even ones), so a machine that gets busier or quieter does
 not favour one. The table is the median over repeats of each cell's median step; ratio = fp32 / bf16
-seconds (above 1: bf16 faster). Phases are the trainer's ``timing_s/*``: gen (the rollout engine, which
-generates in its own numerics), old_log_prob (recomputed under bf16, since the engine's log-probs no longer
-match a bf16 training forward; skipped in fp32), update_actor. ``--auto`` adds a trainer.precision=auto cell
-per model and prints what it chose.
+seconds (above 1: bf16 faster); ``cpu_step`` is the process's CPU seconds per step (others' load on the
+cores left out; ``--clock cpu`` makes the phases CPU seconds too). Phases are the trainer's ``timing_s/*``:
+gen (the built-in engine, decoding in the run's precision: bf16 from bf16 weight copies under
+trainer.precision=bf16), old_log_prob (skipped where the
+engine's log-probs stand in for the training forward's: fp32, and bf16 on CPU; ``--extra`` can force the
+recompute, e.g. ``rollout.max_num_seqs=8``), update_actor. ``--auto`` adds a trainer.precision=auto cell per
+model and prints what it chose.
 """
 
 from __future__ import annotations
@@ -40,17 +43,22 @@ STEP_SCRIPT = r"""
 import json, statistics, sys, tempfile, time
 from scalerl.core.config import load_config
 from scalerl.trainer.rl_trainer import RLTrainer
-steps, overrides = int(sys.argv[1]), json.loads(sys.argv[2])
+steps, overrides, clock = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+if clock == "cpu":  # the trainer's phase timers read this process's CPU seconds instead of wall seconds
+    import types
+    import scalerl.perf.timing
+    scalerl.perf.timing.time = types.SimpleNamespace(perf_counter=time.process_time)
 cfg = load_config("scalerl/configs/demo.yaml", ["trainer.logger=[]", "data.num_val=0", "trainer.eval_every=0",
                   "trainer.monitor_every=0", f"trainer.output_dir={tempfile.mkdtemp()}", *overrides])
 trainer = RLTrainer.from_config(cfg)
 rows = []
 for i in range(steps + 1):
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     m = trainer.train_step()
     trainer.step += 1
     if i:  # the first step pays one-time costs (allocations, kernel choice)
-        rows.append({"step": time.perf_counter() - start, **{k[9:]: v for k, v in m.items() if k.startswith("timing_s/")},
+        rows.append({"step": time.perf_counter() - start, "cpu_step": time.process_time() - cpu,
+                     **{k[9:]: v for k, v in m.items() if k.startswith("timing_s/")},
                      "tokens_per_s": m["perf/throughput"], "mfu": m.get("perf/mfu", 0.0)})
 keys = set.intersection(*(set(r) for r in rows))
 print("RESULT " + json.dumps({"precision": trainer.cfg.trainer.precision,
@@ -79,9 +87,9 @@ def model_overrides(name: str, workdir: Path, layers_05b: int) -> list[str]:
     return [f"model.path={directory}", "model.tokenizer=builtin", *overrides]
 
 
-def run_cell(overrides: list[str], precision: str, steps: int, timeout_s: float) -> dict:
+def run_cell(overrides: list[str], precision: str, steps: int, timeout_s: float, clock: str = "wall") -> dict:
     done = subprocess.run([sys.executable, "-c", STEP_SCRIPT, str(steps),
-                           json.dumps([*overrides, f"trainer.precision={precision}"])],
+                           json.dumps([*overrides, f"trainer.precision={precision}"]), clock],
                           capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, check=False)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -99,21 +107,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers-0.5b", dest="layers_05b", type=int, default=24,
                         help="decoder layers of the 0.5B-shaped model (24 in the real one)")
     parser.add_argument("--auto", action="store_true", help="also run trainer.precision=auto and say what it chose")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="what the phases (timing_s/*) count: wall seconds, or the process's CPU seconds "
+                             "(on a shared machine, others' time on the cores left out)")
+    parser.add_argument("--extra", default="", help="comma-separated config overrides for every cell")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.models.split(","):
-            overrides = model_overrides(name, Path(workdir), args.layers_05b)
+            overrides = model_overrides(name, Path(workdir), args.layers_05b) + [e for e in args.extra.split(",") if e]
             cells: dict[str, list[dict]] = {"fp32": [], "bf16": []}
             for repeat in range(args.repeats):
                 order = ("fp32", "bf16") if repeat % 2 == 0 else ("bf16", "fp32")
                 for precision in order:
-                    cells[precision].append(run_cell(overrides, precision, args.steps, args.timeout))
+                    cells[precision].append(run_cell(overrides, precision, args.steps, args.timeout, args.clock))
                     print(f"{name} {precision} repeat {repeat}: {cells[precision][-1]['step']:.3f} s/step", flush=True)
             if args.auto:
-                auto = run_cell(overrides, "auto", 1, args.timeout)
+                auto = run_cell(overrides, "auto", 1, args.timeout, args.clock)
                 cells["auto"] = [auto]
                 print(f"{name} auto: {auto['said']}", flush=True)
             results[name] = {p: {k: statistics.median(c[k] for c in runs) for k in runs[0] if k not in ("precision", "said")}
@@ -122,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[name]["auto"]["chose"] = cells["auto"][0]["precision"]
     print("\nmodel     phase          fp32 s    bf16 s   fp32/bf16")
     for name, cells in results.items():
-        for phase in ("step", *PHASES):
+        for phase in ("step", "cpu_step", *PHASES):
             fp32, bf16 = cells["fp32"].get(phase, 0.0), cells["bf16"].get(phase, 0.0)
             ratio = f"{fp32 / bf16:9.2f}x" if min(fp32, bf16) > 1e-3 else "        -"  # fp32 reuses the log-probs
             print(f"{name:9s} {phase:13s} {fp32:8.3f}  {bf16:8.3f}  {ratio}")

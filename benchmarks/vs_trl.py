@@ -15,8 +15,9 @@ beta = 0 (no reference model), one PPO epoch, one optimizer step per generation 
 ``ppo_mini_batch_size`` = all of them), token-mean loss (TRL's ``loss_type="dapo"``), the same torch threads.
 
 Each (side, precision) cell is one process: one untimed step, then ``--steps`` timed; the table holds the
-median over repeats, sides and precisions alternating order per repeat. A side's "best" precision is its
-faster one among those run. Generation time is read from scalerl's ``timing_s/gen`` and, for TRL, by timing
+median over repeats, sides and precisions alternating order per repeat, wall and CPU seconds (the process's,
+all threads: on a shared machine others' time on the cores is left out). A side's "best" precision is its
+faster one (wall) among those run. Generation time is read from scalerl's ``timing_s/gen`` and, for TRL, by timing
 its calls of the model's ``generate``; the rest of the step (log-probs, update, sync) is step - gen.
 """
 
@@ -64,11 +65,11 @@ cfg = load_config("scalerl/configs/demo.yaml", [
 trainer = RLTrainer.from_config(cfg)
 rows = []
 for i in range(s["steps"] + 1):
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     m = trainer.train_step()
     trainer.step += 1
     if i:
-        rows.append({"step": time.perf_counter() - start, "gen": m["timing_s/gen"],
+        rows.append({"step": time.perf_counter() - start, "cpu_step": time.process_time() - cpu, "gen": m["timing_s/gen"],
                      "tokens_per_s": m["perf/throughput"], "reward": m["critic/score/mean"]})
 print("RESULT " + json.dumps({"precision": trainer.cfg.trainer.precision,
                               **{k: statistics.median(r[k] for r in rows) for k in rows[0]}}))
@@ -117,9 +118,10 @@ class StepTimes(TrainerCallback):
     def __init__(self):
         self.rows, self.start, self.tokens = [], None, 0.0
     def on_step_begin(self, args, state, control, **kw):
-        self.start, gen_time[0] = time.perf_counter(), 0.0
+        self.start, self.cpu, gen_time[0] = time.perf_counter(), time.process_time(), 0.0
     def on_step_end(self, args, state, control, **kw):
-        self.rows.append({"step": time.perf_counter() - self.start, "gen": gen_time[0]})
+        self.rows.append({"step": time.perf_counter() - self.start, "cpu_step": time.process_time() - self.cpu,
+                          "gen": gen_time[0]})
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "num_tokens" in logs and self.rows:
             self.rows[-1]["num_tokens"] = logs["num_tokens"]
@@ -134,7 +136,7 @@ for prev, row in zip(rows, rows[1:]):
     row["tokens_per_s"] = (row["num_tokens"] - prev["num_tokens"]) / row["step"]
 timed = rows[1:]
 print("RESULT " + json.dumps({"precision": s["precision"],
-                              **{k: statistics.median(r[k] for r in timed) for k in ("step", "gen", "tokens_per_s", "reward")}}))
+                              **{k: statistics.median(r[k] for r in timed) for k in ("step", "cpu_step", "gen", "tokens_per_s", "reward")}}))
 """
 
 
@@ -197,22 +199,26 @@ def main(argv: list[str] | None = None) -> int:
                     python, script = (sys.executable, SCALERL_SCRIPT) if side == "scalerl" else (args.trl_python, TRL_SCRIPT)
                     r = run_cell(python, script, dict(base, precision=precision), args.timeout)
                     runs[(side, precision)].append(r)
-                    print(f"{name} {side} {precision} (ran {r['precision']}) repeat {repeat}: {r['step']:.3f} s/step, "
+                    print(f"{name} {side} {precision} (ran {r['precision']}) repeat {repeat}: {r['step']:.3f} s/step "
+                          f"({r['cpu_step']:.3f} CPU s), "
                           f"gen {r['gen']:.3f} s, {r['tokens_per_s']:.0f} tokens/s", flush=True)
-            row = {f"{s} {p}": {k: statistics.median(r[k] for r in rs) for k in ("step", "gen", "tokens_per_s", "reward")}
+            row = {f"{s} {p}": {k: statistics.median(r[k] for r in rs)
+                                for k in ("step", "cpu_step", "gen", "tokens_per_s", "reward")}
                    | {"ran": rs[0]["precision"]} for (s, p), rs in runs.items()}
             results[name] = row
-    print("\nmodel  side     precision  s/step   gen s  rest s  tokens/s")
+    print("\nmodel  side     precision  s/step   CPU s   gen s  rest s  tokens/s")
     for name, row in results.items():
         best = {}
         for key, r in row.items():
             side = key.split()[0]
-            print(f"{name:6s} {key:18s} {r['step']:7.3f} {r['gen']:7.3f} {r['step'] - r['gen']:7.3f} {r['tokens_per_s']:9.0f}"
+            print(f"{name:6s} {key:18s} {r['step']:7.3f} {r['cpu_step']:7.3f} {r['gen']:7.3f} {r['step'] - r['gen']:7.3f} "
+                  f"{r['tokens_per_s']:9.0f}"
                   f"  (ran {r['ran']})")
             if side not in best or r["step"] < best[side][1]["step"]:
                 best[side] = (key, r)
         (sk, s), (tk, t) = best["scalerl"], best["trl"]
-        print(f"{name:6s} best: {sk} vs {tk}: step time {t['step'] / s['step']:.2f}x, tokens/s "
+        print(f"{name:6s} best: {sk} vs {tk}: step time {t['step'] / s['step']:.2f}x (CPU time "
+              f"{t['cpu_step'] / s['cpu_step']:.2f}x), tokens/s "
               f"{s['tokens_per_s'] / t['tokens_per_s']:.2f}x; gen {t['gen'] / s['gen']:.2f}x, rest "
               f"{(t['step'] - t['gen']) / (s['step'] - s['gen']):.2f}x")
     if args.json:

@@ -598,7 +598,8 @@ class TrainerSection(_Section):
     logger: list[str] = opt(help="metric sinks: " + " | ".join(LOGGERS), factory=lambda: ["console", "jsonl"])
     precision: str = opt("fp32", "autocast precision: fp32 | bf16 | fp16 (fp16 uses a grad scaler) | auto (bf16 "
                          "on a CUDA device with bf16, or on a CPU with bf16 instructions where a probe of the "
-                         "model's MLP matmul at start measures bf16 at least 1.5x fp32; else fp32; said at start)")
+                         "model's MLP matmul at start measures bf16 at least 1.5x fp32 and the engine decodes in bf16 without an "
+                         "old-log-prob recompute; else fp32; said at start)")
     device: str = opt("auto", "auto | cpu | cuda")
     init_from: str | None = opt(None, "model directory to start from (e.g. the SFT output)")
     balance_batch: bool = opt(True, "redistribute rollouts over DP ranks so each gets a near-equal token count")

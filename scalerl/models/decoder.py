@@ -191,7 +191,21 @@ class Attention(nn.Module):
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, kv_cache: KVCache | None = None,
                        cache_start: int = 0) -> torch.Tensor:
-        """Attention of the rotated ``q, k, v`` ``[B, heads, T, D]`` under ``mask``: ``[B, heads, T, D]``."""
+        """Attention of the rotated ``q, k, v`` ``[B, heads, T, D]`` under ``mask``: ``[B, heads, T, D]``.
+
+        Under CPU autocast it runs in fp32 over q/k/v rounded to the autocast dtype, its output rounded to
+        that dtype, as the fused decode path computes it (`scalerl.models.decode_model`): CPU bf16 SDPA is
+        4-8x slower than fp32 at decode shapes, and with one recipe on both sides a bf16 engine's log-probs
+        stand in for the training forward's (`BuiltinEngine.logprobs_match_training_forward`)."""
+        if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            low = torch.get_autocast_dtype("cpu")
+            with torch.autocast("cpu", enabled=False):
+                out = self._attention(*(t.to(low).float() for t in (q, k, v)), mask, kv_cache, cache_start)
+            return out.to(low)
+        return self._attention(q, k, v, mask, kv_cache, cache_start)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, kv_cache: KVCache | None,
+                   cache_start: int) -> torch.Tensor:
         seq = q.shape[2]
         if isinstance(mask, PackedSequences):  # a packed row: one causal block per sequence
             return packed_attention(q, k, v, mask, self.sliding_window, self.scale, self.softcap)

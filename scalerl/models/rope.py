@@ -72,4 +72,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]`` over the last dimension."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    # One fused multiply-add, as the fused decode path rotates (`scalerl.models.decode_model`), so that a
+    # bf16 engine's log-probs equal the training forward's; in fp32 (cos/sin of an fp32 or autocast model).
+    if cos.dtype == torch.float32:
+        return torch.addcmul(x * cos, rotated, sin)
     return x * cos + rotated * sin

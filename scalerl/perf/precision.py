@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,10 +26,12 @@ PROBE_ROWS = 512  # about one micro-batch of tokens
 # (norms, softmax, the optimizer) does not speed up, so below ~1.5x the step gains little or loses.
 AUTO_MIN_SPEEDUP = 1.5
 # ... and only for a model whose MLP matmul over PROBE_ROWS tokens is at least this many FLOPs. Below it
-# per-op overhead, not the matmuls, sets the step: on an AVX-512 BF16 EPYC (no AMX) the demo's model
-# (h128 x 352: 46 MFLOP) probes 3x faster in bf16, yet its update runs at 1.0-1.2x and the log-prob pass
-# bf16 adds costs what that saves; the small model (h256 x 688: 180 MFLOP) updates 1.7x faster.
-AUTO_MIN_MLP_FLOPS = 1e8
+# per-op overhead, not the matmuls, sets the step. Measured on an AVX-512 BF16 EPYC (no AMX), whole RL step in
+# CPU seconds, the engine decoding in bf16 and no old-log-prob recompute (benchmarks/precision.py --clock cpu):
+# h32 x 64 (2 MFLOP) 1.05x (gen 1.09x, update 1.07x: no gain worth bf16's rounding), the demo's h128 x 352
+# (46 MFLOP) 1.39x, the small h256 x 688 (180 MFLOP) 1.48x. (Before the engine decoded in bf16 and the
+# recompute went, the demo's model was slower in bf16 and this stood at 100 MFLOP.)
+AUTO_MIN_MLP_FLOPS = 1e7
 
 
 def cpu_bf16_features(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
@@ -88,6 +90,7 @@ class PrecisionChoice:
     bf16_over_fp32: float | None = None  # the probe's speed ratio on the model's MLP shape
     probe_shape: tuple[int, int, int] | None = None
     bf16_pays: bool | None = None  # whether auto's rule holds for this model here (None: not judged)
+    requested: str = ""  # trainer.precision as configured ("auto" before it was resolved)
 
     def health_context(self) -> dict:
         """The doctor's ``compute/precision`` inputs (`scalerl.health.compute_rules.unused_bf16`)."""
@@ -101,10 +104,28 @@ class PrecisionChoice:
 
 
 def choose_precision(requested: str, device: torch.device, model: ModelConfig, probe: bool = True,
-                     agree: Callable[[float], float] | None = None) -> PrecisionChoice:
+                     agree: Callable[[float], float] | None = None,
+                     recompute_under_bf16: str | None = None) -> PrecisionChoice:
+    """`_choose_precision` for the whole step: on a CPU, ``auto`` keeps fp32 where a bf16 run would
+    recompute the rollout's log-probs with fp32 generation (``recompute_under_bf16`` says why it would): the
+    added pass costs about what bf16 saves on the update (0.5B-shaped, 4 layers: step 65.1 s bf16 against
+    53.0 s fp32, the recompute 15.5 s; docs/performance.md, "bf16 against fp32")."""
+    choice = replace(_choose_precision(requested, device, model, probe, agree), requested=requested)
+    if not (recompute_under_bf16 and device.type == "cpu" and choice.bf16_pays):
+        return choice
+    # bf16 would not pay for the step: auto keeps fp32, and the doctor does not call an fp32 run's choice a waste.
+    reason = (f"{choice.reason}, but {recompute_under_bf16}: bf16 would add an old-log-prob pass and generate in "
+              "fp32, about what it saves on the update")
+    return replace(choice, precision="fp32" if requested == "auto" else requested, bf16_pays=False,
+                   reason=reason if requested == "auto" else choice.reason)
+
+
+def _choose_precision(requested: str, device: torch.device, model: ModelConfig, probe: bool,
+                      agree: Callable[[float], float] | None) -> PrecisionChoice:
     """``requested`` kept as it is unless it is ``auto``: then bf16 on a CUDA device with bf16, or on a CPU
     with bf16 instructions where the probe measures the model's matmuls at least `AUTO_MIN_SPEEDUP` faster
-    in bf16 and that matmul is at least `AUTO_MIN_MLP_FLOPS`; fp32 otherwise. On a bf16-capable CPU the probe also runs for an fp32 run (``probe=False``
+    in bf16 and that matmul is at least `AUTO_MIN_MLP_FLOPS`; fp32 otherwise. On a bf16-capable CPU the probe
+    also runs for an fp32 run (``probe=False``
     skips it), so the doctor can say what fp32 leaves unused. ``agree`` turns this rank's measured ratio
     into the one every rank uses (the minimum over ranks), so that ranks never choose differently."""
     hardware = bf16_hardware(device)

@@ -84,7 +84,7 @@ class BuiltinEngine:
     """Generates with a ``CausalLM`` it shares with the trainer (colocated: weight sync is free)."""
 
     # Capabilities the trainer reads instead of asking for the class:
-    logprobs_match_training_forward = True  # its log-probs equal an fp32 forward over the sequence (tested)
+    logprobs_match_training_forward = True  # per engine: `logprobs_match_forward` (tested)
     shares_trainer_weights = True  # it generates with the trained parameters themselves
 
     def __init__(
@@ -106,10 +106,10 @@ class BuiltinEngine:
         self.dtype = dtype
         self.fused = fused and fused_decode_unsupported(model) is None
         self.decode_model: DecodeModel | None = None
-        # bf16 decoding's log-probs differ from a bf16-autocast training forward over the same tokens (small
-        # model: mean 1.9e-2, max 8.6e-2, about half autocast's own distance from fp32; the autocast forward is
-        # batch-invariant, 0.0 between micro-batch sizes): the trainer recomputes them (docs/models.md).
-        self.logprobs_match_training_forward = self.compute_dtype == torch.float32
+        # ``dtype`` is the training forward's compute dtype (the trainer passes its precision's); the
+        # log-probs stand in for that forward's where `logprobs_match_forward` says the recipes are one.
+        self.logprobs_match_training_forward = logprobs_match_forward(
+            model, self.dtype or model.embed_tokens.weight.dtype, self.compute_dtype, self.fused, max_num_seqs)
         self.pad_token_id = pad_token_id
         # With sharded or tensor-parallel weights every forward is a collective, so the ranks agree on when
         # to stop (`DistContext.all_finished`); alone, a rank decides for itself.
@@ -296,6 +296,27 @@ class BuiltinEngine:
             logprobs=logprobs.masked_fill(~response_mask, 0.0)[:, :width],
             finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
         )
+
+
+def logprobs_match_forward(model: CausalLM, training_dtype: torch.dtype, compute_dtype: torch.dtype, fused: bool,
+                           max_num_seqs: int = 0) -> bool:
+    """Whether an engine decoding ``model`` in ``compute_dtype`` gives the log-probs of a training forward
+    in ``training_dtype`` (fp32, or bf16 autocast over fp32 parameters), up to summation order.
+
+    fp32: every engine path runs the model's own ops (within 1e-5, tested). bf16 on CPU: the fused path and
+    the autocast forward share one recipe (bf16 matmuls, bitwise equal at every row count; fp32 norms,
+    residual, RoPE as one multiply-add, and attention in fp32 over bf16-rounded q/k/v), so a prefill equals
+    the autocast forward bitwise and a decode step differs only where single-query SDPA's fp32 summation
+    order flips a bf16 rounding (measured in tests/rollout/test_builtin_engine.py). Not on CUDA (autocast
+    attention runs in bf16 there, the decode path's in fp32), not for bf16 parameters (their norms and
+    residual are bf16), and not through continuous batching (``max_num_seqs``: it runs the model's own
+    forward, in its parameters' dtype)."""
+    params = model.embed_tokens.weight
+    if compute_dtype != training_dtype or params.dtype != torch.float32:
+        return False
+    if compute_dtype == torch.float32:
+        return True
+    return compute_dtype == torch.bfloat16 and fused and params.device.type == "cpu" and not max_num_seqs
 
 
 def _random_draws(sampling: SamplingParams, batch: int, device: torch.device):

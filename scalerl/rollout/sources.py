@@ -124,10 +124,23 @@ class ColocatedRollouts:
         pass
 
 
+def workers_compute_dtype(rollout_dtype: str, precision: str) -> torch.dtype:
+    """What built-in rollout workers decode in: bf16 over their fp32 copy (``rollout.dtype=fp32``) under an
+    explicit ``trainer.precision=bf16``, the training forward's recipe; else their copy's dtype. (Under
+    ``auto`` the trainer resolves the precision after the workers started: they keep their copy's.)"""
+    if rollout_dtype == "fp32" and precision == "bf16":
+        return torch.bfloat16
+    return ROLLOUT_DTYPES[rollout_dtype]
+
+
 class StandaloneRollouts:
-    def __init__(self, policy: ModelParts, ctx: DistContext, pad_token_id: int, rollout_cfg, weight_sync_cfg):
+    def __init__(self, policy: ModelParts, ctx: DistContext, pad_token_id: int, rollout_cfg, weight_sync_cfg,
+                 precision: str = "fp32", training_dtype: torch.dtype | None = torch.float32):
         self.policy, self.ctx, self.pad_token_id = policy, ctx, pad_token_id
         self.dtype, self.staleness = ROLLOUT_DTYPES[rollout_cfg.dtype], rollout_cfg.staleness
+        # ``precision`` as configured (the workers read it so); ``training_dtype``: the compute dtype of the
+        # trainer's forward where a built-in engine on the trainer's model would match it, else None.
+        self.compute_dtype, self.training_dtype = workers_compute_dtype(rollout_cfg.dtype, precision), training_dtype
         self.behavior_logprobs = rollout_cfg.stale_logprobs == "behavior"
         self.exact_engine = getattr(rollout_cfg, "engine", "builtin") == "builtin"  # vLLM's kernels differ
         self.driver = WorkerDriver(ctx) if ctx.rank == 0 else None  # rank 0 talks to the workers
@@ -144,9 +157,11 @@ class StandaloneRollouts:
 
     @property
     def logprobs_match_training_forward(self) -> bool:
-        """fp32 built-in workers compute what the trainer's fp32 forward does: of the latest weights, or, stale
-        with rollout.stale_logprobs=behavior, of the behaviour policy PPO then takes its ratio against."""
-        return self.exact_engine and self.dtype == torch.float32 and (not self.staleness or self.behavior_logprobs)
+        """Built-in workers over fp32 copies compute what the trainer's forward does (fp32, or bf16 on CPU by
+        one recipe: `logprobs_match_forward`): of the latest weights, or, stale with
+        rollout.stale_logprobs=behavior, of the behaviour policy PPO then takes its ratio against."""
+        same = self.dtype == torch.float32 and self.compute_dtype == self.training_dtype
+        return self.exact_engine and same and (not self.staleness or self.behavior_logprobs)
 
     def generate(self, batch: StepPrompts) -> GenerationOutput:
         start = time.perf_counter()

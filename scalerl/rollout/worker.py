@@ -50,6 +50,7 @@ from scalerl.rollout.continuous_engine import GenerationRequest, RequestOutput
 from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
 from scalerl.rollout.engine_choice import resolve_engine
 from scalerl.rollout.messages import MAX_PENDING_SENDS, PendingSend, isend_tensors, recv_tensors
+from scalerl.rollout.sources import workers_compute_dtype
 from scalerl.rollout.weight_loading import engine_weight_receiver
 from scalerl.rollout.worker_protocol import (
     OP_GENERATE,
@@ -236,7 +237,8 @@ class RolloutWorker:
             self.engine = vllm_engine_from_config(self.model, cfg, Path(self.scratch.name), tokenizer.pad_token_id)
             self.model = None
         else:
-            self.engine = BuiltinEngine(self.model, tokenizer.pad_token_id, max_num_seqs=cfg.rollout.max_num_seqs)
+            self.engine = BuiltinEngine(self.model, tokenizer.pad_token_id, max_num_seqs=cfg.rollout.max_num_seqs,
+                                        dtype=workers_compute_dtype(cfg.rollout.dtype, cfg.trainer.precision))
         self.pad_token_id = tokenizer.pad_token_id
         self.device, self.driver, self.sync_group = device, driver_rank, sync_group
         self.receiver = engine_weight_receiver(_ReceivingView(self.engine) if self.partial else self.engine,

@@ -27,6 +27,7 @@ from scalerl.core.device import compute_dtype, resolve_device
 from scalerl.data.errors import DataError
 from scalerl.data.prompts import check_prompts, encode_prompts
 from scalerl.data.sources import prompt_stream_from_config, reward_from_config, rows_from_config
+from scalerl.models.decode_model import fused_decode_unsupported
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
@@ -124,7 +125,9 @@ class RLTrainer(TrainingRun):
                 print(f"rollout.engine=auto: {r.engine} ({why})", flush=True)
         self.engine = self._build_engine()  # generates when colocated, evaluates always
         if r.placement == "standalone":
-            self.rollouts = StandaloneRollouts(self.policy, ctx, self.tokenizer.pad_token_id, r, cfg.weight_sync)
+            self.rollouts = StandaloneRollouts(self.policy, ctx, self.tokenizer.pad_token_id, r, cfg.weight_sync,
+                                               self.precision_choice.requested, self.engine.compute_dtype
+                                               if self.engine.logprobs_match_training_forward else None)
         else:
             self.rollouts = ColocatedRollouts(self.engine, self.policy, ctx)
         # Steps drawn and sent ahead (rollout.staleness), each with the stream's state from before its draw.
@@ -157,6 +160,24 @@ class RLTrainer(TrainingRun):
             self.rollouts.sync_weights(version=self.step)
         self.start_logging()
 
+    def bf16_recompute_reason(self, model) -> str | None:
+        """Where the built-in engine would not decode by the bf16 training forward's recipe
+        (`scalerl.rollout.builtin_engine.logprobs_match_forward`), so bf16 would add a log-prob pass."""
+        r, dims = self.cfg.rollout, self.dist.dims
+        if self.device.type != "cpu":
+            return None  # CUDA: auto goes by the tensor cores (the recompute is cheap beside them)
+        engine = choose_engine(model, r.placement, self.dist.world_size)[0] if r.engine == "auto" else r.engine
+        if engine != "builtin":
+            return f"rollout.engine={engine} generates in its own numerics"
+        if r.placement == "standalone":
+            return "standalone workers started before auto resolves decode in rollout.dtype"
+        if r.max_num_seqs:
+            return "continuous batching (rollout.max_num_seqs) decodes with the model's own fp32 forward"
+        if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1:
+            return "sharded or pipeline-cut weights decode with the model's own fp32 forward"
+        unsupported = fused_decode_unsupported(model)
+        return None if unsupported is None else f"no fused bf16 decode path ({unsupported})"
+
     def _build_engine(self):
         """The engine the trainer's ranks generate with (colocated) and evaluate with. Standalone, the workers
         run ``rollout.engine`` and the trainer evaluates with the built-in one."""
@@ -179,11 +200,12 @@ class RLTrainer(TrainingRun):
         if needs_greedy_baseline(cfg.algorithm.adv_estimator):
             with timer("gen_max"):  # verl's name for ReMax's greedy generation
                 reward_baselines = self._greedy_baselines(self.step_rows, metrics)
-        # The rollout's log-probs equal an fp32 training forward where its source says so (with
-        # rollout.stale_logprobs=behavior, of the one-step-old policy PPO then takes its ratio against);
-        # otherwise (autocast, bf16 workers, stale weights, another engine) they are recomputed (decoupled PPO's
-        # proximal policy), and the rollout's own log-probs weigh the loss (rollout.is_level/is_mode/is_cap).
-        reuse_logprobs = self.rollouts.logprobs_match_training_forward and cfg.trainer.precision == "fp32"
+        # The rollout's log-probs equal the training forward's where its source says so (fp32, or bf16 on CPU
+        # with the built-in engine: one recipe; with rollout.stale_logprobs=behavior, of the one-step-old policy
+        # PPO then takes its ratio against); otherwise (bf16 on CUDA, bf16 workers' copies, stale weights,
+        # another engine) they are recomputed (decoupled PPO's proximal policy), and the rollout's own log-probs
+        # weigh the loss (rollout.is_level/is_mode/is_cap).
+        reuse_logprobs = self.rollouts.logprobs_match_training_forward
         with timer("old_log_prob"):
             if reuse_logprobs:
                 batch.old_logprobs = batch.rollout_logprobs

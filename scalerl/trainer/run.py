@@ -157,13 +157,19 @@ class TrainingRun:
         apply_lora_from_config(model, self.cfg.model.lora, t.seed)  # before any copy or layout of the policy
         self.model_config = model.config
         # trainer.precision=auto is resolved here, once, and written back: every later reader sees bf16 or fp32.
-        self.precision_choice = choose_precision(t.precision, self.device, model.config, agree=self._min_over_ranks)
+        self.precision_choice = choose_precision(t.precision, self.device, model.config, agree=self._min_over_ranks,
+                                                 recompute_under_bf16=self.bf16_recompute_reason(model))
         if t.precision == "auto":
             say(self.dist, f"trainer.precision=auto: {self.precision_choice.precision} "
                            f"({self.precision_choice.reason})")
             t.precision = self.precision_choice.precision
         self.autocast = Autocast(t.precision, self.device)
         return model
+
+    def bf16_recompute_reason(self, model: nn.Module) -> str | None:
+        """Why a bf16 run would recompute the rollout's log-probs with fp32 generation (None: it would not,
+        or there is no rollout); `trainer.precision=auto` weighs it (`choose_precision`)."""
+        return None
 
     def _min_over_ranks(self, value: float) -> float:
         if self.dist.world_size == 1:

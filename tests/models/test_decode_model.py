@@ -111,7 +111,7 @@ def test_bf16_decoding_computes_what_a_bf16_autocast_forward_does():
     out = engine.generate(_prompts(), SAMPLINGS[0])
     assert engine.decode_model.layers[0].qkv.weight.dtype == torch.bfloat16
     assert engine.decode_model.weight_bytes * 2 == DecodeModel(model).weight_bytes
-    assert not engine.logprobs_match_training_forward and BuiltinEngine(model, PAD).logprobs_match_training_forward
+    assert engine.logprobs_match_training_forward and BuiltinEngine(model, PAD).logprobs_match_training_forward
     ids = torch.cat([out.prompt_ids, out.response_ids], 1)
     mask = torch.cat([out.prompt_mask, out.response_mask], 1).bool()
     p = out.prompt_ids.shape[1]

@@ -17,8 +17,10 @@ from scalerl.perf.precision import (
 CPU = torch.device("cpu")
 MODEL = ModelConfig(vocab_size=96, hidden_size=256, intermediate_size=688, num_hidden_layers=1,
                     num_attention_heads=2, num_key_value_heads=1)  # the small model's MLP: 180 MFLOP at 512 rows
-TINY = ModelConfig(vocab_size=96, hidden_size=128, intermediate_size=352, num_hidden_layers=1,
+DEMO = ModelConfig(vocab_size=96, hidden_size=128, intermediate_size=352, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=1)  # the demo's: 46 MFLOP
+TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2)  # the tests' run model: 2 MFLOP
 
 
 def test_cpu_flags_name_the_bf16_instruction_sets(tmp_path):
@@ -54,7 +56,8 @@ def test_auto_follows_the_probe_against_the_threshold(monkeypatch):
     assert shapes[-1] == (precision.PROBE_ROWS, 256, 688)  # the model's own MLP
     # a tiny model stays fp32 however fast its bf16 matmul: overhead, not matmuls, sets its step
     tiny = choose_precision("auto", CPU, TINY)
-    assert tiny.precision == "fp32" and "46 MFLOP" in tiny.reason and tiny.health_context()["bf16_pays"] is False
+    assert tiny.precision == "fp32" and "2 MFLOP" in tiny.reason and tiny.health_context()["bf16_pays"] is False
+    assert choose_precision("auto", CPU, DEMO).precision == "bf16"  # measured 1.39x per step in bf16
     monkeypatch.setattr(precision, "bf16_matmul_speedup", probe(AUTO_MIN_SPEEDUP - 0.2))
     slow = choose_precision("auto", CPU, MODEL)
     assert slow.precision == "fp32" and f"under the {AUTO_MIN_SPEEDUP}x" in slow.reason
@@ -67,6 +70,22 @@ def test_auto_follows_the_probe_against_the_threshold(monkeypatch):
     calls = len(shapes)
     assert choose_precision("bf16", CPU, MODEL).precision == "bf16" and len(shapes) == calls
     assert choose_precision("fp16", CPU, MODEL).precision == "fp16"
+    assert fast.requested == "auto" and fp32.requested == "fp32"
+
+
+def test_auto_weighs_the_whole_step_an_old_logprob_recompute_included(monkeypatch):
+    monkeypatch.setattr(precision, "bf16_hardware", lambda device: "avx512_bf16")
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device, rows, inner, outer: 3.2)
+    why = "rollout.engine=vllm generates in its own numerics"
+    recomputing = choose_precision("auto", CPU, MODEL, recompute_under_bf16=why)
+    assert recomputing.precision == "fp32" and why in recomputing.reason and "at 3.20x" in recomputing.reason
+    assert recomputing.health_context()["bf16_pays"] is False
+    assert choose_precision("auto", CPU, MODEL, recompute_under_bf16=None).precision == "bf16"
+    # an explicit choice stays as configured; an fp32 one is not bf16 left unused (the doctor's evidence)
+    assert choose_precision("bf16", CPU, MODEL, recompute_under_bf16=why).precision == "bf16"
+    fp32 = choose_precision("fp32", CPU, MODEL, recompute_under_bf16=why)
+    assert fp32.precision == "fp32" and fp32.health_context()["bf16_pays"] is False
+    assert choose_precision("fp32", CPU, MODEL).health_context()["bf16_pays"] is True
 
 
 def test_the_probe_measures_a_positive_ratio():

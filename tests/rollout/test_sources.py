@@ -59,6 +59,7 @@ def _world2_runs(rank: int, out: str) -> None:
         "bf16": ["rollout.placement=standalone", "rollout.dtype=bf16", "trainer.total_steps=3"],
         "partial": ["rollout.placement=standalone", "rollout.staleness=2", "rollout.partial=true",
                     "trainer.total_steps=3"],
+        "precision_bf16": ["rollout.placement=standalone", "trainer.precision=bf16", "trainer.total_steps=3"],
         "resumed": ["rollout.placement=standalone", "trainer.total_steps=2", "trainer.save_every=2"],
         # colocated, 32 rows: each pipeline rank's replica generates half (16 rows, the split's threshold)
         "pipeline": ["parallel.pp=2", "trainer.total_steps=3", "trainer.batch_size=8"],
@@ -108,6 +109,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("standalone")
     _train(str(out / "colocated"), ["trainer.total_steps=3"])  # the reference: one process
     _train(str(out / "colocated_32_rows"), ["trainer.total_steps=3", "trainer.batch_size=8"])
+    _train(str(out / "colocated_bf16"), ["trainer.total_steps=3", "trainer.precision=bf16"])
     run_in_group(_world2_runs, 2, str(out), timeout_s=900)
     run_in_group(_two_workers, 3, str(out), timeout_s=600, may_vanish=(2,))
     run_in_group(_worker_dies_one_step_ahead, 3, str(out), timeout_s=600, may_vanish=(2,))
@@ -159,6 +161,15 @@ def test_bf16_workers_hold_half_the_bytes_and_reweight_the_loss(runs):
     bf16, fp32 = _metrics(runs / "bf16"), _metrics(runs / "sync")
     assert bf16[0]["weight_sync/full_bytes"] * 2 == fp32[0]["weight_sync/full_bytes"]
     assert all(0 < r["rollout/logprob_diff/max"] < 0.05 for r in bf16)  # bf16 numerics, same weights
+
+
+def test_under_bf16_workers_decode_by_the_training_forwards_recipe(runs):
+    """trainer.precision=bf16 with fp32 worker copies: the workers decode in bf16 as the colocated engine does
+    (the same samples and weights), and their log-probs stand in for the old-log-prob pass in both."""
+    standalone, colocated = _metrics(runs / "precision_bf16"), _metrics(runs / "colocated_bf16")
+    assert [r["critic/score/mean"] for r in standalone] == [r["critic/score/mean"] for r in colocated]
+    assert all("rollout/logprob_diff/max" not in r for r in standalone + colocated)  # not recomputed
+    assert _max_diff(_weights(runs / "colocated_bf16"), _weights(runs / "precision_bf16")) < 1e-5
 
 
 @pytest.mark.parametrize("run", ["sync", "bf16", "async", "two_workers", "two_workers_k2"])

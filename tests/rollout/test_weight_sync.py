@@ -297,3 +297,25 @@ def test_a_dead_workers_requests_go_again_to_a_live_one_and_the_last_death_stops
     with pytest.raises(RolloutWorkerError, match=r"rollout workers \[5, 6\] all stopped answering \(the last, rank 5, "
                                                  r"owed the rollouts of steps \[4\]\).*trainer.resume=auto"):
         driver.collect(4, 0)
+
+
+@pytest.mark.parametrize("rollout_dtype, precision, training_dtype, stale_logprobs, matches", [
+    ("fp32", "fp32", torch.float32, "recompute", True),
+    ("fp32", "bf16", torch.bfloat16, "recompute", True),  # workers decode bf16 over their fp32 copy
+    ("bf16", "bf16", torch.bfloat16, "recompute", False),  # a bf16 copy: bf16 norms and residual
+    ("fp32", "auto", torch.bfloat16, "recompute", False),  # auto resolved after the workers started: fp32
+    ("fp32", "bf16", None, "recompute", False),  # the trainer's own engine could not match (CUDA, unfused)
+    ("fp32", "bf16", torch.bfloat16, "behavior", True),  # stale, but the behaviour policy's log-probs
+])
+def test_standalone_workers_match_the_training_forward_where_they_decode_by_its_recipe(
+        rollout_dtype, precision, training_dtype, stale_logprobs, matches):
+    from scalerl.rollout.sources import workers_compute_dtype
+
+    ctx = SimpleNamespace(rank=1, dp_rank=0, dp_size=1, world_size=1)
+    rollout_cfg = SimpleNamespace(dtype=rollout_dtype, staleness=int(stale_logprobs == "behavior"),
+                                  stale_logprobs=stale_logprobs)
+    rollouts = StandaloneRollouts(_policy(), ctx, 0, rollout_cfg, load_config(None, []).weight_sync, precision,
+                                  training_dtype)
+    assert rollouts.logprobs_match_training_forward == matches
+    assert workers_compute_dtype(rollout_dtype, precision) == (
+        torch.bfloat16 if "bf16" in (rollout_dtype, precision) and precision != "auto" else torch.float32)

@@ -56,6 +56,26 @@ def test_mixed_precision_steps_are_finite(tiny_config, length_reward, precision)
         assert not torch.equal(before, trainer.policy.model.layers[0].mlp.up_proj.weight)
 
 
+@pytest.mark.parametrize("precision, engine_args, recomputed", [
+    ("bf16", [], False),  # CPU: the engine decodes by the autocast forward's recipe
+    ("fp32", [], False),
+    ("bf16", ["rollout.max_num_seqs=2"], True),  # continuous batching decodes in the parameters' fp32
+])
+def test_old_logprobs_are_recomputed_only_where_the_engine_computes_otherwise(
+        tiny_config, length_reward, monkeypatch, precision, engine_args, recomputed):
+    from scalerl.trainer import rl_trainer
+
+    calls = []
+    real = rl_trainer.response_logprobs
+    monkeypatch.setattr(rl_trainer, "response_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    trainer = RLTrainer.from_config(tiny_config(f"trainer.precision={precision}", *engine_args, length_reward))
+    batches = []
+    trainer.on_batch = batches.append
+    metrics = trainer.train_step()
+    assert bool(calls) == recomputed and ("rollout/logprob_diff/mean" in metrics) == recomputed
+    assert torch.equal(batches[0].old_logprobs, batches[0].rollout_logprobs) != recomputed
+
+
 def test_resume_is_bitwise_identical(tiny_config, length_reward, tmp_path):
     straight = RLTrainer.from_config(tiny_config("trainer.total_steps=4", length_reward, f"trainer.output_dir={tmp_path / 'a'}"))
     straight.fit()
@@ -144,15 +164,22 @@ def test_continuous_batching_rollouts_train_as_the_fixed_batch(tiny_config, leng
         assert abs(continuous["actor/pg_loss"] - fixed["actor/pg_loss"]) < 1e-5
 
 
-@pytest.mark.parametrize("speedup, chosen", [(3.0, "bf16"), (1.1, "fp32")])
+@pytest.mark.parametrize("speedup, chosen, extra", [
+    (3.0, "bf16", []), (1.1, "fp32", []),
+    # The update would gain, but continuous batching's fp32 decode would add the old-log-prob pass: the step not.
+    (3.0, "fp32", ["rollout.max_num_seqs=2"]),
+])
 def test_precision_auto_is_chosen_at_start_said_and_written_back(tiny_config, length_reward, capsys, monkeypatch,
-                                                                 speedup, chosen):
+                                                                 speedup, chosen, extra):
     from scalerl.perf import precision
 
     monkeypatch.setattr(precision, "bf16_hardware", lambda device: "avx512_bf16")
     monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device, rows, inner, outer: speedup)
     monkeypatch.setattr(precision, "AUTO_MIN_MLP_FLOPS", 0)  # the test model is tinier than auto's bf16 size
-    trainer = RLTrainer.from_config(tiny_config("trainer.precision=auto", length_reward))
+    trainer = RLTrainer.from_config(tiny_config("trainer.precision=auto", *extra, length_reward))
     assert trainer.cfg.trainer.precision == chosen and trainer.autocast.precision == chosen
-    assert f"trainer.precision=auto: {chosen} (bf16 ran this model's MLP matmul" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"trainer.precision=auto: {chosen} (bf16 ran this model's MLP matmul" in said
+    assert ("but continuous batching (rollout.max_num_seqs)" in said) == bool(extra)
+    assert trainer.engine.logprobs_match_training_forward == (chosen == "fp32" or not extra)
     assert trainer.monitor.context["bf16_over_fp32"] == speedup  # the doctor's compute/precision evidence
