@@ -344,7 +344,7 @@ class RLTrainer(TrainingRun):
         (the current weights on every placement), repeated for the prompt's ``n`` samples ([B])."""
         sampling = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0,
                                   stop_token_ids=self.tokenizer.stop_token_ids, seed=self.cfg.trainer.seed)
-        out = self.engine.generate(self._encode(rows), sampling)
+        out = self._engine_with_current_weights().generate(self._encode(rows), sampling)
         scores, failures = self.reward.compute(self.tokenizer.batch_decode(out.response_ids.tolist()), rows)
         baselines = torch.tensor(scores, dtype=torch.float32)
         metrics["critic/reward_baseline/mean"] = float(baselines.mean())
@@ -390,11 +390,21 @@ class RLTrainer(TrainingRun):
                 self.rollouts.prefetch(batch)
 
     # -------------------------------------------------------------------------------- around the loop
+    def _engine_with_current_weights(self):
+        """The trainer's engine, its decode layout refreshed where no weight sync does it: standalone, the
+        workers get the pushes and the fused optimizer's in-place updates leave no trace a stale check could
+        see (fused AdamW does not move the parameters' ``_version`` counters), so evaluation would decode the
+        first step's weights."""
+        if not isinstance(self.rollouts, ColocatedRollouts):
+            getattr(self.engine, "refresh_weights", lambda: 0)()
+        return self.engine
+
     def evaluate(self) -> dict[str, float]:
         self.policy.eval()
         with self.timer("eval"):
             local = evaluate(
-                self.engine, self.tokenizer, self.val_rows, self.reward, self.cfg.rollout.max_new_tokens,
+                self._engine_with_current_weights(), self.tokenizer, self.val_rows, self.reward,
+                self.cfg.rollout.max_new_tokens,
                 temperature=self.cfg.rollout.val_temperature, seed=self.cfg.trainer.seed,
                 chat_template=self.cfg.data.chat_template, row_offset=self.dist.dp_rank * len(self.val_rows),
                 total_rows=len(self.val_rows) * self.dist.dp_size,

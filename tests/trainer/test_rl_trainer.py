@@ -183,3 +183,34 @@ def test_precision_auto_is_chosen_at_start_said_and_written_back(tiny_config, le
     assert ("but continuous batching (rollout.max_num_seqs)" in said) == bool(extra)
     assert trainer.engine.logprobs_match_training_forward == (chosen == "fp32" or not extra)
     assert trainer.monitor.context["bf16_over_fp32"] == speedup  # the doctor's compute/precision evidence
+
+
+def test_standalone_evaluation_decodes_the_weights_the_optimizer_wrote():
+    """Standalone, no weight sync refreshes the trainer's own engine, and fused optimizer updates leave no
+    trace its stale check sees: evaluation must lay the current weights out itself (it decoded the first
+    step's weights before)."""
+    from types import SimpleNamespace
+
+    from scalerl.rollout.builtin_engine import BuiltinEngine
+    from scalerl.rollout.engine import SamplingParams
+    from tests.tiny import tiny_model
+
+    model = tiny_model(seed=0).eval()
+    engine = BuiltinEngine(model, pad_token_id=0)
+    engine.refresh_weights()  # the layout of the starting weights, as the first generation makes it
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, seed=0)
+    before = engine.generate([[3, 4, 5]], greedy).response_ids
+    # An optimizer step as the trainer's takes it: fused AdamW writes in place without bumping the parameters'
+    # version counters, so the engine's own stale check cannot see it.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    fresh = BuiltinEngine(tiny_model(seed=0).eval(), pad_token_id=0)
+    fresh.model.load_state_dict(model.state_dict())
+    expected = fresh.generate([[3, 4, 5]], greedy).response_ids
+    assert not torch.equal(before, expected)  # the change is visible in greedy tokens
+    assert torch.equal(engine.generate([[3, 4, 5]], greedy).response_ids, before)  # stale without a refresh
+    trainer = SimpleNamespace(rollouts=object(), engine=engine)  # standalone: not ColocatedRollouts
+    got = RLTrainer._engine_with_current_weights(trainer).generate([[3, 4, 5]], greedy).response_ids
+    assert torch.equal(got, expected)
