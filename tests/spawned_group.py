@@ -7,8 +7,11 @@ spawns one group and does many checks inside it (e.g. through a module-scoped fi
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -27,6 +30,7 @@ def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn: Call
         "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
     })
     torch.set_num_threads(1)  # two threads per process on two cores doubles step time
+    faulthandler.enable(all_threads=True)  # a rank that crashes in C++ (SIGABRT, SIGSEGV) prints its Python stacks
     if not init_group:  # the function joins the ranks itself (e.g. the doctor's own rendezvous)
         results[rank] = fn(rank, *args)
         return
@@ -37,23 +41,51 @@ def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn: Call
         dist.destroy_process_group()
 
 
+# A rank killed by one of these crashed inside torch's C++ (once in CI: gloo teardown, "terminate called
+# without an active exception", not reproduced in dozens of runs here). The group is run once more and the
+# crash reported as a warning with the ranks' stacks (faulthandler); a crash that repeats fails the test.
+_CRASH_SIGNALS = {"SIGABRT", "SIGSEGV", "SIGBUS"}
+
+
 def run_in_group(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600,
                  init_group: bool = True, may_vanish: tuple[int, ...] = ()) -> list[Any]:
     """``[fn(0, *args), ..., fn(world_size - 1, *args)]``, each run in its own process of one gloo group.
     ``fn`` must be a module-level function and its result picklable. A rank that fails raises here; ranks
     still running after ``timeout_s`` are killed and named. ``init_group=False`` only sets the rendezvous
     variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT...) and leaves joining to ``fn``. Ranks in ``may_vanish``
-    may end without a result (a test killing a process: ``os._exit(0)``); theirs is None."""
-    results = mp.Manager().dict()
-    context = mp.start_processes(
-        _rank_main, args=(world_size, free_port(), timeout_s, fn, args, results, init_group), nprocs=world_size,
-        start_method="spawn", join=False,
-    )
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
-        if time.monotonic() > deadline:
-            alive = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
-            for p in context.processes:
-                p.kill()
-            raise TimeoutError(f"ranks {alive} of {fn.__name__} did not finish within {timeout_s:.0f} s")
-    return [results.get(rank) if rank in may_vanish else results[rank] for rank in range(world_size)]
+    may end without a result (a test killing a process: ``os._exit(0)``); theirs is None. A group whose rank
+    crashes by a signal in ``_CRASH_SIGNALS`` runs once more (warned); a second crash raises."""
+    try:
+        return _run_once(fn, world_size, args, timeout_s, init_group, may_vanish)
+    except mp.ProcessExitedException as crash:
+        if crash.signal_name not in _CRASH_SIGNALS:
+            raise
+        warnings.warn(f"rank {crash.error_index} of {fn.__name__} crashed with {crash.signal_name}; running the "
+                      "group once more (its stacks are in the captured stderr)", RuntimeWarning, stacklevel=2)
+        print(f"spawned_group: {crash}", file=sys.stderr)
+        for arg in args:  # the retry starts from empty output folders; the crashed try's are kept beside them
+            if isinstance(arg, (str, os.PathLike)) and os.path.isdir(arg):
+                os.rename(arg, f"{os.fspath(arg)}.crashed")
+                os.mkdir(arg)
+        return _run_once(fn, world_size, args, timeout_s, init_group, may_vanish)
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float, init_group: bool,
+              may_vanish: tuple[int, ...]) -> list[Any]:
+    manager = mp.Manager()
+    try:
+        results = manager.dict()
+        context = mp.start_processes(
+            _rank_main, args=(world_size, free_port(), timeout_s, fn, args, results, init_group),
+            nprocs=world_size, start_method="spawn", join=False,
+        )
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                alive = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
+                for p in context.processes:
+                    p.kill()
+                raise TimeoutError(f"ranks {alive} of {fn.__name__} did not finish within {timeout_s:.0f} s")
+        return [results.get(rank) if rank in may_vanish else results[rank] for rank in range(world_size)]
+    finally:
+        manager.shutdown()  # one server process per group, not one left behind per test module
