@@ -4,17 +4,17 @@ the reward / held-out accuracy curve, same seed.
     python benchmarks/async_rl.py [--steps 120] [--sft-steps 1000] [--batch-size 64] [--json FILE]
     python benchmarks/async_rl.py --setting long [--staleness 0 1 2 4] [--workers 1 2] [--seeds 0 1 2] [--partial]
 
-``--setting long`` is generation-heavy: the demo's model untrained (no SFT), so responses run until the
-stop character comes up at random or ``--max-new-tokens`` (256), 4 prompts x 8 samples per step. Its reward
-is 0 everywhere (an untrained model never answers), so advantages are 0 and the weights never change: every
-mode generates the same lengths from the same weights and the comparison is of the pipeline alone, while
-the update still runs its full forward and backward. The push is dense (``weight_sync.mode=full``), what a
-sync of weights that did change costs here. It prints, per worker count, samples/s and each staleness's
-ratio over synchronous (the median step over steps 3 onwards; the median over seeds of each), with the
-trainer's and the workers' idle time and the weight push's exposed and own time. ``--partial`` also runs
-every staleness >= 1 with ``rollout.partial=true`` (streaming workers: continuous batching over every request
-in flight, pushes landing mid-response), right after the same seed's in-order run, and adds the share of
-responses that span versions.
+``--setting long`` is generation-heavy: the demo's model untrained (no SFT), so responses run until the stop
+character comes up at random or ``--max-new-tokens`` (256), ``--prompts`` (4) prompts x 8 samples per step.
+Its reward is 0 everywhere (an untrained model never answers), so advantages are 0 and the weights never
+change: every mode generates the same lengths from the same weights and the comparison is of the pipeline
+alone, while the update still runs its full forward and backward. The push is dense
+(``weight_sync.mode=full``), what a sync of weights that did change costs here. It prints, per worker count,
+samples/s and each staleness's ratio over synchronous (the median step over steps 3 onwards; the median over
+seeds of each), with the trainer's and the workers' idle time and the weight push's exposed and own time.
+``--partial`` also runs every staleness >= 1 with ``rollout.partial=true`` (streaming workers: continuous
+batching over every request in flight, pushes landing mid-response), right after the same seed's in-order run,
+and adds the share of responses that span versions.
 
 The demo's configuration (built-in model and task): an SFT warm start on the weak teacher's data (cached in
 outputs/bench_async_rl/sft), then GRPO with one trainer rank and one rollout worker rank (world 2, gloo on
@@ -62,27 +62,36 @@ def warm_start(sft_steps: int) -> Path:
     return Path(train_sft(cfg)["model_dir"])
 
 
-LONG = ["trainer.batch_size=4", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size=32",
-        "weight_sync.mode=full", "trainer.eval_every=0", "data.num_val=8"]
+LONG = ["weight_sync.mode=full", "trainer.eval_every=0", "data.num_val=8"]
+
+
+def _long_batch(prompts: int) -> list[str]:
+    """``prompts`` prompts x rollout.n samples per step, all of them one mini-batch and one micro-batch."""
+    samples = prompts * _demo_config([]).rollout.n
+    return [f"trainer.batch_size={prompts}", f"actor.ppo_mini_batch_size={samples}",
+            f"actor.ppo_micro_batch_size={samples}"]
 
 
 def _long(rank: int, steps: int, staleness: int, workers: int, seed: int, max_new_tokens: int,
-          background: bool = True, stale_logprobs: str = "recompute", partial: bool = False) -> None:
+          background: bool = True, stale_logprobs: str = "recompute", partial: bool = False,
+          prompts: int = 4) -> None:
     from scalerl.trainer.rl_trainer import train
 
-    train(_demo_config([*LONG, f"trainer.total_steps={steps}", f"trainer.seed={seed}", "trainer.overwrite=true",
+    train(_demo_config([*LONG, *_long_batch(prompts), f"trainer.total_steps={steps}", f"trainer.seed={seed}",
+                        "trainer.overwrite=true",
                         f"rollout.max_new_tokens={max_new_tokens}", "rollout.placement=standalone",
                         f"rollout.workers={workers}", f"rollout.staleness={staleness}",
                         f"weight_sync.background={str(background).lower()}",
                         *([f"rollout.stale_logprobs={stale_logprobs}"] if staleness else []),
                         f"rollout.partial={str(partial).lower()}",
-                        f"trainer.output_dir={_long_dir(staleness, workers, seed, background, stale_logprobs, partial)}"]))
+                        "trainer.output_dir="
+                        f"{_long_dir(staleness, workers, seed, background, stale_logprobs, partial, prompts)}"]))
 
 
 def _long_dir(staleness: int, workers: int, seed: int, background: bool = True, stale_logprobs: str = "recompute",
-              partial: bool = False) -> Path:
+              partial: bool = False, prompts: int = 4) -> Path:
     suffix = ("" if background else "-inline-push") + ("-behavior" if staleness and stale_logprobs == "behavior" else "")
-    suffix += "-partial" if partial else ""
+    suffix += ("-partial" if partial else "") + (f"-prompts{prompts}" if prompts != 4 else "")
     return OUT / "long" / f"workers{workers}-staleness{staleness}-seed{seed}{suffix}"
 
 
@@ -98,7 +107,7 @@ def summarize_long(run: Path) -> dict:
 
 def main_long(args) -> None:
     n = _demo_config([]).rollout.n
-    sequences = 4 * n
+    sequences = args.prompts * n
     table: dict[tuple[int, int, bool], list[dict]] = {}
     modes = [(s, False) for s in args.staleness]
     if args.partial:
@@ -107,9 +116,9 @@ def main_long(args) -> None:
         for seed in args.seeds:  # every mode of a seed back to back: a shared machine's load drifts slowly
             for staleness, partial in modes:
                 run_in_group(_long, 1 + workers, args.steps, staleness, workers, seed, args.max_new_tokens, True,
-                             args.stale_logprobs, partial, timeout_s=3600)
-                table.setdefault((workers, staleness, partial), []).append(
-                    summarize_long(_long_dir(staleness, workers, seed, True, args.stale_logprobs, partial)))
+                             args.stale_logprobs, partial, args.prompts, timeout_s=3600)
+                table.setdefault((workers, staleness, partial), []).append(summarize_long(
+                    _long_dir(staleness, workers, seed, True, args.stale_logprobs, partial, args.prompts)))
     results = {}
     for (workers, staleness, partial), runs in table.items():
         med = {k: statistics.median(r["median"][k] for r in runs) for k in runs[0]["median"]}
@@ -144,9 +153,10 @@ def main_long(args) -> None:
                 for background in (False, True):
                     if not background:
                         run_in_group(_long, 1 + workers, args.steps, staleness, workers, args.seeds[0],
-                                     args.max_new_tokens, False, args.stale_logprobs, timeout_s=3600)
+                                     args.max_new_tokens, False, args.stale_logprobs, False, args.prompts,
+                                     timeout_s=3600)
                     m = summarize_long(_long_dir(staleness, workers, args.seeds[0], background,
-                                                 args.stale_logprobs))["median"]
+                                                 args.stale_logprobs, False, args.prompts))["median"]
                     results[f"workers={workers},staleness={staleness},background={background}"] = m
                     print(f"| {workers} | {staleness} | {'background' if background else 'in the step'} | "
                           f"{m['timing_s/step']:.3f} s | {m['timing_s/weight_sync_exposed']:.3f} s | "
@@ -217,6 +227,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1], help="long: rollout.workers values")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="long: trainer.seed values")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="long: rollout.max_new_tokens")
+    parser.add_argument("--prompts", type=int, default=4,
+                        help="long: prompts per step (trainer.batch_size; x rollout.n samples, one mini-batch). "
+                             "Fewer make generation the longer side: its time follows the longest response, "
+                             "the update's the number of tokens")
     parser.add_argument("--partial", action="store_true",
                         help="long: also run each staleness >= 1 with rollout.partial=true (streaming workers)")
     parser.add_argument("--inline-push", action="store_true",
