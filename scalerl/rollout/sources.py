@@ -9,8 +9,10 @@ and both hold the weight sync that brings the generating weights up to date afte
 - `StandaloneRollouts`: the trainer's rank 0 splits the whole step's prompts into one part per worker by
   token count (contiguous rows, so per-row random draws do not depend on the split), sends each part to
   the worker with the fewest tokens in flight, collects their outputs, and every trainer rank receives them
-  and keeps its share; new weights are pushed to every worker. With ``rollout.staleness=K`` the prompts of
-  up to K later steps are in flight while a step trains (`prefetch`); the workers answer in request order,
+  and keeps its share; new weights are pushed to every worker. Parts are whole prompt groups
+  (`token_split`), so with ``rollout.stream_groups`` the one trainer rank takes each part as it arrives
+  (`generate_parts`) and works on it while the other workers still generate. With ``rollout.staleness=K``
+  the prompts of up to K later steps are in flight while a step trains (`prefetch`); the workers answer in request order,
   and a step's outputs are collected when the trainer reaches it, so a request sent after the push of
   version v is generated with v, whatever the timing. `step_metrics` reports the trainer's wait for
   rollouts (``timing_s/trainer_idle``), the workers' wait for requests or weights (``timing_s/rollout_idle``,
@@ -183,10 +185,10 @@ class StandaloneRollouts:
         return out.rows(start, stop)
 
     def generate_parts(self, batch: StepPrompts) -> Iterator[tuple[int, GenerationOutput, bool]]:
-        """``batch``'s parts as each worker's reply arrives, ``(first row, output, whether it is the last)``, each a set of whole
-        groups (rollout.stream_groups: the trainer scores and runs its forward passes on a part while the
-        other workers still generate). One trainer rank only (the config refuses more): it receives every
-        part itself. The waits for replies count as ``timing_s/trainer_idle``."""
+        """``batch``'s parts as each worker's reply arrives, ``(first row, output, whether it is the last)``,
+        each a set of whole groups (rollout.stream_groups: the trainer scores a part and runs its forward
+        passes while the other workers still generate). One trainer rank only (the config refuses more): it
+        receives every part itself. The waits for replies count as ``timing_s/trainer_idle``."""
         if self.ctx.world_size != 1:
             raise RuntimeError("streamed rollouts (rollout.stream_groups) need a single trainer rank")
         if batch.step not in self.ready and all(b.step != batch.step for b, _ in self.in_flight):
