@@ -71,10 +71,10 @@ LONG = ["trainer.batch_size=4", "actor.ppo_mini_batch_size=32", "actor.ppo_micro
 
 def _long(rank: int, steps: int, staleness: int, workers: int, seed: int, max_new_tokens: int,
           background: bool = True, stale_logprobs: str = "recompute", partial: bool = False, stream: bool = False,
-          rollout_dtype: str = "fp32") -> None:
+          rollout_dtype: str = "fp32", micro_batch_size: int = 32) -> None:
     from scalerl.trainer.rl_trainer import train
 
-    train(_demo_config([*LONG, f"trainer.total_steps={steps}", f"trainer.seed={seed}", "trainer.overwrite=true",
+    train(_demo_config([*LONG, f"actor.ppo_micro_batch_size={micro_batch_size}", f"trainer.total_steps={steps}", f"trainer.seed={seed}", "trainer.overwrite=true",
                         f"rollout.max_new_tokens={max_new_tokens}", "rollout.placement=standalone",
                         f"rollout.workers={workers}", f"rollout.staleness={staleness}",
                         f"weight_sync.background={str(background).lower()}",
@@ -118,7 +118,8 @@ def main_long(args) -> None:
             for staleness, partial in modes:
                 for stream in streams if workers > 1 else [False]:
                     run_in_group(_long, 1 + workers, args.steps, staleness, workers, seed, args.max_new_tokens, True,
-                                 args.stale_logprobs, partial, stream, args.rollout_dtype, timeout_s=3600)
+                                 args.stale_logprobs, partial, stream, args.rollout_dtype, args.micro_batch_size,
+                                 timeout_s=3600)
                     table.setdefault((workers, staleness, partial, stream), []).append(summarize_long(_long_dir(
                         staleness, workers, seed, True, args.stale_logprobs, partial, stream, args.rollout_dtype)))
     results = {}
@@ -250,6 +251,9 @@ def main() -> None:
     parser.add_argument("--stream-groups", action="store_true",
                         help="long, workers >= 2: also run each mode with rollout.stream_groups=true (the trainer "
                              "scores each worker's part and runs its log-prob passes as it arrives), right after it")
+    parser.add_argument("--micro-batch-size", type=int, default=32,
+                        help="long: actor.ppo_micro_batch_size (32: the whole step's rows in one micro-batch, which "
+                             "rollout.stream_groups can only run once every part is in)")
     parser.add_argument("--inline-push", action="store_true",
                         help="long: also run each staleness >= 1 with weight_sync.background=false (first seed), "
                              "and print the push's exposed time both ways")

@@ -55,9 +55,9 @@ from scalerl.trainer.reward_shaping import RewardShaping
 from scalerl.trainer.rollout_rebalance import rebalance_batch
 from scalerl.trainer.run import TrainingRun, run_output_dir, start_run, step_work
 from scalerl.trainer.run_checks import check_rl_layout
-from scalerl.trainer.streamed_step import StreamedStep
 from scalerl.trainer.run_directory import CHECKPOINTS_DIR
 from scalerl.trainer.run_failures import last_good_checkpoint, run_reporting_failures
+from scalerl.trainer.streamed_step import StreamedStep
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
 # Config keys a resumed run must share with the checkpoint it resumes (others, e.g. total_steps, may change).

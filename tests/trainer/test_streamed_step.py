@@ -1,7 +1,7 @@
 """The streaming trainer (rollout.stream_groups): the per-part forward passes equal one pass over the whole
 batch bit for bit, whatever order the parts come in; a streamed run over two standalone workers trains
 exactly what the unstreamed run trains (losses and final weights, synchronous, one step ahead and with
-dynamic sampling); the key is refused where it cannot apply."""
+dynamic sampling) and survives a worker dying mid-step; the key is refused where it cannot apply."""
 
 import json
 from pathlib import Path
@@ -110,12 +110,33 @@ def _runs(rank: int, out: str) -> None:
             cfg = load_config(None, [*BASE, *extra, f"rollout.stream_groups={str(streamed).lower()}",
                                      f"trainer.output_dir={out}/{name}_{'streamed' if streamed else 'whole'}"])
             train(cfg)
+    # Last, as it leaves the group one rank short: worker rank 2 dies inside its second generation (step 2)
+    # while the trainer waits for whichever part comes first.
+    if rank == 2:
+        _die_at_generate(2)
+    train(load_config(None, [*BASE, "rollout.stream_groups=true", "trainer.dist_timeout_s=120",
+                             f"trainer.output_dir={out}/worker_dies_streamed"]))
+
+
+def _die_at_generate(call: int) -> None:
+    """This process exits, as if killed, inside its ``call``-th generation (after reading the request)."""
+    import os
+
+    original, calls = BuiltinEngine.generate, [0]
+
+    def generate(self, prompts, sampling):
+        calls[0] += 1
+        if calls[0] == call:
+            os._exit(0)
+        return original(self, prompts, sampling)
+
+    BuiltinEngine.generate = generate
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("streamed")
-    run_in_group(_runs, 3, str(out), timeout_s=600)
+    run_in_group(_runs, 3, str(out), timeout_s=600, may_vanish=(2,))
     return out
 
 
@@ -137,3 +158,18 @@ def test_a_streamed_run_trains_exactly_what_the_whole_batch_run_trains(runs, nam
     assert all("timing_s/stream_overlap" not in r for r in whole)
     if name != "dynamic_sampling":  # there the passes wait for the filtered batch
         assert all(r["timing_s/old_log_prob"] > 0 and r["timing_s/ref"] > 0 for r in streamed)
+
+
+def test_a_worker_dying_mid_step_is_named_and_its_part_streams_from_the_live_one(runs):
+    """Worker rank 2 dies in step 2 while the trainer waits for the first part from either worker: the
+    failed receive is retried from the owners one at a time, which names the dead worker and re-issues its
+    part to rank 1; the run trains what the unstreamed run with both workers trains (every row's draws are
+    its own)."""
+    survived, whole = _metrics(runs / "worker_dies_streamed"), _metrics(runs / "sync_whole")
+    assert [r["rollout/dead_workers"] for r in survived] == [0.0, 1.0, 1.0]
+    assert [r["rollout/last_dead_worker"] for r in survived] == [-1.0, 2.0, 2.0]
+    assert [r["critic/score/mean"] for r in survived] == [r["critic/score/mean"] for r in whole]
+    assert [r["response_length/mean"] for r in survived] == [r["response_length/mean"] for r in whole]
+    a, b = load_file(str(runs / "sync_whole/final/model.safetensors")), \
+        load_file(str(runs / "worker_dies_streamed/final/model.safetensors"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
