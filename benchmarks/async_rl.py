@@ -3,6 +3,7 @@ the reward / held-out accuracy curve, same seed.
 
     python benchmarks/async_rl.py [--steps 120] [--sft-steps 1000] [--batch-size 64] [--json FILE]
     python benchmarks/async_rl.py --setting long [--staleness 0 1 2 4] [--workers 1 2] [--seeds 0 1 2] [--partial]
+        [--stream-groups] [--rollout-dtype bf16]
 
 ``--setting long`` is generation-heavy: the demo's model untrained (no SFT), so responses run until the stop
 character comes up at random or ``--max-new-tokens`` (256), ``--prompts`` (4) prompts x 8 samples per step.
@@ -24,7 +25,9 @@ synchronous median step time over the asynchronous one (target >= 1.3x where gen
 similar time). `--rollout-dtype bf16` runs the worker in bf16, as deployments do; its log-probs are then
 recomputed by the trainer in both modes. `--stale-logprobs behavior` makes the asynchronous run take PPO's
 ratio against the rollout's own fp32 log-probs (`rollout.stale_logprobs`), skipping the recompute.
-`--batch-size` sets the prompts per step (the demo's 64).
+`--batch-size` sets the prompts per step (the demo's 64). In the long setting `--rollout-dtype bf16` gives every
+mode an old-log-prob pass (bf16 workers' log-probs are recomputed), and `--stream-groups` runs each mode over
+two or more workers once more with ``rollout.stream_groups=true`` and prints what streaming changed.
 """
 
 from __future__ import annotations
@@ -65,33 +68,36 @@ def warm_start(sft_steps: int) -> Path:
 LONG = ["weight_sync.mode=full", "trainer.eval_every=0", "data.num_val=8"]
 
 
-def _long_batch(prompts: int) -> list[str]:
-    """``prompts`` prompts x rollout.n samples per step, all of them one mini-batch and one micro-batch."""
+def _long_batch(prompts: int, micro_batch_size: int | None = None) -> list[str]:
+    """``prompts`` prompts x rollout.n samples per step, all of them one mini-batch, in micro-batches of
+    ``micro_batch_size`` (None: one)."""
     samples = prompts * _demo_config([]).rollout.n
     return [f"trainer.batch_size={prompts}", f"actor.ppo_mini_batch_size={samples}",
-            f"actor.ppo_micro_batch_size={samples}"]
+            f"actor.ppo_micro_batch_size={micro_batch_size or samples}"]
 
 
 def _long(rank: int, steps: int, staleness: int, workers: int, seed: int, max_new_tokens: int,
-          background: bool = True, stale_logprobs: str = "recompute", partial: bool = False,
-          prompts: int = 4) -> None:
+          background: bool = True, stale_logprobs: str = "recompute", partial: bool = False, stream: bool = False,
+          rollout_dtype: str = "fp32", micro_batch_size: int | None = None, prompts: int = 4) -> None:
     from scalerl.trainer.rl_trainer import train
 
-    train(_demo_config([*LONG, *_long_batch(prompts), f"trainer.total_steps={steps}", f"trainer.seed={seed}",
-                        "trainer.overwrite=true",
+    train(_demo_config([*LONG, *_long_batch(prompts, micro_batch_size), f"trainer.total_steps={steps}",
+                        f"trainer.seed={seed}", "trainer.overwrite=true",
                         f"rollout.max_new_tokens={max_new_tokens}", "rollout.placement=standalone",
                         f"rollout.workers={workers}", f"rollout.staleness={staleness}",
                         f"weight_sync.background={str(background).lower()}",
                         *([f"rollout.stale_logprobs={stale_logprobs}"] if staleness else []),
-                        f"rollout.partial={str(partial).lower()}",
-                        "trainer.output_dir="
-                        f"{_long_dir(staleness, workers, seed, background, stale_logprobs, partial, prompts)}"]))
+                        f"rollout.partial={str(partial).lower()}", f"rollout.stream_groups={str(stream).lower()}",
+                        f"rollout.dtype={rollout_dtype}",
+                        "trainer.output_dir=" + str(_long_dir(staleness, workers, seed, background, stale_logprobs,
+                                                              partial, stream, rollout_dtype, prompts))]))
 
 
 def _long_dir(staleness: int, workers: int, seed: int, background: bool = True, stale_logprobs: str = "recompute",
-              partial: bool = False, prompts: int = 4) -> Path:
+              partial: bool = False, stream: bool = False, rollout_dtype: str = "fp32", prompts: int = 4) -> Path:
     suffix = ("" if background else "-inline-push") + ("-behavior" if staleness and stale_logprobs == "behavior" else "")
-    suffix += ("-partial" if partial else "") + (f"-prompts{prompts}" if prompts != 4 else "")
+    suffix += ("-partial" if partial else "") + ("-stream" if stream else "")
+    suffix += ("" if rollout_dtype == "fp32" else f"-{rollout_dtype}") + (f"-prompts{prompts}" if prompts != 4 else "")
     return OUT / "long" / f"workers{workers}-staleness{staleness}-seed{seed}{suffix}"
 
 
@@ -101,6 +107,7 @@ def summarize_long(run: Path) -> dict:
     median = {k: statistics.median(r[k] for r in steps) for k in (
         "timing_s/step", "timing_s/trainer_idle", "timing_s/rollout_idle", "timing_s/update_actor",
         "timing_s/old_log_prob", "timing_s/weight_sync_exposed", "weight_sync/push_s", "response_length/mean")}
+    median["timing_s/stream_overlap"] = statistics.median(r.get("timing_s/stream_overlap", 0.0) for r in steps)
     return {"median": median, "staleness_max": max(r["rollout/staleness/max"] for r in steps),
             "partial_fraction": statistics.mean(r.get("rollout/partial_fraction", 0.0) for r in steps)}
 
@@ -108,24 +115,31 @@ def summarize_long(run: Path) -> dict:
 def main_long(args) -> None:
     n = _demo_config([]).rollout.n
     sequences = args.prompts * n
-    table: dict[tuple[int, int, bool], list[dict]] = {}
+    table: dict[tuple[int, int, bool, bool], list[dict]] = {}
     modes = [(s, False) for s in args.staleness]
     if args.partial:
         modes = [m for s in args.staleness for m in ([(s, False), (s, True)] if s else [(s, False)])]
+    # --stream-groups: each mode also with rollout.stream_groups=true (two workers or more), right after it
+    streams = [False, True] if args.stream_groups else [False]
     for workers in args.workers:
         for seed in args.seeds:  # every mode of a seed back to back: a shared machine's load drifts slowly
             for staleness, partial in modes:
-                run_in_group(_long, 1 + workers, args.steps, staleness, workers, seed, args.max_new_tokens, True,
-                             args.stale_logprobs, partial, args.prompts, timeout_s=3600)
-                table.setdefault((workers, staleness, partial), []).append(summarize_long(
-                    _long_dir(staleness, workers, seed, True, args.stale_logprobs, partial, args.prompts)))
+                for stream in streams if workers > 1 else [False]:
+                    run_in_group(_long, 1 + workers, args.steps, staleness, workers, seed, args.max_new_tokens, True,
+                                 args.stale_logprobs, partial, stream, args.rollout_dtype, args.micro_batch_size,
+                                 args.prompts, timeout_s=3600)
+                    table.setdefault((workers, staleness, partial, stream), []).append(summarize_long(_long_dir(
+                        staleness, workers, seed, True, args.stale_logprobs, partial, stream, args.rollout_dtype,
+                        args.prompts)))
     results = {}
-    for (workers, staleness, partial), runs in table.items():
+    for (workers, staleness, partial, stream), runs in table.items():
         med = {k: statistics.median(r["median"][k] for r in runs) for k in runs[0]["median"]}
         steps = [r["median"]["timing_s/step"] for r in runs]
-        base = [r["median"]["timing_s/step"] for r in table.get((workers, 0, False), [])]
+        base = [r["median"]["timing_s/step"] for r in table.get((workers, 0, False, False), [])]
         ratios = [b / s for b, s in zip(base, steps)]  # per seed: synchronous step over this one, same block
-        results[f"workers={workers},staleness={staleness},partial={partial}"] = {
+        unstreamed = [r["median"]["timing_s/step"] for r in table.get((workers, staleness, partial, False), [])]
+        results[f"workers={workers},staleness={staleness},partial={partial}" + (",stream=True" if stream else "")] = {
+            "stream_ratio_per_seed": [b / s for b, s in zip(unstreamed, steps)],
             **med, "samples_per_s": sequences / med["timing_s/step"], "step_s_per_seed": steps,
             "ratio_per_seed": ratios, "staleness_max": max(r["staleness_max"] for r in runs),
             "partial_fraction": statistics.mean(r["partial_fraction"] for r in runs)}
@@ -145,6 +159,21 @@ def main_long(args) -> None:
                   f"{r['timing_s/update_actor']:.3f} s | {r['timing_s/old_log_prob']:.3f} s | "
                   f"{r['timing_s/weight_sync_exposed']:.3f} s | {r['weight_sync/push_s']:.3f} s | "
                   f"{r['partial_fraction']:.0%} | {ratio} |")
+    if args.stream_groups:  # the same modes with the trainer working on each worker's part as it arrives
+        print("| workers | staleness | partial | stream_groups | step | trainer idle | old log-probs | "
+              "trainer work before the last part | unstreamed step over streamed, per seed (median) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for workers in (w for w in args.workers if w > 1):
+            for staleness, partial in modes:
+                for stream in streams:
+                    key = f"workers={workers},staleness={staleness},partial={partial}"
+                    key += ",stream=True" if stream else ""
+                    r, ratios = results[key], results[key]["stream_ratio_per_seed"]
+                    print(f"| {workers} | {staleness} | {'yes' if partial else 'no'} | {'on' if stream else 'off'} | "
+                          f"{r['timing_s/step']:.3f} s | {r['timing_s/trainer_idle']:.3f} s | "
+                          f"{r['timing_s/old_log_prob']:.3f} s | {r['timing_s/stream_overlap']:.3f} s | "
+                          + (f"{', '.join(f'{x:.2f}' for x in ratios)} ({statistics.median(ratios):.2f}x) |"
+                             if stream else "- |"))
     if args.inline_push:  # the same staleness with the push in the step: what the background push saves
         print("| workers | staleness | push | step | push exposed | push own |")
         print("| --- | --- | --- | --- | --- | --- |")
@@ -153,10 +182,10 @@ def main_long(args) -> None:
                 for background in (False, True):
                     if not background:
                         run_in_group(_long, 1 + workers, args.steps, staleness, workers, args.seeds[0],
-                                     args.max_new_tokens, False, args.stale_logprobs, False, args.prompts,
-                                     timeout_s=3600)
-                    m = summarize_long(_long_dir(staleness, workers, args.seeds[0], background,
-                                                 args.stale_logprobs, False, args.prompts))["median"]
+                                     args.max_new_tokens, False, args.stale_logprobs, False, False,
+                                     args.rollout_dtype, args.micro_batch_size, args.prompts, timeout_s=3600)
+                    m = summarize_long(_long_dir(staleness, workers, args.seeds[0], background, args.stale_logprobs,
+                                                 False, False, args.rollout_dtype, args.prompts))["median"]
                     results[f"workers={workers},staleness={staleness},background={background}"] = m
                     print(f"| {workers} | {staleness} | {'background' if background else 'in the step'} | "
                           f"{m['timing_s/step']:.3f} s | {m['timing_s/weight_sync_exposed']:.3f} s | "
@@ -233,6 +262,12 @@ def main() -> None:
                              "the update's the number of tokens")
     parser.add_argument("--partial", action="store_true",
                         help="long: also run each staleness >= 1 with rollout.partial=true (streaming workers)")
+    parser.add_argument("--stream-groups", action="store_true",
+                        help="long, workers >= 2: also run each mode with rollout.stream_groups=true (the trainer "
+                             "scores each worker's part and runs its log-prob passes as it arrives), right after it")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="long: actor.ppo_micro_batch_size (default: the whole step's rows in one micro-batch, "
+                             "which rollout.stream_groups can only run once every part is in)")
     parser.add_argument("--inline-push", action="store_true",
                         help="long: also run each staleness >= 1 with weight_sync.background=false (first seed), "
                              "and print the push's exposed time both ways")

@@ -305,6 +305,11 @@ class RolloutSection(_Section):
                                "request in flight) and a weight sync lands between two engine steps without waiting "
                                "for the rows in flight, which go on with the new weights (one response may mix "
                                "versions, recorded per token); timing-dependent, so not bitwise reproducible")
+    stream_groups: bool = opt(False, "standalone, rollout.workers >= 2, one trainer rank: the trainer takes each "
+                                     "worker's part of a step (whole prompt groups) as it arrives and scores it and "
+                                     "runs its old/reference log-prob passes while the other workers still "
+                                     "generate; the step's result is the same as without (timing_s/stream_overlap: "
+                                     "the trainer's seconds of such work before the last part came)")
     is_level: str = opt("token", "off-policy correction of rollouts sampled by other weights or numerics: one "
                                  "importance weight per token | per sequence (" + " | ".join(IS_LEVELS) + ")")
     is_mode: str = opt("truncate", "what the cap does to a weight above it: truncate (min(w, cap), verl's TIS) | "
@@ -349,6 +354,11 @@ class RolloutSection(_Section):
                      f"placement={self.placement}, staleness={self.staleness}): a partial rollout is one a weight push "
                      "to standalone workers lands in, and at staleness 0 no rollout is in flight during a push; "
                      "set rollout.partial=false or raise rollout.staleness")
+        if self.stream_groups and (self.placement != "standalone" or self.workers < 2):
+            p.append(f"rollout.stream_groups=true needs rollout.placement=standalone and rollout.workers >= 2 (got "
+                     f"placement={self.placement}, workers={self.workers}): it overlaps the trainer's work on one "
+                     "worker's finished groups with the others' generation, and colocated or with one worker the "
+                     "whole batch arrives at once; set rollout.stream_groups=false or add rollout workers")
         if self.placement == "colocated" and (self.staleness or (self.dtype != "fp32" and self.engine == "builtin")):
             p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only (dtype also "
                      "to rollout.engine=vllm) "

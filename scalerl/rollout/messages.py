@@ -110,6 +110,22 @@ def recv_tensors(src: int, group=None, device: torch.device | None = None, tag: 
     device = device or torch.device("cpu")
     length = torch.empty(1, dtype=torch.int64, device=device)
     dist.recv(length, src=src, group=group, tag=tag)
+    return _recv_rest(length, src, group, device, tag)
+
+
+def recv_tensors_from_any(group=None, device: torch.device | None = None, tag: int = 0
+                          ) -> tuple[int, list[torch.Tensor]]:
+    """The next message (with ``tag``) from whichever rank of ``group`` sends first, and that rank: the first
+    tensor is received from any source, the rest from the one it came from. (gloo's receive handles report
+    completion only inside ``wait``, so polling one receive per peer cannot tell which is first.) Only for a
+    receiver whose peers on ``group`` and ``tag`` all send whole messages to it the same way."""
+    device = device or torch.device("cpu")
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    src = dist.recv(length, group=group, tag=tag)
+    return src, _recv_rest(length, src, group, device, tag)
+
+
+def _recv_rest(length: torch.Tensor, src: int, group, device: torch.device, tag: int) -> list[torch.Tensor]:
     if not 0 < int(length) <= _HEADER_LIMIT:
         raise RuntimeError(f"rank {src} sent a tensor message header of {int(length)} values; expected 1-{_HEADER_LIMIT}")
     header = torch.empty(int(length), dtype=torch.int64, device=device)

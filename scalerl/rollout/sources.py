@@ -9,8 +9,10 @@ and both hold the weight sync that brings the generating weights up to date afte
 - `StandaloneRollouts`: the trainer's rank 0 splits the whole step's prompts into one part per worker by
   token count (contiguous rows, so per-row random draws do not depend on the split), sends each part to
   the worker with the fewest tokens in flight, collects their outputs, and every trainer rank receives them
-  and keeps its share; new weights are pushed to every worker. With ``rollout.staleness=K`` the prompts of
-  up to K later steps are in flight while a step trains (`prefetch`); the workers answer in request order,
+  and keeps its share; new weights are pushed to every worker. Parts are whole prompt groups
+  (`token_split`), so with ``rollout.stream_groups`` the one trainer rank takes each part as it arrives
+  (`generate_parts`) and works on it while the other workers still generate. With ``rollout.staleness=K``
+  the prompts of up to K later steps are in flight while a step trains (`prefetch`); the workers answer in request order,
   and a step's outputs are collected when the trainer reaches it, so a request sent after the push of
   version v is generated with v, whatever the timing. `step_metrics` reports the trainer's wait for
   rollouts (``timing_s/trainer_idle``), the workers' wait for requests or weights (``timing_s/rollout_idle``,
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -57,21 +60,27 @@ class StepPrompts:
     rows: list[dict]  # the batch's data rows (prompt, ground truth), one per prompt
 
 
-def token_split(lengths: list[int], parts: int) -> list[tuple[int, int]]:
+def token_split(lengths: list[int], parts: int, group_size: int = 1) -> list[tuple[int, int]]:
     """Contiguous ``(start, stop)`` row ranges, one per part, each cut where the running token sum crosses
-    the next multiple of total / parts (every part keeps at least one row)."""
+    the next multiple of total / parts (every part keeps at least one group). Cuts fall between groups of
+    ``group_size`` rows (a prompt's ``rollout.n`` samples), so each part is a set of whole groups: the trainer
+    can score a part and compute its per-group advantages as soon as it arrives."""
     n = len(lengths)
-    if n < parts:
-        raise ValueError(f"{n} rows cannot be split over {parts} rollout workers; use fewer rollout.workers")
+    if n % group_size:
+        raise ValueError(f"{n} rows are not whole groups of {group_size} samples")
+    groups = n // group_size
+    if groups < parts:
+        raise ValueError(f"{groups} prompt groups cannot be split over {parts} rollout workers (a group's "
+                         "samples stay on one worker); use fewer rollout.workers or a larger trainer.batch_size")
     prefix = [0]
-    for length in lengths:
-        prefix.append(prefix[-1] + length)
+    for g in range(groups):
+        prefix.append(prefix[-1] + sum(lengths[g * group_size : (g + 1) * group_size]))
     bounds = [0]
     for i in range(1, parts):
-        cut = next(j for j in range(n + 1) if prefix[j] >= prefix[-1] * i / parts)
-        bounds.append(min(max(cut, bounds[-1] + 1), n - (parts - i)))
-    bounds.append(n)
-    return list(zip(bounds[:-1], bounds[1:]))
+        cut = next(j for j in range(groups + 1) if prefix[j] >= prefix[-1] * i / parts)
+        bounds.append(min(max(cut, bounds[-1] + 1), groups - (parts - i)))
+    bounds.append(groups)
+    return [(a * group_size, b * group_size) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 class ColocatedRollouts:
@@ -142,6 +151,7 @@ class StandaloneRollouts:
         # trainer's forward where a built-in engine on the trainer's model would match it, else None.
         self.compute_dtype, self.training_dtype = workers_compute_dtype(rollout_cfg.dtype, precision), training_dtype
         self.behavior_logprobs = rollout_cfg.stale_logprobs == "behavior"
+        self.group_size = rollout_cfg.n  # a step's parts are whole groups of n samples (`token_split`)
         self.exact_engine = getattr(rollout_cfg, "engine", "builtin") == "builtin"  # vLLM's kernels differ
         self.driver = WorkerDriver(ctx) if ctx.rank == 0 else None  # rank 0 talks to the workers
         push = PushToWorkers.from_config(policy, ctx, self.driver, rollout_cfg.dtype, weight_sync_cfg)
@@ -174,6 +184,32 @@ class StandaloneRollouts:
         start, stop = _dp_rows(len(batch.prompts), self.ctx)
         return out.rows(start, stop)
 
+    def generate_parts(self, batch: StepPrompts) -> Iterator[tuple[int, GenerationOutput, bool]]:
+        """``batch``'s parts as each worker's reply arrives, ``(first row, output, whether it is the last)``,
+        each a set of whole groups (rollout.stream_groups: the trainer scores a part and runs its forward
+        passes while the other workers still generate). One trainer rank only (the config refuses more): it
+        receives every part itself. The waits for replies count as ``timing_s/trainer_idle``."""
+        if self.ctx.world_size != 1:
+            raise RuntimeError("streamed rollouts (rollout.stream_groups) need a single trainer rank")
+        if batch.step not in self.ready and all(b.step != batch.step for b, _ in self.in_flight):
+            self._submit(batch)
+        while batch.step not in self.ready and self.in_flight[0][0].step != batch.step:
+            self._collect_oldest()  # earlier steps sent ahead first, whole, as `generate` does
+        if batch.step in self.ready:
+            yield 0, self.ready.pop(batch.step), True
+            return
+        _, parts = self.in_flight.popleft()
+        waiting, replies = {start for _, start, _ in parts}, []
+        while waiting:
+            start = time.perf_counter()
+            reply = self.driver.collect_first(batch.step, waiting)
+            self.trainer_idle += time.perf_counter() - start
+            waiting.discard(reply.row_start)
+            replies.append(reply)
+            if not waiting:  # the step's worker metrics as `_collect_oldest` takes them, before the last part's work
+                self._note_workers(sum(r.idle_s for r in replies) / len(self.driver.workers))
+            yield reply.row_start, reply.out, not waiting
+
     def prefetch(self, batch: StepPrompts | None) -> None:
         """With staleness >= 1, send a later step's prompts now: the workers generate them with the weights
         they hold when they reach them, while the trainer updates."""
@@ -202,7 +238,7 @@ class StandaloneRollouts:
         parts: list[tuple[int, int, int]] = []  # (worker, start, stop) in the order sent
         if self.driver is not None:
             lengths = [len(p) + batch.sampling.max_new_tokens for p in batch.prompts]  # the work each row may cost
-            ranges = token_split(lengths, len(self.driver.workers))
+            ranges = token_split(lengths, len(self.driver.workers), self.group_size)
             for start, stop in sorted(ranges, key=lambda r: (-sum(lengths[r[0]:r[1]]), r[0])):
                 worker = self.driver.least_loaded()
                 ids, mask = left_pad(batch.prompts[start:stop], self.pad_token_id)
@@ -229,6 +265,12 @@ class StandaloneRollouts:
         self.rollout_idle += float(idle[0])
         self.dead_workers, self.last_dead = int(idle[1]), int(idle[2])
         self.ready[batch.step] = out
+
+    def _note_workers(self, idle_s: float) -> None:
+        """Rank 0's record of a step collected by parts: the workers' idle time, the dead ones."""
+        self.rollout_idle += idle_s
+        self.dead_workers = len(self.driver.dead)
+        self.last_dead = max(self.driver.dead, key=list(self.driver.dead).index, default=-1)
 
 
 def _dp_rows(total: int, ctx: DistContext) -> tuple[int, int]:

@@ -48,6 +48,7 @@ from scalerl.rollout.messages import (
     broadcast_tensors,
     isend_tensors,
     recv_tensors,
+    recv_tensors_from_any,
     send_tensors,
 )
 
@@ -180,6 +181,31 @@ class WorkerDriver:
             self.receive(owner)
         return self.arrived.pop(part)
 
+    def collect_first(self, step: int, row_starts: set[int]) -> WorkerReply:
+        """The first to arrive of the replies to ``step``'s parts from ``row_starts`` (the streaming trainer's
+        read): a reply already kept is taken at once (the lowest row first); else the next reply from whichever
+        worker sends first is read (`recv_tensors_from_any`: on a single trainer rank, the streaming trainer's
+        layout, only workers send to rank 0) and kept, and the loop looks again. Where only one worker owes them, or a
+        receive from any worker fails (a dead worker cannot be named from it), it reads as `collect` does,
+        from the owner of the lowest row, which names a dead worker and re-issues its requests."""
+        while True:
+            for start in sorted(row_starts):
+                if (step, start) in self.arrived:
+                    return self.arrived.pop((step, start))
+            owners = [w for w in self.workers if any((step, s) in self.owed[w] for s in row_starts)]
+            if not owners:
+                raise RuntimeError(f"no rollout worker owes step {step} from rows {sorted(row_starts)}")
+            if len(owners) > 1 and not self.dead:
+                try:
+                    src, message = recv_tensors_from_any(device=self.ctx.device)
+                except RuntimeError:
+                    src = None  # read below from the owners, one at a time, where a dead one is named
+                if src is not None:
+                    self._keep(src, decode_reply(message))
+                    continue
+            owner = next((w for w in owners for s in sorted(row_starts) if (step, s) in self.owed[w]), owners[0])
+            self.receive(owner)
+
     def receive(self, worker: int) -> WorkerReply | None:
         """``worker``'s next reply (kept in ``arrived`` too), matched to a part it owes; None when the worker
         turned out dead (what it owed re-issued)."""
@@ -188,6 +214,10 @@ class WorkerDriver:
         except RuntimeError as e:
             self._lost(worker, e)
             return None
+        return self._keep(worker, reply)
+
+    def _keep(self, worker: int, reply: WorkerReply) -> WorkerReply:
+        """``worker``'s ``reply``, matched to a part it owes and kept in ``arrived``."""
         part = (reply.step, reply.row_start)
         if part not in self.owed[worker]:
             raise RuntimeError(f"rollout worker rank {worker} answered step {reply.step} from row {reply.row_start}, "

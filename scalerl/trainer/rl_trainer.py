@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Any, Callable
 
 import torch
@@ -56,6 +57,7 @@ from scalerl.trainer.run import TrainingRun, run_output_dir, start_run, step_wor
 from scalerl.trainer.run_checks import check_rl_layout
 from scalerl.trainer.run_directory import CHECKPOINTS_DIR
 from scalerl.trainer.run_failures import last_good_checkpoint, run_reporting_failures
+from scalerl.trainer.streamed_step import StreamedStep
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
 # Config keys a resumed run must share with the checkpoint it resumes (others, e.g. total_steps, may change).
@@ -133,6 +135,10 @@ class RLTrainer(TrainingRun):
         # Steps drawn and sent ahead (rollout.staleness), each with the stream's state from before its draw.
         self.prefetched: dict[int, tuple[StepPrompts, dict]] = {}
         self.step_rows: list[dict] = []  # this rank's data rows of the current step
+        # rollout.stream_groups: the step's per-token passes, run on the workers' parts as they arrived
+        # (`_generate_streamed`), taken by `run_step` ("old", "ref": [B, R] each)
+        self.streamed_passes: dict[str, torch.Tensor] = {}
+        self.stream_overlap_s = 0.0  # this step's trainer seconds on parts before the last part came
 
         # One optimizer for the policy and the critic; each update zeroes all gradients first, so a step
         # only moves the parameters that got gradients.
@@ -206,12 +212,14 @@ class RLTrainer(TrainingRun):
         # another engine) they are recomputed (decoupled PPO's proximal policy), and the rollout's own log-probs
         # weigh the loss (rollout.is_level/is_mode/is_cap).
         reuse_logprobs = self.rollouts.logprobs_match_training_forward
+        streamed = self.streamed_passes  # rollout.stream_groups: passes run on the parts as they arrived
+        self.streamed_passes = {}
         with timer("old_log_prob"):
             if reuse_logprobs:
                 batch.old_logprobs = batch.rollout_logprobs
             else:
-                batch.old_logprobs = response_logprobs(self.policy.model, batch, temperature, micro, self.autocast,
-                                                         self.packed_kernel)
+                batch.old_logprobs = streamed["old"] if "old" in streamed else response_logprobs(
+                    self.policy.model, batch, temperature, micro, self.autocast, self.packed_kernel)
                 r, cap = cfg.rollout, cfg.rollout.correction_cap
                 weights, mismatch = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
                                                                batch.response_mask, r.is_level, r.is_mode, cap or 1.0)
@@ -219,8 +227,8 @@ class RLTrainer(TrainingRun):
                 metrics.update(mismatch if cap else {k: v for k, v in mismatch.items() if k.startswith("rollout/")})
         if self.reference is not None:
             with timer("ref"):
-                batch.ref_logprobs = response_logprobs(self.reference.model, batch, temperature, micro, self.autocast,
-                                                         self.packed_kernel)
+                batch.ref_logprobs = streamed["ref"] if "ref" in streamed else response_logprobs(
+                    self.reference.model, batch, temperature, micro, self.autocast, self.packed_kernel)
         with timer("adv"):
             self._advantages(batch, reward_baselines, metrics)
         if self.on_batch is not None:
@@ -248,6 +256,8 @@ class RLTrainer(TrainingRun):
         with timer("update_weights"):
             metrics.update(self.rollouts.sync_weights(version=self.step + 1))  # the policy after this update
         metrics.update(self.rollouts.step_metrics())
+        if cfg.rollout.stream_groups:
+            metrics["timing_s/stream_overlap"], self.stream_overlap_s = self.stream_overlap_s, 0.0
         return metrics, work
 
     def _rollout(self) -> tuple[RolloutBatch, dict[str, float]]:
@@ -302,6 +312,8 @@ class RLTrainer(TrainingRun):
     def _generate_round(self, step_prompts: StepPrompts, prefetch_after_gen: bool = False) -> GeneratedRound:
         """This DP rank's share of ``step_prompts`` generated and scored (with ``prefetch_after_gen``, the
         next step's prompts go to the workers before the reward runs)."""
+        if self.cfg.rollout.stream_groups:
+            return self._generate_streamed(step_prompts, prefetch_after_gen)
         n = self.cfg.rollout.n
         rows = self.dist.dp_share(step_prompts.rows)  # this DP rank's share of the global batch
         with self.timer("gen"):
@@ -312,6 +324,62 @@ class RLTrainer(TrainingRun):
             texts = self.tokenizer.batch_decode(out.response_ids.tolist())
             scores, failures = self.reward.compute(texts, [rows[i // n] for i in range(len(rows) * n)])
         return GeneratedRound(rows, out, scores, failures)
+
+    def _generate_streamed(self, step_prompts: StepPrompts, prefetch_after_gen: bool) -> GeneratedRound:
+        """`_generate_round` by parts (rollout.stream_groups, one trainer rank): each worker's reply, whole
+        groups, is scored as it arrives and its rows go through the old/reference log-prob passes
+        (`StreamedStep`, the whole batch's micro-batch grid: the same numbers as one pass) while the other
+        workers still generate. With dynamic sampling the passes wait for the filtered batch (they would run
+        on groups it drops); the scoring still streams. ``timing_s/gen`` is the wait for the parts,
+        ``timing_s/stream_overlap`` the trainer's work on parts before the last one came."""
+        cfg, timer, n = self.cfg, self.timer, self.cfg.rollout.n
+        rows, total = step_prompts.rows, len(step_prompts.prompts)
+        streamed = StreamedStep(total, cfg.actor.ppo_micro_batch_size,
+                                {} if cfg.algorithm.filter_groups.enable else self._part_passes(),
+                                self.tokenizer.pad_token_id)
+        scores, failures, extras = [0.0] * total, 0, []  # extras: (samples, the reward's metrics of a part)
+        parts, work_s, last_work_s = self.rollouts.generate_parts(step_prompts), 0.0, 0.0
+        while True:
+            with timer("gen"):
+                arrived = next(parts, None)
+            if arrived is None:
+                break
+            start, out, last = arrived
+            if last and prefetch_after_gen:
+                self._prefetch_next()  # the next steps' prompts go out before this one's remaining work
+            began = time.perf_counter()
+            with timer("reward"):
+                texts = self.tokenizer.batch_decode(out.response_ids.tolist())
+                part_scores, part_failures = self.reward.compute(
+                    texts, [rows[(start + i) // n] for i in range(len(texts))])
+            scores[start : start + len(texts)], failures = part_scores, failures + part_failures
+            extras.append((len(texts), dict(self.reward.last_metrics)))
+            streamed.add(start, out)
+            last_work_s = time.perf_counter() - began
+            work_s += last_work_s
+        self.stream_overlap_s += work_s - last_work_s
+        self.reward.last_metrics = _weighted_means(extras)
+        out = streamed.output()
+        self.streamed_passes = streamed.pass_results(out.response_ids.shape[1])
+        return GeneratedRound(rows, out, scores, failures)
+
+    def _part_passes(self) -> dict[str, Callable[[RolloutBatch], torch.Tensor]]:
+        """The per-token passes `run_step` would run on the whole batch, as functions of one micro-batch,
+        each timed under its own name: old log-probs where they are recomputed, reference log-probs."""
+        temperature, micro = self.cfg.rollout.temperature or 1.0, self.cfg.actor.ppo_micro_batch_size
+
+        def timed(name: str, model) -> Callable[[RolloutBatch], torch.Tensor]:
+            def run(batch: RolloutBatch) -> torch.Tensor:
+                with self.timer(name):
+                    return response_logprobs(model, batch, temperature, micro, self.autocast, self.packed_kernel)
+            return run
+
+        passes = {}
+        if not self.rollouts.logprobs_match_training_forward:
+            passes["old"] = timed("old_log_prob", self.policy.model)
+        if self.reference is not None:
+            passes["ref"] = timed("ref", self.reference.model)
+        return passes
 
     def _next_round(self, round_index: int) -> GeneratedRound:
         """Dynamic sampling's round ``round_index`` (> 0) of this step: a further batch drawn and generated."""
@@ -457,3 +525,15 @@ def train(cfg: Config) -> dict[str, Any]:
         return RLTrainer(cfg, ctx).fit()
 
     return run_reporting_failures(run, run_output_dir(cfg, RLTrainer.kind) / CHECKPOINTS_DIR)
+
+
+def _weighted_means(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """A reward's per-call metric means over several calls (a streamed step's parts), weighted by each call's
+    samples: the whole batch's mean where every sample reports the number."""
+    total: dict[str, float] = {}
+    weight: dict[str, int] = {}
+    for samples, metrics in parts:
+        for key, value in metrics.items():
+            total[key] = total.get(key, 0.0) + samples * value
+            weight[key] = weight.get(key, 0) + samples
+    return {key: total[key] / weight[key] for key in total}

@@ -128,7 +128,13 @@ def _pipeline_problems(problems: list[str], cfg: Any, ctx: DistContext, key: str
 
 
 def check_rl_layout(cfg: Any, ctx: DistContext) -> None:
-    """What the RL trainer needs from the layout; raises a LayoutError naming every problem."""
+    """What the RL trainer needs from the layout; raises a LayoutError naming every problem (a ConfigError
+    for rollout.stream_groups on more than one trainer rank)."""
+    if cfg.rollout.stream_groups and ctx.world_size > 1:
+        # Rank 0 alone receives the parts; sharing each with the other ranks as it comes (and, with data
+        # parallelism, the DP shares that cut across parts) is not built.
+        raise ConfigError(f"rollout.stream_groups=true runs on one trainer rank; this run has {ctx.world_size} "
+                          "(world size minus rollout.workers): set rollout.stream_groups=false or train on one rank")
     if ctx.world_size == 1:
         return
     dp, problems = ctx.dp_size, []

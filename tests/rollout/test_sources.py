@@ -28,6 +28,19 @@ def test_token_split_is_contiguous_and_balanced():
         token_split([1, 1], 3)
 
 
+def test_token_split_cuts_between_whole_groups():
+    """Groups of 4 samples: every cut falls on a group boundary (a prompt's samples go to one worker, so each
+    worker's reply is whole groups the trainer can score at once), still balanced by tokens."""
+    lengths = [5] * 8 + [50] * 4 + [5] * 4  # four groups; the third is long
+    parts = token_split(lengths, 2, group_size=4)
+    assert all(a % 4 == 0 and b % 4 == 0 for a, b in parts)
+    assert [r for a, b in parts for r in range(a, b)] == list(range(16))
+    assert parts == [(0, 12), (12, 16)]  # the first cut past half the tokens: 240 of 260, then 20
+    assert token_split([1] * 12, 3, group_size=4) == [(0, 4), (4, 8), (8, 12)]
+    with pytest.raises(ValueError, match="2 prompt groups cannot be split over 3 rollout workers"):
+        token_split([1] * 8, 3, group_size=4)
+
+
 def test_generation_output_rows_and_concat_round_trip():
     out = GenerationOutput(
         prompt_ids=torch.tensor([[0, 5, 6], [7, 8, 9]]), prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),

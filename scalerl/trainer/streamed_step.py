@@ -1,0 +1,76 @@
+"""The streaming trainer's side of a step (``rollout.stream_groups``): the per-token forward passes over a
+step's rows run part by part as the rollout workers' replies arrive, with the same results as one pass over
+the whole batch.
+
+Each standalone worker answers a contiguous set of whole prompt groups (`scalerl.rollout.sources.token_split`),
+and the replies come in whatever order the workers finish. The passes (old log-probs, reference log-probs)
+run on the whole batch's micro-batch grid: rows ``[k * m, (k + 1) * m)`` for micro-batch size ``m``, each
+micro-batch as soon as all its rows are in (one that straddles two parts waits for both). A micro-batch's
+rows are cut from their parts and trimmed of all-padding columns exactly as the whole-batch pass trims them
+(`RolloutBatch.trimmed`), so the model sees the same tensors and the results are the same, bit for bit,
+whatever the arrival order; `pass_results` puts them back into the whole batch's ``[B, R]`` layout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from scalerl.rollout.batch import RolloutBatch
+from scalerl.rollout.engine import GenerationOutput
+
+# A pass over one micro-batch: its per-token results [m, R_micro] (zero on padding).
+MicroPass = Callable[[RolloutBatch], torch.Tensor]
+
+
+class StreamedStep:
+    """A step's parts as they arrive (``add``) and the passes run on the micro-batches they complete."""
+
+    def __init__(self, total_rows: int, micro_batch_size: int, passes: dict[str, MicroPass], pad_token_id: int):
+        self.total_rows, self.micro, self.passes, self.pad_token_id = total_rows, micro_batch_size, passes, pad_token_id
+        self.parts: dict[int, GenerationOutput] = {}  # first row -> its rows' output
+        self.arrived = torch.zeros(total_rows, dtype=torch.bool)
+        self.pending = list(range(0, total_rows, micro_batch_size)) if passes else []  # micro-batches not run
+        self.results: dict[str, dict[int, torch.Tensor]] = {name: {} for name in passes}  # name -> start -> [m, R]
+
+    def add(self, start: int, out: GenerationOutput) -> None:
+        """Rows ``start .. start + len(out)`` arrived: every pass on each micro-batch now whole."""
+        self.parts[start] = out
+        self.arrived[start : start + len(out.finish_reasons)] = True
+        for first in [s for s in self.pending if bool(self.arrived[s : s + self.micro].all())]:
+            self.pending.remove(first)
+            rows = self._rows(first, min(first + self.micro, self.total_rows))
+            batch = RolloutBatch.from_generation(rows, torch.zeros(len(rows.finish_reasons), dtype=torch.long),
+                                                 torch.zeros(len(rows.finish_reasons)))
+            for name, run in self.passes.items():
+                self.results[name][first] = run(batch)
+
+    def output(self) -> GenerationOutput:
+        """The whole step's output, its parts in row order (what the unstreamed source hands over)."""
+        if not bool(self.arrived.all()):
+            raise RuntimeError(f"streamed step has {int(self.arrived.sum())} of {self.total_rows} rows")
+        return GenerationOutput.concat([self.parts[s] for s in sorted(self.parts)], self.pad_token_id)
+
+    def pass_results(self, response_width: int) -> dict[str, torch.Tensor]:
+        """Each pass's per-token results over the whole batch, ``[B, response_width]``, zero on padding."""
+        if self.pending:
+            raise RuntimeError(f"streamed step has micro-batches {self.pending} not run")
+        out = {}
+        for name, by_start in self.results.items():
+            first = next(iter(by_start.values()))
+            full = torch.zeros(self.total_rows, response_width, dtype=first.dtype, device=first.device)
+            for start, values in by_start.items():
+                full[start : start + values.shape[0], : values.shape[1]] = values
+            out[name] = full
+        return out
+
+    def _rows(self, start: int, stop: int) -> GenerationOutput:
+        """Rows ``start .. stop`` of the step, cut from the parts that hold them."""
+        pieces = []
+        for first, part in sorted(self.parts.items()):
+            last = first + len(part.finish_reasons)
+            lo, hi = max(start, first), min(stop, last)
+            if lo < hi:
+                pieces.append(part.rows(lo - first, hi - first))
+        return GenerationOutput.concat(pieces, self.pad_token_id)

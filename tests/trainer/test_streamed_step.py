@@ -1,0 +1,175 @@
+"""The streaming trainer (rollout.stream_groups): the per-part forward passes equal one pass over the whole
+batch bit for bit, whatever order the parts come in; a streamed run over two standalone workers trains
+exactly what the unstreamed run trains (losses and final weights, synchronous, one step ahead and with
+dynamic sampling) and survives a worker dying mid-step; the key is refused where it cannot apply."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from scalerl.core.config import ConfigError, load_config
+from scalerl.parallel.distributed import DistContext
+from scalerl.parallel.mesh import ParallelDims
+from scalerl.rollout.batch import RolloutBatch
+from scalerl.rollout.builtin_engine import BuiltinEngine
+from scalerl.rollout.engine import GenerationOutput, SamplingParams
+from scalerl.trainer.forward_passes import response_logprobs
+from scalerl.trainer.run_checks import check_rl_layout
+from scalerl.trainer.streamed_step import StreamedStep
+from tests.spawned_group import run_in_group
+from tests.tiny import TINY, tiny_model, tiny_overrides
+
+
+def _generated(model, rows: int) -> GenerationOutput:
+    """``rows`` responses of varied prompt and response lengths (so parts and micro-batches pad differently)."""
+    prompts = [[1] + [3 + (i * 7 + j) % 50 for j in range(2 + i % 5)] for i in range(rows)]
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, stop_token_ids=[2, 9, 17])
+    return BuiltinEngine(model, pad_token_id=0).generate(prompts, sampling)
+
+
+def test_parts_in_any_order_give_the_whole_batch_pass_bit_for_bit():
+    """Parts [0, 4) and [4, 12) with micro-batches of 3: the second part (first to come) completes
+    micro-batches 6 and 9 at once; 0 waits for nothing more than the first part; 3 straddles the two
+    and runs once both are in. Each pass sees the whole-batch pass's micro-batch tensors (after trimming),
+    which is what makes the results exact on any backend (on this CPU a part-local micro-batch cut happens to
+    give equal log-probs too), and the assembled log-probs equal one pass over the whole batch exactly."""
+    model = tiny_model(seed=1).eval()
+    out = _generated(model, 12)
+    batch = RolloutBatch.from_generation(out, torch.zeros(12, dtype=torch.long), torch.zeros(12))
+    whole = response_logprobs(model, batch, 1.0, 3)
+    ran = []
+
+    def old(micro: RolloutBatch) -> torch.Tensor:
+        ran.append(micro.trimmed()[0])
+        return response_logprobs(model, micro, 1.0, 3)
+
+    streamed = StreamedStep(12, 3, {"old": old}, pad_token_id=0)
+    streamed.add(4, out.rows(4, 12))
+    assert streamed.pending == [0, 3] and len(ran) == 2  # micro-batches 6 and 9 ran on arrival
+    streamed.add(0, out.rows(0, 4))
+    assert streamed.pending == [] and len(ran) == 4
+    for micro, first in zip(ran, [6, 9, 0, 3]):
+        expected = batch.select(torch.arange(first, first + 3)).trimmed()[0]
+        assert torch.equal(micro.input_ids, expected.input_ids), first
+        assert torch.equal(micro.attention_mask, expected.attention_mask), first
+        assert torch.equal(micro.response_mask, expected.response_mask), first
+    joined = streamed.output()
+    assert torch.equal(joined.response_ids, out.response_ids) and torch.equal(joined.prompt_ids, out.prompt_ids)
+    assert torch.equal(streamed.pass_results(out.response_ids.shape[1])["old"], whole)
+
+
+def test_a_step_with_rows_missing_is_an_error():
+    model = tiny_model(seed=1).eval()
+    out = _generated(model, 8)
+    streamed = StreamedStep(8, 4, {"old": lambda b: response_logprobs(model, b, 1.0, 4)}, pad_token_id=0)
+    streamed.add(0, out.rows(0, 4))
+    with pytest.raises(RuntimeError, match="4 of 8 rows"):
+        streamed.output()
+    with pytest.raises(RuntimeError, match="not run"):
+        streamed.pass_results(out.response_ids.shape[1])
+
+
+@pytest.mark.parametrize("extra, fix", [
+    ([], "rollout.placement=standalone"),  # colocated: the batch comes from the trainer's own ranks at once
+    (["rollout.placement=standalone"], "rollout.workers >= 2"),  # one worker: one part
+])
+def test_stream_groups_is_refused_where_no_part_comes_early(extra, fix):
+    with pytest.raises(ConfigError, match="rollout.stream_groups") as info:
+        load_config(None, [*TINY, *extra, "rollout.stream_groups=true"])
+    assert fix in str(info.value)
+
+
+def test_stream_groups_is_refused_on_more_than_one_trainer_rank():
+    cfg = load_config(None, [*TINY, "rollout.placement=standalone", "rollout.workers=2", "rollout.stream_groups=true"])
+    ctx = DistContext(ParallelDims(pp=1, dp_replicate=2, dp_shard=1, tp=1), mesh=None)
+    with pytest.raises(ConfigError, match="rollout.stream_groups=true runs on one trainer rank; this run has 2"):
+        check_rl_layout(cfg, ctx)
+
+
+# Two workers, bf16 worker copies (so the old log-probs are recomputed: a pass to stream) and a KL loss (a
+# reference pass); micro-batches of 8 over 16 rows whose parts are whole groups of 4.
+BASE = tiny_overrides("data.num_train=64", "actor.ppo_micro_batch_size=8", "actor.ppo_mini_batch_size=8",
+                      "actor.lr=1e-3", "data.reward=scalerl.verify:response_length_reward",
+                      "rollout.placement=standalone", "rollout.workers=2", "rollout.dtype=bf16",
+                      "actor.use_kl_loss=true", "trainer.total_steps=3")
+RUNS = {
+    "sync": [],
+    "one_step_ahead": ["rollout.staleness=1"],
+    "dynamic_sampling": ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"],
+}
+
+
+def _runs(rank: int, out: str) -> None:
+    from scalerl.trainer.rl_trainer import train
+
+    for name, extra in RUNS.items():
+        for streamed in (False, True):
+            cfg = load_config(None, [*BASE, *extra, f"rollout.stream_groups={str(streamed).lower()}",
+                                     f"trainer.output_dir={out}/{name}_{'streamed' if streamed else 'whole'}"])
+            train(cfg)
+    # Last, as it leaves the group one rank short: worker rank 2 dies inside its second generation (step 2)
+    # while the trainer waits for whichever part comes first.
+    if rank == 2:
+        _die_at_generate(2)
+    train(load_config(None, [*BASE, "rollout.stream_groups=true", "trainer.dist_timeout_s=120",
+                             f"trainer.output_dir={out}/worker_dies_streamed"]))
+
+
+def _die_at_generate(call: int) -> None:
+    """This process exits, as if killed, inside its ``call``-th generation (after reading the request)."""
+    import os
+
+    original, calls = BuiltinEngine.generate, [0]
+
+    def generate(self, prompts, sampling):
+        calls[0] += 1
+        if calls[0] == call:
+            os._exit(0)
+        return original(self, prompts, sampling)
+
+    BuiltinEngine.generate = generate
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("streamed")
+    run_in_group(_runs, 3, str(out), timeout_s=600, may_vanish=(2,))
+    return out
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] > 0]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_streamed_run_trains_exactly_what_the_whole_batch_run_trains(runs, name):
+    whole, streamed = _metrics(runs / f"{name}_whole"), _metrics(runs / f"{name}_streamed")
+    assert len(streamed) == 3
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "rollout/logprob_diff/max"):
+        assert [r[key] for r in streamed] == [r[key] for r in whole], key
+    a, b = load_file(str(runs / f"{name}_whole/final/model.safetensors")), \
+        load_file(str(runs / f"{name}_streamed/final/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # the trainer's work on the first part ran before the second came (two parts: one worker each)
+    assert all(r["timing_s/stream_overlap"] > 0 for r in streamed)
+    assert all("timing_s/stream_overlap" not in r for r in whole)
+    if name != "dynamic_sampling":  # there the passes wait for the filtered batch
+        assert all(r["timing_s/old_log_prob"] > 0 and r["timing_s/ref"] > 0 for r in streamed)
+
+
+def test_a_worker_dying_mid_step_is_named_and_its_part_streams_from_the_live_one(runs):
+    """Worker rank 2 dies in step 2 while the trainer waits for the first part from either worker: the
+    failed receive is retried from the owners one at a time, which names the dead worker and re-issues its
+    part to rank 1; the run trains what the unstreamed run with both workers trains (every row's draws are
+    its own)."""
+    survived, whole = _metrics(runs / "worker_dies_streamed"), _metrics(runs / "sync_whole")
+    assert [r["rollout/dead_workers"] for r in survived] == [0.0, 1.0, 1.0]
+    assert [r["rollout/last_dead_worker"] for r in survived] == [-1.0, 2.0, 2.0]
+    assert [r["critic/score/mean"] for r in survived] == [r["critic/score/mean"] for r in whole]
+    assert [r["response_length/mean"] for r in survived] == [r["response_length/mean"] for r in whole]
+    a, b = load_file(str(runs / "sync_whole/final/model.safetensors")), \
+        load_file(str(runs / "worker_dies_streamed/final/model.safetensors"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
