@@ -28,7 +28,17 @@ def _rollout_context(rollout: Any) -> dict[str, Any]:
     if rollout is None:
         return {}
     return {"rollout_placement": rollout.placement, "rollout_staleness": rollout.staleness,
-            "rollout_workers": rollout.workers}
+            "rollout_workers": rollout.workers, "rollout_stream_groups": bool(getattr(rollout, "stream_groups", False))}
+
+
+def _stream_context(cfg: Any) -> dict[str, Any]:
+    """With rollout.stream_groups, what decides whether a worker's part has passes to run early: the rows a
+    worker answers for against the micro-batch (only micro-batches inside one part run before the last)."""
+    rollout, actor, trainer = (getattr(cfg, k, None) for k in ("rollout", "actor", "trainer"))
+    if rollout is None or actor is None or not getattr(rollout, "stream_groups", False):
+        return {}
+    rows = trainer.batch_size * rollout.n // max(rollout.workers, 1)
+    return {"stream_rows_per_worker": rows, "micro_batch": actor.ppo_micro_batch_size}
 
 
 class HealthMonitor:
@@ -55,7 +65,7 @@ class HealthMonitor:
             "ranks_sharing_memory": local_ranks if device.type == "cpu" else 1,
             "ep": getattr(dims, "ep", 1),
             "moe_capacity_factor": getattr(getattr(cfg, "model", None), "moe_capacity_factor", None),
-            **_rollout_context(getattr(cfg, "rollout", None)),
+            **_rollout_context(getattr(cfg, "rollout", None)), **_stream_context(cfg),
         }
         return cls(every, context, None if log else (lambda message: None))
 

@@ -48,8 +48,28 @@ def trainer_idle(view: StepView) -> list[Finding]:
         fix = (f"generation is the bottleneck (the workers are busy): add rollout workers (rollout.workers, now "
                f"{workers}), decode more rows at once (rollout.max_num_seqs with the continuous-batching engine), "
                f"or raise rollout.staleness (now {staleness}) to absorb steps whose generation runs long")
+    if status != OK and workers > 1:
+        fix += _streaming_advice(view, evidence)
     return [finding("trainer_idle", status, f"the trainer waited {view.metrics[TRAINER_IDLE]:.3g} s for rollouts, "
                     f"{share:.0%} of its {view.metrics[STEP]:.3g} s step", evidence, fix)]
+
+
+def _streaming_advice(view: StepView, evidence: dict) -> str:
+    """With several workers the trainer can work on the parts that came while the rest generate
+    (rollout.stream_groups); where that is on, whether the micro-batches let it (a micro-batch spanning two
+    workers' parts waits for both, so one larger than a part leaves only the scoring to overlap)."""
+    if not view.context.get("rollout_stream_groups"):
+        return ("; with several workers, rollout.stream_groups=true scores each worker's part and runs its "
+                "log-prob passes as it arrives (it pays with the trainer on its own device)")
+    overlap = view.metrics.get("timing_s/stream_overlap", 0.0)
+    evidence["stream_overlap_s"] = round(overlap, 4)
+    rows, micro = view.context.get("stream_rows_per_worker"), view.context.get("micro_batch")
+    if rows and micro and micro > rows:
+        evidence.update({"rows_per_worker": rows, "actor.ppo_micro_batch_size": micro})
+        return (f"; rollout.stream_groups overlapped only {overlap:.3g} s: actor.ppo_micro_batch_size={micro} "
+                f"spans more than a worker's {rows} rows, so each log-prob pass waits for several parts; "
+                f"a micro-batch of {rows} or fewer rows lets a part's passes run as it arrives")
+    return f"; rollout.stream_groups overlapped {overlap:.3g} s of the trainer's work with the workers'"
 
 
 def rollout_idle(view: StepView) -> list[Finding]:

@@ -434,6 +434,39 @@ def test_a_trainer_waiting_on_busy_workers_needs_more_generation():
     assert "rollout.staleness=1" in the_finding(synchronous, "rollout/trainer_idle").fix
 
 
+def test_a_waiting_trainer_with_several_workers_hears_of_streaming_and_its_micro_batches():
+    plain = run_step_rules(_pipeline_view(trainer_idle=1.0, rollout_idle=0.05, workers=2, staleness=0))
+    assert "rollout.stream_groups=true" in the_finding(plain, "rollout/trainer_idle").fix
+    one_worker = run_step_rules(_pipeline_view(trainer_idle=1.0, rollout_idle=0.05, workers=1, staleness=0))
+    assert "stream_groups" not in the_finding(one_worker, "rollout/trainer_idle").fix
+
+    def streamed(micro):
+        view = _pipeline_view(trainer_idle=1.0, rollout_idle=0.05, workers=2, staleness=0,
+                              **{"timing_s/stream_overlap": 0.002})
+        view.context.update(rollout_stream_groups=True, stream_rows_per_worker=16, micro_batch=micro)
+        return the_finding(run_step_rules(view), "rollout/trainer_idle")
+
+    spanning = streamed(32)  # one micro-batch over both parts: nothing but the scoring runs early
+    assert "actor.ppo_micro_batch_size=32 spans more than a worker's 16 rows" in spanning.fix
+    assert spanning.evidence["stream_overlap_s"] == 0.002 and spanning.evidence["rows_per_worker"] == 16
+    fitting = streamed(8)
+    assert "overlapped 0.002 s" in fitting.fix and "spans" not in fitting.fix
+
+
+def test_the_monitor_context_carries_what_the_streaming_advice_reads():
+    from types import SimpleNamespace
+
+    from scalerl.health.monitor import _rollout_context, _stream_context
+
+    rollout = SimpleNamespace(placement="standalone", staleness=0, workers=2, stream_groups=True, n=8)
+    cfg = SimpleNamespace(rollout=rollout, actor=SimpleNamespace(ppo_micro_batch_size=32),
+                          trainer=SimpleNamespace(batch_size=4))
+    assert _rollout_context(rollout)["rollout_stream_groups"] is True
+    assert _stream_context(cfg) == {"stream_rows_per_worker": 16, "micro_batch": 32}
+    rollout.stream_groups = False
+    assert _stream_context(cfg) == {}
+
+
 def test_idle_workers_are_more_capacity_than_the_update_uses():
     findings = run_step_rules(_pipeline_view(trainer_idle=0.0, rollout_idle=1.3, workers=2, staleness=2))
     assert alarms(findings) == {"rollout/rollout_idle": FAULT}
