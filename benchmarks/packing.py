@@ -34,10 +34,13 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.sequence_balance import DISTRIBUTIONS
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/packing.py` from a checkout
+
+from benchmarks.sequence_balance import DISTRIBUTIONS  # noqa: E402
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
 from scalerl.models.packing import choose_packed_kernel, flash_attn_available
