@@ -1,7 +1,7 @@
 """Where a weight load into vLLM spends its time: `VLLMEngine.load_weights` on the Qwen2.5-0.5B shape.
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_weight_load.py [--layers 1] [--loads 4]
-        [--checksum new|old] [--in-process] [--profile 30]
+        [--checksum new|old] [--transport staged|bytes] [--in-process] [--profile 30]
 
 A random-weight model with ``--layers`` of the 0.5B shape's 24 decoder layers (its 136M-parameter embedding,
 tied to the head, whole) is written to a temporary directory and opened by `VLLMEngine` in bf16 (what the
@@ -10,7 +10,8 @@ loaded ``--loads`` times (each a whole load: per bucket, the trainer converts to
 bytes, `collective_rpc` carries them to the engine's process, which checksums again and runs vLLM's
 layerwise reload). Printed: wall seconds per load (the first pays one-time costs).
 
-``--checksum old`` swaps `bucket_checksum` for `bucket_checksum_reference` (the first implementation) in
+``--transport bytes`` sends each bucket as bytes through ``collective_rpc`` (the way before buckets were
+staged in /dev/shm; `VLLMEngine.load_stage_dir` = None). ``--checksum old`` swaps `bucket_checksum` for `bucket_checksum_reference` (the first implementation) in
 `scalerl.rollout.vllm_weight_loading` on both sides (both sides only with ``--in-process``; otherwise the
 engine's process keeps the new one). ``--in-process`` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the engine
 core runs in this process and ``--profile N`` (cProfile of one more load, the top N entries by cumulative and
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--loads", type=int, default=4)
     parser.add_argument("--checksum", choices=("new", "old"), default="new")
+    parser.add_argument("--transport", choices=("staged", "bytes"), default="staged")
     parser.add_argument("--in-process", action="store_true")
     parser.add_argument("--profile", type=int, default=0, help="cProfile one more load, print the top N")
     args = parser.parse_args()
@@ -64,6 +66,8 @@ def main() -> None:
         named = [(n, p.detach()) for n, p in trained.named_parameters()]
         params = sum(p.numel() for _, p in named)
         engine = VLLMEngine(str(Path(tmp) / "model"), pad_token_id=0, dtype="bf16", kv_cache_gib=0.5)
+        if args.transport == "bytes":
+            engine.load_stage_dir = None
         try:
             times = []
             for _ in range(args.loads):
@@ -72,7 +76,7 @@ def main() -> None:
                 times.append(time.perf_counter() - start)
             rest = sorted(times[1:]) or times
             print(f"0.5B shape, {args.layers} of 24 layers ({params / 1e6:.0f}M parameters), bf16, checksum "
-                  f"{args.checksum}, {'in-process' if args.in_process else 'engine core in a child process'}: "
+                  f"{args.checksum}, {args.transport}, {'in-process' if args.in_process else 'engine core in a child process'}: "
                   f"load s {[round(t, 3) for t in times]} | median after the first {rest[len(rest) // 2]:.3f} s "
                   f"({rest[len(rest) // 2] / params * 1e9:.1f} ns per parameter) | load average "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
