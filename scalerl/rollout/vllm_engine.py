@@ -22,8 +22,8 @@ from scalerl.models.hf_checkpoint import save_pretrained
 from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
 from scalerl.rollout.engine_choice import MIN_CPU_HEAD_DIM
 from scalerl.rollout.vllm_weight_loading import (
-    layer_groups,
     STAGE_DIR,
+    layer_groups,
     pack_tensors,
     stage_tensors,
     tensors_checksum,

@@ -1,6 +1,7 @@
 """Delta encoding of weight buckets (exact round trips, the smallest encoding chosen), the bucket checksum,
 and the bucket plan's cuts."""
 
+import itertools
 import threading
 
 import numpy as np
@@ -8,12 +9,12 @@ import pytest
 import torch
 
 from scalerl.comm.weights.delta import (
+    CHECKSUM_CHUNK,
+    CHECKSUM_COLS,
     DecodeError,
     EncodedBucket,
     Positions,
     Values,
-    CHECKSUM_CHUNK,
-    CHECKSUM_COLS,
     bucket_checksum,
     bucket_checksum_reference,
     candidate_encodings,
@@ -184,7 +185,7 @@ def test_checksums_of_pieces_combine_to_the_whole(dtype):
     bits = _bits(torch.randn(n, generator=g), dtype)
     cuts = sorted(set(torch.randint(1, n, (7,), generator=g).tolist()) | {CHECKSUM_CHUNK, CHECKSUM_COLS - 1})
     edges = [0, *cuts, n]
-    parts = [bucket_checksum(bits[a:b], a) for a, b in zip(edges, edges[1:])]
+    parts = [bucket_checksum(bits[a:b], a) for a, b in itertools.pairwise(edges)]
     whole = bucket_checksum_reference(bits)
     assert combine_checksums(parts) == bucket_checksum(bits) == whole
     assert combine_checksums(parts[:-1]) != whole  # a missing piece shows
