@@ -2,6 +2,7 @@
 
     python benchmarks/weight_sync.py [--sft-steps 400] [--grpo-steps 8] [--lrs 1e-6 3e-5] [--dtypes bf16 fp32]
                                      [--network [--rate-mbit 200] [--rounds 3] [--skip-grpo]] [--memory] [--json FILE]
+    python benchmarks/weight_sync.py --checksum [--checksum-model qwen2.5-0.5b] [--dtypes bf16 fp32] [--rounds 3]
 
 1. Warm start: the demo's SFT phase (weak-teacher demonstrations, `scalerl/configs/demo.yaml`),
    ``--sft-steps`` steps, cached in ``<out>/sft`` for later runs with the same step count.
@@ -20,6 +21,12 @@
 4. ``--memory``: extra resident memory of one delta sync of a synthetic 48M-element model (192 fp32
    tensors of 1 MiB, bf16 rollout, sender and an in-process receiver together) for several bucket sizes,
    each in a fresh process (VmHWM after resetting it, glibc told to unmap every buffer over 128 KiB).
+5. ``--checksum`` (alone: no GRPO, no warm start): `bucket_checksum` against `bucket_checksum_reference`
+   (its first implementation) on a ``--checksum-model``-shaped state dict with random weights, built in
+   memory, per rollout dtype: once per tensor (what a vLLM load checksums, on each side) and once per
+   ``--bucket-mb`` slice of the flat state (what the sender and receiver do). Both ways alternate for
+   ``--rounds`` rounds; the first call of each is reported apart (it pays page faults and allocations),
+   then the median of the rest, the ratio old / new, and a check that both gave the same values.
 """
 
 from __future__ import annotations
@@ -260,6 +267,64 @@ def memory_table(bucket_sizes: list[float]) -> list[dict]:
     return rows
 
 
+def checksum_state(model: str, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A flat bit view of ``model``'s parameters (random, normal * 0.02, in ``dtype``) and each tensor's view of it."""
+    from scalerl.bench.cost_model.model_shapes import model_shape
+    from scalerl.comm.weights.delta import int_view_dtype
+    from scalerl.models.decoder import CausalLM
+
+    with torch.device("meta"):
+        shapes = [p.shape for _, p in CausalLM(model_shape(model)).named_parameters()]
+    flat = torch.empty(sum(s.numel() for s in shapes), dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    step = 1 << 24
+    for start in range(0, flat.numel(), step):  # filled piecewise: no fp32 copy of the whole model
+        piece = flat[start : start + step]
+        piece.copy_(torch.randn(piece.numel(), generator=g) * 0.02)
+    bits = flat.view(int_view_dtype(dtype))
+    views, offset = [], 0
+    for shape in shapes:
+        views.append(bits[offset : offset + shape.numel()])
+        offset += shape.numel()
+    return bits, views
+
+
+def checksum_timing(model: str, dtypes: list[str], rounds: int, bucket_mb: float) -> list[dict]:
+    """Old against new checksum, same process, alternating; one row per (dtype, granularity)."""
+    from scalerl.comm.weights.delta import bucket_checksum, bucket_checksum_reference
+
+    rows = []
+    for name in dtypes:
+        bits, views = checksum_state(model, ROLLOUT_DTYPES[name])
+        per_bucket = max(1, int(bucket_mb * MiB) // bits.element_size())
+        buckets = [bits[s : s + per_bucket] for s in range(0, bits.numel(), per_bucket)]
+        for what, pieces in (("per tensor", views), ("per bucket", buckets)):
+            times: dict[str, list[float]] = {"old": [], "new": []}
+            values: dict[str, list[int]] = {}
+            for r in range(rounds + 1):
+                for way, fn in ((("old", bucket_checksum_reference), ("new", bucket_checksum)) if r % 2 == 0 else
+                                (("new", bucket_checksum), ("old", bucket_checksum_reference))):
+                    start = time.perf_counter()
+                    values[way] = [fn(p) for p in pieces]
+                    times[way].append(time.perf_counter() - start)
+            same = values["old"] == values["new"]
+            row = {"dtype": name, "granularity": what, "elements": bits.numel(), "calls": len(pieces), "same": same,
+                   **{f"{w}_first_s": t[0] for w, t in times.items()},
+                   **{f"{w}_s": statistics.median(t[1:]) for w, t in times.items()}}
+            row["ratio"] = row["old_s"] / row["new_s"]
+            row["ratio_first"] = row["old_first_s"] / row["new_first_s"]
+            rows.append(row)
+            print(f"{model} {name:4s} {what}: {len(pieces):4d} calls over {bits.numel() / 1e6:.0f}M elements | "
+                  f"old {row['old_s']:.3f} s ({row['old_s'] / bits.numel() * 1e9:.2f} ns/el, first "
+                  f"{row['old_first_s']:.3f} s) | new {row['new_s']:.3f} s ({row['new_s'] / bits.numel() * 1e9:.2f} "
+                  f"ns/el, first {row['new_first_s']:.3f} s) | old/new {row['ratio']:.1f}x (first "
+                  f"{row['ratio_first']:.1f}x) | same values: {same}", flush=True)
+            if not same:
+                raise SystemExit("bucket_checksum differs from bucket_checksum_reference")
+        del bits, views, buckets
+    return rows
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--replay":
         return replay_rank(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
@@ -279,7 +344,14 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="extra RSS of a delta sync per bucket size")
     parser.add_argument("--skip-grpo", action="store_true", help="reuse the states of an earlier run (network only)")
     parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--checksum", action="store_true", help="old against new bucket_checksum, nothing else")
+    parser.add_argument("--checksum-model", default="qwen2.5-0.5b")
     args = parser.parse_args()
+    if args.checksum:  # torch's default threads: what the trainer and vLLM's worker checksum with
+        rows = checksum_timing(args.checksum_model, args.dtypes, args.rounds, args.bucket_mb)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"checksum": rows}, indent=2))
+        return
     torch.set_num_threads(1)
     out = Path(args.out)
     result: dict = {}

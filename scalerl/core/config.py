@@ -284,9 +284,11 @@ class RolloutSection(_Section):
     top_p: float = opt(1.0, "nucleus sampling mass, 0 < top_p <= 1", above=0, at_most=1)
     top_k: int = opt(0, "keep the k most likely tokens; 0 = off")
     max_new_tokens: int = opt(16, "response length limit in tokens")
-    max_num_seqs: int = opt(0, "built-in engine: rows decoding at once; a larger batch is continuously batched (a "
+    max_num_seqs: int = opt(0, "rows decoding at once. Built-in engine: a larger batch is continuously batched (a "
                                "finished row's slot refilled from the rest at once); 0 = one fixed batch per "
-                               "generate call (finished rows compacted out)", at_least=0)
+                               "generate call (finished rows compacted out). vLLM: its max_num_seqs with "
+                               "rollout.partial (its asynchronous engine; 0 = vLLM's default); without "
+                               "rollout.partial vLLM keeps its default", at_least=0)
     val_temperature: float = opt(0.0, "sampling temperature for evaluation; 0 = greedy", at_least=0)
     placement: str = opt("colocated", "colocated (the trainer's ranks generate with the trained weights) | "
                                       "standalone (rollout.workers extra ranks with their own copy)")

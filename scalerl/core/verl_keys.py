@@ -211,7 +211,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey(R + "temperature", 1.0, "rollout.temperature"),
     VerlKey(R + "top_p", 1.0, "rollout.top_p"),
     VerlKey(R + "max_num_seqs", 1024, "rollout.max_num_seqs", "rows decoding at once (the built-in engine's "
-            "continuous batching; vLLM's own scheduler limit)"),
+            "continuous batching; vLLM's scheduler limit with rollout.partial only)"),
     VerlKey(R + "top_k", -1, "rollout.top_k", "verl's -1 (off) is scalerl's 0", _top_k),
     VerlKey(R + "response_length", NO_DEFAULT, "rollout.max_new_tokens", "verl's default: data.max_response_length"),
     VerlKey(R + "name", NO_DEFAULT, "rollout.engine", "sglang and trtllm run on vllm here (same sampling)", _engine),

@@ -10,6 +10,7 @@ extension and layerwise reload (`scalerl.rollout.vllm_weight_loading`).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -21,8 +22,10 @@ from scalerl.models.hf_checkpoint import save_pretrained
 from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
 from scalerl.rollout.engine_choice import MIN_CPU_HEAD_DIM
 from scalerl.rollout.vllm_weight_loading import (
+    STAGE_DIR,
     layer_groups,
     pack_tensors,
+    stage_tensors,
     tensors_checksum,
     weight_buckets,
 )
@@ -179,10 +182,11 @@ def vllm_engine_args(model_path: str, dtype: str = "fp32", kv_cache_gib: float =
 
 
 def load_in_checked_buckets(rpc: Callable[..., list], named_tensors: Iterable[tuple[str, torch.Tensor]],
-                            dtype: torch.dtype, bucket_bytes: int) -> int:
+                            dtype: torch.dtype, bucket_bytes: int, stage_dir: str | None = STAGE_DIR) -> int:
     """Load whole tensors (trainer names) into a vLLM engine through `VLLMWeightLoader`, in buckets of about
     ``bucket_bytes``, each bucket's checksum compared with the one taken in the engine's process; ``rpc`` is
     the engine's ``collective_rpc`` (called ``rpc(method, args=...)``, returning one result per worker).
+    Buckets are staged in ``stage_dir`` (shared memory the workers see) or, with None, sent as bytes.
     Returns the bytes loaded; raises `WeightLoadError` on a checksum mismatch or a layer left partly loaded."""
     hf_named = [(n, t.detach().to("cpu", dtype).contiguous()) for n, t in hf_weight_names(named_tensors)]
     rpc("scalerl_start_load")
@@ -190,7 +194,15 @@ def load_in_checked_buckets(rpc: Callable[..., list], named_tensors: Iterable[tu
     for b, bucket in enumerate(weight_buckets(hf_named, bucket_bytes)):
         names, tensors = [n for n, _ in bucket], [t for _, t in bucket]
         expected = tensors_checksum(tensors)
-        for got in rpc("scalerl_load_bucket", args=(names, pack_tensors(tensors))):
+        if stage_dir is None:
+            answers = rpc("scalerl_load_bucket", args=(names, pack_tensors(tensors)))
+        else:
+            path, layout = stage_tensors(tensors, stage_dir)
+            try:
+                answers = rpc("scalerl_load_staged", args=(names, path, layout))
+            finally:
+                os.unlink(path)
+        for got in answers:
             if got != expected:
                 rpc("scalerl_finish_load")
                 raise WeightLoadError(f"vLLM weight load: bucket {b} ({names[0]} ...) arrived with checksum "
@@ -226,6 +238,7 @@ class VLLMEngine:
         self.pad_token_id = pad_token_id
         self.dtype = ROLLOUT_DTYPES[dtype]
         self.load_bucket_bytes = load_bucket_bytes
+        self.load_stage_dir = STAGE_DIR  # None: buckets as bytes through collective_rpc (workers on other hosts)
         # Sleep mode (colocated: the trainer's update gets the KV cache's and the weights' memory back) exists
         # on GPUs only; vLLM's CPU worker ignores sleep with a warning, so it is not asked for there.
         self.can_sleep = sleep_between_generations and sleep_mode_available()
@@ -252,7 +265,8 @@ class VLLMEngine:
         bucket's checksum is compared with the one taken in the engine's process. Returns the bytes loaded.
         Tensors of a vLLM layer must come together (`layer_groups`); the prefix cache is reset after."""
         self._wake()
-        loaded = load_in_checked_buckets(self.llm.collective_rpc, named_tensors, self.dtype, self.load_bucket_bytes)
+        loaded = load_in_checked_buckets(self.llm.collective_rpc, named_tensors, self.dtype, self.load_bucket_bytes,
+                                         self.load_stage_dir)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.loads += 1
         return loaded

