@@ -222,7 +222,7 @@ class _QueueDriver(WorkerDriver):
 
 def _standalone(staleness: int, driver: _QueueDriver) -> StandaloneRollouts:
     ctx = SimpleNamespace(rank=1, dp_rank=0, dp_size=1, world_size=1)
-    rollout_cfg = SimpleNamespace(dtype="fp32", staleness=staleness, stale_logprobs="recompute")
+    rollout_cfg = SimpleNamespace(dtype="fp32", staleness=staleness, stale_logprobs="recompute", n=1)
     rollouts = StandaloneRollouts(_policy(), ctx, 0, rollout_cfg, load_config(None, []).weight_sync)
     rollouts.driver = driver
     rollouts.weight_sync = SimpleNamespace(sync=lambda version: driver.announce_weights(version) or {})
@@ -313,7 +313,7 @@ def test_standalone_workers_match_the_training_forward_where_they_decode_by_its_
 
     ctx = SimpleNamespace(rank=1, dp_rank=0, dp_size=1, world_size=1)
     rollout_cfg = SimpleNamespace(dtype=rollout_dtype, staleness=int(stale_logprobs == "behavior"),
-                                  stale_logprobs=stale_logprobs)
+                                  stale_logprobs=stale_logprobs, n=1)
     rollouts = StandaloneRollouts(_policy(), ctx, 0, rollout_cfg, load_config(None, []).weight_sync, precision,
                                   training_dtype)
     assert rollouts.logprobs_match_training_forward == matches
