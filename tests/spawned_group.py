@@ -89,3 +89,19 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
         return [results.get(rank) if rank in may_vanish else results[rank] for rank in range(world_size)]
     finally:
         manager.shutdown()  # one server process per group, not one left behind per test module
+
+
+def die_at_generate(call: int) -> None:
+    """In a spawned rank: this process exits, as if killed, inside its ``call``-th generation with the built-in
+    engine (after reading the request); a test then lists the rank in ``may_vanish``."""
+    from scalerl.rollout.builtin_engine import BuiltinEngine
+
+    original, calls = BuiltinEngine.generate, [0]
+
+    def generate(self, prompts, sampling):
+        calls[0] += 1
+        if calls[0] == call:
+            os._exit(0)
+        return original(self, prompts, sampling)
+
+    BuiltinEngine.generate = generate

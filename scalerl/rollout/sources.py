@@ -12,9 +12,9 @@ and both hold the weight sync that brings the generating weights up to date afte
   and keeps its share; new weights are pushed to every worker. Parts are whole prompt groups
   (`token_split`), so with ``rollout.stream_groups`` the one trainer rank takes each part as it arrives
   (`generate_parts`) and works on it while the other workers still generate. With ``rollout.staleness=K``
-  the prompts of up to K later steps are in flight while a step trains (`prefetch`); the workers answer in request order,
-  and a step's outputs are collected when the trainer reaches it, so a request sent after the push of
-  version v is generated with v, whatever the timing. `step_metrics` reports the trainer's wait for
+  the prompts of up to K later steps are in flight while a step trains (`prefetch`); the workers answer in
+  request order, and a step's outputs are collected when the trainer reaches it, so a request sent after
+  the push of version v is generated with v, whatever the timing. `step_metrics` reports the trainer's wait for
   rollouts (``timing_s/trainer_idle``), the workers' wait for requests or weights (``timing_s/rollout_idle``,
   the mean over live workers, as they report it) and how many workers died (``rollout/dead_workers``, the
   latest one's rank ``rollout/last_dead_worker``, -1 for none: their requests went again to the live ones).
@@ -207,7 +207,7 @@ class StandaloneRollouts:
             waiting.discard(reply.row_start)
             replies.append(reply)
             if not waiting:  # the step's worker metrics as `_collect_oldest` takes them, before the last part's work
-                self._note_workers(sum(r.idle_s for r in replies) / len(self.driver.workers))
+                self._note_workers(self._workers_record(sum(r.idle_s for r in replies) / len(self.driver.workers)))
             yield reply.row_start, reply.out, not waiting
 
     def prefetch(self, batch: StepPrompts | None) -> None:
@@ -252,25 +252,26 @@ class StandaloneRollouts:
         """The oldest step in flight, whole, on every trainer rank (rank 0 receives its parts from the workers;
         a streaming worker may answer a later part first, which the driver keeps for its turn)."""
         batch, parts = self.in_flight.popleft()
-        out, idle = None, torch.tensor([0.0, 0.0, -1.0], dtype=torch.float64)  # idle s, dead workers, last dead
+        out, idle = None, torch.tensor([0.0, 0.0, -1.0], dtype=torch.float64)  # `_workers_record`'s layout
         if self.driver is not None:
             replies = {start: self.driver.collect(batch.step, start) for _, start, _ in parts}
             out = GenerationOutput.concat([replies[start].out for start in sorted(replies)], self.pad_token_id)
-            idle[0] = sum(r.idle_s for r in replies.values()) / len(self.driver.workers)
-            idle[1] = len(self.driver.dead)
-            idle[2] = max(self.driver.dead, key=list(self.driver.dead).index, default=-1)
+            idle = self._workers_record(sum(r.idle_s for r in replies.values()) / len(self.driver.workers))
         if self.ctx.world_size > 1:
             out = broadcast_output(out, 0, self.ctx.group, self.ctx)
             idle = broadcast_tensors([idle] if self.ctx.rank == 0 else None, 0, self.ctx.group, self.ctx.device)[0]
-        self.rollout_idle += float(idle[0])
-        self.dead_workers, self.last_dead = int(idle[1]), int(idle[2])
+        self._note_workers(idle)
         self.ready[batch.step] = out
 
-    def _note_workers(self, idle_s: float) -> None:
-        """Rank 0's record of a step collected by parts: the workers' idle time, the dead ones."""
-        self.rollout_idle += idle_s
-        self.dead_workers = len(self.driver.dead)
-        self.last_dead = max(self.driver.dead, key=list(self.driver.dead).index, default=-1)
+    def _workers_record(self, idle_s: float) -> torch.Tensor:
+        """Rank 0's record of a collected step, as the trainer ranks share it: [workers' idle s, dead workers,
+        the rank of the latest dead one (-1: none)]."""
+        last_dead = max(self.driver.dead, key=list(self.driver.dead).index, default=-1)
+        return torch.tensor([idle_s, len(self.driver.dead), last_dead], dtype=torch.float64)
+
+    def _note_workers(self, record: torch.Tensor) -> None:
+        self.rollout_idle += float(record[0])
+        self.dead_workers, self.last_dead = int(record[1]), int(record[2])
 
 
 def _dp_rows(total: int, ctx: DistContext) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from scalerl.rollout.engine import GenerationOutput
 from scalerl.rollout.sources import token_split
-from tests.spawned_group import run_in_group
+from tests.spawned_group import die_at_generate, run_in_group
 from tests.tiny import tiny_overrides
 
 BASE = tiny_overrides("data.num_train=64", "actor.ppo_micro_batch_size=8", "actor.lr=1e-3",
@@ -89,32 +89,15 @@ def _two_workers(rank: int, out: str) -> None:
     _train(f"{out}/resumed_k2", [*k2, "trainer.total_steps=4", "trainer.resume=auto"])
     # Last, as it leaves the group one rank short: worker rank 2 dies while generating its part of step 2.
     if rank == 2:
-        _die_at_generate(2)
+        die_at_generate(2)
     _train(f"{out}/worker_dies", ["rollout.placement=standalone", "rollout.workers=2", "trainer.total_steps=3"])
 
 
 def _worker_dies_one_step_ahead(rank: int, out: str) -> None:
     if rank == 2:
-        _die_at_generate(2)
+        die_at_generate(2)
     _train(f"{out}/worker_dies_k1", ["rollout.placement=standalone", "rollout.workers=2", "rollout.staleness=1",
                                      "trainer.total_steps=4", "trainer.dist_timeout_s=120"])
-
-
-def _die_at_generate(call: int) -> None:
-    """This process exits, as if killed, inside its ``call``-th generation (after reading the request)."""
-    import os
-
-    from scalerl.rollout.builtin_engine import BuiltinEngine
-
-    original, calls = BuiltinEngine.generate, [0]
-
-    def generate(self, prompts, sampling):
-        calls[0] += 1
-        if calls[0] == call:
-            os._exit(0)
-        return original(self, prompts, sampling)
-
-    BuiltinEngine.generate = generate
 
 
 @pytest.fixture(scope="module")

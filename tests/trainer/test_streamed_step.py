@@ -19,7 +19,7 @@ from scalerl.rollout.engine import GenerationOutput, SamplingParams
 from scalerl.trainer.forward_passes import response_logprobs
 from scalerl.trainer.run_checks import check_rl_layout
 from scalerl.trainer.streamed_step import StreamedStep
-from tests.spawned_group import run_in_group
+from tests.spawned_group import die_at_generate, run_in_group
 from tests.tiny import TINY, tiny_model, tiny_overrides
 
 
@@ -113,24 +113,9 @@ def _runs(rank: int, out: str) -> None:
     # Last, as it leaves the group one rank short: worker rank 2 dies inside its second generation (step 2)
     # while the trainer waits for whichever part comes first.
     if rank == 2:
-        _die_at_generate(2)
+        die_at_generate(2)
     train(load_config(None, [*BASE, "rollout.stream_groups=true", "trainer.dist_timeout_s=120",
                              f"trainer.output_dir={out}/worker_dies_streamed"]))
-
-
-def _die_at_generate(call: int) -> None:
-    """This process exits, as if killed, inside its ``call``-th generation (after reading the request)."""
-    import os
-
-    original, calls = BuiltinEngine.generate, [0]
-
-    def generate(self, prompts, sampling):
-        calls[0] += 1
-        if calls[0] == call:
-            os._exit(0)
-        return original(self, prompts, sampling)
-
-    BuiltinEngine.generate = generate
 
 
 @pytest.fixture(scope="module")
