@@ -68,6 +68,20 @@ def warm_start(sft_steps: int) -> Path:
 LONG = ["weight_sync.mode=full", "trainer.eval_every=0", "data.num_val=8"]
 
 
+def digit_share(response: str, ground_truth: str) -> float:
+    """The long setting's learnable reward (``--reward digits``): the share of the response's characters that
+    are digits. An untrained model earns it from the start (about 10 of its 99 tokens are digits), so GRPO has
+    a signal from step 1 while the responses stay long (the stop character still comes at random)."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def _reward_overrides(reward: str, eval_every: int, lr: float | None) -> list[str]:
+    if reward == "none":
+        return []
+    return [f"data.reward={Path(__file__).resolve()}:digit_share", f"trainer.eval_every={eval_every}",
+            "data.num_val=32", *([f"actor.lr={lr}"] if lr else [])]
+
+
 def _long_batch(prompts: int, micro_batch_size: int | None = None) -> list[str]:
     """``prompts`` prompts x rollout.n samples per step, all of them one mini-batch, in micro-batches of
     ``micro_batch_size`` (None: one)."""
@@ -78,10 +92,12 @@ def _long_batch(prompts: int, micro_batch_size: int | None = None) -> list[str]:
 
 def _long(rank: int, steps: int, staleness: int, workers: int, seed: int, max_new_tokens: int,
           background: bool = True, stale_logprobs: str = "recompute", partial: bool = False, stream: bool = False,
-          rollout_dtype: str = "fp32", micro_batch_size: int | None = None, prompts: int = 4) -> None:
+          rollout_dtype: str = "fp32", micro_batch_size: int | None = None, prompts: int = 4,
+          learning: tuple[str, int, float | None] = ("none", 10, None)) -> None:
     from scalerl.trainer.rl_trainer import train
 
-    train(_demo_config([*LONG, *_long_batch(prompts, micro_batch_size), f"trainer.total_steps={steps}",
+    train(_demo_config([*LONG, *_reward_overrides(*learning), *_long_batch(prompts, micro_batch_size),
+                        f"trainer.total_steps={steps}",
                         f"trainer.seed={seed}", "trainer.overwrite=true",
                         f"rollout.max_new_tokens={max_new_tokens}", "rollout.placement=standalone",
                         f"rollout.workers={workers}", f"rollout.staleness={staleness}",
@@ -90,14 +106,17 @@ def _long(rank: int, steps: int, staleness: int, workers: int, seed: int, max_ne
                         f"rollout.partial={str(partial).lower()}", f"rollout.stream_groups={str(stream).lower()}",
                         f"rollout.dtype={rollout_dtype}",
                         "trainer.output_dir=" + str(_long_dir(staleness, workers, seed, background, stale_logprobs,
-                                                              partial, stream, rollout_dtype, prompts))]))
+                                                              partial, stream, rollout_dtype, prompts,
+                                                              learning[0]))]))
 
 
 def _long_dir(staleness: int, workers: int, seed: int, background: bool = True, stale_logprobs: str = "recompute",
-              partial: bool = False, stream: bool = False, rollout_dtype: str = "fp32", prompts: int = 4) -> Path:
+              partial: bool = False, stream: bool = False, rollout_dtype: str = "fp32", prompts: int = 4,
+              reward: str = "none") -> Path:
     suffix = ("" if background else "-inline-push") + ("-behavior" if staleness and stale_logprobs == "behavior" else "")
     suffix += ("-partial" if partial else "") + ("-stream" if stream else "")
     suffix += ("" if rollout_dtype == "fp32" else f"-{rollout_dtype}") + (f"-prompts{prompts}" if prompts != 4 else "")
+    suffix += "" if reward == "none" else f"-{reward}"
     return OUT / "long" / f"workers{workers}-staleness{staleness}-seed{seed}{suffix}"
 
 
@@ -108,7 +127,8 @@ def summarize_long(run: Path) -> dict:
         "timing_s/step", "timing_s/trainer_idle", "timing_s/rollout_idle", "timing_s/update_actor",
         "timing_s/old_log_prob", "timing_s/weight_sync_exposed", "weight_sync/push_s", "response_length/mean")}
     median["timing_s/stream_overlap"] = statistics.median(r.get("timing_s/stream_overlap", 0.0) for r in steps)
-    return {"median": median, "staleness_max": max(r["rollout/staleness/max"] for r in steps),
+    scores = [(r["step"], r["val/score/mean"]) for r in rows if "val/score/mean" in r]
+    return {"median": median, "staleness_max": max(r["rollout/staleness/max"] for r in steps), "val_scores": scores,
             "partial_fraction": statistics.mean(r.get("rollout/partial_fraction", 0.0) for r in steps)}
 
 
@@ -116,6 +136,7 @@ def main_long(args) -> None:
     n = _demo_config([]).rollout.n
     sequences = args.prompts * n
     table: dict[tuple[int, int, bool, bool], list[dict]] = {}
+    learning = (args.reward, args.eval_every, args.lr)
     modes = [(s, False) for s in args.staleness]
     if args.partial:
         modes = [m for s in args.staleness for m in ([(s, False), (s, True)] if s else [(s, False)])]
@@ -127,10 +148,10 @@ def main_long(args) -> None:
                 for stream in streams if workers > 1 else [False]:
                     run_in_group(_long, 1 + workers, args.steps, staleness, workers, seed, args.max_new_tokens, True,
                                  args.stale_logprobs, partial, stream, args.rollout_dtype, args.micro_batch_size,
-                                 args.prompts, timeout_s=3600)
+                                 args.prompts, learning, timeout_s=3600)
                     table.setdefault((workers, staleness, partial, stream), []).append(summarize_long(_long_dir(
                         staleness, workers, seed, True, args.stale_logprobs, partial, stream, args.rollout_dtype,
-                        args.prompts)))
+                        args.prompts, args.reward)))
     results = {}
     for (workers, staleness, partial, stream), runs in table.items():
         med = {k: statistics.median(r["median"][k] for r in runs) for k in runs[0]["median"]}
@@ -142,7 +163,8 @@ def main_long(args) -> None:
             "stream_ratio_per_seed": [b / s for b, s in zip(unstreamed, steps)],
             **med, "samples_per_s": sequences / med["timing_s/step"], "step_s_per_seed": steps,
             "ratio_per_seed": ratios, "staleness_max": max(r["staleness_max"] for r in runs),
-            "partial_fraction": statistics.mean(r["partial_fraction"] for r in runs)}
+            "partial_fraction": statistics.mean(r["partial_fraction"] for r in runs),
+            "val_scores_per_seed": [r["val_scores"] for r in runs]}
     print(f"{sequences} samples per step, {args.steps} steps, seeds {args.seeds}, rollout.stale_logprobs="
           f"{args.stale_logprobs} when stale; medians over steps 3+ and seeds")
     print("| workers | staleness | partial | step | samples/s | trainer idle | rollout idle | update | old log-probs | "
@@ -159,6 +181,17 @@ def main_long(args) -> None:
                   f"{r['timing_s/update_actor']:.3f} s | {r['timing_s/old_log_prob']:.3f} s | "
                   f"{r['timing_s/weight_sync_exposed']:.3f} s | {r['weight_sync/push_s']:.3f} s | "
                   f"{r['partial_fraction']:.0%} | {ratio} |")
+    if args.reward != "none":  # the held-out score curve of each mode, per seed (greedy, data.num_val=32)
+        print(f"held-out {args.reward} reward (greedy), per seed: step: score ...")
+        for workers in args.workers:
+            for staleness, partial in modes:
+                r = results[f"workers={workers},staleness={staleness},partial={partial}"]
+                curves = ["  ".join(f"{step}: {score:.3f}" for step, score in seed_scores)
+                          for seed_scores in r["val_scores_per_seed"]]
+                finals = [seed_scores[-1][1] for seed_scores in r["val_scores_per_seed"] if seed_scores]
+                print(f"workers {workers}, staleness {staleness}, partial {'yes' if partial else 'no'}: final "
+                      f"{', '.join(f'{x:.3f}' for x in finals)} (mean {statistics.mean(finals):.3f}) | "
+                      + " / ".join(curves))
     if args.stream_groups:  # the same modes with the trainer working on each worker's part as it arrives
         print("| workers | staleness | partial | stream_groups | step | trainer idle | old log-probs | "
               "trainer work before the last part | unstreamed step over streamed, per seed (median) |")
@@ -183,9 +216,11 @@ def main_long(args) -> None:
                     if not background:
                         run_in_group(_long, 1 + workers, args.steps, staleness, workers, args.seeds[0],
                                      args.max_new_tokens, False, args.stale_logprobs, False, False,
-                                     args.rollout_dtype, args.micro_batch_size, args.prompts, timeout_s=3600)
+                                     args.rollout_dtype, args.micro_batch_size, args.prompts,
+                                     (args.reward, args.eval_every, args.lr), timeout_s=3600)
                     m = summarize_long(_long_dir(staleness, workers, args.seeds[0], background, args.stale_logprobs,
-                                                 False, False, args.rollout_dtype, args.prompts))["median"]
+                                                 False, False, args.rollout_dtype, args.prompts,
+                                                 args.reward))["median"]
                     results[f"workers={workers},staleness={staleness},background={background}"] = m
                     print(f"| {workers} | {staleness} | {'background' if background else 'in the step'} | "
                           f"{m['timing_s/step']:.3f} s | {m['timing_s/weight_sync_exposed']:.3f} s | "
@@ -260,6 +295,12 @@ def main() -> None:
                         help="long: prompts per step (trainer.batch_size; x rollout.n samples, one mini-batch). "
                              "Fewer make generation the longer side: its time follows the longest response, "
                              "the update's the number of tokens")
+    parser.add_argument("--reward", default="none", choices=("none", "digits"),
+                        help="long: none (reward 0, the weights never change: the pipeline alone) or digits (the "
+                             "share of digits in a response, which the untrained model can learn: held-out score "
+                             "curves per mode and seed)")
+    parser.add_argument("--eval-every", type=int, default=10, help="long, --reward digits: trainer.eval_every")
+    parser.add_argument("--lr", type=float, default=None, help="long, --reward digits: actor.lr (the demo's if unset)")
     parser.add_argument("--partial", action="store_true",
                         help="long: also run each staleness >= 1 with rollout.partial=true (streaming workers)")
     parser.add_argument("--stream-groups", action="store_true",
