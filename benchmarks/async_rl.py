@@ -216,8 +216,8 @@ def main_long(args) -> None:
                     if not background:
                         run_in_group(_long, 1 + workers, args.steps, staleness, workers, args.seeds[0],
                                      args.max_new_tokens, False, args.stale_logprobs, False, False,
-                                     args.rollout_dtype, args.micro_batch_size, args.prompts,
-                                     (args.reward, args.eval_every, args.lr), timeout_s=3600)
+                                     args.rollout_dtype, args.micro_batch_size, args.prompts, learning,
+                                     timeout_s=3600)
                     m = summarize_long(_long_dir(staleness, workers, args.seeds[0], background, args.stale_logprobs,
                                                  False, False, args.rollout_dtype, args.prompts,
                                                  args.reward))["median"]
@@ -299,7 +299,8 @@ def main() -> None:
                         help="long: none (reward 0, the weights never change: the pipeline alone) or digits (the "
                              "share of digits in a response, which the untrained model can learn: held-out score "
                              "curves per mode and seed)")
-    parser.add_argument("--eval-every", type=int, default=10, help="long, --reward digits: trainer.eval_every")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="long, --reward digits: trainer.eval_every (10 if unset)")
     parser.add_argument("--lr", type=float, default=None, help="long, --reward digits: actor.lr (the demo's if unset)")
     parser.add_argument("--partial", action="store_true",
                         help="long: also run each staleness >= 1 with rollout.partial=true (streaming workers)")
@@ -314,6 +315,10 @@ def main() -> None:
                              "and print the push's exposed time both ways")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
+    if args.reward == "none" and (args.eval_every is not None or args.lr is not None):
+        parser.error("--eval-every and --lr set the learning run of --reward digits; with --reward none the "
+                     "weights never change: add --reward digits or drop them")
+    args.eval_every = args.eval_every or 10
     if args.setting == "long":
         args.steps = args.steps or 12
         main_long(args)
