@@ -105,3 +105,20 @@ def die_at_generate(call: int) -> None:
         return original(self, prompts, sampling)
 
     BuiltinEngine.generate = generate
+
+
+def delay_later_rows(seconds: float) -> Callable[[], None]:
+    """In a spawned rank: every generation with the built-in engine of rows that do not start at a batch's
+    row 0 first sleeps ``seconds``, so a trainer gets the first rows' part before the others; returns the
+    undo."""
+    from scalerl.rollout.builtin_engine import BuiltinEngine
+
+    original = BuiltinEngine.generate
+
+    def generate(self, prompts, sampling):
+        if sampling.row_offset:
+            time.sleep(seconds)
+        return original(self, prompts, sampling)
+
+    BuiltinEngine.generate = generate
+    return lambda: setattr(BuiltinEngine, "generate", original)

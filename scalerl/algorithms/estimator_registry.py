@@ -105,6 +105,10 @@ def _entries() -> list[AdvantageEstimator]:
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {entry.name: entry for entry in _entries()}
 
+# The estimators whose advantage for a row reads only the rows of its own group (no batch-wide whitening or
+# count, no critic, no extra rollout): a streaming trainer can compute them as each group arrives.
+GROUP_LOCAL_ESTIMATORS = frozenset({"grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo"})
+
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The entry named ``name``; a ValueError listing every name otherwise."""

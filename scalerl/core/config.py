@@ -310,8 +310,11 @@ class RolloutSection(_Section):
     stream_groups: bool = opt(False, "standalone, rollout.workers >= 2, one trainer rank: the trainer takes each "
                                      "worker's part of a step (whole prompt groups) as it arrives and scores it and "
                                      "runs its old/reference log-prob passes while the other workers still "
-                                     "generate; the step's result is the same as without (timing_s/stream_overlap: "
-                                     "the trainer's seconds of such work before the last part came)")
+                                     "generate, and, where nothing later reads the weights it changes (see "
+                                     "docs: actor.shuffle=false, old log-probs from the workers, no critic), "
+                                     "takes the update's first mini-batches whose groups are in; the step's "
+                                     "result is the same as without (timing_s/stream_overlap: the trainer's "
+                                     "seconds of such work before the last part came)")
     is_level: str = opt("token", "off-policy correction of rollouts sampled by other weights or numerics: one "
                                  "importance weight per token | per sequence (" + " | ".join(IS_LEVELS) + ")")
     is_mode: str = opt("truncate", "what the cap does to a weight above it: truncate (min(w, cap), verl's TIS) | "
@@ -419,6 +422,9 @@ class ActorSection(_Section):
     ppo_epochs: int = opt(1, "passes over each rollout batch")
     ppo_mini_batch_size: int = opt(64, "sequences per optimizer step")
     ppo_micro_batch_size: int = opt(16, "sequences per forward/backward (gradient accumulation)")
+    shuffle: bool = opt(True, "each epoch's mini-batches take the batch's rows in a shuffled order (false: in "
+                              "row order, verl's FSDP actor; with rollout.stream_groups the first mini-batches "
+                              "can then start while later groups still generate)")
     micro_batch_max_tokens: int = opt(
         0, "dynamic batch size: pack micro-batches up to this many tokens (padded ones; real ones with "
         "use_remove_padding); 0 = fixed ppo_micro_batch_size"

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from scalerl.algorithms.estimator_registry import AdvantageInputs, get_advantage_estimator
+from scalerl.algorithms.estimator_registry import GROUP_LOCAL_ESTIMATORS, AdvantageInputs, get_advantage_estimator
 from scalerl.algorithms.importance import rollout_correction_weights
 from scalerl.algorithms.loss_registry import get_policy_loss
 from scalerl.core.algorithm_names import needs_critic, needs_greedy_baseline
@@ -58,7 +58,7 @@ from scalerl.trainer.run_checks import check_rl_layout
 from scalerl.trainer.run_directory import CHECKPOINTS_DIR
 from scalerl.trainer.run_failures import last_good_checkpoint, run_reporting_failures
 from scalerl.trainer.streamed_step import StreamedStep
-from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
+from scalerl.trainer.update import OptimizerStep, UpdatePlan, UpdateRun, run_update
 
 # Config keys a resumed run must share with the checkpoint it resumes (others, e.g. total_steps, may change).
 RESUME_MUST_MATCH = [
@@ -139,6 +139,10 @@ class RLTrainer(TrainingRun):
         # (`_generate_streamed`), taken by `run_step` ("old", "ref": [B, R] each)
         self.streamed_passes: dict[str, torch.Tensor] = {}
         self.stream_overlap_s = 0.0  # this step's trainer seconds on parts before the last part came
+        # rollout.stream_groups with nothing to stop it: the actor update whose first mini-batches ran as their
+        # groups arrived (`_stream_mini_batches`), finished by `run_step`; how many ran before the last part
+        self.actor_update: UpdateRun | None = None
+        self.stream_early_mini_batches = 0
 
         # One optimizer for the policy and the critic; each update zeroes all gradients first, so a step
         # only moves the parameters that got gradients.
@@ -155,16 +159,43 @@ class RLTrainer(TrainingRun):
         self.update_plan = UpdatePlan(
             epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size // ctx.dp_size,
             micro_batch_size=a.ppo_micro_batch_size, micro_batch_max_tokens=a.micro_batch_max_tokens,
-            horizon=r.max_new_tokens, fixed_widths=(cfg.data.max_prompt_length, r.max_new_tokens),
+            horizon=r.max_new_tokens, shuffle=a.shuffle, fixed_widths=(cfg.data.max_prompt_length, r.max_new_tokens),
             packed_kernel=self.packed_kernel,
         )
         self.update_generator = torch.Generator().manual_seed(t.seed + 1)
         self.generators = {"update": self.update_generator}
+        self.updates_wait_for = self._why_updates_wait() if r.stream_groups else None
+        if r.stream_groups and ctx.is_main:
+            print("rollout.stream_groups: " + ("the update's mini-batches start as their groups arrive"
+                  if self.updates_wait_for is None else f"the update waits for the whole batch: {self.updates_wait_for}"),
+                  flush=True)
         resumed = self.resume(RESUME_MUST_MATCH)
         # Rollouts start from the current weights: a restored pipeline replica, standalone workers' copies.
         if resumed or r.placement == "standalone":
             self.rollouts.sync_weights(version=self.step)
         self.start_logging()
+
+    def _why_updates_wait(self) -> str | None:
+        """With rollout.stream_groups, why the actor's update cannot start before the batch is whole (None: its
+        first-epoch mini-batches start as their groups arrive). An early optimizer step is exact only if nothing
+        the rest of the step computes reads the weights it changes or the rows still to come."""
+        cfg, a, alg = self.cfg, self.cfg.actor, self.cfg.algorithm
+        if a.shuffle:
+            return "actor.shuffle=true draws every mini-batch from the whole batch (set it false for row order)"
+        if self.critic is not None:
+            return "the critic's values and update come before the actor's"
+        if not self.rollouts.logprobs_match_training_forward:
+            return ("the old log-probs are recomputed with the policy an early step would change (fp32 workers "
+                    "with rollout.staleness=0 or rollout.stale_logprobs=behavior give them with the rollout)")
+        if alg.adv_estimator not in GROUP_LOCAL_ESTIMATORS:
+            return f"algorithm.adv_estimator={alg.adv_estimator} reads more than a row's own group"
+        if alg.filter_groups.enable:
+            return "dynamic sampling (algorithm.filter_groups) chooses the batch's groups first"
+        if alg.use_kl_in_reward:
+            return "the KL-in-reward controller updates once per step from the whole batch"
+        if self.update_plan.mini_batch_size >= cfg.trainer.batch_size * cfg.rollout.n:
+            return "actor.ppo_mini_batch_size is the whole batch (one optimizer step per step)"
+        return None
 
     def bf16_recompute_reason(self, model) -> str | None:
         """Where the built-in engine would not decode by the bf16 training forward's recipe
@@ -201,6 +232,11 @@ class RLTrainer(TrainingRun):
         """rollout -> reward -> old (and reference) log-probs -> advantages -> update -> weight sync."""
         cfg, timer, a = self.cfg, self.timer, self.cfg.actor
         temperature, micro = cfg.rollout.temperature or 1.0, a.ppo_micro_batch_size
+        # The losses' random draws (clip_cov's token picks): a function of the step and the DP rank, so a
+        # resumed run repeats them; TP/PP peers hold the same rows and draw the same. Set before the rollout:
+        # a streaming trainer may take mini-batches while the rows still arrive.
+        self.policy_objective.generator = torch.Generator().manual_seed(
+            loss_draw_seed(cfg.trainer.seed, self.step, self.dist.dp_rank))
         batch, metrics = self._rollout()
         reward_baselines = None
         if needs_greedy_baseline(cfg.algorithm.adv_estimator):
@@ -245,20 +281,21 @@ class RLTrainer(TrainingRun):
             with timer("update_critic"):
                 metrics.update(run_update(self.critic, self.optimizer_step, batch, self.value_objective,
                                           self.update_plan, self.update_generator, self.dist, self.autocast))
-        # The losses' random draws (clip_cov's token picks): a function of the step and the DP rank, so a
-        # resumed run repeats them; TP/PP peers hold the same rows and draw the same.
-        self.policy_objective.generator = torch.Generator().manual_seed(
-            loss_draw_seed(cfg.trainer.seed, self.step, self.dist.dp_rank))
         with timer("update_actor"):
-            metrics.update(run_update(self.policy, self.optimizer_step, batch, self.policy_objective,
-                                      self.update_plan, self.update_generator, self.dist, self.autocast))
+            update, self.actor_update = self.actor_update or self._actor_update(len(batch)), None
+            metrics.update(update.finish(batch))
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         with timer("update_weights"):
             metrics.update(self.rollouts.sync_weights(version=self.step + 1))  # the policy after this update
         metrics.update(self.rollouts.step_metrics())
         if cfg.rollout.stream_groups:
             metrics["timing_s/stream_overlap"], self.stream_overlap_s = self.stream_overlap_s, 0.0
+            metrics["perf/stream_early_mini_batches"] = float(self.stream_early_mini_batches)
         return metrics, work
+
+    def _actor_update(self, rows: int) -> UpdateRun:
+        return UpdateRun(self.policy, self.optimizer_step, self.policy_objective, self.update_plan,
+                         self.update_generator, self.dist, self.autocast, rows, self.device)
 
     def _rollout(self) -> tuple[RolloutBatch, dict[str, float]]:
         cfg, timer = self.cfg, self.timer
@@ -339,12 +376,16 @@ class RLTrainer(TrainingRun):
                                 self.tokenizer.pad_token_id)
         scores, failures, extras = [0.0] * total, 0, []  # extras: (samples, the reward's metrics of a part)
         parts, work_s, last_work_s = self.rollouts.generate_parts(step_prompts), 0.0, 0.0
+        update = self._actor_update(total) if self.updates_wait_for is None else None
+        self.stream_early_mini_batches = 0
         while True:
             with timer("gen"):
                 arrived = next(parts, None)
             if arrived is None:
                 break
             start, out, last = arrived
+            if last and update is not None:
+                self.stream_early_mini_batches = update.first_done
             if last and prefetch_after_gen:
                 self._prefetch_next()  # the next steps' prompts go out before this one's remaining work
             began = time.perf_counter()
@@ -355,13 +396,42 @@ class RLTrainer(TrainingRun):
             scores[start : start + len(texts)], failures = part_scores, failures + part_failures
             extras.append((len(texts), dict(self.reward.last_metrics)))
             streamed.add(start, out)
+            if update is not None:
+                self._stream_mini_batches(update, streamed, scores)
             last_work_s = time.perf_counter() - began
             work_s += last_work_s
         self.stream_overlap_s += work_s - last_work_s
         self.reward.last_metrics = _weighted_means(extras)
         out = streamed.output()
         self.streamed_passes = streamed.pass_results(out.response_ids.shape[1])
+        self.actor_update = update
         return GeneratedRound(rows, out, scores, failures)
+
+    def _stream_mini_batches(self, update: UpdateRun, streamed: StreamedStep, scores: list[float]) -> None:
+        """Every first-epoch mini-batch of ``update`` whose groups are in, in order (rows in row order:
+        actor.shuffle=false). Its groups get what `_rollout` and `run_step` give the whole batch, each a function
+        of a row or its group (`_why_updates_wait` refuses the rest): staleness mask, overlong penalty, old
+        log-probs from the rollout, reference log-probs from the streamed pass, advantages, truncation mask."""
+        cfg, n = self.cfg, self.cfg.rollout.n
+        while (rows := update.next_rows()) is not None:
+            lo, hi = int(rows[0]), int(rows[-1]) + 1
+            first, stop = lo // n * n, -(-hi // n) * n  # the whole groups the rows belong to
+            if not streamed.ready(first, stop):
+                return
+            out, passes = streamed.rows_with_passes(first, stop)
+            groups = torch.arange(first // n, stop // n).repeat_interleave(n)
+            batch = RolloutBatch.from_generation(out, groups, torch.tensor(scores[first:stop], dtype=torch.float32))
+            if out.weight_versions is not None:
+                keep = check_staleness(out.weight_versions, out.response_mask, self.step, cfg.rollout.staleness).keep
+                batch.response_mask[~keep.to(batch.response_mask.device)] = 0.0
+            self.shaping.shape_scores(batch)
+            batch.old_logprobs = batch.rollout_logprobs
+            if "ref" in passes:
+                batch.ref_logprobs = passes["ref"]
+            self._advantages(batch)
+            self.shaping.mask_loss(batch)
+            with self.timer("update_actor"):
+                update.run_next(batch.select(torch.arange(lo - first, hi - first, device=batch.input_ids.device)))
 
     def _part_passes(self) -> dict[str, Callable[[RolloutBatch], torch.Tensor]]:
         """The per-token passes `run_step` would run on the whole batch, as functions of one micro-batch,

@@ -65,6 +65,27 @@ class StreamedStep:
             out[name] = full
         return out
 
+    def ready(self, start: int, stop: int) -> bool:
+        """Whether rows ``start .. stop`` are in and every pass ran on the micro-batches that hold them."""
+        first = start // self.micro * self.micro
+        return bool(self.arrived[start:stop].all()) and not any(first <= s < stop for s in self.pending)
+
+    def rows_with_passes(self, start: int, stop: int) -> tuple[GenerationOutput, dict[str, torch.Tensor]]:
+        """Rows ``start .. stop`` (`ready`) and each pass's results on them, ``[rows, their response width]``
+        (a micro-batch's columns past it are padding for these rows: zero)."""
+        out = self._rows(start, stop)
+        width, results = out.response_ids.shape[1], {}
+        for name, by_start in self.results.items():
+            first = next(iter(by_start.values()))
+            part = torch.zeros(stop - start, width, dtype=first.dtype, device=first.device)
+            for micro_start, values in by_start.items():
+                lo, hi = max(start, micro_start), min(stop, micro_start + values.shape[0])
+                if lo < hi:
+                    cols = min(width, values.shape[1])
+                    part[lo - start : hi - start, :cols] = values[lo - micro_start : hi - micro_start, :cols]
+            results[name] = part
+        return out, results
+
     def _rows(self, start: int, stop: int) -> GenerationOutput:
         """Rows ``start .. stop`` of the step, cut from the parts that hold them."""
         pieces = []

@@ -1,7 +1,10 @@
 """The one mini-batch update loop, shared by the actor, the critic and SFT on every layout:
 
-    for each epoch: for each shuffled mini-batch:
+    for each epoch: for each mini-batch (shuffled rows unless actor.shuffle=false):
         counts over DP ranks -> zero grads -> forward + backward of its micro-batches -> optimizer step
+
+`UpdateRun` is that loop in pieces, so a streaming trainer can take the first epoch's mini-batches as
+their rows arrive.
 
 `OptimizerStep` is one optimizer step: unscale (fp16 loss scaling), clip the gradient norm, skip the step
 when the norm is not finite (counted), step, update the loss scale. How micro-batches run (plain modules
@@ -126,6 +129,74 @@ def _forward_inputs(parts: ModelParts, mini: RolloutBatch, plan: UpdatePlan, obj
                        objective.target(m), objective.keep(m)) for m in micros]
 
 
+class UpdateRun:
+    """`run_update` in pieces, for a streaming trainer (``rollout.stream_groups``): the first epoch's
+    mini-batches may run as their rows arrive (`next_rows` names the rows the next one needs, `run_next` runs
+    it), and `finish` runs the rest on the whole batch. The first epoch's row order is drawn when the
+    run is made, from the same generator at the same point as `run_update` draws it, so a run that takes some
+    mini-batches early steps exactly as one that takes them all at the end."""
+
+    def __init__(self, parts: ModelParts, step: OptimizerStep, objective: MicroBatchObjective, plan: UpdatePlan,
+                 generator: torch.Generator | None, ctx: DistContext, autocast, rows: int, device):
+        self.parts, self.step, self.objective, self.plan = parts, step, objective, plan
+        self.generator, self.ctx, self.autocast, self.rows, self.device = generator, ctx, autocast, rows, device
+        self.first_order = self._order()
+        self.first_done = 0  # first-epoch mini-batches run
+        self.norms: list[torch.Tensor] = []
+        self.skipped: list[torch.Tensor] = []
+
+    def _order(self) -> torch.Tensor:
+        if self.plan.shuffle:
+            return torch.randperm(self.rows, generator=self.generator).to(self.device)
+        return torch.arange(self.rows, device=self.device)
+
+    def next_rows(self) -> torch.Tensor | None:
+        """The rows (in the batch's numbering) of the next first-epoch mini-batch; None once they all ran."""
+        start = self.first_done * self.plan.mini_batch_size
+        return self.first_order[start : start + self.plan.mini_batch_size] if start < self.rows else None
+
+    def run_next(self, mini: RolloutBatch) -> None:
+        """The next first-epoch mini-batch: ``mini`` holds the rows `next_rows` names, in that order."""
+        self._step(mini)
+        self.first_done += 1
+
+    def _step(self, mini: RolloutBatch) -> None:
+        """One optimizer step on ``mini``."""
+        objective, step = self.objective, self.step
+        self.parts.train()
+        objective.start_mini_batch(mini_batch_counts(mini, self.ctx, self.plan.horizon))
+        step.optimizer.zero_grad(set_to_none=True)
+        micros = _forward_inputs(self.parts, mini, self.plan, objective, self.ctx)
+        calls = self.parts.forward_backward(micros, objective, self.autocast, step.grad_scaler)
+        objective.end_mini_batch(calls)
+        norm, was_skipped = step(self.parts)
+        self.norms.append(norm)
+        self.skipped.append(was_skipped)
+
+    def finish(self, batch: RolloutBatch) -> dict[str, float]:
+        """The first epoch's remaining mini-batches and every later epoch on ``batch``; the update's metrics."""
+        if len(batch) != self.rows:
+            raise ValueError(f"update planned for {self.rows} rows got a batch of {len(batch)}")
+        size = self.plan.mini_batch_size
+        for epoch in range(self.plan.epochs):
+            order = self.first_order if epoch == 0 else self._order()
+            for start in range(self.first_done * size if epoch == 0 else 0, self.rows, size):
+                mini = batch.select(order[start : start + size])
+                self.run_next(mini) if epoch == 0 else self._step(mini)
+        objective, parts = self.objective, self.parts
+        metrics = parts.share_loss_metrics(objective.summary(), objective.metric_names)
+        prefix = objective.metric_names[0].split("/")[0]
+        metrics[f"{prefix}/grad_norm"] = float(torch.stack(self.norms).float().mean())
+        flags = torch.stack(self.skipped).tolist()
+        self.step.count_skips(flags)
+        metrics[f"{prefix}/skipped_steps"] = float(sum(flags))
+        router_aux = getattr(parts, "router_aux", None)
+        if router_aux is not None:  # MoE: moe/aux_loss and moe/expert_load_imbalance over the step's DP ranks
+            moe = router_aux.metrics(self.ctx.all_reduce)
+            metrics.update({f"critic/{k}" if prefix == "critic" else k: v for k, v in moe.items()})
+        return metrics
+
+
 def run_update(
     parts: ModelParts,
     step: OptimizerStep,
@@ -140,32 +211,5 @@ def run_update(
 
     Returns the objective's metrics (averaged over mini-batches), ``<prefix>/grad_norm`` (mean over
     optimizer steps) and ``<prefix>/skipped_steps`` (optimizer steps skipped for a non-finite norm)."""
-    n = len(batch)
-    norms, skipped = [], []
-    parts.train()
-    for _ in range(plan.epochs):
-        if plan.shuffle:
-            order = torch.randperm(n, generator=generator).to(batch.input_ids.device)
-        else:
-            order = torch.arange(n, device=batch.input_ids.device)
-        for start in range(0, n, plan.mini_batch_size):
-            mini = batch.select(order[start : start + plan.mini_batch_size])
-            objective.start_mini_batch(mini_batch_counts(mini, ctx, plan.horizon))
-            step.optimizer.zero_grad(set_to_none=True)
-            micros = _forward_inputs(parts, mini, plan, objective, ctx)
-            calls = parts.forward_backward(micros, objective, autocast, step.grad_scaler)
-            objective.end_mini_batch(calls)
-            norm, was_skipped = step(parts)
-            norms.append(norm)
-            skipped.append(was_skipped)
-    metrics = parts.share_loss_metrics(objective.summary(), objective.metric_names)
-    prefix = objective.metric_names[0].split("/")[0]
-    metrics[f"{prefix}/grad_norm"] = float(torch.stack(norms).float().mean())
-    flags = torch.stack(skipped).tolist()
-    step.count_skips(flags)
-    metrics[f"{prefix}/skipped_steps"] = float(sum(flags))
-    router_aux = getattr(parts, "router_aux", None)
-    if router_aux is not None:  # MoE: moe/aux_loss and moe/expert_load_imbalance over the step's DP ranks
-        moe = router_aux.metrics(ctx.all_reduce)
-        metrics.update({f"critic/{k}" if prefix == "critic" else k: v for k, v in moe.items()})
-    return metrics
+    return UpdateRun(parts, step, objective, plan, generator, ctx, autocast, len(batch),
+                     batch.input_ids.device).finish(batch)

@@ -19,7 +19,7 @@ from scalerl.rollout.engine import GenerationOutput, SamplingParams
 from scalerl.trainer.forward_passes import response_logprobs
 from scalerl.trainer.run_checks import check_rl_layout
 from scalerl.trainer.streamed_step import StreamedStep
-from tests.spawned_group import die_at_generate, run_in_group
+from tests.spawned_group import delay_later_rows, die_at_generate, run_in_group
 from tests.tiny import TINY, tiny_model, tiny_overrides
 
 
@@ -102,6 +102,17 @@ RUNS = {
 }
 
 
+# The update streams too: fp32 workers whose log-probs are the old ones (synchronous, or one step ahead with
+# the behaviour policy's), mini-batches in row order of one group each, two epochs (the second on the whole
+# batch). The worker with the later rows is slowed, so the first rows' part always comes first.
+UPDATE_RUNS = {
+    "update_sync": [],
+    "update_one_step_ahead": ["rollout.staleness=1", "rollout.stale_logprobs=behavior"],
+}
+UPDATE_STREAMS = ["rollout.dtype=fp32", "actor.shuffle=false", "actor.ppo_mini_batch_size=4",
+                  "actor.ppo_micro_batch_size=4", "actor.ppo_epochs=2"]
+
+
 def _runs(rank: int, out: str) -> None:
     from scalerl.trainer.rl_trainer import train
 
@@ -110,6 +121,13 @@ def _runs(rank: int, out: str) -> None:
             cfg = load_config(None, [*BASE, *extra, f"rollout.stream_groups={str(streamed).lower()}",
                                      f"trainer.output_dir={out}/{name}_{'streamed' if streamed else 'whole'}"])
             train(cfg)
+    undo = delay_later_rows(0.5) if rank != 0 else (lambda: None)
+    for name, extra in UPDATE_RUNS.items():
+        for streamed in (False, True):
+            cfg = load_config(None, [*BASE, *UPDATE_STREAMS, *extra, f"rollout.stream_groups={str(streamed).lower()}",
+                                     f"trainer.output_dir={out}/{name}_{'streamed' if streamed else 'whole'}"])
+            train(cfg)
+    undo()
     # Last, as it leaves the group one rank short: worker rank 2 dies inside its second generation (step 2)
     # while the trainer waits for whichever part comes first.
     if rank == 2:
@@ -143,6 +161,46 @@ def test_a_streamed_run_trains_exactly_what_the_whole_batch_run_trains(runs, nam
     assert all("timing_s/stream_overlap" not in r for r in whole)
     if name != "dynamic_sampling":  # there the passes wait for the filtered batch
         assert all(r["timing_s/old_log_prob"] > 0 and r["timing_s/ref"] > 0 for r in streamed)
+    # bf16 workers' log-probs are recomputed by the policy an early optimizer step would change
+    assert all(r["perf/stream_early_mini_batches"] == 0 for r in streamed)
+
+
+@pytest.mark.parametrize("name", list(UPDATE_RUNS))
+def test_update_mini_batches_start_before_the_batch_is_whole_and_train_the_same(runs, name):
+    """Each step's first part (the first rows: the other worker is slowed) holds at least one whole group, so
+    at least one of the step's four mini-batches (one group each) steps before the second part comes; the
+    run's losses, gradient norms and final weights equal the whole-batch run's bit for bit."""
+    whole, streamed = _metrics(runs / f"{name}_whole"), _metrics(runs / f"{name}_streamed")
+    assert len(streamed) == 3
+    assert all(1 <= r["perf/stream_early_mini_batches"] < 4 for r in streamed)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
+        assert [r[key] for r in streamed] == [r[key] for r in whole], key
+    a, b = load_file(str(runs / f"{name}_whole/final/model.safetensors")), \
+        load_file(str(runs / f"{name}_streamed/final/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_update_waits_for_the_whole_batch_where_an_early_step_would_change_what_follows():
+    """Each setting that makes an early optimizer step inexact is named (the update then waits)."""
+    from scalerl.trainer.rl_trainer import RLTrainer
+
+    class Probe:  # `_why_updates_wait` reads only the config, the critic, the rollouts and the plan
+        def __init__(self, *overrides, critic=None, match=True):
+            self.cfg = load_config(None, [*BASE, *UPDATE_STREAMS, "rollout.stream_groups=true", *overrides])
+            self.critic = critic
+            self.rollouts = type("R", (), {"logprobs_match_training_forward": match})()
+            a = self.cfg.actor
+            self.update_plan = type("P", (), {"mini_batch_size": a.ppo_mini_batch_size})()
+
+    why = RLTrainer._why_updates_wait
+    assert why(Probe()) is None
+    assert "actor.shuffle" in why(Probe("actor.shuffle=true"))
+    assert "critic" in why(Probe(critic=object()))
+    assert "recomputed" in why(Probe(match=False))
+    assert "reinforce_plus_plus" in why(Probe("algorithm.adv_estimator=reinforce_plus_plus"))
+    assert "filter_groups" in why(Probe("algorithm.filter_groups.enable=true"))
+    assert "KL-in-reward" in why(Probe("algorithm.use_kl_in_reward=true"))
+    assert "whole batch" in why(Probe("actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=8"))
 
 
 def test_a_worker_dying_mid_step_is_named_and_its_part_streams_from_the_live_one(runs):
