@@ -14,11 +14,10 @@ from scalerl.algorithms.dapo import overlong_penalty
 from scalerl.algorithms.pass_at_k import sampled_eval_metrics
 from scalerl.core.config import ConfigError, load_config
 from scalerl.data.sources import reward_from_config
-from scalerl.trainer import rl_trainer
 from scalerl.trainer.evaluation import evaluate_sampled
 from scalerl.trainer.reward_shaping import truncated_rows
 from scalerl.trainer.rl_trainer import RLTrainer
-from scalerl.trainer.update import run_update
+from scalerl.trainer.update import UpdateRun
 from scalerl.verify import (
     TOLERANCE,
     max_metric_diff,
@@ -100,11 +99,13 @@ def test_mask_truncated_completions_drops_exactly_the_truncated_responses(run, m
     plain, plain_batches, _ = run(steps=1)
     updated = []  # the batches the updates train on
 
-    def spy(parts, optimizer_step, batch, *args):
-        updated.append(batch.select(torch.arange(len(batch))))
-        return run_update(parts, optimizer_step, batch, *args)
+    finish = UpdateRun.finish
 
-    monkeypatch.setattr(rl_trainer, "run_update", spy)
+    def spy(update, batch):
+        updated.append(batch.select(torch.arange(len(batch))))
+        return finish(update, batch)
+
+    monkeypatch.setattr(UpdateRun, "finish", spy)
     masked, batches, metrics = run("actor.mask_truncated_completions=true", steps=1)
     before, after = plain_batches[0], updated[0]
     assert torch.equal(batches[0].response_mask, before.response_mask)  # the same rollouts, seen unmasked
