@@ -307,7 +307,7 @@ class RolloutSection(_Section):
                                "request in flight) and a weight sync lands between two engine steps without waiting "
                                "for the rows in flight, which go on with the new weights (one response may mix "
                                "versions, recorded per token); timing-dependent, so not bitwise reproducible")
-    stream_groups: bool = opt(False, "standalone, rollout.workers >= 2, one trainer rank: the trainer takes each "
+    stream_groups: bool = opt(False, "standalone, rollout.workers >= 2, parallel.pp=1: the trainer takes each "
                                      "worker's part of a step (whole prompt groups) as it arrives and scores it and "
                                      "runs its old/reference log-prob passes while the other workers still "
                                      "generate, and, where nothing later reads the weights it changes (see "

@@ -10,8 +10,9 @@ and both hold the weight sync that brings the generating weights up to date afte
   token count (contiguous rows, so per-row random draws do not depend on the split), sends each part to
   the worker with the fewest tokens in flight, collects their outputs, and every trainer rank receives them
   and keeps its share; new weights are pushed to every worker. Parts are whole prompt groups
-  (`token_split`), so with ``rollout.stream_groups`` the one trainer rank takes each part as it arrives
-  (`generate_parts`) and works on it while the other workers still generate. With ``rollout.staleness=K``
+  (`token_split`), so with ``rollout.stream_groups`` the trainer takes each part as it arrives
+  (`generate_parts`: rank 0 receives it and broadcasts it to the other trainer ranks) and works on it while
+  the other workers still generate. With ``rollout.staleness=K``
   the prompts of up to K later steps are in flight while a step trains (`prefetch`); the workers answer in
   request order, and a step's outputs are collected when the trainer reaches it, so a request sent after
   the push of version v is generated with v, whatever the timing. `step_metrics` reports the trainer's wait for
@@ -186,11 +187,10 @@ class StandaloneRollouts:
 
     def generate_parts(self, batch: StepPrompts) -> Iterator[tuple[int, GenerationOutput, bool]]:
         """``batch``'s parts as each worker's reply arrives, ``(first row, output, whether it is the last)``,
-        each a set of whole groups (rollout.stream_groups: the trainer scores a part and runs its forward
-        passes while the other workers still generate). One trainer rank only (the config refuses more): it
-        receives every part itself. The waits for replies count as ``timing_s/trainer_idle``."""
-        if self.ctx.world_size != 1:
-            raise RuntimeError("streamed rollouts (rollout.stream_groups) need a single trainer rank")
+        each a set of whole groups of the whole batch (rollout.stream_groups: the trainer scores a part and
+        runs its forward passes while the other workers still generate). Rank 0 receives them; with more than
+        one trainer rank it broadcasts each as it comes, so every rank sees the same parts in the same order
+        (and keeps its DP share's rows). The waits for replies count as ``timing_s/trainer_idle``."""
         if batch.step not in self.ready and all(b.step != batch.step for b, _ in self.in_flight):
             self._submit(batch)
         while batch.step not in self.ready and self.in_flight[0][0].step != batch.step:
@@ -199,16 +199,29 @@ class StandaloneRollouts:
             yield 0, self.ready.pop(batch.step), True
             return
         _, parts = self.in_flight.popleft()
-        waiting, replies = {start for _, start, _ in parts}, []
-        while waiting:
+        # rank 0 waits for the parts it sent; the other ranks (which sent none) for the part marked last
+        waiting, replies, shared, last = {start for _, start, _ in parts}, [], self.ctx.world_size > 1, False
+        while not last:
             start = time.perf_counter()
-            reply = self.driver.collect_first(batch.step, waiting)
+            out, header = None, None
+            if self.driver is not None:
+                reply = self.driver.collect_first(batch.step, waiting)
+                waiting.discard(reply.row_start)
+                replies.append(reply)
+                out, last = reply.out, not waiting
+                header = torch.zeros(5, dtype=torch.float64)  # [first row, last, `_workers_record`'s three]
+                header[0], header[1] = reply.row_start, float(last)
+                if last:
+                    header[2:] = self._workers_record(sum(r.idle_s for r in replies) / len(self.driver.workers))
+            if shared:
+                header = broadcast_tensors([header] if self.ctx.rank == 0 else None, 0, self.ctx.group,
+                                           self.ctx.device)[0].cpu()
+                out = broadcast_output(out, 0, self.ctx.group, self.ctx)
             self.trainer_idle += time.perf_counter() - start
-            waiting.discard(reply.row_start)
-            replies.append(reply)
-            if not waiting:  # the step's worker metrics as `_collect_oldest` takes them, before the last part's work
-                self._note_workers(self._workers_record(sum(r.idle_s for r in replies) / len(self.driver.workers)))
-            yield reply.row_start, reply.out, not waiting
+            row_start, last = int(header[0]), bool(header[1])
+            if last:  # the step's worker metrics as `_collect_oldest` takes them, before the last part's work
+                self._note_workers(header[2:])
+            yield row_start, out, last
 
     def prefetch(self, batch: StepPrompts | None) -> None:
         """With staleness >= 1, send a later step's prompts now: the workers generate them with the weights

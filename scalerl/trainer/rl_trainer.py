@@ -193,7 +193,9 @@ class RLTrainer(TrainingRun):
             return "dynamic sampling (algorithm.filter_groups) chooses the batch's groups first"
         if alg.use_kl_in_reward:
             return "the KL-in-reward controller updates once per step from the whole batch"
-        if self.update_plan.mini_batch_size >= cfg.trainer.batch_size * cfg.rollout.n:
+        if self.dist.dp_size > 1 and cfg.trainer.balance_batch:
+            return "trainer.balance_batch moves rows between the DP ranks once the batch is whole"
+        if self.update_plan.mini_batch_size >= cfg.trainer.batch_size * cfg.rollout.n // self.dist.dp_size:
             return "actor.ppo_mini_batch_size is the whole batch (one optimizer step per step)"
         return None
 
@@ -363,17 +365,20 @@ class RLTrainer(TrainingRun):
         return GeneratedRound(rows, out, scores, failures)
 
     def _generate_streamed(self, step_prompts: StepPrompts, prefetch_after_gen: bool) -> GeneratedRound:
-        """`_generate_round` by parts (rollout.stream_groups, one trainer rank): each worker's reply, whole
-        groups, is scored as it arrives and its rows go through the old/reference log-prob passes
-        (`StreamedStep`, the whole batch's micro-batch grid: the same numbers as one pass) while the other
-        workers still generate. With dynamic sampling the passes wait for the filtered batch (they would run
+        """`_generate_round` by parts (rollout.stream_groups): each worker's reply, whole groups, is scored as
+        it arrives (this DP rank's rows of it) and its rows go through the old/reference log-prob passes
+        (`StreamedStep`, the whole batch's micro-batch grid: the same numbers as one pass; in lockstep over
+        the DP ranks) and, where exact, the update's first mini-batches, while the other workers still
+        generate. With dynamic sampling the passes wait for the filtered batch (they would run
         on groups it drops); the scoring still streams. ``timing_s/gen`` is the wait for the parts,
         ``timing_s/stream_overlap`` the trainer's work on parts before the last one came."""
-        cfg, timer, n = self.cfg, self.timer, self.cfg.rollout.n
-        rows, total = step_prompts.rows, len(step_prompts.prompts)
+        cfg, timer, n, dp = self.cfg, self.timer, self.cfg.rollout.n, self.dist.dp_size
+        rows = self.dist.dp_share(step_prompts.rows)  # this DP rank's share of the step, whole groups
+        total = len(rows) * n
+        own = self.dist.dp_rank * total  # where this share's rows start in the step's
         streamed = StreamedStep(total, cfg.actor.ppo_micro_batch_size,
                                 {} if cfg.algorithm.filter_groups.enable else self._part_passes(),
-                                self.tokenizer.pad_token_id)
+                                self.tokenizer.pad_token_id, tuple(r * total for r in range(dp)), own)
         scores, failures, extras = [0.0] * total, 0, []  # extras: (samples, the reward's metrics of a part)
         parts, work_s, last_work_s = self.rollouts.generate_parts(step_prompts), 0.0, 0.0
         update = self._actor_update(total) if self.updates_wait_for is None else None
@@ -389,12 +394,13 @@ class RLTrainer(TrainingRun):
             if last and prefetch_after_gen:
                 self._prefetch_next()  # the next steps' prompts go out before this one's remaining work
             began = time.perf_counter()
-            with timer("reward"):
-                texts = self.tokenizer.batch_decode(out.response_ids.tolist())
-                part_scores, part_failures = self.reward.compute(
-                    texts, [rows[(start + i) // n] for i in range(len(texts))])
-            scores[start : start + len(texts)], failures = part_scores, failures + part_failures
-            extras.append((len(texts), dict(self.reward.last_metrics)))
+            lo, hi = max(start, own) - own, min(start + len(out.finish_reasons), own + total) - own  # this share's
+            if lo < hi:
+                with timer("reward"):
+                    texts = self.tokenizer.batch_decode(out.rows(lo + own - start, hi + own - start).response_ids.tolist())
+                    part_scores, part_failures = self.reward.compute(texts, [rows[(lo + i) // n] for i in range(len(texts))])
+                scores[lo:hi], failures = part_scores, failures + part_failures
+                extras.append((len(texts), dict(self.reward.last_metrics)))
             streamed.add(start, out)
             if update is not None:
                 self._stream_mini_batches(update, streamed, scores)

@@ -129,12 +129,12 @@ def _pipeline_problems(problems: list[str], cfg: Any, ctx: DistContext, key: str
 
 def check_rl_layout(cfg: Any, ctx: DistContext) -> None:
     """What the RL trainer needs from the layout; raises a LayoutError naming every problem (a ConfigError
-    for rollout.stream_groups on more than one trainer rank)."""
-    if cfg.rollout.stream_groups and ctx.world_size > 1:
-        # Rank 0 alone receives the parts; sharing each with the other ranks as it comes (and, with data
-        # parallelism, the DP shares that cut across parts) is not built.
-        raise ConfigError(f"rollout.stream_groups=true runs on one trainer rank; this run has {ctx.world_size} "
-                          "(world size minus rollout.workers): set rollout.stream_groups=false or train on one rank")
+    for rollout.stream_groups with a pipeline)."""
+    if cfg.rollout.stream_groups and ctx.dims.pp > 1:
+        # The streamed passes run on trimmed micro-batches as rows arrive; pipeline stages run one fixed shape.
+        raise ConfigError(f"rollout.stream_groups=true does not run with parallel.pp={ctx.dims.pp}: the pipeline "
+                          "schedule runs one fixed micro-batch shape over the whole batch; set "
+                          "rollout.stream_groups=false or parallel.pp=1")
     if ctx.world_size == 1:
         return
     dp, problems = ctx.dp_size, []

@@ -9,6 +9,11 @@ micro-batch as soon as all its rows are in (one that straddles two parts waits f
 rows are cut from their parts and trimmed of all-padding columns exactly as the whole-batch pass trims them
 (`RolloutBatch.trimmed`), so the model sees the same tensors and the results are the same, bit for bit,
 whatever the arrival order; `pass_results` puts them back into the whole batch's ``[B, R]`` layout.
+
+With data parallelism each trainer rank keeps its own share of the step's rows (``share_starts``: where every
+DP rank's share begins; its own at ``own_start``) and sees every part arrive, in the same order on every rank.
+A micro-batch runs once its rows are in on every rank's share, so the ranks run their passes in lockstep (a
+sharded forward is a collective) without a message of their own: each decides from the same arrivals.
 """
 
 from __future__ import annotations
@@ -27,18 +32,26 @@ MicroPass = Callable[[RolloutBatch], torch.Tensor]
 class StreamedStep:
     """A step's parts as they arrive (``add``) and the passes run on the micro-batches they complete."""
 
-    def __init__(self, total_rows: int, micro_batch_size: int, passes: dict[str, MicroPass], pad_token_id: int):
+    def __init__(self, total_rows: int, micro_batch_size: int, passes: dict[str, MicroPass], pad_token_id: int,
+                 share_starts: tuple[int, ...] = (0,), own_start: int = 0):
         self.total_rows, self.micro, self.passes, self.pad_token_id = total_rows, micro_batch_size, passes, pad_token_id
-        self.parts: dict[int, GenerationOutput] = {}  # first row -> its rows' output
-        self.arrived = torch.zeros(total_rows, dtype=torch.bool)
+        self.share_starts, self.own_start = share_starts, own_start
+        self.parts: dict[int, GenerationOutput] = {}  # first row (of this share) -> its rows' output
+        self.arrived = torch.zeros(total_rows, dtype=torch.bool)  # this share's rows
+        self.arrived_anywhere = torch.zeros(max(share_starts) + total_rows, dtype=torch.bool)  # the step's rows
         self.pending = list(range(0, total_rows, micro_batch_size)) if passes else []  # micro-batches not run
         self.results: dict[str, dict[int, torch.Tensor]] = {name: {} for name in passes}  # name -> start -> [m, R]
 
     def add(self, start: int, out: GenerationOutput) -> None:
-        """Rows ``start .. start + len(out)`` arrived: every pass on each micro-batch now whole."""
-        self.parts[start] = out
-        self.arrived[start : start + len(out.finish_reasons)] = True
-        for first in [s for s in self.pending if bool(self.arrived[s : s + self.micro].all())]:
+        """The step's rows ``start .. start + len(out)`` arrived (this share's among them are kept): every pass
+        on each micro-batch now whole on every share."""
+        stop = start + len(out.finish_reasons)
+        self.arrived_anywhere[start:stop] = True
+        lo, hi = max(start, self.own_start), min(stop, self.own_start + self.total_rows)
+        if lo < hi:
+            self.parts[lo - self.own_start] = out.rows(lo - start, hi - start) if (lo, hi) != (start, stop) else out
+            self.arrived[lo - self.own_start : hi - self.own_start] = True
+        for first in [s for s in self.pending if self._everywhere(s, s + self.micro)]:
             self.pending.remove(first)
             rows = self._rows(first, min(first + self.micro, self.total_rows))
             batch = RolloutBatch.from_generation(rows, torch.zeros(len(rows.finish_reasons), dtype=torch.long),
@@ -66,9 +79,15 @@ class StreamedStep:
         return out
 
     def ready(self, start: int, stop: int) -> bool:
-        """Whether rows ``start .. stop`` are in and every pass ran on the micro-batches that hold them."""
+        """Whether this share's rows ``start .. stop`` are in on every share and every pass ran on the
+        micro-batches that hold them (so every DP rank decides alike)."""
         first = start // self.micro * self.micro
-        return bool(self.arrived[start:stop].all()) and not any(first <= s < stop for s in self.pending)
+        return self._everywhere(start, stop) and not any(first <= s < stop for s in self.pending)
+
+    def _everywhere(self, start: int, stop: int) -> bool:
+        """Whether rows ``start .. stop`` of every DP rank's share are in."""
+        stop = min(stop, self.total_rows)
+        return all(bool(self.arrived_anywhere[q + start : q + stop].all()) for q in self.share_starts)
 
     def rows_with_passes(self, start: int, stop: int) -> tuple[GenerationOutput, dict[str, torch.Tensor]]:
         """Rows ``start .. stop`` (`ready`) and each pass's results on them, ``[rows, their response width]``

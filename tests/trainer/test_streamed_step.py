@@ -82,11 +82,30 @@ def test_stream_groups_is_refused_where_no_part_comes_early(extra, fix):
     assert fix in str(info.value)
 
 
-def test_stream_groups_is_refused_on_more_than_one_trainer_rank():
+def test_stream_groups_is_refused_with_a_pipeline():
     cfg = load_config(None, [*TINY, "rollout.placement=standalone", "rollout.workers=2", "rollout.stream_groups=true"])
-    ctx = DistContext(ParallelDims(pp=1, dp_replicate=2, dp_shard=1, tp=1), mesh=None)
-    with pytest.raises(ConfigError, match="rollout.stream_groups=true runs on one trainer rank; this run has 2"):
+    ctx = DistContext(ParallelDims(pp=2, dp_replicate=1, dp_shard=1, tp=1), mesh=None)
+    with pytest.raises(ConfigError, match="rollout.stream_groups=true does not run with parallel.pp=2"):
         check_rl_layout(cfg, ctx)
+
+
+def test_data_parallel_shares_run_their_passes_in_lockstep():
+    """Two DP shares of 8 rows (micro-batches of 4): a micro-batch runs only once its rows are in on both
+    shares, so both ranks, seeing the same arrivals, run the same micro-batch indices at the same arrival."""
+    model = tiny_model(seed=1).eval()
+    out = _generated(model, 16)
+    whole = [response_logprobs(model, RolloutBatch.from_generation(out.rows(q, q + 8), torch.zeros(8, dtype=torch.long),
+                                                                   torch.zeros(8)), 1.0, 4) for q in (0, 8)]
+    shares = [StreamedStep(8, 4, {"old": lambda b: response_logprobs(model, b, 1.0, 4)}, 0, (0, 8), q) for q in (0, 8)]
+    for share in shares:
+        share.add(0, out.rows(0, 12))  # share 0 whole, share 1's first micro-batch: both run micro-batch 0
+    assert [s.pending for s in shares] == [[4], [4]]
+    assert [s.ready(0, 4) for s in shares] == [True, True] and not shares[0].ready(4, 8)
+    for share in shares:
+        share.add(12, out.rows(12, 16))
+    assert [s.pending for s in shares] == [[], []]
+    for share, expected in zip(shares, whole):
+        assert torch.equal(share.pass_results(out.response_ids.shape[1])["old"][:, : expected.shape[1]], expected)
 
 
 # Two workers, bf16 worker copies (so the old log-probs are recomputed: a pass to stream) and a KL loss (a
@@ -191,6 +210,7 @@ def test_the_update_waits_for_the_whole_batch_where_an_early_step_would_change_w
             self.rollouts = type("R", (), {"logprobs_match_training_forward": match})()
             a = self.cfg.actor
             self.update_plan = type("P", (), {"mini_batch_size": a.ppo_mini_batch_size})()
+            self.dist = type("D", (), {"dp_size": 1})()
 
     why = RLTrainer._why_updates_wait
     assert why(Probe()) is None
@@ -216,3 +236,49 @@ def test_a_worker_dying_mid_step_is_named_and_its_part_streams_from_the_live_one
     a, b = load_file(str(runs / "sync_whole/final/model.safetensors")), \
         load_file(str(runs / "worker_dies_streamed/final/model.safetensors"))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+# Two trainer ranks and two workers: FSDP (sharded forwards, so the passes must run in lockstep) with bf16
+# workers' log-probs recomputed and a reference pass; and DDP with the update streaming (fp32 workers, row
+# order, no balancing: rows stay on their DP rank), the later rows' worker slowed as above.
+DP_RUNS = {
+    "dp_fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=2"],
+    "dp_update": ["parallel.dp_replicate=2", "parallel.dp_shard=1", "trainer.balance_batch=false",
+                  *UPDATE_STREAMS[:2], "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=4"],
+}
+
+
+def _dp_runs(rank: int, out: str) -> None:
+    from scalerl.trainer.rl_trainer import train
+
+    if rank >= 2:
+        delay_later_rows(0.5)
+    for name, extra in DP_RUNS.items():
+        for streamed in (False, True):
+            train(load_config(None, [*BASE, *extra, f"rollout.stream_groups={str(streamed).lower()}",
+                                     f"trainer.output_dir={out}/{name}_{'streamed' if streamed else 'whole'}"]))
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("streamed_dp")
+    run_in_group(_dp_runs, 4, str(out), timeout_s=900)
+    return out
+
+
+@pytest.mark.parametrize("name", list(DP_RUNS))
+def test_two_trainer_ranks_stream_and_train_what_the_whole_batch_trains(dp_runs, name):
+    """Rank 0 broadcasts each part as it comes; each DP rank scores and passes its share's rows, in lockstep,
+    and with the update streaming its first mini-batch steps before the last part comes: losses and the
+    final weights equal the unstreamed run's bit for bit."""
+    whole, streamed = _metrics(dp_runs / f"{name}_whole"), _metrics(dp_runs / f"{name}_streamed")
+    assert len(streamed) == 3
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
+        assert [r[key] for r in streamed] == [r[key] for r in whole], key
+    a, b = load_file(str(dp_runs / f"{name}_whole/final/model.safetensors")), \
+        load_file(str(dp_runs / f"{name}_streamed/final/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    early = [r["perf/stream_early_mini_batches"] for r in streamed]
+    assert all(e == 0 for e in early) if name == "dp_fsdp" else all(e >= 1 for e in early)
+    if name == "dp_fsdp":
+        assert all(r["timing_s/old_log_prob"] > 0 and r["timing_s/ref"] > 0 for r in streamed)
