@@ -311,7 +311,7 @@ class RolloutSection(_Section):
                                      "worker's part of a step (whole prompt groups) as it arrives and scores it and "
                                      "runs its old/reference log-prob passes while the other workers still "
                                      "generate, and, where nothing later reads the weights it changes (see "
-                                     "docs: actor.shuffle=false, old log-probs from the workers, no critic), "
+                                     "docs: actor.shuffle=false, no critic, a group-wise estimator), "
                                      "takes the update's first mini-batches whose groups are in; the step's "
                                      "result is the same as without (timing_s/stream_overlap: the trainer's "
                                      "seconds of such work before the last part came)")

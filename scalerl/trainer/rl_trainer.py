@@ -30,6 +30,7 @@ from scalerl.data.prompts import check_prompts, encode_prompts
 from scalerl.data.sources import prompt_stream_from_config, reward_from_config, rows_from_config
 from scalerl.models.decode_model import fused_decode_unsupported
 from scalerl.models.value_model import ValueModel
+from scalerl.parallel.activation_checkpointing import set_activation_checkpointing
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.perf.mfu import StepWork
@@ -165,8 +166,18 @@ class RLTrainer(TrainingRun):
         self.update_generator = torch.Generator().manual_seed(t.seed + 1)
         self.generators = {"update": self.update_generator}
         self.updates_wait_for = self._why_updates_wait() if r.stream_groups else None
+        # An early optimizer step changes the policy the old log-probs of later parts are recomputed with, so
+        # where they are recomputed those passes run on a copy of the policy taken before the step's update
+        # (refreshed each step, `_refresh_old_policy`): its weights are the trained ones, so the same numbers.
+        self.old_policy = None
+        if r.stream_groups and self.updates_wait_for is None and not self.rollouts.logprobs_match_training_forward:
+            self.old_policy = copy.deepcopy(self.policy.model).requires_grad_(False).eval()
+            set_activation_checkpointing(self.old_policy, False)
         if r.stream_groups and ctx.is_main:
-            print("rollout.stream_groups: " + ("the update's mini-batches start as their groups arrive"
+            copied = "" if self.old_policy is None else (
+                "; the old log-probs are recomputed on a copy of the pre-update policy ("
+                f"{sum(p.numel() * p.element_size() for p in self.old_policy.parameters()) / 2**20:.1f} MiB)")
+            print("rollout.stream_groups: " + ("the update's mini-batches start as their groups arrive" + copied
                   if self.updates_wait_for is None else f"the update waits for the whole batch: {self.updates_wait_for}"),
                   flush=True)
         resumed = self.resume(RESUME_MUST_MATCH)
@@ -184,9 +195,12 @@ class RLTrainer(TrainingRun):
             return "actor.shuffle=true draws every mini-batch from the whole batch (set it false for row order)"
         if self.critic is not None:
             return "the critic's values and update come before the actor's"
-        if not self.rollouts.logprobs_match_training_forward:
-            return ("the old log-probs are recomputed with the policy an early step would change (fp32 workers "
-                    "with rollout.staleness=0 or rollout.stale_logprobs=behavior give them with the rollout)")
+        dims = self.dist.dims
+        if not self.rollouts.logprobs_match_training_forward and (self.policy.sharded or dims.ep > 1 or dims.sp > 1):
+            # the pre-update copy the recompute would run on is kept for whole (unsharded) models only
+            return ("the old log-probs are recomputed, and with a sharded or split policy (FSDP, TP, EP, SP) no "
+                    "pre-update copy is kept for them (fp32 workers with rollout.staleness=0 or "
+                    "rollout.stale_logprobs=behavior give them with the rollout)")
         if alg.adv_estimator not in GROUP_LOCAL_ESTIMATORS:
             return f"algorithm.adv_estimator={alg.adv_estimator} reads more than a row's own group"
         if alg.filter_groups.enable:
@@ -382,6 +396,8 @@ class RLTrainer(TrainingRun):
         scores, failures, extras = [0.0] * total, 0, []  # extras: (samples, the reward's metrics of a part)
         parts, work_s, last_work_s = self.rollouts.generate_parts(step_prompts), 0.0, 0.0
         update = self._actor_update(total) if self.updates_wait_for is None else None
+        if self.old_policy is not None:
+            self._refresh_old_policy()
         self.stream_early_mini_batches = 0
         while True:
             with timer("gen"):
@@ -413,11 +429,21 @@ class RLTrainer(TrainingRun):
         self.actor_update = update
         return GeneratedRound(rows, out, scores, failures)
 
+    @torch.no_grad()
+    def _refresh_old_policy(self) -> None:
+        """The pre-update copy's weights set to the policy's, before this step's first optimizer step. Only the
+        trainable parameters: the frozen ones (a LoRA base, buffers) are the deep copy's and never change."""
+        with self.timer("old_policy_copy"):
+            for copied, trained in zip(self.old_policy.parameters(), self.policy.model.parameters()):
+                if trained.requires_grad:
+                    copied.copy_(trained)
+
     def _stream_mini_batches(self, update: UpdateRun, streamed: StreamedStep, scores: list[float]) -> None:
         """Every first-epoch mini-batch of ``update`` whose groups are in, in order (rows in row order:
         actor.shuffle=false). Its groups get what `_rollout` and `run_step` give the whole batch, each a function
         of a row or its group (`_why_updates_wait` refuses the rest): staleness mask, overlong penalty, old
-        log-probs from the rollout, reference log-probs from the streamed pass, advantages, truncation mask."""
+        log-probs from the rollout or the streamed pass (on the pre-update copy) with their importance weights,
+        reference log-probs from the streamed pass, advantages, truncation mask."""
         cfg, n = self.cfg, self.cfg.rollout.n
         while (rows := update.next_rows()) is not None:
             lo, hi = int(rows[0]), int(rows[-1]) + 1
@@ -431,7 +457,14 @@ class RLTrainer(TrainingRun):
                 keep = check_staleness(out.weight_versions, out.response_mask, self.step, cfg.rollout.staleness).keep
                 batch.response_mask[~keep.to(batch.response_mask.device)] = 0.0
             self.shaping.shape_scores(batch)
-            batch.old_logprobs = batch.rollout_logprobs
+            if "old" in passes:  # recomputed (on the pre-update copy), and the rollout's own weigh the loss
+                batch.old_logprobs = passes["old"]
+                if cap := cfg.rollout.correction_cap:
+                    batch.is_weights = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
+                                                                  batch.response_mask, cfg.rollout.is_level,
+                                                                  cfg.rollout.is_mode, cap)[0]
+            else:
+                batch.old_logprobs = batch.rollout_logprobs
             if "ref" in passes:
                 batch.ref_logprobs = passes["ref"]
             self._advantages(batch)
@@ -452,7 +485,7 @@ class RLTrainer(TrainingRun):
 
         passes = {}
         if not self.rollouts.logprobs_match_training_forward:
-            passes["old"] = timed("old_log_prob", self.policy.model)
+            passes["old"] = timed("old_log_prob", self.old_policy if self.old_policy is not None else self.policy.model)
         if self.reference is not None:
             passes["ref"] = timed("ref", self.reference.model)
         return passes

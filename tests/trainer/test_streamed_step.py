@@ -122,11 +122,13 @@ RUNS = {
 
 
 # The update streams too: fp32 workers whose log-probs are the old ones (synchronous, or one step ahead with
-# the behaviour policy's), mini-batches in row order of one group each, two epochs (the second on the whole
-# batch). The worker with the later rows is slowed, so the first rows' part always comes first.
+# the behaviour policy's), or bf16 workers whose old log-probs are recomputed (on the pre-update copy) and
+# weigh the loss by importance weights; mini-batches in row order of one group each, two epochs (the second
+# on the whole batch). The worker with the later rows is slowed, so the first rows' part always comes first.
 UPDATE_RUNS = {
     "update_sync": [],
     "update_one_step_ahead": ["rollout.staleness=1", "rollout.stale_logprobs=behavior"],
+    "update_recomputed": ["rollout.dtype=bf16"],
 }
 UPDATE_STREAMS = ["rollout.dtype=fp32", "actor.shuffle=false", "actor.ppo_mini_batch_size=4",
                   "actor.ppo_micro_batch_size=4", "actor.ppo_epochs=2"]
@@ -197,26 +199,35 @@ def test_update_mini_batches_start_before_the_batch_is_whole_and_train_the_same(
     a, b = load_file(str(runs / f"{name}_whole/final/model.safetensors")), \
         load_file(str(runs / f"{name}_streamed/final/model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    if name == "update_recomputed":  # the recompute ran, on the copy, and its importance weights applied
+        assert all(r["timing_s/old_log_prob"] > 0 and r["timing_s/old_policy_copy"] > 0 for r in streamed)
+        for key in ("rollout/logprob_diff/max", "rollout_corr/weight_mean"):
+            assert [r[key] for r in streamed] == [r[key] for r in whole], key
+        assert all(r["rollout/logprob_diff/max"] > 0 for r in streamed)
+    else:
+        assert all("timing_s/old_policy_copy" not in r for r in streamed)
 
 
 def test_the_update_waits_for_the_whole_batch_where_an_early_step_would_change_what_follows():
     """Each setting that makes an early optimizer step inexact is named (the update then waits)."""
     from scalerl.trainer.rl_trainer import RLTrainer
 
-    class Probe:  # `_why_updates_wait` reads only the config, the critic, the rollouts and the plan
-        def __init__(self, *overrides, critic=None, match=True):
+    class Probe:  # `_why_updates_wait` reads only the config, the critic, the rollouts, the plan, the layout
+        def __init__(self, *overrides, critic=None, match=True, sharded=False):
             self.cfg = load_config(None, [*BASE, *UPDATE_STREAMS, "rollout.stream_groups=true", *overrides])
             self.critic = critic
             self.rollouts = type("R", (), {"logprobs_match_training_forward": match})()
             a = self.cfg.actor
             self.update_plan = type("P", (), {"mini_batch_size": a.ppo_mini_batch_size})()
-            self.dist = type("D", (), {"dp_size": 1})()
+            self.dist = type("D", (), {"dp_size": 1, "dims": ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=1)})()
+            self.policy = type("M", (), {"sharded": sharded})()
 
     why = RLTrainer._why_updates_wait
     assert why(Probe()) is None
     assert "actor.shuffle" in why(Probe("actor.shuffle=true"))
     assert "critic" in why(Probe(critic=object()))
-    assert "recomputed" in why(Probe(match=False))
+    assert why(Probe(match=False)) is None  # recomputed old log-probs: on the pre-update copy
+    assert "no pre-update copy" in why(Probe(match=False, sharded=True))
     assert "reinforce_plus_plus" in why(Probe("algorithm.adv_estimator=reinforce_plus_plus"))
     assert "filter_groups" in why(Probe("algorithm.filter_groups.enable=true"))
     assert "KL-in-reward" in why(Probe("algorithm.use_kl_in_reward=true"))
@@ -240,12 +251,14 @@ def test_a_worker_dying_mid_step_is_named_and_its_part_streams_from_the_live_one
 
 # Two trainer ranks and two workers: FSDP (sharded forwards, so the passes must run in lockstep) with bf16
 # workers' log-probs recomputed and a reference pass; and DDP with the update streaming (fp32 workers, row
-# order, no balancing: rows stay on their DP rank), the later rows' worker slowed as above.
+# order, no balancing: rows stay on their DP rank), the later rows' worker slowed as above; and that DDP run
+# with bf16 workers, whose old log-probs each rank recomputes on its copy of the pre-update policy.
 DP_RUNS = {
     "dp_fsdp": ["parallel.dp_replicate=1", "parallel.dp_shard=2"],
     "dp_update": ["parallel.dp_replicate=2", "parallel.dp_shard=1", "trainer.balance_batch=false",
                   *UPDATE_STREAMS[:2], "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=4"],
 }
+DP_RUNS["dp_update_recomputed"] = [*DP_RUNS["dp_update"], "rollout.dtype=bf16"]  # on each rank's pre-update copy
 
 
 def _dp_runs(rank: int, out: str) -> None:
@@ -282,3 +295,6 @@ def test_two_trainer_ranks_stream_and_train_what_the_whole_batch_trains(dp_runs,
     assert all(e == 0 for e in early) if name == "dp_fsdp" else all(e >= 1 for e in early)
     if name == "dp_fsdp":
         assert all(r["timing_s/old_log_prob"] > 0 and r["timing_s/ref"] > 0 for r in streamed)
+    if name == "dp_update_recomputed":
+        assert all(r["timing_s/old_policy_copy"] > 0 for r in streamed)
+        assert [r["rollout/logprob_diff/max"] for r in streamed] == [r["rollout/logprob_diff/max"] for r in whole]
