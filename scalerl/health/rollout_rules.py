@@ -57,19 +57,24 @@ def trainer_idle(view: StepView) -> list[Finding]:
 def _streaming_advice(view: StepView, evidence: dict) -> str:
     """With several workers the trainer can work on the parts that came while the rest generate
     (rollout.stream_groups); where that is on, whether the micro-batches let it (a micro-batch spanning two
-    workers' parts waits for both, so one larger than a part leaves only the scoring to overlap)."""
+    workers' parts waits for both, so one larger than a part leaves only the scoring to overlap), and why the
+    update's mini-batches wait for the whole batch where the trainer found a reason (``stream_update_waits_for``)."""
     if not view.context.get("rollout_stream_groups"):
         return ("; with several workers, rollout.stream_groups=true scores each worker's part and runs its "
                 "log-prob passes as it arrives (it pays with the trainer on its own device)")
     overlap = view.metrics.get("timing_s/stream_overlap", 0.0)
     evidence["stream_overlap_s"] = round(overlap, 4)
     rows, micro = view.context.get("stream_rows_per_worker"), view.context.get("micro_batch")
+    waits = view.context.get("stream_update_waits_for")
+    update = "" if waits is None else f"; the update's mini-batches wait for the whole batch: {waits}"
+    if waits is None and "perf/stream_early_mini_batches" in view.metrics:
+        evidence["early_mini_batches"] = view.metrics["perf/stream_early_mini_batches"]
     if rows and micro and micro > rows:
         evidence.update({"rows_per_worker": rows, "actor.ppo_micro_batch_size": micro})
         return (f"; rollout.stream_groups overlapped only {overlap:.3g} s: actor.ppo_micro_batch_size={micro} "
                 f"spans more than a worker's {rows} rows, so each log-prob pass waits for several parts; "
-                f"a micro-batch of {rows} or fewer rows lets a part's passes run as it arrives")
-    return f"; rollout.stream_groups overlapped {overlap:.3g} s of the trainer's work with the workers'"
+                f"a micro-batch of {rows} or fewer rows lets a part's passes run as it arrives{update}")
+    return f"; rollout.stream_groups overlapped {overlap:.3g} s of the trainer's work with the workers'{update}"
 
 
 def rollout_idle(view: StepView) -> list[Finding]:

@@ -185,6 +185,8 @@ class RLTrainer(TrainingRun):
         if resumed or r.placement == "standalone":
             self.rollouts.sync_weights(version=self.step)
         self.start_logging()
+        if r.stream_groups:  # the doctor's trainer-idle fix names it (`scalerl.health.rollout_rules`)
+            self.monitor.context["stream_update_waits_for"] = self.updates_wait_for
 
     def _why_updates_wait(self) -> str | None:
         """With rollout.stream_groups, why the actor's update cannot start before the batch is whole (None: its

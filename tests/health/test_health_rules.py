@@ -440,10 +440,11 @@ def test_a_waiting_trainer_with_several_workers_hears_of_streaming_and_its_micro
     one_worker = run_step_rules(_pipeline_view(trainer_idle=1.0, rollout_idle=0.05, workers=1, staleness=0))
     assert "stream_groups" not in the_finding(one_worker, "rollout/trainer_idle").fix
 
-    def streamed(micro):
+    def streamed(micro, waits_for=None):
         view = _pipeline_view(trainer_idle=1.0, rollout_idle=0.05, workers=2, staleness=0,
-                              **{"timing_s/stream_overlap": 0.002})
-        view.context.update(rollout_stream_groups=True, stream_rows_per_worker=16, micro_batch=micro)
+                              **{"timing_s/stream_overlap": 0.002, "perf/stream_early_mini_batches": 2.0})
+        view.context.update(rollout_stream_groups=True, stream_rows_per_worker=16, micro_batch=micro,
+                            stream_update_waits_for=waits_for)
         return the_finding(run_step_rules(view), "rollout/trainer_idle")
 
     spanning = streamed(32)  # one micro-batch over both parts: nothing but the scoring runs early
@@ -451,6 +452,10 @@ def test_a_waiting_trainer_with_several_workers_hears_of_streaming_and_its_micro
     assert spanning.evidence["stream_overlap_s"] == 0.002 and spanning.evidence["rows_per_worker"] == 16
     fitting = streamed(8)
     assert "overlapped 0.002 s" in fitting.fix and "spans" not in fitting.fix
+    assert "mini-batches wait" not in fitting.fix and fitting.evidence["early_mini_batches"] == 2.0
+    waiting = streamed(8, "actor.shuffle=true draws every mini-batch from the whole batch (set it false for row order)")
+    assert "the update's mini-batches wait for the whole batch: actor.shuffle=true" in waiting.fix
+    assert "mini-batches wait for the whole batch: actor.shuffle" in streamed(32, "actor.shuffle=true ...").fix
 
 
 def test_the_monitor_context_carries_what_the_streaming_advice_reads():
