@@ -41,7 +41,12 @@ from scalerl.rollout.engine import (
     left_pad,
 )
 from scalerl.rollout.messages import broadcast_tensors
-from scalerl.rollout.weight_sync import BackgroundPush, PushToWorkers, WeightSync, colocated_weight_sync
+from scalerl.rollout.weight_sync import (
+    BackgroundPush,
+    PushToWorkers,
+    WeightSync,
+    colocated_weight_sync,
+)
 from scalerl.rollout.worker_protocol import WorkerDriver, broadcast_output
 
 # Pipeline ranks split a generation only when each gets at least this many

@@ -15,11 +15,16 @@ from __future__ import annotations
 import copy
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from scalerl.algorithms.estimator_registry import GROUP_LOCAL_ESTIMATORS, AdvantageInputs, get_advantage_estimator
+from scalerl.algorithms.estimator_registry import (
+    GROUP_LOCAL_ESTIMATORS,
+    AdvantageInputs,
+    get_advantage_estimator,
+)
 from scalerl.algorithms.importance import rollout_correction_weights
 from scalerl.algorithms.loss_registry import get_policy_loss
 from scalerl.core.algorithm_names import needs_critic, needs_greedy_baseline
@@ -27,7 +32,11 @@ from scalerl.core.config import Config
 from scalerl.core.device import compute_dtype, resolve_device
 from scalerl.data.errors import DataError
 from scalerl.data.prompts import check_prompts, encode_prompts
-from scalerl.data.sources import prompt_stream_from_config, reward_from_config, rows_from_config
+from scalerl.data.sources import (
+    prompt_stream_from_config,
+    reward_from_config,
+    rows_from_config,
+)
 from scalerl.models.decode_model import fused_decode_unsupported
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.activation_checkpointing import set_activation_checkpointing
@@ -49,8 +58,16 @@ from scalerl.rollout.worker import RolloutWorker
 from scalerl.tracking import plot_metrics
 from scalerl.trainer.dynamic_sampling import GeneratedRound, fill_with_signal
 from scalerl.trainer.evaluation import data_source_of, evaluate, evaluate_sampled
-from scalerl.trainer.forward_passes import packed_kernel_for, response_logprobs, response_values
-from scalerl.trainer.objectives import PolicyObjective, ValueObjective, policy_loss_options
+from scalerl.trainer.forward_passes import (
+    packed_kernel_for,
+    response_logprobs,
+    response_values,
+)
+from scalerl.trainer.objectives import (
+    PolicyObjective,
+    ValueObjective,
+    policy_loss_options,
+)
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.reward_shaping import RewardShaping
 from scalerl.trainer.rollout_rebalance import rebalance_batch

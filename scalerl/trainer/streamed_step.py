@@ -18,7 +18,7 @@ sharded forward is a collective) without a message of their own: each decides fr
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
