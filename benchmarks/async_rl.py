@@ -27,7 +27,8 @@ recomputed by the trainer in both modes. `--stale-logprobs behavior` makes the a
 ratio against the rollout's own fp32 log-probs (`rollout.stale_logprobs`), skipping the recompute.
 `--batch-size` sets the prompts per step (the demo's 64). In the long setting `--rollout-dtype bf16` gives every
 mode an old-log-prob pass (bf16 workers' log-probs are recomputed), and `--stream-groups` runs each mode over
-two or more workers once more with ``rollout.stream_groups=true`` and prints what streaming changed.
+two or more workers once more with ``rollout.stream_groups=true`` and prints what streaming changed;
+`--no-shuffle --mini-batch-size M` (M below the step's rows) lets the update's first mini-batches start too.
 """
 
 from __future__ import annotations
@@ -82,21 +83,23 @@ def _reward_overrides(reward: str, eval_every: int, lr: float | None) -> list[st
             "data.num_val=32", *([f"actor.lr={lr}"] if lr else [])]
 
 
-def _long_batch(prompts: int, micro_batch_size: int | None = None) -> list[str]:
-    """``prompts`` prompts x rollout.n samples per step, all of them one mini-batch, in micro-batches of
-    ``micro_batch_size`` (None: one)."""
+def _long_batch(prompts: int, batching: tuple[int | None, int | None, bool] = (None, None, True)) -> list[str]:
+    """``prompts`` prompts x rollout.n samples per step; ``batching`` is (micro-batch rows, mini-batch rows,
+    actor.shuffle): None rows mean the whole step's in one."""
     samples = prompts * _demo_config([]).rollout.n
-    return [f"trainer.batch_size={prompts}", f"actor.ppo_mini_batch_size={samples}",
-            f"actor.ppo_micro_batch_size={micro_batch_size or samples}"]
+    micro, mini, shuffle = batching
+    return [f"trainer.batch_size={prompts}", f"actor.ppo_mini_batch_size={mini or samples}",
+            f"actor.ppo_micro_batch_size={micro or mini or samples}", f"actor.shuffle={str(shuffle).lower()}"]
 
 
 def _long(rank: int, steps: int, staleness: int, workers: int, seed: int, max_new_tokens: int,
           background: bool = True, stale_logprobs: str = "recompute", partial: bool = False, stream: bool = False,
-          rollout_dtype: str = "fp32", micro_batch_size: int | None = None, prompts: int = 4,
+          rollout_dtype: str = "fp32", batching: tuple[int | None, int | None, bool] = (None, None, True),
+          prompts: int = 4,
           learning: tuple[str, int, float | None] = ("none", 10, None)) -> None:
     from scalerl.trainer.rl_trainer import train
 
-    train(_demo_config([*LONG, *_reward_overrides(*learning), *_long_batch(prompts, micro_batch_size),
+    train(_demo_config([*LONG, *_reward_overrides(*learning), *_long_batch(prompts, batching),
                         f"trainer.total_steps={steps}",
                         f"trainer.seed={seed}", "trainer.overwrite=true",
                         f"rollout.max_new_tokens={max_new_tokens}", "rollout.placement=standalone",
@@ -126,7 +129,8 @@ def summarize_long(run: Path) -> dict:
     median = {k: statistics.median(r[k] for r in steps) for k in (
         "timing_s/step", "timing_s/trainer_idle", "timing_s/rollout_idle", "timing_s/update_actor",
         "timing_s/old_log_prob", "timing_s/weight_sync_exposed", "weight_sync/push_s", "response_length/mean")}
-    median["timing_s/stream_overlap"] = statistics.median(r.get("timing_s/stream_overlap", 0.0) for r in steps)
+    for key in ("timing_s/stream_overlap", "perf/stream_early_mini_batches"):
+        median[key] = statistics.median(r.get(key, 0.0) for r in steps)
     scores = [(r["step"], r["val/score/mean"]) for r in rows if "val/score/mean" in r]
     return {"median": median, "staleness_max": max(r["rollout/staleness/max"] for r in steps), "val_scores": scores,
             "partial_fraction": statistics.mean(r.get("rollout/partial_fraction", 0.0) for r in steps)}
@@ -137,6 +141,7 @@ def main_long(args) -> None:
     sequences = args.prompts * n
     table: dict[tuple[int, int, bool, bool], list[dict]] = {}
     learning = (args.reward, args.eval_every, args.lr)
+    batching = (args.micro_batch_size, args.mini_batch_size, not args.no_shuffle)
     modes = [(s, False) for s in args.staleness]
     if args.partial:
         modes = [m for s in args.staleness for m in ([(s, False), (s, True)] if s else [(s, False)])]
@@ -147,7 +152,7 @@ def main_long(args) -> None:
             for staleness, partial in modes:
                 for stream in streams if workers > 1 else [False]:
                     run_in_group(_long, 1 + workers, args.steps, staleness, workers, seed, args.max_new_tokens, True,
-                                 args.stale_logprobs, partial, stream, args.rollout_dtype, args.micro_batch_size,
+                                 args.stale_logprobs, partial, stream, args.rollout_dtype, batching,
                                  args.prompts, learning, timeout_s=3600)
                     table.setdefault((workers, staleness, partial, stream), []).append(summarize_long(_long_dir(
                         staleness, workers, seed, True, args.stale_logprobs, partial, stream, args.rollout_dtype,
@@ -193,9 +198,10 @@ def main_long(args) -> None:
                       f"{', '.join(f'{x:.3f}' for x in finals)} (mean {statistics.mean(finals):.3f}) | "
                       + " / ".join(curves))
     if args.stream_groups:  # the same modes with the trainer working on each worker's part as it arrives
-        print("| workers | staleness | partial | stream_groups | step | trainer idle | old log-probs | "
-              "trainer work before the last part | unstreamed step over streamed, per seed (median) |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| workers | staleness | partial | stream_groups | step | trainer idle | old log-probs | update | "
+              "trainer work before the last part | optimizer steps before it | unstreamed step over streamed, "
+              "per seed (median) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for workers in (w for w in args.workers if w > 1):
             for staleness, partial in modes:
                 for stream in streams:
@@ -204,7 +210,8 @@ def main_long(args) -> None:
                     r, ratios = results[key], results[key]["stream_ratio_per_seed"]
                     print(f"| {workers} | {staleness} | {'yes' if partial else 'no'} | {'on' if stream else 'off'} | "
                           f"{r['timing_s/step']:.3f} s | {r['timing_s/trainer_idle']:.3f} s | "
-                          f"{r['timing_s/old_log_prob']:.3f} s | {r['timing_s/stream_overlap']:.3f} s | "
+                          f"{r['timing_s/old_log_prob']:.3f} s | {r['timing_s/update_actor']:.3f} s | "
+                          f"{r['timing_s/stream_overlap']:.3f} s | {r['perf/stream_early_mini_batches']:g} | "
                           + (f"{', '.join(f'{x:.2f}' for x in ratios)} ({statistics.median(ratios):.2f}x) |"
                              if stream else "- |"))
     if args.inline_push:  # the same staleness with the push in the step: what the background push saves
@@ -216,7 +223,7 @@ def main_long(args) -> None:
                     if not background:
                         run_in_group(_long, 1 + workers, args.steps, staleness, workers, args.seeds[0],
                                      args.max_new_tokens, False, args.stale_logprobs, False, False,
-                                     args.rollout_dtype, args.micro_batch_size, args.prompts, learning,
+                                     args.rollout_dtype, batching, args.prompts, learning,
                                      timeout_s=3600)
                     m = summarize_long(_long_dir(staleness, workers, args.seeds[0], background, args.stale_logprobs,
                                                  False, False, args.rollout_dtype, args.prompts,
@@ -310,6 +317,12 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=None,
                         help="long: actor.ppo_micro_batch_size (default: the whole step's rows in one micro-batch, "
                              "which rollout.stream_groups can only run once every part is in)")
+    parser.add_argument("--mini-batch-size", type=int, default=None,
+                        help="long: actor.ppo_mini_batch_size (default: the whole step's rows, one optimizer step)")
+    parser.add_argument("--no-shuffle", action="store_true",
+                        help="long: actor.shuffle=false (mini-batches in row order: with --stream-groups and a "
+                             "--mini-batch-size below the step's rows the update's first mini-batches start as "
+                             "their groups arrive)")
     parser.add_argument("--inline-push", action="store_true",
                         help="long: also run each staleness >= 1 with weight_sync.background=false (first seed), "
                              "and print the push's exposed time both ways")
