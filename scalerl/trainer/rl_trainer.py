@@ -291,11 +291,7 @@ class RLTrainer(TrainingRun):
             else:
                 batch.old_logprobs = streamed["old"] if "old" in streamed else response_logprobs(
                     self.policy.model, batch, temperature, micro, self.autocast, self.packed_kernel)
-                r, cap = cfg.rollout, cfg.rollout.correction_cap
-                weights, mismatch = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
-                                                               batch.response_mask, r.is_level, r.is_mode, cap or 1.0)
-                batch.is_weights = weights if cap else None
-                metrics.update(mismatch if cap else {k: v for k, v in mismatch.items() if k.startswith("rollout/")})
+                metrics.update(self._correct_for_rollout(batch))
         if self.reference is not None:
             with timer("ref"):
                 batch.ref_logprobs = streamed["ref"] if "ref" in streamed else response_logprobs(
@@ -448,6 +444,16 @@ class RLTrainer(TrainingRun):
         self.actor_update = update
         return GeneratedRound(rows, out, scores, failures)
 
+    def _correct_for_rollout(self, batch: RolloutBatch) -> dict[str, float]:
+        """Recomputed old log-probs against the rollout's own: the importance weights the loss takes
+        (rollout.is_level/is_mode/is_cap; none with a cap of 0) set on ``batch``, and their metrics (only the
+        mismatch ``rollout/*`` without a cap)."""
+        r, cap = self.cfg.rollout, self.cfg.rollout.correction_cap
+        weights, mismatch = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
+                                                       batch.response_mask, r.is_level, r.is_mode, cap or 1.0)
+        batch.is_weights = weights if cap else None
+        return mismatch if cap else {k: v for k, v in mismatch.items() if k.startswith("rollout/")}
+
     @torch.no_grad()
     def _refresh_old_policy(self) -> None:
         """The pre-update copy's weights set to the policy's, before this step's first optimizer step. Only the
@@ -478,10 +484,7 @@ class RLTrainer(TrainingRun):
             self.shaping.shape_scores(batch)
             if "old" in passes:  # recomputed (on the pre-update copy), and the rollout's own weigh the loss
                 batch.old_logprobs = passes["old"]
-                if cap := cfg.rollout.correction_cap:
-                    batch.is_weights = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
-                                                                  batch.response_mask, cfg.rollout.is_level,
-                                                                  cfg.rollout.is_mode, cap)[0]
+                self._correct_for_rollout(batch)  # its metrics come from the whole batch in `run_step`
             else:
                 batch.old_logprobs = batch.rollout_logprobs
             if "ref" in passes:

@@ -168,15 +168,23 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] > 0]
 
 
+def _same_training(root: Path, name: str, keys: tuple[str, ...]) -> tuple[list[dict], list[dict]]:
+    """Asserts run ``name``'s streamed and whole-batch runs took 3 steps with equal ``keys`` each step and
+    bitwise-equal final weights; returns their metrics (whole, streamed)."""
+    whole, streamed = _metrics(root / f"{name}_whole"), _metrics(root / f"{name}_streamed")
+    assert len(streamed) == 3
+    for key in keys:
+        assert [r[key] for r in streamed] == [r[key] for r in whole], key
+    a, b = load_file(str(root / f"{name}_whole/final/model.safetensors")), \
+        load_file(str(root / f"{name}_streamed/final/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    return whole, streamed
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_a_streamed_run_trains_exactly_what_the_whole_batch_run_trains(runs, name):
-    whole, streamed = _metrics(runs / f"{name}_whole"), _metrics(runs / f"{name}_streamed")
-    assert len(streamed) == 3
-    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "rollout/logprob_diff/max"):
-        assert [r[key] for r in streamed] == [r[key] for r in whole], key
-    a, b = load_file(str(runs / f"{name}_whole/final/model.safetensors")), \
-        load_file(str(runs / f"{name}_streamed/final/model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    whole, streamed = _same_training(runs, name, ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm",
+                                                  "critic/score/mean", "rollout/logprob_diff/max"))
     # the trainer's work on the first part ran before the second came (two parts: one worker each)
     assert all(r["timing_s/stream_overlap"] > 0 for r in streamed)
     assert all("timing_s/stream_overlap" not in r for r in whole)
@@ -186,19 +194,16 @@ def test_a_streamed_run_trains_exactly_what_the_whole_batch_run_trains(runs, nam
     assert all(r["perf/stream_early_mini_batches"] == 0 for r in streamed)
 
 
+UPDATE_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean")
+
+
 @pytest.mark.parametrize("name", list(UPDATE_RUNS))
 def test_update_mini_batches_start_before_the_batch_is_whole_and_train_the_same(runs, name):
     """Each step's first part (the first rows: the other worker is slowed) holds at least one whole group, so
     at least one of the step's four mini-batches (one group each) steps before the second part comes; the
     run's losses, gradient norms and final weights equal the whole-batch run's bit for bit."""
-    whole, streamed = _metrics(runs / f"{name}_whole"), _metrics(runs / f"{name}_streamed")
-    assert len(streamed) == 3
+    whole, streamed = _same_training(runs, name, UPDATE_KEYS)
     assert all(1 <= r["perf/stream_early_mini_batches"] < 4 for r in streamed)
-    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
-        assert [r[key] for r in streamed] == [r[key] for r in whole], key
-    a, b = load_file(str(runs / f"{name}_whole/final/model.safetensors")), \
-        load_file(str(runs / f"{name}_streamed/final/model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
     if name == "update_recomputed":  # the recompute ran, on the copy, and its importance weights applied
         assert all(r["timing_s/old_log_prob"] > 0 and r["timing_s/old_policy_copy"] > 0 for r in streamed)
         for key in ("rollout/logprob_diff/max", "rollout_corr/weight_mean"):
@@ -284,13 +289,7 @@ def test_two_trainer_ranks_stream_and_train_what_the_whole_batch_trains(dp_runs,
     """Rank 0 broadcasts each part as it comes; each DP rank scores and passes its share's rows, in lockstep,
     and with the update streaming its first mini-batch steps before the last part comes: losses and the
     final weights equal the unstreamed run's bit for bit."""
-    whole, streamed = _metrics(dp_runs / f"{name}_whole"), _metrics(dp_runs / f"{name}_streamed")
-    assert len(streamed) == 3
-    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
-        assert [r[key] for r in streamed] == [r[key] for r in whole], key
-    a, b = load_file(str(dp_runs / f"{name}_whole/final/model.safetensors")), \
-        load_file(str(dp_runs / f"{name}_streamed/final/model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    whole, streamed = _same_training(dp_runs, name, UPDATE_KEYS)
     early = [r["perf/stream_early_mini_batches"] for r in streamed]
     assert all(e == 0 for e in early) if name == "dp_fsdp" else all(e >= 1 for e in early)
     if name == "dp_fsdp":
