@@ -24,6 +24,7 @@ demo: setup
 # scripts/install_test_packages.sh installs Slurm/iproute2 for their tests when root (else says what skips).
 # Then the tests of vLLM's CPU build (`test-vllm`), in a venv of their own.
 test: setup
+	@$(PY) -m scalerl.core.cpu_capabilities
 	scripts/install_test_packages.sh
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; [ $$rc -eq 0 ] || exit $$rc

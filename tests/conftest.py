@@ -1,12 +1,18 @@
 """Fixtures every test directory may use: the emulated two-node network's availability check and a
 two-node Ray cluster on this machine. What tests import rather than request lives beside: the tiny run
 and tiny model in `tests.tiny`, the emulated network's helpers in `tests.emulated_network`, a spawned
-multi-process group in `tests.spawned_group`."""
+multi-process group in `tests.spawned_group`.
+
+`cpu_isa` runs a test once on the CPU's own fast paths and once with them switched off
+(``SCALERL_CPU_ISA=default``: plain layouts only), so every machine tests the fallback, whatever its CPU;
+`needs_onednn_blocked` skips, naming why, a test of the fast path on a CPU that lacks it."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from scalerl.core.cpu_capabilities import ISA_SWITCH, CpuCapabilities, cpu_capabilities
 from tests.emulated_network import emulated_network_unavailable
 
 RAY_OBJECT_STORE_BYTES = 128 * 2**20
@@ -43,3 +49,18 @@ def ray_cluster():
         finally:
             ray.shutdown()
             nodes.shutdown()
+
+
+@pytest.fixture(params=["native", "default"])
+def cpu_isa(request, monkeypatch) -> CpuCapabilities:
+    """The test runs at ``SCALERL_CPU_ISA=native`` (the hardware's fast paths) and ``default`` (none: the
+    fallback every CPU runs); returns the capabilities the code sees at that level."""
+    monkeypatch.setenv(ISA_SWITCH, request.param)
+    return cpu_capabilities()
+
+
+def needs_onednn_blocked(dtype: torch.dtype) -> None:
+    """Skip (with the probe's reason) where this CPU's oneDNN does not run the blocked ``dtype`` linear."""
+    why = cpu_capabilities().onednn_linear.get({torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype], "")
+    if why:
+        pytest.skip(f"this CPU's fast path is not there: {why}")

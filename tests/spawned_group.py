@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import sys
 import time
 import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -122,3 +124,48 @@ def delay_later_rows(seconds: float) -> Callable[[], None]:
 
     BuiltinEngine.generate = generate
     return lambda: setattr(BuiltinEngine, "generate", original)
+
+
+# A kernel's own words for "this CPU lacks the instruction set" (oneDNN: "bf16 path needs the cpu support
+# avx_ne_convert or avx512bw, avx512vl and avx512dq"). scalerl probes before it takes such a path
+# (`scalerl.core.cpu_capabilities`), so none should reach a test; if one does, it costs its case, not the group.
+_MISSING_CPU_FEATURE = re.compile(r"needs the cpu support|not supported on (this|the current) (cpu|machine|hardware)"
+                                  r"|illegal instruction", re.IGNORECASE)
+UNSUPPORTED = "UNSUPPORTED_ON_THIS_CPU"
+
+
+def missing_cpu_feature(error: BaseException) -> str | None:
+    """The message of ``error`` (or of an error it wraps) where it says the CPU lacks a feature, else None."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if _MISSING_CPU_FEATURE.search(str(seen)):
+            return f"{type(seen).__name__}: {str(seen).strip().splitlines()[0]}"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def run_case(out: str | os.PathLike, case: Callable[[], Any]) -> Any:
+    """In a spawned rank: ``case()``, one of a group's several runs writing into ``out``. A case that fails
+    because this CPU lacks a feature leaves ``out/UNSUPPORTED_ON_THIS_CPU`` (the reason) and the group goes on
+    to its next case, so the tests of the other cases still run; its own tests skip (`skip_if_unsupported`).
+    Any other failure fails the group as before. (Every rank of a group shares this machine's CPU, so they
+    meet such an error alike.)"""
+    try:
+        return case()
+    except Exception as error:
+        why = missing_cpu_feature(error)
+        if why is None:
+            raise
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / UNSUPPORTED).write_text(why)
+        print(f"spawned_group: case {Path(out).name} skipped: {why}", file=sys.stderr)
+        return None
+
+
+def skip_if_unsupported(run_dir: str | os.PathLike) -> None:
+    """Skip the calling test, with the reason, where the group's case for ``run_dir`` met a missing CPU feature."""
+    import pytest
+
+    marker = Path(run_dir) / UNSUPPORTED
+    if marker.exists():
+        pytest.skip(f"case {Path(run_dir).name} needs what this CPU lacks: {marker.read_text()}")

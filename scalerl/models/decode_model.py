@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scalerl.core.cpu_capabilities import cpu_capabilities
 from scalerl.models.decoder import SwiGLU, attention_mask_4d, position_ids_from_mask, sliding_window_view
 from scalerl.models.kv_cache import KVCache
 from scalerl.models.lora import LoRALinear
@@ -72,22 +73,30 @@ def _weight_and_bias(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | No
 # fp32 is faster up to 256 x 256 at any row count and ties at 512 x 256 (`benchmarks/generation.py
 # --linear-layouts`, docs/performance.md), so fp32 matrices up to FP32_PLAIN_MAX elements stay plain (the tiny model's
 # all, the small model's q/k/v, o and LM head). The row count the blocked layout is tuned for; other counts
-# run as fast.
+# run as fast. The layout is used only where this CPU runs it (`cpu_capabilities`, probed once per process):
+# on a CPU without AVX-512 or AVX-NE-CONVERT oneDNN has no bf16 reorder, and bf16 weights stay plain.
 PACK_ROWS = 16
 FP32_PLAIN_MAX = 512 * 256
-ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def blocked_layout(weight: torch.Tensor) -> bool:
+    """Whether `PackedLinear` lays ``weight`` out in oneDNN's blocked format: on a CPU whose oneDNN runs that
+    dtype's kernel, for bf16 weights and fp32 ones over FP32_PLAIN_MAX elements."""
+    if weight.device.type != "cpu" or not (
+            weight.dtype == torch.bfloat16 or (weight.dtype == torch.float32 and weight.numel() > FP32_PLAIN_MAX)):
+        return False
+    return cpu_capabilities().onednn_blocked(weight.dtype)
 
 
 class PackedLinear:
-    """One weight matrix (and bias) laid out for the kernel that reads it: oneDNN's blocked format on CPU
-    (but small fp32 matrices, see FP32_PLAIN_MAX), the plain tensor elsewhere (GPUs' matmuls read the plain
-    one at full speed)."""
+    """One weight matrix (and bias) laid out for the kernel that reads it: oneDNN's blocked format on a CPU
+    that runs it (`blocked_layout`), the plain tensor elsewhere (GPUs' matmuls read the plain one at full
+    speed, and so does any CPU torch supports)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocked: bool = True):
         self.nbytes = weight.numel() * weight.element_size()
         self.bias = bias
-        self.onednn = blocked and ONEDNN_LINEAR and weight.device.type == "cpu" and (
-            weight.dtype == torch.bfloat16 or (weight.dtype == torch.float32 and weight.numel() > FP32_PLAIN_MAX))
+        self.onednn = blocked and blocked_layout(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if self.onednn else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
+from scalerl.core.cpu_capabilities import BF16_MATMUL_FLAGS, cpu_capabilities, isa_level, mask_flags, read_cpuinfo
 from scalerl.models.config import ModelConfig
 from scalerl.perf.flops import device_peak_flops
 
-CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # AMX tiles first: the faster of the two where both are there
+CPU_BF16_FLAGS = BF16_MATMUL_FLAGS  # AMX tiles first: the faster of the two where both are there
 PROBE_ROWS = 512  # about one micro-batch of tokens
 # auto picks bf16 at this probe ratio or more: the matmuls are about half a small model's step, the rest
 # (norms, softmax, the optimizer) does not speed up, so below ~1.5x the step gains little or loses.
@@ -34,17 +35,12 @@ AUTO_MIN_SPEEDUP = 1.5
 AUTO_MIN_MLP_FLOPS = 1e7
 
 
-def cpu_bf16_features(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
-    """The bf16 instruction sets among the CPU's flags (empty where none or where /proc/cpuinfo is absent)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return []
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-            break
+def cpu_bf16_features(cpuinfo: str | Path | None = None) -> list[str]:
+    """The bf16 matmul instruction sets this CPU has as scalerl sees it (`cpu_capabilities`: masked by
+    ``SCALERL_CPU_ISA``); ``cpuinfo`` reads another /proc/cpuinfo (empty where it is absent)."""
+    if cpuinfo is None:
+        return list(cpu_capabilities().bf16_matmul)
+    flags = mask_flags(read_cpuinfo(cpuinfo)[1], isa_level())
     return [f for f in CPU_BF16_FLAGS if f in flags]
 
 
@@ -91,6 +87,7 @@ class PrecisionChoice:
     probe_shape: tuple[int, int, int] | None = None
     bf16_pays: bool | None = None  # whether auto's rule holds for this model here (None: not judged)
     requested: str = ""  # trainer.precision as configured ("auto" before it was resolved)
+    slow: str = ""  # why the configured precision runs slower than fp32 here ("" where it does not)
 
     def health_context(self) -> dict:
         """The doctor's ``compute/precision`` inputs (`scalerl.health.compute_rules.unused_bf16`)."""
@@ -136,6 +133,10 @@ def _choose_precision(requested: str, device: torch.device, model: ModelConfig, 
         return PrecisionChoice(requested, "as configured", hardware, ratio)
     if not hardware or not probe or requested not in ("auto", "fp32"):
         if requested != "auto":
+            slow = cpu_capabilities().slow_precision_reason(requested) if device.type == "cpu" else ""
+            if slow:  # it runs (autocast converts per call), but the user is told once, at start
+                return PrecisionChoice(requested, f"as configured, but {slow}; trainer.precision=fp32 (or auto) "
+                                       "is faster on this machine", hardware, slow=slow)
             return PrecisionChoice(requested, "as configured", hardware)
         return PrecisionChoice("fp32", f"no bf16 matmul hardware on this {device.type}", hardware)
     shape = (PROBE_ROWS, model.hidden_size, model.intermediate_size)

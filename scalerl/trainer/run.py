@@ -163,6 +163,8 @@ class TrainingRun:
             say(self.dist, f"trainer.precision=auto: {self.precision_choice.precision} "
                            f"({self.precision_choice.reason})")
             t.precision = self.precision_choice.precision
+        elif self.precision_choice.slow:
+            say(self.dist, f"trainer.precision={t.precision}: {self.precision_choice.reason}")
         self.autocast = Autocast(t.precision, self.device)
         return model
 

@@ -105,7 +105,7 @@ def test_an_optimizer_step_is_seen_by_the_next_generation():
     assert torch.equal(after.response_ids, ref.response_ids) and not torch.equal(after.logprobs, before.logprobs)
 
 
-def test_bf16_decoding_computes_what_a_bf16_autocast_forward_does():
+def test_bf16_decoding_computes_what_a_bf16_autocast_forward_does(cpu_isa):
     model = _model({})
     engine = BuiltinEngine(model, PAD, dtype=torch.bfloat16)
     out = engine.generate(_prompts(), SAMPLINGS[0])
@@ -125,16 +125,46 @@ def test_bf16_decoding_computes_what_a_bf16_autocast_forward_does():
     assert per_precision[True].max() < 0.05 and per_precision[True].mean() < per_precision[False].mean()
 
 
-def test_small_fp32_matrices_stay_plain_and_the_rest_take_the_blocked_layout():
-    from scalerl.models.decode_model import FP32_PLAIN_MAX, ONEDNN_LINEAR
+def test_small_fp32_matrices_stay_plain_and_the_rest_take_the_blocked_layout_where_the_cpu_runs_it(cpu_isa):
+    from scalerl.models.decode_model import FP32_PLAIN_MAX
 
     model = build_model(ModelConfig(**{**BASE, "hidden_size": 128, "intermediate_size": 1100, "head_dim": 32}),
                         seed=0).eval()
     fp32, bf16 = DecodeModel(model).layers[0], DecodeModel(model, torch.bfloat16).layers[0]
     assert fp32.o.weight.numel() <= FP32_PLAIN_MAX and not fp32.o.onednn and not fp32.o.weight.is_mkldnn
-    assert fp32.gate_up.weight.numel() > FP32_PLAIN_MAX and fp32.gate_up.onednn == ONEDNN_LINEAR
-    assert bf16.o.onednn == bf16.gate_up.onednn == ONEDNN_LINEAR
+    assert fp32.gate_up.weight.numel() > FP32_PLAIN_MAX
+    assert fp32.gate_up.onednn == fp32.gate_up.weight.is_mkldnn == cpu_isa.onednn_blocked(torch.float32)
+    assert bf16.o.onednn == bf16.gate_up.onednn == bf16.gate_up.weight.is_mkldnn == cpu_isa.onednn_blocked(torch.bfloat16)
+    if cpu_isa.level == "default":  # the fallback: plain tensors whatever the CPU has
+        assert not any(m.onednn for m in (fp32.gate_up, bf16.o, bf16.gate_up, bf16.down))
     _assert_same_generation(model, SAMPLINGS[2])  # plain and blocked matrices in one step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_blocked_layout_computes_what_the_plain_fallback_does(dtype, monkeypatch):
+    """Where the CPU has the fast path, its products and generation match the fallback's (forced by the switch)."""
+    from tests.conftest import needs_onednn_blocked
+
+    needs_onednn_blocked(dtype)
+    model = build_model(ModelConfig(**{**BASE, "hidden_size": 128, "intermediate_size": 1100, "head_dim": 32}),
+                        seed=0).eval()
+    fast = DecodeModel(model, dtype)
+    monkeypatch.setenv("SCALERL_CPU_ISA", "default")
+    plain = DecodeModel(model, dtype)
+    assert fast.layers[0].gate_up.onednn and not plain.layers[0].gate_up.onednn
+    generator = torch.Generator().manual_seed(0)
+    for name in ("gate_up", "down"):
+        blocked, flat = getattr(fast.layers[0], name), getattr(plain.layers[0], name)
+        x = torch.randn(16, flat.weight.shape[1], generator=generator).to(dtype)
+        torch.testing.assert_close(blocked(x).float(), flat(x).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+    sampling = SAMPLINGS[2]
+    outs = []
+    for level in ("native", "default"):
+        monkeypatch.setenv("SCALERL_CPU_ISA", level)
+        outs.append(BuiltinEngine(model, PAD, dtype=dtype).generate(_prompts(), sampling))
+    assert torch.equal(outs[0].response_ids, outs[1].response_ids)
+    assert (outs[0].logprobs - outs[1].logprobs).abs().max().item() <= (0.05 if dtype == torch.bfloat16 else 1e-5)
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidd
                    num_attention_heads=4, num_key_value_heads=2)  # the tests' run model: 2 MFLOP
 
 
-def test_cpu_flags_name_the_bf16_instruction_sets(tmp_path):
+def test_cpu_flags_name_the_bf16_instruction_sets(tmp_path, monkeypatch):
+    monkeypatch.setenv("SCALERL_CPU_ISA", "native")
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile amx_bf16\n\n"
                     "processor\t: 1\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile amx_bf16\n")
@@ -31,6 +32,21 @@ def test_cpu_flags_name_the_bf16_instruction_sets(tmp_path):
     info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
     assert cpu_bf16_features(info) == []
     assert cpu_bf16_features(tmp_path / "absent") == []
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    monkeypatch.setenv("SCALERL_CPU_ISA", "avx2")  # the switch: as an AVX2 CPU would, whatever this one has
+    assert cpu_bf16_features(info) == [] and cpu_bf16_features() == []
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_runs_and_says_it_is_slower(monkeypatch):
+    """Requested bf16 is kept (it runs: autocast converts per call), with the reason said once at start;
+    an fp32 run, or auto, is not warned."""
+    monkeypatch.setenv("SCALERL_CPU_ISA", "avx2")
+    choice = choose_precision("bf16", CPU, MODEL)
+    assert choice.precision == "bf16" and choice.slow and choice.hardware == ""
+    assert "no bf16 matmul instructions" in choice.reason and "trainer.precision=fp32 (or auto)" in choice.reason
+    assert not choose_precision("fp32", CPU, MODEL).slow
+    auto = choose_precision("auto", CPU, MODEL)
+    assert auto.precision == "fp32" and not auto.slow and "no bf16 matmul hardware" in auto.reason
 
 
 def test_auto_is_fp32_without_bf16_hardware(monkeypatch):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from scalerl.rollout.engine import GenerationOutput
 from scalerl.rollout.sources import token_split
-from tests.spawned_group import die_at_generate, run_in_group
+from tests.spawned_group import die_at_generate, run_case, run_in_group, skip_if_unsupported
 from tests.tiny import tiny_overrides
 
 BASE = tiny_overrides("data.num_train=64", "actor.ppo_micro_batch_size=8", "actor.lr=1e-3",
@@ -60,7 +60,8 @@ def _train(out: str, extra: list[str]):
     from scalerl.core.config import load_config
     from scalerl.trainer.rl_trainer import train
 
-    return train(load_config(None, [*BASE, *extra, f"trainer.output_dir={out}"])).get("final_model")
+    result = run_case(out, lambda: train(load_config(None, [*BASE, *extra, f"trainer.output_dir={out}"])))
+    return None if result is None else result.get("final_model")
 
 
 def _world2_runs(rank: int, out: str) -> None:
@@ -113,10 +114,12 @@ def runs(tmp_path_factory):
 
 
 def _metrics(run: Path) -> list[dict]:
+    skip_if_unsupported(run)
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] > 0]
 
 
 def _weights(run: Path) -> dict:
+    skip_if_unsupported(run)
     return load_file(str(run / "final" / "model.safetensors"))
 
 

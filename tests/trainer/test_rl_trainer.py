@@ -185,6 +185,20 @@ def test_precision_auto_is_chosen_at_start_said_and_written_back(tiny_config, le
     assert trainer.monitor.context["bf16_over_fp32"] == speedup  # the doctor's compute/precision evidence
 
 
+def test_bf16_on_a_cpu_without_bf16_instructions_trains_and_says_so_once(tiny_config, length_reward, capsys,
+                                                                       monkeypatch):
+    """With the CPU's bf16 paths switched off (as on an AVX2-only CPU), trainer.precision=bf16 trains, its
+    engine decodes on plain bf16 weights, and one line at start says it is slower than fp32 here and why."""
+    monkeypatch.setenv("SCALERL_CPU_ISA", "avx2")
+    trainer = RLTrainer.from_config(tiny_config("trainer.precision=bf16", "trainer.total_steps=1", length_reward))
+    said = capsys.readouterr().out
+    assert said.count("trainer.precision=bf16: as configured, but this CPU") == 1
+    assert "no bf16 matmul instructions" in said and "SCALERL_CPU_ISA=avx2" in said
+    trainer.fit()
+    layer = trainer.engine.decode_model.layers[0]
+    assert layer.gate_up.weight.dtype == torch.bfloat16 and not layer.gate_up.onednn
+
+
 def test_standalone_evaluation_decodes_the_weights_the_optimizer_wrote():
     """Standalone, no weight sync refreshes the trainer's own engine, and fused optimizer updates leave no
     trace its stale check sees: evaluation must lay the current weights out itself (it decoded the first

@@ -19,7 +19,7 @@ from scalerl.rollout.engine import GenerationOutput, SamplingParams
 from scalerl.trainer.forward_passes import response_logprobs
 from scalerl.trainer.run_checks import check_rl_layout
 from scalerl.trainer.streamed_step import StreamedStep
-from tests.spawned_group import delay_later_rows, die_at_generate, run_in_group
+from tests.spawned_group import delay_later_rows, die_at_generate, run_case, run_in_group, skip_if_unsupported
 from tests.tiny import TINY, tiny_model, tiny_overrides
 
 
@@ -139,15 +139,17 @@ def _runs(rank: int, out: str) -> None:
 
     for name, extra in RUNS.items():
         for streamed in (False, True):
+            run = f"{out}/{name}_{'streamed' if streamed else 'whole'}"
             cfg = load_config(None, [*BASE, *extra, f"rollout.stream_groups={str(streamed).lower()}",
-                                     f"trainer.output_dir={out}/{name}_{'streamed' if streamed else 'whole'}"])
-            train(cfg)
+                                     f"trainer.output_dir={run}"])
+            run_case(run, lambda: train(cfg))
     undo = delay_later_rows(0.5) if rank != 0 else (lambda: None)
     for name, extra in UPDATE_RUNS.items():
         for streamed in (False, True):
+            run = f"{out}/{name}_{'streamed' if streamed else 'whole'}"
             cfg = load_config(None, [*BASE, *UPDATE_STREAMS, *extra, f"rollout.stream_groups={str(streamed).lower()}",
-                                     f"trainer.output_dir={out}/{name}_{'streamed' if streamed else 'whole'}"])
-            train(cfg)
+                                     f"trainer.output_dir={run}"])
+            run_case(run, lambda: train(cfg))
     undo()
     # Last, as it leaves the group one rank short: worker rank 2 dies inside its second generation (step 2)
     # while the trainer waits for whichever part comes first.
@@ -165,6 +167,7 @@ def runs(tmp_path_factory):
 
 
 def _metrics(run: Path) -> list[dict]:
+    skip_if_unsupported(run)
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] > 0]
 
 
@@ -273,8 +276,10 @@ def _dp_runs(rank: int, out: str) -> None:
         delay_later_rows(0.5)
     for name, extra in DP_RUNS.items():
         for streamed in (False, True):
-            train(load_config(None, [*BASE, *extra, f"rollout.stream_groups={str(streamed).lower()}",
-                                     f"trainer.output_dir={out}/{name}_{'streamed' if streamed else 'whole'}"]))
+            run = f"{out}/{name}_{'streamed' if streamed else 'whole'}"
+            cfg = load_config(None, [*BASE, *extra, f"rollout.stream_groups={str(streamed).lower()}",
+                                     f"trainer.output_dir={run}"])
+            run_case(run, lambda: train(cfg))
 
 
 @pytest.fixture(scope="module")
