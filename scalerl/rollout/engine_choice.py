@@ -19,14 +19,16 @@ counts.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from scalerl.rollout.vllm_engine import MIN_CPU_HEAD_DIM
+
 # Between the sizes measured: the small model (4 layers, hidden 256: built-in faster) and the 0.5B shape
 # (vLLM faster at batch 16 and 64).
 VLLM_MIN_PARAMETERS = 100_000_000
-MIN_CPU_HEAD_DIM = 32  # vLLM's CPU attention: "Unsupported CPU attention configuration: head_dim=16"
 # On CPU, generated tokens per step (per engine) below which vLLM's per-step weight load costs more than its
 # faster decoding saves. Measured (docs/performance.md): the load 51-65 ns per parameter above the built-in
 # engine's sync (benchmarks/generation_vllm.py --grpo), the decoding saving 13-44 ps per parameter and token
@@ -70,8 +72,26 @@ def choose_engine(model: torch.nn.Module, placement: str, trainer_ranks: int,
     return "vllm", f"{parameters / 1e6:.0f}M parameters >= {VLLM_MIN_PARAMETERS / 1e6:.0f}M{more}: vLLM's kernels win"
 
 
-def resolve_engine(cfg: Any, model: torch.nn.Module, trainer_ranks: int) -> str:
-    """``rollout.engine`` with ``auto`` decided (the trainer and every rollout worker decide alike)."""
-    if cfg.rollout.engine != "auto":
-        return cfg.rollout.engine
-    return choose_engine(model, cfg.rollout.placement, trainer_ranks, generated_tokens_per_engine(cfg))[0]
+@dataclass(frozen=True)
+class EngineChoice:
+    """The engine a run generates with: ``rollout.engine`` as configured, ``auto`` decided, and why."""
+
+    name: str  # "builtin" | "vllm"
+    why: str
+    configured: str  # rollout.engine as written ("auto" where decided here)
+
+    @property
+    def decided(self) -> bool:
+        return self.configured == "auto"
+
+
+def decide_engine(cfg: Any, model: torch.nn.Module, world_size: int) -> EngineChoice:
+    """The one decision of ``rollout.engine`` for a run: the trainer (for its engine and for
+    ``trainer.precision=auto``'s reasoning) and every standalone worker call it with the same inputs (the
+    config, the model as loaded, the world's size: colocated, every rank is a trainer rank), so they cannot
+    differ. The answer is kept where it is used, never written back into the config."""
+    configured = cfg.rollout.engine
+    if configured != "auto":
+        return EngineChoice(configured, "as configured", configured)
+    name, why = choose_engine(model, cfg.rollout.placement, world_size, generated_tokens_per_engine(cfg))
+    return EngineChoice(name, why, configured)

@@ -150,7 +150,7 @@ def workers_compute_dtype(rollout_dtype: str, precision: str) -> torch.dtype:
 
 class StandaloneRollouts:
     def __init__(self, policy: ModelParts, ctx: DistContext, pad_token_id: int, rollout_cfg, weight_sync_cfg,
-                 precision: str = "fp32", training_dtype: torch.dtype | None = torch.float32):
+                 precision: str = "fp32", training_dtype: torch.dtype | None = torch.float32, engine: str = "builtin"):
         self.policy, self.ctx, self.pad_token_id = policy, ctx, pad_token_id
         self.dtype, self.staleness = ROLLOUT_DTYPES[rollout_cfg.dtype], rollout_cfg.staleness
         # ``precision`` as configured (the workers read it so); ``training_dtype``: the compute dtype of the
@@ -158,7 +158,7 @@ class StandaloneRollouts:
         self.compute_dtype, self.training_dtype = workers_compute_dtype(rollout_cfg.dtype, precision), training_dtype
         self.behavior_logprobs = rollout_cfg.stale_logprobs == "behavior"
         self.group_size = rollout_cfg.n  # a step's parts are whole groups of n samples (`token_split`)
-        self.exact_engine = getattr(rollout_cfg, "engine", "builtin") == "builtin"  # vLLM's kernels differ
+        self.exact_engine = engine == "builtin"  # the workers' engine (`decide_engine`); vLLM's kernels differ
         self.driver = WorkerDriver(ctx) if ctx.rank == 0 else None  # rank 0 talks to the workers
         push = PushToWorkers.from_config(policy, ctx, self.driver, rollout_cfg.dtype, weight_sync_cfg)
         # At staleness 0 the next step's generation needs the new weights: the push is on the critical path

@@ -20,7 +20,6 @@ from scalerl.comm.weights.sender import ROLLOUT_DTYPES
 from scalerl.core.errors import UserError
 from scalerl.models.hf_checkpoint import save_pretrained
 from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
-from scalerl.rollout.engine_choice import MIN_CPU_HEAD_DIM
 from scalerl.rollout.vllm_weight_loading import (
     STAGE_DIR,
     layer_groups,
@@ -29,6 +28,8 @@ from scalerl.rollout.vllm_weight_loading import (
     tensors_checksum,
     weight_buckets,
 )
+
+MIN_CPU_HEAD_DIM = 32  # vLLM's CPU attention: "Unsupported CPU attention configuration: head_dim=16"
 
 
 class VLLMNotAvailable(UserError, ImportError):

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from scalerl.comm.weights.channel import serve_broadcast
 from scalerl.comm.weights.sender import ROLLOUT_DTYPES
@@ -48,7 +49,7 @@ from scalerl.models.lora import apply_lora_from_config
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.continuous_engine import GenerationRequest, RequestOutput
 from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
-from scalerl.rollout.engine_choice import resolve_engine
+from scalerl.rollout.engine_choice import decide_engine
 from scalerl.rollout.messages import MAX_PENDING_SENDS, PendingSend, isend_tensors, recv_tensors
 from scalerl.rollout.sources import workers_compute_dtype
 from scalerl.rollout.weight_loading import engine_weight_receiver
@@ -122,14 +123,15 @@ class BuiltinStreamingEngine:
         getattr(self.continuous, "refresh_weights", lambda: None)()
 
 
-def streaming_engine(cfg: Any, model: torch.nn.Module, pad_token_id: int, scratch_dir: Path) -> StreamingEngine:
+def streaming_engine(cfg: Any, model: torch.nn.Module, pad_token_id: int, scratch_dir: Path,
+                     engine: str = "builtin") -> StreamingEngine:
     """The streaming engine of a ``rollout.partial=true`` worker: the built-in continuous-batching engine, or
     with rollout.engine=vllm, vLLM's asynchronous engine (`scalerl.rollout.vllm_async_engine`) started on
     ``trainer.init_from`` / ``model.path`` or ``model``'s weights saved under ``scratch_dir``. Up to
     ``rollout.max_num_seqs`` rows decode at once (0: one step's rows, trainer.batch_size x rollout.n)."""
     r = cfg.rollout
     rows = r.max_num_seqs or cfg.trainer.batch_size * r.n
-    if resolve_engine(cfg, model, trainer_ranks=1) == "vllm":
+    if engine == "vllm":
         try:
             from scalerl.rollout.vllm_async_engine import streaming_vllm_engine
         except ImportError as e:
@@ -223,12 +225,15 @@ class RolloutWorker:
         # The trainer's adapted modules, so pushes of its adapters land by name (`synced_tensors`).
         apply_lora_from_config(model, cfg.model.lora, cfg.trainer.seed)
         self.model = model.to(ROLLOUT_DTYPES[cfg.rollout.dtype]).eval().requires_grad_(False)
+        # rollout.engine=auto decided as the trainer decides it (`decide_engine`: the same inputs)
+        self.engine_choice = decide_engine(cfg, model, dist.get_world_size() if dist.is_initialized() else 1)
         self.scratch = None
         self.partial = bool(getattr(cfg.rollout, "partial", False))
         if self.partial:
             self.scratch = tempfile.TemporaryDirectory(prefix="scalerl_stream_worker_")
-            self.engine = streaming_engine(cfg, self.model, tokenizer.pad_token_id, Path(self.scratch.name))
-        elif resolve_engine(cfg, model, trainer_ranks=1) == "vllm":
+            self.engine = streaming_engine(cfg, self.model, tokenizer.pad_token_id, Path(self.scratch.name),
+                                           self.engine_choice.name)
+        elif self.engine_choice.name == "vllm":
             # vLLM holds its own copy, fed through the shadow copy of `engine_weight_receiver`; the first push
             # (and the first after a restart, when this worker reports no verified version) is a full one.
             from scalerl.rollout.vllm_engine import vllm_engine_from_config

@@ -47,7 +47,7 @@ from scalerl.perf.timing import StepTimer
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
-from scalerl.rollout.engine_choice import choose_engine, generated_tokens_per_engine
+from scalerl.rollout.engine_choice import decide_engine
 from scalerl.rollout.sources import (
     ColocatedRollouts,
     StandaloneRollouts,
@@ -139,15 +139,14 @@ class RLTrainer(TrainingRun):
         self.reward = reward_from_config(cfg.data, self.device)
         self.reward.last_good_checkpoint = lambda: last_good_checkpoint(self.checkpoint_root)
         self.reward_extra_names: set[str] = set()
-        if r.engine == "auto":  # decided once, from the model; standalone workers decide alike
-            r.engine, why = choose_engine(model, r.placement, ctx.world_size, generated_tokens_per_engine(cfg))
-            if ctx.is_main:
-                print(f"rollout.engine=auto: {r.engine} ({why})", flush=True)
+        if self.engine_choice.decided and ctx.is_main:
+            print(f"rollout.engine=auto: {self.engine_choice.name} ({self.engine_choice.why})", flush=True)
         self.engine = self._build_engine()  # generates when colocated, evaluates always
         if r.placement == "standalone":
             self.rollouts = StandaloneRollouts(self.policy, ctx, self.tokenizer.pad_token_id, r, cfg.weight_sync,
                                                self.precision_choice.requested, self.engine.compute_dtype
-                                               if self.engine.logprobs_match_training_forward else None)
+                                               if self.engine.logprobs_match_training_forward else None,
+                                               self.engine_choice.name)
         else:
             self.rollouts = ColocatedRollouts(self.engine, self.policy, ctx)
         # Steps drawn and sent ahead (rollout.staleness), each with the stream's state from before its draw.
@@ -232,13 +231,18 @@ class RLTrainer(TrainingRun):
             return "actor.ppo_mini_batch_size is the whole batch (one optimizer step per step)"
         return None
 
+    def model_loaded(self, model) -> None:
+        # rollout.engine, decided once (auto: from the model as loaded); the workers decide alike, with the
+        # same inputs. Read by the precision rule (`bf16_recompute_reason`), the engine and the sources.
+        self.engine_choice = decide_engine(self.cfg, model, self.dist.world_size)
+
     def bf16_recompute_reason(self, model) -> str | None:
         """Where the built-in engine would not decode by the bf16 training forward's recipe
         (`scalerl.rollout.builtin_engine.logprobs_match_forward`), so bf16 would add a log-prob pass."""
         r, dims = self.cfg.rollout, self.dist.dims
         if self.device.type != "cpu":
             return None  # CUDA: auto goes by the tensor cores (the recompute is cheap beside them)
-        engine = choose_engine(model, r.placement, self.dist.world_size)[0] if r.engine == "auto" else r.engine
+        engine = self.engine_choice.name
         if engine != "builtin":
             return f"rollout.engine={engine} generates in its own numerics"
         if r.placement == "standalone":
@@ -254,7 +258,7 @@ class RLTrainer(TrainingRun):
         """The engine the trainer's ranks generate with (colocated) and evaluate with. Standalone, the workers
         run ``rollout.engine`` and the trainer evaluates with the built-in one."""
         r = self.cfg.rollout
-        if r.engine == "builtin" or r.placement == "standalone":
+        if self.engine_choice.name == "builtin" or r.placement == "standalone":
             return BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=self.dist.all_finished,
                                  max_num_seqs=r.max_num_seqs,
                                  dtype=compute_dtype(self.autocast.precision, getattr(torch, self.cfg.model.dtype)))

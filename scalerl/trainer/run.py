@@ -156,6 +156,7 @@ class TrainingRun:
                                                          on_meta=self.weights_source is not None)
         apply_lora_from_config(model, self.cfg.model.lora, t.seed)  # before any copy or layout of the policy
         self.model_config = model.config
+        self.model_loaded(model)
         # trainer.precision=auto is resolved here, once, and written back: every later reader sees bf16 or fp32.
         self.precision_choice = choose_precision(t.precision, self.device, model.config, agree=self._min_over_ranks,
                                                  recompute_under_bf16=self.bf16_recompute_reason(model))
@@ -167,6 +168,9 @@ class TrainingRun:
             say(self.dist, f"trainer.precision={t.precision}: {self.precision_choice.reason}")
         self.autocast = Autocast(t.precision, self.device)
         return model
+
+    def model_loaded(self, model: nn.Module) -> None:
+        """Decisions a trainer makes from the model as loaded, before the precision is chosen (RL: the engine)."""
 
     def bf16_recompute_reason(self, model: nn.Module) -> str | None:
         """Why a bf16 run would recompute the rollout's log-probs with fp32 generation (None: it would not,

@@ -1,6 +1,7 @@
 """rollout.engine=auto: the rule and its reasons (vLLM's presence simulated either way)."""
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from scalerl.rollout.engine_choice import (
     VLLM_MIN_PARAMETERS,
     choose_engine,
     generated_tokens_per_engine,
-    resolve_engine,
+    decide_engine,
 )
 
 
@@ -66,12 +67,16 @@ def test_tokens_per_engine_from_the_config_trainer_and_workers_decide_alike(vllm
             "rollout.engine=auto"]
     cfg = load_config(None, [*rows, f"rollout.max_new_tokens={VLLM_CPU_MIN_TOKENS_PER_STEP // 32}"])
     assert generated_tokens_per_engine(cfg) == VLLM_CPU_MIN_TOKENS_PER_STEP
-    assert resolve_engine(cfg, Big(), trainer_ranks=1) == "vllm"
+    choice = decide_engine(cfg, Big(), world_size=1)
+    assert choice.name == "vllm" and choice.decided and "tokens per step per engine" in choice.why
     two_workers = load_config(None, [*rows, f"rollout.max_new_tokens={VLLM_CPU_MIN_TOKENS_PER_STEP // 32}",
                                      "rollout.placement=standalone", "rollout.workers=2"])
     assert generated_tokens_per_engine(two_workers) == VLLM_CPU_MIN_TOKENS_PER_STEP // 2  # each worker half
-    assert resolve_engine(two_workers, Big(), trainer_ranks=1) == "builtin"
-    assert resolve_engine(load_config(None, ["rollout.engine=vllm"]), Big(), 1) == "vllm"  # explicit: as given
+    # standalone: the trainer and each worker ask with the same inputs (the world's size counts only colocated)
+    assert decide_engine(two_workers, Big(), world_size=3) == decide_engine(two_workers, Big(), world_size=3)
+    assert decide_engine(two_workers, Big(), world_size=3).name == "builtin"
+    explicit = decide_engine(load_config(None, ["rollout.engine=vllm"]), Big(), 1)  # explicit: as given
+    assert explicit.name == "vllm" and not explicit.decided and explicit.why == "as configured"
 
 
 def test_auto_without_vllm(monkeypatch):
@@ -81,11 +86,15 @@ def test_auto_without_vllm(monkeypatch):
 
 def test_auto_in_a_run_picks_and_says(tiny_config, capsys):
     from scalerl.core.config import load_config
+    from scalerl.rollout.builtin_engine import BuiltinEngine
     from scalerl.trainer.rl_trainer import RLTrainer
 
     trainer = RLTrainer.from_config(load_config(None, ["rollout.engine=auto", "trainer.total_steps=1",
                                                        f"trainer.output_dir={tiny_config}"]))
-    assert trainer.cfg.rollout.engine == "builtin"
+    # the decision is a field of the trainer, used by its engine, its sources and the precision rule; the
+    # config keeps what the user wrote
+    assert trainer.engine_choice.name == "builtin" and trainer.cfg.rollout.engine == "auto"
+    assert isinstance(trainer.engine, BuiltinEngine)
     assert "rollout.engine=auto: builtin (" in capsys.readouterr().out
     trainer.close()
 
@@ -114,3 +123,29 @@ def test_vllm_tensor_parallel_refused_where_it_cannot_run(tmp_path, monkeypatch)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(UserError, match="more than the 1 GPUs visible"):
         VLLMEngine(str(tmp_path / "vllm_initial_weights"), 0, tensor_parallel_size=2)
+
+
+def test_the_trainer_the_precision_rule_and_the_workers_take_one_decision(vllm_installed, monkeypatch, tmp_path):
+    """`decide_engine` is asked once by the trainer (before trainer.precision=auto reasons about the engine)
+    and its answer is what the precision rule, the engine built and the sources see; a worker asks with the
+    same inputs and gets the same answer."""
+    from scalerl.core.config import load_config
+    from scalerl.trainer import rl_trainer
+    from scalerl.trainer.rl_trainer import RLTrainer
+
+    asked = []
+
+    def decide(cfg, model, world_size):  # vLLM for this run, whatever the model: the rule is tested above
+        asked.append((cfg.rollout.engine, world_size))
+        return engine_choice.EngineChoice("vllm", "test", cfg.rollout.engine)
+
+    monkeypatch.setattr(rl_trainer, "decide_engine", decide)
+    cfg = load_config(None, ["rollout.engine=auto", "rollout.placement=standalone", "trainer.total_steps=1",
+                             f"trainer.output_dir={tmp_path}"])
+    trainer = RLTrainer.__new__(RLTrainer)  # only the decisions, not a run
+    trainer.cfg, trainer.dist = cfg, SimpleNamespace(world_size=1, dims=SimpleNamespace(dp_shard=1, tp=1, pp=1))
+    trainer.device = torch.device("cpu")
+    trainer.model_loaded(torch.nn.Linear(2, 2))
+    assert asked == [("auto", 1)] and trainer.engine_choice.name == "vllm"
+    assert trainer.bf16_recompute_reason(torch.nn.Linear(2, 2)) == "rollout.engine=vllm generates in its own numerics"
+    assert len(asked) == 1  # the precision rule read the decision, it did not decide again

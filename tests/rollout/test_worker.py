@@ -220,11 +220,11 @@ def test_the_streaming_engine_for_vllm_comes_from_its_module(tmp_path, monkeypat
     model = tiny_model()
     monkeypatch.setitem(sys.modules, "scalerl.rollout.vllm_async_engine", None)  # not importable
     with pytest.raises(UserError, match=r"rollout.partial=true with rollout.engine=vllm needs.*rollout.partial=false"):
-        streaming_engine(cfg, model, 0, tmp_path)
+        streaming_engine(cfg, model, 0, tmp_path, "vllm")
     calls = []
     fake = types.SimpleNamespace(streaming_vllm_engine=lambda *args: calls.append(args) or "engine")
     monkeypatch.setitem(sys.modules, "scalerl.rollout.vllm_async_engine", fake)
-    assert streaming_engine(cfg, model, 7, tmp_path) == "engine"
+    assert streaming_engine(cfg, model, 7, tmp_path, "vllm") == "engine"
     (given_cfg, model_dir, pad), = calls
     assert given_cfg is cfg and pad == 7 and (tmp_path / "vllm_initial_weights" / "config.json").is_file()
     assert model_dir == str(tmp_path / "vllm_initial_weights")
