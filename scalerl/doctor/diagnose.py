@@ -31,6 +31,7 @@ from scalerl.doctor.world import (
     single_world,
 )
 from scalerl.health.cluster_rules import run_cluster_rules
+from scalerl.health.hardware_rules import precision_settings
 from scalerl.health.node_rules import node_names, nodes
 from scalerl.health.step_rules import StepView, run_step_rules
 from scalerl.health.tree import NOT_MEASURED, Finding
@@ -114,7 +115,8 @@ def diagnose(options: DoctorOptions, environ: Mapping[str, str] | None = None,
         failed = Finding("communication/topology", "rendezvous", "fault", str(e), {"rank": facts["rank"]},
                          "start rank 0 first (it hosts the rendezvous) and check MASTER_ADDR / MASTER_PORT: "
                          f"{facts['master']}", (facts["rank"],))
-        report = DoctorReport(options.modes, run_cluster_rules([facts], {}) + [failed], [facts], {}, {
+        alone = run_cluster_rules([facts], {}, precision_settings(cfg)) + [failed]
+        report = DoctorReport(options.modes, alone, [facts], {}, {
             "world_size": facts["world_size"], "joined": [facts["rank"]], "missing": [], "launcher": facts["launcher"],
             "nodes": {facts["hostname"]: [facts["rank"]]}, **joined})
         if on_report is not None:
@@ -153,7 +155,8 @@ def _run_checks(world: DoctorWorld, cfg: Config, options: DoctorOptions, device:
     if world.is_main:
         # Rules on the facts (versions, interfaces, placement, devices) run in every mode: the facts come
         # with joining; bandwidth and shared paths only when the distributed check measured them.
-        cluster = run_cluster_rules(facts, {k: v for k, v in measured.items() if k != "profile"})
+        cluster = run_cluster_rules(facts, {k: v for k, v in measured.items() if k != "profile"},
+                                    precision_settings(cfg))
         report = DoctorReport(options.modes, cluster + step_findings, facts, measured, {
             "world_size": world.world_size, "joined": world.joined, "missing": world.missing,
             "nodes": nodes(facts), "launcher": facts[0].get("launcher", "single")})

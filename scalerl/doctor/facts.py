@@ -1,6 +1,8 @@
 """What one rank knows about itself without talking to the others: host, node identity, versions,
-devices, network interfaces and the one collectives will use, relevant environment, memory, free space at
-the run's paths. A plain JSON-able dict, the input of `scalerl.health.cluster_rules`."""
+devices (each GPU's compute capability and bf16 support, the CPU's instruction sets and which matmul
+precisions and oneDNN layouts it runs), network interfaces and the one collectives will use, relevant
+environment, memory, free space at the run's paths. A plain JSON-able dict, the input of
+`scalerl.health.cluster_rules`."""
 
 from __future__ import annotations
 
@@ -33,12 +35,13 @@ from scalerl.comm.net.topology import (
     detect_gpus_and_nvlink,
     detect_topology,
 )
+from scalerl.core.cpu_capabilities import ISA_SWITCH, CpuIsaError, cpu_capabilities
 from scalerl.core.rank_env import RankEnv
-from scalerl.perf.precision import cpu_bf16_features
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "TORCH_", "TORCHELASTIC_", "SLURM_", "RAY_", "OMPI_COMM_WORLD_", "PMI_",
                 "CUDA_", "OMP_")
-ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NVIDIA_VISIBLE_DEVICES")
+ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NVIDIA_VISIBLE_DEVICES",
+             ISA_SWITCH, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")  # the switches of the CPU's kernel paths
 SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|KEY|CREDENTIAL", re.IGNORECASE)  # values never leave the rank
 NVIDIA_SMI_TIMEOUT_S = 10.0
 
@@ -103,18 +106,38 @@ def gpu_driver_version() -> str | None:
 
 
 def gpus(local_rank: int) -> list[dict[str, Any]]:
-    """Visible GPUs (name, memory); free memory only on this rank's own device (querying the others would
-    create a context, and hold memory, on each)."""
+    """Visible GPUs (name, memory, compute capability, bf16); free memory only on this rank's own device
+    (querying the others would create a context, and hold memory, on each)."""
     if not torch.cuda.is_available():
         return []
     out = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        entry = {"index": i, "name": props.name, "memory_gb": props.total_memory / 2**30, "free_gb": None}
+        major, minor = torch.cuda.get_device_capability(i)
+        entry = {"index": i, "name": props.name, "memory_gb": props.total_memory / 2**30, "free_gb": None,
+                 "capability": f"{major}.{minor}", "bf16": gpu_bf16(major)}
         if i == local_rank % torch.cuda.device_count():
             entry["free_gb"] = torch.cuda.mem_get_info(i)[0] / 2**30
         out.append(entry)
     return out
+
+
+def gpu_bf16(major: int) -> bool:
+    """Whether a GPU of compute capability ``major``.x multiplies in bf16: what
+    ``torch.cuda.is_bf16_supported(including_emulation=False)`` answers for it, asked without making it the
+    current device (that would create a context there). Its default, with emulation, says yes on a T4 (7.5),
+    where bf16 runs without tensor cores or not at all in fused kernels."""
+    return bool(torch.version.hip) or major >= 8
+
+
+def cpu_facts() -> dict[str, Any]:
+    """`cpu_capabilities` as a dict (model, flags, torch dispatch level, bf16/fp16 matmul instructions,
+    oneDNN blocked linear per dtype, the ``SCALERL_CPU_ISA`` level); a switch naming no level is reported,
+    not raised, so the doctor can say so (the trainer stops on it at start)."""
+    try:
+        return cpu_capabilities().as_dict()
+    except CpuIsaError as e:
+        return {"error": str(e)}
 
 
 def host_memory() -> dict[str, float]:
@@ -188,12 +211,14 @@ def collect_rank_facts(env: RankEnv | None, paths: list[tuple[str, str]], device
     local_rank = env.local_rank if env else 0
     nvlink = detect_gpus_and_nvlink()[1] if device.type == "cuda" else "not present"
     master = f"{env.master_addr}:{env.master_port}" if env else "single process"
+    cpu = cpu_facts()
     return {
         "rank": env.rank if env else 0, "world_size": env.world_size if env else 1, "local_rank": local_rank,
         "local_world_size": env.local_world_size if env else 1, "node_rank": env.node_rank if env else 0,
         "launcher": env.launcher if env else "single", "hostname": socket.gethostname(), "node_id": node_id(),
         "pid": os.getpid(), "master": master, "device": device.type, "versions": versions(),
-        "gpus": gpus(local_rank), "nvlink": nvlink, "memory": host_memory(), "cpu_bf16": cpu_bf16_features(),
+        "gpus": gpus(local_rank), "nvlink": nvlink, "memory": host_memory(), "cpu": cpu,
+        "cpu_bf16": list(cpu.get("bf16_matmul", ())),  # = cpu["bf16_matmul"], kept for reports read before "cpu"
         "interfaces": [asdict(i) for i in topology.interfaces], "rdma_ports": [asdict(p) for p in topology.rdma_ports],
         "socket": socket_facts(topology, environ, env.master_addr if env else "127.0.0.1"),
         "env": relevant_env(environ), "paths": path_facts(paths),

@@ -1,5 +1,5 @@
-"""The report for people: the tree (rich), then the tables behind it (nodes, all-reduce sweeps, node pairs,
-per-rank phases of the profile). Colours on a terminal, plain text otherwise."""
+"""The report for people: the tree (rich), then the tables behind it (nodes, instruction sets, all-reduce
+sweeps, node pairs, per-rank phases of the profile). Colours on a terminal, plain text otherwise."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from scalerl.doctor.report import DoctorReport
+from scalerl.health.hardware_rules import cpu_of, own_gpu
 from scalerl.health.tree import FAULT, NOT_MEASURED, OK, WARNING
 
 MARK = {OK: ("ok", "green"), WARNING: ("WARNING", "yellow"), FAULT: ("FAULT", "bold red"),
@@ -64,6 +65,36 @@ def _nodes_table(report: DoctorReport) -> Table | None:
                       ", ".join(others) or "-", f.get("launcher", ""))
     for m in report.world.get("missing", []):
         table.add_row(m.get("expected_host", "?"), str(m["rank"]), "-", "-", "-", "-", "did not join")
+    return table
+
+
+def _hardware_table(report: DoctorReport) -> Table | None:
+    """One row per node and kind of hardware on it: what each rank's matmuls can run in."""
+    rows: dict[tuple, list[int]] = {}
+    names = {r: host for host, ranks in (report.world.get("nodes") or {}).items() for r in ranks}
+    for f in sorted(report.facts, key=lambda f: f["rank"]):
+        cpu, gpu = cpu_of(f), own_gpu(f)
+        if cpu is None and gpu is None:
+            continue
+        cells = [names.get(f["rank"], f.get("hostname", "?"))]
+        if cpu is None:
+            cells += [(f.get("cpu") or {}).get("error", "not reported")] + ["-"] * 6
+        else:
+            onednn = ", ".join(n for n, why in cpu.onednn_linear.items() if not why) or "none"
+            cells += [cpu.model or cpu.machine, cpu.aten, cpu.level, " ".join(cpu.flags) or "-",
+                      ", ".join(cpu.bf16_matmul) or "none", ", ".join(cpu.fp16_matmul) or "none", onednn]
+        cells.append("-" if gpu is None else f"{gpu['name']} (cc {gpu.get('capability', '?')}, bf16 "
+                                             f"{'yes' if gpu.get('bf16') else 'no' if 'bf16' in gpu else '?'})")
+        rows.setdefault(tuple(cells), []).append(f["rank"])
+    if not rows:
+        return None
+    table = Table(title="instruction sets (as scalerl's code paths see them, after SCALERL_CPU_ISA)",
+                  title_justify="left", box=None, header_style="bold")
+    for column in ("node", "ranks", "cpu", "torch dispatch", "SCALERL_CPU_ISA", "flags", "bf16 matmul",
+                   "fp16 matmul", "oneDNN blocked", "gpu"):
+        table.add_column(column)
+    for cells, ranks in rows.items():
+        table.add_row(cells[0], ",".join(map(str, ranks)), *cells[1:])
     return table
 
 
@@ -138,7 +169,7 @@ def render(report: DoctorReport, stream: TextIO | None = None) -> None:
                   f"({world.get('launcher', 'single')})")
     console.print(build_tree(report))
     bandwidth = report.measurements.get("bandwidth", {})
-    for table in (_nodes_table(report), _sweep_table(bandwidth), _pairs_table(bandwidth),
+    for table in (_nodes_table(report), _hardware_table(report), _sweep_table(bandwidth), _pairs_table(bandwidth),
                   _profile_table(report.measurements.get("profile", {}))):
         if table is not None:
             title, table.title = table.title, None  # on its own line: a title never wraps to a narrow table

@@ -9,7 +9,9 @@ monitor and `scalerl doctor` share them and tests feed them recorded measurement
   load (stragglers, token imbalance, granularity) in `compute_rules`; MoE routing in `expert_rules`; the
   rollout pipeline (trainer and worker idle time, the generation long tail) in `rollout_rules`;
 - `cluster_rules`: rules on the distributed check's facts and measurements (communication), with
-  `node_rules` (which ranks share a node and its name; devices, memory, copies, storage);
+  `node_rules` (which ranks share a node and its name; devices, memory, copies, storage) and
+  `hardware_rules` (the config's precisions against each rank's CPU instruction sets and GPU compute
+  capability; hardware that differs across ranks);
 - `wording`: findings built from the rules' data, numbers as text;
 - `monitor`: `HealthMonitor`, the online monitor the trainers run every ``trainer.monitor_every`` steps.
 """

@@ -6,7 +6,9 @@ A rank's facts (`scalerl.doctor.facts` collects them): ``rank``, ``hostname``, `
 machine and network namespace), ``node_rank``, ``local_world_size``, ``versions`` {python, torch, cuda,
 nccl, gpu_driver, scalerl}, ``device``, ``gpus`` [{name, memory_gb, free_gb}], ``memory`` {total_gb,
 available_gb}, ``socket`` {variable, value, missing, interface, kind, virtual_kind, link_local},
-``paths`` [{role, path, free_bytes}], ``copy`` {h2d_bytes_per_s, d2h_bytes_per_s} on GPUs.
+``paths`` [{role, path, free_bytes}], ``copy`` {h2d_bytes_per_s, d2h_bytes_per_s} on GPUs, ``cpu``
+(`CpuCapabilities.as_dict()`) and each GPU's ``capability`` and ``bf16``, which `hardware_rules` judges
+against the config's precisions.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
+from scalerl.health.hardware_rules import run_hardware_rules
 from scalerl.health.node_rules import (
     device_memory,
     device_models,
@@ -213,11 +216,14 @@ def link_pairs(measured: dict[str, Any]) -> list[Finding]:
                      RULES["link_pairs"].fix.format(hosts=", ".join(names)), hosts=names)]
 
 
-def run_cluster_rules(facts: list[dict[str, Any]], measured: dict[str, Any]) -> list[Finding]:
+def run_cluster_rules(facts: list[dict[str, Any]], measured: dict[str, Any],
+                      settings: dict[str, str] | None = None) -> list[Finding]:
     """Every distributed-check rule over the ranks' ``facts`` and the cluster ``measured`` (keys
-    ``rendezvous``, ``bandwidth``, ``shared``, ``ray``; an absent key leaves its rule out)."""
+    ``rendezvous``, ``bandwidth``, ``shared``, ``ray``; an absent key leaves its rule out); ``settings``, the
+    config's precisions (`hardware_rules.precision_settings`), are judged against each rank's hardware."""
     findings = library_versions(facts) + socket_interfaces(facts) + rank_placement(facts)
     findings += device_models(facts) + device_memory(facts) + host_device_copy(facts)
+    findings += run_hardware_rules(facts, settings)
     if "rendezvous" in measured:
         findings += rendezvous(measured["rendezvous"])
     if "bandwidth" in measured:

@@ -184,6 +184,25 @@ _RULES = (
              1.5, None, True, "x fp32",
              "the matmuls are most of a large model's step; at 1.5x their bf16 speed a bf16 run's update "
              "and log-prob passes gain more than autocast's casts and the ops that stay fp32 cost")}),
+    Rule("cpu_precision", "compute/precision",
+         "trainer.precision and rollout.dtype against each CPU rank's instruction sets (`scalerl.core."
+         "cpu_capabilities`, after SCALERL_CPU_ISA): bf16/fp16 matmul instructions, and oneDNN's blocked layouts "
+         "the built-in engine decodes over",
+         "{fix}",
+         severities={
+             "no_matmul": Severity(WARNING, "without bf16 (fp16) matmul instructions every bf16 (fp16) matmul "
+                                            "is converted to fp32 and back: it runs, slower than fp32 (measured on "
+                                            "an AVX2-only AMD EPYC: [512x256] @ [256x688] at ~0.1x fp32's speed, "
+                                            "[16x896] @ [896x4864] at ~0.3x)"),
+             "isa_switch": Severity(FAULT, "SCALERL_CPU_ISA naming no level stops the trainer at start, where it "
+                                           "first asks what the CPU runs"),
+         }),
+    Rule("gpu_precision", "compute/precision",
+         "trainer.precision and rollout.dtype against each GPU rank's compute capability and bf16 support",
+         "{fix}",
+         severities={"no_bf16": Severity(FAULT, "GPUs before compute capability 8.0 have no bf16 tensor cores: "
+                                                "torch emulates bf16 matmuls there, far below fp16's speed, and "
+                                                "vLLM and flash attention refuse bf16 with an error")}),
     Rule("stragglers", "compute/stragglers",
          "each rank's own work per step (step time minus time blocked waiting for peers and in collectives), "
          "slowest rank against the median rank",
@@ -206,6 +225,17 @@ _RULES = (
          "GPU model of every rank",
          "run on one GPU type (Slurm --constraint / --gres=gpu:<type>:N; Ray accelerator_type)",
          severities={"mixed": Severity(WARNING, "the slower GPU model sets the pace of every synchronous step")}),
+    Rule("mixed_hardware", "compute/stragglers",
+         "each CPU rank's CPU model, instruction sets and torch dispatch level; each GPU rank's compute "
+         "capability",
+         "{fix}",
+         severities={
+             "cpu": Severity(WARNING, "ranks on different CPUs take different kernels (bf16 instructions on one, "
+                                      "conversions to fp32 on another; AVX-512 or AVX2 dispatch): the slowest "
+                                      "sets every step's pace, and ranks round differently"),
+             "gpu": Severity(WARNING, "GPUs of different compute capabilities differ in bf16 support and in the "
+                                      "kernels they pick: speed and numerics differ from rank to rank"),
+         }),
     Rule("expert_load_imbalance", "compute/expert_load",
          "moe/expert_load_imbalance: the most loaded expert's tokens over the mean per expert, in the worst "
          "sparse layer, over the step's real tokens and every data-parallel rank, step after step",

@@ -53,7 +53,8 @@ TREE: tuple[Branch, ...] = (
         Leaf("compute/stragglers", "uneven work across ranks (stragglers)",
              "does any rank take far longer than the others for the same work?"),
         Leaf("compute/precision", "compute precision",
-             "does the run multiply in bf16 where the device measures bf16 faster than fp32?"),
+             "does the run compute in a precision every rank's device multiplies fast, and in bf16 where the "
+             "device measures bf16 faster than fp32?"),
         Leaf("compute/expert_load", "MoE expert load imbalance",
              "do a MoE model's experts get about the same share of tokens, and does a capacity factor drop few?"),
     )),

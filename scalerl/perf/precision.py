@@ -132,6 +132,8 @@ def _choose_precision(requested: str, device: torch.device, model: ModelConfig, 
             return PrecisionChoice("bf16", f"{hardware}: bf16 peak {ratio:.1f}x fp32", hardware, ratio)
         return PrecisionChoice(requested, "as configured", hardware, ratio)
     if not hardware or not probe or requested not in ("auto", "fp32"):
+        if device.type == "cpu" and probe and requested in ("auto", "fp32") and agree is not None:
+            agree(0.0)  # join the agreement the ranks with bf16 hardware hold (mixed CPUs): none waits alone
         if requested != "auto":
             slow = cpu_capabilities().slow_precision_reason(requested) if device.type == "cpu" else ""
             if slow:  # it runs (autocast converts per call), but the user is told once, at start

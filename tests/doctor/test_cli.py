@@ -1,11 +1,13 @@
 """The seed article's commands as written: `python scripts/diagnose.py --distributed-check
 --performance-profiling` under torchrun (2 ranks), `--performance-profiling` with a trace and the
-distributed check in one process, with the tree on stdout and the JSON report."""
+distributed check in one process (also as the hardware pre-check of a bf16 config on a CPU without bf16
+instructions), with the tree on stdout and the JSON report."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +48,23 @@ def test_distributed_check_in_one_process(tmp_path, capsys):
     assert data["modes"] == ["distributed-check"] and data["world"]["launcher"] == "single"
     bandwidth = next(leaf for b in data["tree"] for leaf in b["leaves"] if leaf["id"] == "communication/bandwidth")
     assert bandwidth["status"] == "not measured" and "one rank" in bandwidth["findings"][0]["summary"]
+
+
+def test_distributed_check_warns_of_bf16_on_a_cpu_without_bf16_instructions(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SCALERL_CPU_ISA", "avx2")  # every machine's CPU then reads as one without bf16 matmuls
+    assert main(["doctor", "--distributed-check", "--json", str(tmp_path / "bf16.json"), "trainer.precision=bf16",
+                 f"trainer.output_dir={tmp_path / 'run'}"]) == 0  # a warning: it runs, slowly
+    out = capsys.readouterr().out
+    assert "scalerl doctor [WARNING]" in out and "compute precision [WARNING]" in out
+    assert "trainer.precision=bf16 on rank(s) 0" in out and "fix: trainer.precision=fp32" in out
+    # the instruction-set line of the rank: its ISA level, flags, and no bf16/fp16 matmul instructions
+    assert "instruction sets" in out and re.search(r"\s0\s.*\savx2\s.*\snone\s+none\s", out), out
+    data = json.loads((tmp_path / "bf16.json").read_text())
+    (precision,) = [leaf for b in data["tree"] for leaf in b["leaves"] if leaf["id"] == "compute/precision"]
+    (f,) = [f for f in precision["findings"] if f["status"] == "warning"]
+    assert precision["status"] == "warning" and f["rule"] == "cpu_precision" and f["ranks"] == [0]
+    assert f["evidence"]["lacks"] == ["amx_bf16", "avx512_bf16"] and f["evidence"]["isa_level"] == "avx2"
+    assert data["ranks"][0]["cpu"]["bf16_matmul"] == [] and data["ranks"][0]["cpu"]["level"] == "avx2"
 
 
 def test_performance_profiling_single_process(tmp_path):

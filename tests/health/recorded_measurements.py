@@ -6,6 +6,19 @@ from __future__ import annotations
 import copy
 
 MiB = 2**20
+# `CpuCapabilities.as_dict()` of two CPUs: a Sapphire Rapids Xeon (AMX and AVX-512 BF16/FP16; every oneDNN
+# blocked layout runs) and the AVX2-only AMD EPYC this project is developed on (recorded here).
+XEON_AMX = {"level": "native", "model": "Intel(R) Xeon(R) Platinum 8480+", "machine": "x86_64",
+            "flags": ["avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+                      "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"],
+            "aten": "AVX512", "bf16_matmul": ["amx_bf16", "avx512_bf16"], "fp16_matmul": ["avx512_fp16"],
+            "onednn_linear": {"fp32": "", "bf16": "", "fp16": ""}}
+EPYC_AVX2 = {"level": "native", "model": "AMD EPYC", "machine": "x86_64", "flags": ["avx2", "fma", "f16c"],
+             "aten": "AVX2", "bf16_matmul": [], "fp16_matmul": [],
+             "onednn_linear": {"fp32": "", "bf16": "mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+                                               "avx_ne_convert or avx512bw, avx512vl and avx512dq",
+                               "fp16": "mkldnn_reorder_linear_weight: fp16 path needs the cpu support "
+                                       "avx_ne_convert or avx512_fp16"}}
 
 
 def rank_facts(rank: int, host: str = "node0", node_rank: int = 0, local_world: int = 4, device: str = "cpu",
@@ -16,7 +29,7 @@ def rank_facts(rank: int, host: str = "node0", node_rank: int = 0, local_world: 
         "device": device, "master": "node0:29500",
         "versions": {"python": "3.11.7", "torch": "2.13.0+cpu", "cuda": None, "nccl": None, "gpu_driver": None,
                      "scalerl": "0.1.0"},
-        "gpus": [], "memory": {"total_gb": 64.0, "available_gb": 60.0},
+        "gpus": [], "memory": {"total_gb": 64.0, "available_gb": 60.0}, "cpu": copy.deepcopy(XEON_AMX),
         "interfaces": [{"name": interface, "kind": "ethernet", "speed_mbit": speed_mbit, "ipv4": ["10.0.0.1/24"],
                         "virtual_kind": "", "up": True, "driver": "mlx5_core"}],
         "socket": {"available": [interface, "lo"], "suggestion": interface, "variable": "GLOO_SOCKET_IFNAME",

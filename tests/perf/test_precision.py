@@ -106,3 +106,20 @@ def test_auto_weighs_the_whole_step_an_old_logprob_recompute_included(monkeypatc
 
 def test_the_probe_measures_a_positive_ratio():
     assert bf16_matmul_speedup(CPU, 16, 32, 48, repeats=1) > 0
+
+
+def test_a_rank_without_bf16_hardware_still_joins_the_ranks_agreement(monkeypatch):
+    """In a job of mixed CPUs the ranks with bf16 instructions all-reduce their probe's ratio (`agree`): a rank
+    without them must join that collective (with 0: no speed-up), or the others wait for it forever."""
+    monkeypatch.setattr(precision, "bf16_hardware", lambda device: "")
+    offered = []
+    for requested in ("auto", "fp32"):
+        choice = choose_precision(requested, CPU, MODEL, agree=lambda ratio: offered.append(ratio) or ratio)
+        assert choice.precision == "fp32"
+    assert offered == [0.0, 0.0]
+    choose_precision("bf16", CPU, MODEL, agree=offered.append)  # as configured: no rank probes, none agrees
+    assert offered == [0.0, 0.0]
+    monkeypatch.setattr(precision, "bf16_hardware", lambda device: "avx512_bf16")
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device, rows, inner, outer: 3.0)
+    mixed = choose_precision("auto", CPU, MODEL, agree=lambda ratio: min(ratio, 0.0))  # the other rank's 0 wins
+    assert mixed.precision == "fp32"
