@@ -22,6 +22,7 @@ from typing import Any
 
 from scalerl import __version__
 from scalerl.core.config import (
+    GREEDY_BELOW_TEMPERATURE,
     ConfigError,
     config_to_yaml,
     describe_keys,
@@ -320,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt text; repeat for several prompts")
     gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                     help="sampling temperature; 0 = greedy (default 0)")
+                     help=f"sampling temperature; 0 (or below {GREEDY_BELOW_TEMPERATURE:g}) = greedy (default 0)")
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
     gen.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens; 0 = off")
     gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")

@@ -121,6 +121,18 @@ def test_generate_rejects_bad_sampling(capsys):
     assert "--top-p" in capsys.readouterr().err
 
 
+def test_generate_at_a_temperature_that_underflows_is_greedy(capsys):
+    """`--temperature 1e-45` once printed an empty completion (logits / 1e-45 overflows: NaN probabilities)."""
+    def generate(*temperature: str) -> str:
+        assert main(["generate", "--model", "builtin", "--prompt", "12+30=", "--max-new-tokens", "8",
+                     *temperature]) == 0
+        return capsys.readouterr().out
+
+    greedy = generate()  # the default: 0
+    assert generate("--temperature", "1e-45") == greedy
+    assert greedy.splitlines()[1].startswith("12+30=") and len(greedy.splitlines()[1]) > len("12+30=")
+
+
 def test_version_prints_torch_version(capsys):
     assert main(["version"]) == 0
     out = capsys.readouterr().out

@@ -73,6 +73,9 @@ PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_REWARDS = ("auto", "gsm8k", "math", "none")  # none: data.reward_model alone
 ROLLOUT_DTYPES = ("bf16", "fp32")
+# A sampling temperature below this decodes greedily (`scalerl.rollout.engine.SamplingParams`): logits / T
+# overflows float32 for tiny T (NaN probabilities, an empty completion); vLLM draws its line here too.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 STALE_LOGPROBS = ("recompute", "behavior")
 IS_LEVELS = ("token", "sequence")  # scalerl.algorithms.importance's (core sits below algorithms)
 IS_MODES = ("truncate", "mask")
@@ -339,6 +342,11 @@ class RolloutSection(_Section):
         _check(p, self.n >= 1, "rollout.n", ">= 1", self.n)
         _check(p, self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
         _check(p, self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
+        if 0 < self.temperature < GREEDY_BELOW_TEMPERATURE:
+            # the engines decode greedily there (log-probs at temperature 1), the update's log-probs would not
+            p.append(f"rollout.temperature={self.temperature:g} is below {GREEDY_BELOW_TEMPERATURE:g}, where rollouts "
+                     "decode greedily while the update would divide the logits by it; set rollout.temperature=0 "
+                     f"for greedy decoding, or >= {GREEDY_BELOW_TEMPERATURE:g}")
         _check_choice(p, "rollout.placement", self.placement, ROLLOUT_PLACEMENTS)
         _check(p, self.workers >= 1, "rollout.workers", ">= 1", self.workers)
         _check_choice(p, "rollout.dtype", self.dtype, ROLLOUT_DTYPES)

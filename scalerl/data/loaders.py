@@ -43,8 +43,9 @@ import glob
 import json
 import re
 import string
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from scalerl.data.errors import DataError
 from scalerl.data.formats import (
@@ -85,6 +86,8 @@ def load_rows(
     rows: list[dict] = []
     for path in expand_paths(path_or_paths, split):
         file_columns, records = _read_records(path)
+        if not records:  # no format to tell (the caller says when no file has a row)
+            continue
         convert = record_converter(path, file_columns, kind, prompt_template, names=names, prefer=prefer)
         for number, record in enumerate(records, start=1):
             if limit is not None and len(rows) >= limit:
@@ -208,6 +211,16 @@ def _first_non_utf8(table: Any, rows_before: int = 0) -> str:
                 bad = middle
         return f", row {rows_before + bad}, field {name!r}"
     return ""
+
+
+def empty_data_files(paths: Sequence[Path], key: str = "data.train_files") -> DataError:
+    """The error for the files of `key` (data.train_files or data.val_files) without a single row, naming
+    each file read (a directory's or a pattern's too) and the fix."""
+    training = key == "data.train_files"
+    return DataError(f"the {'training' if training else 'evaluation'} set is empty: no rows in {key} "
+                     f"({', '.join(map(str, paths))}); put rows in them (JSON lines: one JSON object per line; "
+                     f"Parquet or Arrow: at least one row) or point {key} at the right files"
+                     + ("" if training else f", or remove {key} to skip evaluation"))
 
 
 def expand_paths(path_or_paths: str | Path | Sequence[str | Path], split: str = "train") -> list[Path]:

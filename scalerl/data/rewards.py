@@ -16,8 +16,10 @@ a spec that is a URL is a reward server (`scalerl.data.reward_http`: the schema,
 timeouts of a batch), ends its worker process, fails as a server request, or returns something that is not a finite number, scores 0.0 and is counted
 (`reward/num_failures` in the trainer's metrics) and logged once per kind of failure, so one bad sample
 never stops or hangs a run; `max_consecutive_failures` samples failing in a row (`data.max_reward_failures`)
-stop it with `RewardFailureLimit`, naming the function. Several functions add up as TRL adds them: the
-weighted sum of the scores that are not None (a failed term counts 0 and the sample as one failure).
+stop it with `RewardFailureLimit`, naming the function, and so does, at once, a batch whose every sample
+timed out before any sample has scored (a reward that hangs on every call would otherwise cost a timeout
+per batch until the limit). Several functions add up as TRL adds them: the weighted sum of the scores that
+are not None (a failed term counts 0 and the sample as one failure).
 After each call `last_metrics` holds `reward/extra/<name>` means: the numbers beside "score" in returned
 dicts and, with several functions, each function's mean (Nones left out, as TRL's `rewards/<name>/mean`).
 A reward model (`scalerl.data.reward_model`, `data.reward_model.path`) adds `model_weight` x its score to each
@@ -29,7 +31,8 @@ from __future__ import annotations
 import logging
 import sys
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from scalerl.core.errors import RunFailure
 from scalerl.data.answers import (
@@ -45,8 +48,6 @@ from scalerl.data.reward_calls import (
     RewardTimeout,
     call_with_limit,
 )
-from scalerl.data.reward_http import ServerCalls
-from scalerl.data.reward_pool import RewardPool
 from scalerl.data.reward_functions import (
     RewardFunction,
     RewardFunctionError,
@@ -54,7 +55,9 @@ from scalerl.data.reward_functions import (
     read_score,
     reward_inputs,
 )
+from scalerl.data.reward_http import ServerCalls
 from scalerl.data.reward_model import RewardModel, reward_model_from_config
+from scalerl.data.reward_pool import RewardPool
 from scalerl.data.reward_specs import (
     BUILTIN_REWARDS,
     TASK_REWARDS,
@@ -73,8 +76,9 @@ MODEL_SCORE_METRIC = EXTRA_METRIC_PREFIX + "reward_model"
 
 
 class RewardFailureLimit(RunFailure):
-    """The reward failed on `data.max_reward_failures` samples in a row; the message names the function,
-    the last failure and (where the trainer says) the last good checkpoint."""
+    """The reward failed on `data.max_reward_failures` samples in a row, or timed out on a whole batch before
+    any sample scored; the message names the function, the last failure and (where the trainer says) the last
+    good checkpoint."""
 
 
 class RewardComputer:
@@ -109,6 +113,7 @@ class RewardComputer:
                                + ([f"reward model {model.path}"] if model is not None else []))
         self.passes_row = self.functions[0].passes_row if self.functions else False
         self.total_failures = self.consecutive_failures = 0
+        self.samples_seen = self.samples_scored = 0  # over this computer's life
         self.last_metrics: dict[str, float] = {}
         self.last_good_checkpoint: Callable[[], str] | None = None
         self._calls = [BatchCalls(timeout_s) for _ in self.functions]
@@ -131,14 +136,16 @@ class RewardComputer:
             raise ValueError(f"got {len(responses)} responses but {len(rows)} rows; pass one row per response")
         per_function = self.sample_scores(responses, rows, completion_ids)
         model_scores = self.model.score([reward_inputs(row).prompt for row in rows], responses) if self.model else None
-        rewards, failures = [], 0
+        rewards, failures, timeouts = [], 0, 0
         for index, response in enumerate(responses):
             scores = [column[index] for column in per_function]
             if any(score.problem for score in scores):
                 failures += 1
                 self.consecutive_failures += 1
+                timeouts += any(score.kind == RewardTimeout.__name__ for score in scores)
             else:
                 self.consecutive_failures = 0
+                self.samples_scored += 1
                 if scores and all(s.value is None for s in scores) and "all None" not in self._logged_failure_kinds:
                     self._logged_failure_kinds.add("all None")
                     logger.warning("every reward function returned None (not applicable) for response %r; it scores "
@@ -149,8 +156,12 @@ class RewardComputer:
         self.last_metrics = self._extra_metrics(per_function)
         if model_scores:  # the model's own score, before data.reward_model.weight
             self.last_metrics[MODEL_SCORE_METRIC] = sum(model_scores) / len(model_scores)
+        self.samples_seen += len(responses)
         if self.max_consecutive_failures and self.consecutive_failures >= self.max_consecutive_failures:
             raise RewardFailureLimit(self._failure_limit_message())
+        if self.max_consecutive_failures and not self.samples_scored and responses and timeouts == len(responses):
+            # A reward that hangs on every call would cost a timeout per batch until the limit: minutes.
+            raise RewardFailureLimit(self._never_returned_message(timeouts))
         return rewards, failures
 
     def sample_scores(self, responses: Sequence[str], rows: Sequence[dict],
@@ -271,6 +282,15 @@ class RewardComputer:
                 f"(data.max_reward_failures={self.max_consecutive_failures}), the last one because {self._last_failure}; "
                 "the run stops rather than train on zero rewards. Fix the reward function, or raise "
                 f"data.max_reward_failures (0 = never stop).{where}")
+
+    def _never_returned_message(self, timeouts: int) -> str:
+        where = f" Last good checkpoint: {self.last_good_checkpoint()}" if self.last_good_checkpoint else ""
+        named = " + ".join(repr(f.spec) if f.spec else f.name for f in self.functions)
+        return (f"reward {named} timed out on all {timeouts} samples of the batch and has scored none of the run's "
+                f"{self.samples_seen} samples so far; the last one: {self._last_failure}. The run stops now rather "
+                f"than wait out data.max_reward_failures={self.max_consecutive_failures}: fix the reward function so "
+                f"that it returns within data.reward_timeout_s={self.timeout_s:g} s, or raise data.reward_timeout_s "
+                f"if it is only slow.{where}")
 
 
 def reward_from_config(data_cfg: Any, device: Any = "cpu") -> RewardComputer:

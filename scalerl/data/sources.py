@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pickle
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -14,7 +15,7 @@ from scalerl.data import rewards
 from scalerl.data.arithmetic import make_arithmetic_rows
 from scalerl.data.errors import DataError
 from scalerl.data.formats import ColumnNames
-from scalerl.data.loaders import expand_paths, load_rows
+from scalerl.data.loaders import empty_data_files, expand_paths, load_rows
 from scalerl.data.rewards import RewardComputer
 from scalerl.data.streaming import StreamingPromptStream
 from scalerl.parallel.distributed import DistContext
@@ -39,9 +40,13 @@ def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
                         "lazily; SFT reads data.train_files whole: set data.streaming=false")
     limit = data_cfg.num_train if split == "train" else data_cfg.num_val
     columns = ColumnNames(data_cfg.prompt_key, data_cfg.ground_truth_key, data_cfg.reward_fn_key)
-    return load_rows(files, kind=data_cfg.format, prompt_template=data_cfg.prompt_template, limit=limit,
-                     columns=columns, split=getattr(data_cfg, _SPLIT_OF_SAVED_DATASET[split]),
+    saved_split = getattr(data_cfg, _SPLIT_OF_SAVED_DATASET[split])
+    rows = load_rows(files, kind=data_cfg.format, prompt_template=data_cfg.prompt_template, limit=limit,
+                     columns=columns, split=saved_split,
                      prefer=data_cfg.task if data_cfg.task in ("gsm8k", "math") else None)
+    if not rows and limit:  # data.num_val=0 asks for none
+        raise empty_data_files(expand_paths(files, saved_split), f"data.{_SPLIT_FILES[split]}")
+    return rows
 
 
 def prompt_stream_from_config(data_cfg: Any, batch_size: int, seed: int, ctx: DistContext,

@@ -33,9 +33,10 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from scalerl.data.errors import DataError
 from scalerl.data.formats import ColumnNames
@@ -43,6 +44,7 @@ from scalerl.data.loaders import (
     ARROW_SUFFIXES,
     JSON_LINES_SUFFIXES,
     PARQUET_SUFFIXES,
+    empty_data_files,
     record_converter,
     table_records,
 )
@@ -178,7 +180,7 @@ class StreamingPromptStream:
         self._converters: dict[int, Callable[[int, dict], dict]] = {}
         total = sum(sum(f.lengths) for f in self.files)
         if not total:
-            raise DataError(f"the training set is empty (no rows in {len(self.paths)} streamed files)")
+            raise empty_data_files(self.paths)
         self.share_rows, self.rows_per_batch = total // ranks, batch_size // ranks
         if self.rows_per_batch > self.share_rows:
             raise DataError(f"{batch_key}={batch_size} exceeds the {self.share_rows * ranks} training rows its "

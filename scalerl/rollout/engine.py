@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
+from scalerl.core.config import GREEDY_BELOW_TEMPERATURE
 from scalerl.core.errors import UserError
 
 
@@ -16,7 +18,8 @@ class PromptTooLongError(UserError, ValueError):
 
 @dataclass
 class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+    """How to sample. ``temperature == 0`` means greedy, and a temperature below ``GREEDY_BELOW_TEMPERATURE``
+    is made 0; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -35,6 +38,10 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.temperature >= 0 or self.temperature == float("inf"):  # `not >=` also refuses NaN
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            # Decided here, once per request: logits / T would overflow float32 in every decode step (NaN
+            # probabilities), and vLLM decodes such a temperature greedily too, so both engines agree.
+            self.temperature = 0.0
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -65,7 +72,7 @@ class GenerationOutput:
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1)
 
-    def rows(self, start: int, stop: int) -> "GenerationOutput":
+    def rows(self, start: int, stop: int) -> GenerationOutput:
         """Rows ``start:stop``, with columns that no kept row uses trimmed (prompts on the left, responses on
         the right), as if these rows had been generated alone."""
         prompt_mask, response_mask = self.prompt_mask[start:stop], self.response_mask[start:stop]
@@ -79,7 +86,7 @@ class GenerationOutput:
         )
 
     @staticmethod
-    def concat(parts: Sequence["GenerationOutput"], pad_token_id: int) -> "GenerationOutput":
+    def concat(parts: Sequence[GenerationOutput], pad_token_id: int) -> GenerationOutput:
         """Rows of several outputs in order: prompts left-padded, responses right-padded to common widths."""
         prompt_width = max(p.prompt_ids.shape[1] for p in parts)
         response_width = max(p.response_ids.shape[1] for p in parts)

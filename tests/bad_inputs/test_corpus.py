@@ -1,7 +1,8 @@
 """The bad-input corpus: each case is a bad config, file, flag or environment given to the CLI in-process.
 
 Every case must end in `error: ...` (no traceback) with its exit code (2 for bad input, 1 for a run that
-could not start, such as an unreachable master), the message must name the bad thing (key, file, value or
+could not start, such as an unreachable master), printed first unless the case waits and says so meanwhile
+(`Case.progress`: the start of each line before it), the message must name the bad thing (key, file, value or
 flag), and no file that existed before the run may have changed (sizes, mtimes and sha256 of everything
 under the case's workspace and the shared model directory). docs/bad-inputs.md lists the cases.
 """
@@ -13,9 +14,9 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -73,6 +74,7 @@ class Case:
     build: Callable[[Ctx], list[str]]  # -> argv for `scalerl`
     names: tuple[str, ...]  # the message must contain each
     code: int = 2
+    progress: str = ""  # the start of each line printed before the error, at least one (a wait that reports)
 
 
 def train(ctx: Ctx, *overrides: str) -> list[str]:
@@ -120,6 +122,12 @@ def _unreachable_master(ctx: Ctx) -> list[str]:
     ctx.rank_env(1, 2, port)
     ctx.expect += [f"127.0.0.1:{port}", "rank 1 of 2"]
     return train(ctx, "trainer.rendezvous_timeout_s=1.5")
+
+
+def _hanging_reward(ctx: Ctx) -> list[str]:
+    """A reward that never returns: the run stops after its first batch, not after data.max_reward_failures."""
+    reward = ctx.write("r.py", "import time\n\n\ndef score(response, truth):\n    time.sleep(60)\n")
+    return train(ctx, f"data.reward={reward}:score", "data.reward_timeout_s=0.2")
 
 
 def _read_only_output(ctx: Ctx) -> list[str]:
@@ -182,6 +190,8 @@ CASES = [
     Case("top-p-zero", lambda c: ["config", "rollout.top_p=0"], ("rollout.top_p",)),
     Case("sft-lr-negative", lambda c: ["sft", "sft.lr=-1"], ("sft.lr", "> 0")),
     Case("grpo-greedy", lambda c: ["config", "rollout.temperature=0"], ("rollout.temperature", "adv_estimator=grpo")),
+    Case("temperature-underflows", lambda c: ["config", "rollout.temperature=1e-45"],
+         ("rollout.temperature=1e-45", "rollout.temperature=0")),
     Case("output-dir-empty", lambda c: ["train", "trainer.output_dir="], ("trainer.output_dir",)),
     Case("tp-does-not-divide-heads", lambda c: ["config", "parallel.tp=3"], ("parallel.tp=3", "num_attention_heads")),
     Case("pp-does-not-divide-layers", lambda c: ["config", "parallel.pp=3"], ("parallel.pp=3", "num_hidden_layers")),
@@ -233,6 +243,8 @@ CASES = [
                                                      + "]"), ("rows.jsonl", "data.prompt_template")),
     Case("data-file-missing", lambda c: train(c, "data.task=gsm8k", f"data.train_files=[{c.ws / 'nope.jsonl'}]"),
          ("nope.jsonl", "does not exist")),
+    Case("data-file-empty", lambda c: train(c, f"data.train_files=[{c.write('rows.jsonl', '')}]"),
+         ("training set is empty", "rows.jsonl", "data.train_files")),
     Case("data-not-json-lines", lambda c: train(c, "data.task=gsm8k",
                                                 f"data.train_files=[{c.write('rows.jsonl', 'not json')}]"),
          ("rows.jsonl", "JSON lines")),
@@ -261,6 +273,7 @@ CASES = [
          ("no_such_module_xyz",)),
     Case("reward-signature-unknown", lambda c: train(c, "data.reward=" + str(c.write("r.py", "def score(x):\n    return 1"))
                                                         + ":score"), ("r.py:score", "compute_score(data_source")),
+    Case("reward-hangs", _hanging_reward, ("r.py:score", "timed out on all", "data.reward_timeout_s=0.2 s"), code=1),
     # streaming, reward workers and servers, reward models (this round's input paths)
     Case("streaming-without-files", lambda c: train(c, "data.streaming=true"), ("data.streaming", "data.train_files")),
     Case("shuffle-buffer-zero", lambda c: ["config", "data.shuffle_buffer=0"], ("data.shuffle_buffer",)),
@@ -298,7 +311,8 @@ CASES = [
          ("trainer.output_dir", "is a file")),
     Case("output-dir-read-only", _read_only_output, ("trainer.output_dir", "not writable")),
     Case("master-port-busy", _busy_port, ("MASTER_PORT",)),
-    Case("master-unreachable", _unreachable_master, ("rendezvous", "trainer.rendezvous_timeout_s"), code=1),
+    Case("master-unreachable", _unreachable_master, ("rendezvous", "trainer.rendezvous_timeout_s"), code=1,
+         progress="rendezvous: rank 1 of 2 "),
     Case("rank-outside-world", lambda c: (c.rank_env(3, 2, free_port()), train(c))[1], ("RANK=3", "WORLD_SIZE=2")),
     Case("world-size-without-rank", lambda c: (c.monkeypatch.setenv("WORLD_SIZE", "2"), train(c))[1],
          ("WORLD_SIZE=2", "RANK")),
@@ -347,9 +361,13 @@ def test_bad_input_is_an_error_naming_it(case, model_dir, tmp_path, monkeypatch,
         for undo in reversed(ctx.cleanup):
             undo()
     assert code == case.code, err
-    assert err.startswith("error: ") and "Traceback" not in err, err
+    message = err
+    while case.progress and message.startswith(case.progress):
+        message = message.partition("\n")[2]
+    assert message != err or not case.progress, f"no line starting {case.progress!r} before the error: {err!r}"
+    assert message.startswith("error: ") and "Traceback" not in err, err
     for name in (*case.names, *ctx.expect):
-        assert name in err, f"{name!r} not in {err!r}"
+        assert name in message, f"{name!r} not in {message!r}"
     changed = [path for path, seen in before.items() if after.get(path) != seen]
     assert not changed, f"existing files changed: {changed}"
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from scalerl.data.reward_calls import RewardExit, RewardTimeout, call_with_limit
-from scalerl.data.rewards import RewardComputer
+from scalerl.data.rewards import RewardComputer, RewardFailureLimit
 
 ROWS = [{"ground_truth": "1"}]
 
@@ -139,7 +139,6 @@ def test_a_hanging_batched_reward_is_one_call_within_the_limit():
 
 def test_consecutive_failures_stop_the_run_naming_the_reward_and_the_checkpoint(tmp_path):
     from scalerl.core.errors import RunFailure
-    from scalerl.data.rewards import RewardFailureLimit
 
     reward_file = tmp_path / "broken_reward.py"
     reward_file.write_text("def score(response, truth):\n    if response == 'good':\n        return 1.0\n"
@@ -155,3 +154,31 @@ def test_consecutive_failures_stop_the_run_naming_the_reward_and_the_checkpoint(
     assert "data.max_reward_failures=5" in message and "KeyError('missing field')" in message
     assert message.endswith("Last good checkpoint: /runs/x/checkpoints/step_4 (continue from it with trainer.resume=auto)")
     assert RewardComputer(exits).compute(["a"] * 300, ROWS * 300)[1] == 300  # 0 = never stop (the default here)
+
+
+def test_a_reward_that_times_out_on_its_whole_first_batch_stops_the_run_at_once(tmp_path):
+    """Not after data.max_reward_failures samples, at a timeout per batch (minutes): the message names the
+    reward, how many samples timed out, why, and the fix."""
+    reward_file = tmp_path / "slow_reward.py"
+    reward_file.write_text("import time\n\n\ndef score(response, truth):\n    time.sleep(60)\n")
+    computer = RewardComputer(f"{reward_file}:score", timeout_s=0.2, max_consecutive_failures=256)
+    computer.last_good_checkpoint = lambda: "none yet"
+    start = time.monotonic()
+    with pytest.raises(RewardFailureLimit) as raised:
+        computer.compute(["a"] * 4, ROWS * 4)
+    assert time.monotonic() - start < 3.0
+    message = str(raised.value)
+    assert message.startswith(f"reward '{reward_file}:score' timed out on all 4 samples of the batch and has scored "
+                              "none of the run's 4 samples so far; the last one: score ")
+    assert "data.reward_timeout_s=0.2 s" in message and "rather than wait out data.max_reward_failures=256" in message
+    assert message.endswith("fix the reward function so that it returns within data.reward_timeout_s=0.2 s, or "
+                            "raise data.reward_timeout_s if it is only slow. Last good checkpoint: none yet")
+
+
+def test_timeouts_of_a_reward_that_has_scored_or_of_part_of_a_batch_count_toward_the_limit_only():
+    computer = RewardComputer(hangs_on_some, timeout_s=0.2, max_consecutive_failures=256)
+    assert computer.compute(["hang", "ok"], ROWS * 2) == ([0.0, 1.0], 1)  # part of the first batch
+    assert computer.compute(["hang"] * 3, ROWS * 3) == ([0.0] * 3, 3)  # a whole batch, after a sample scored
+    raising = RewardComputer(exits, max_consecutive_failures=256)  # failing fast: the limit comes soon anyway
+    assert raising.compute(["a"] * 4, ROWS * 4) == ([0.0] * 4, 4)
+    assert RewardComputer(sleeps, timeout_s=0.2).compute(["a"] * 2, ROWS * 2) == ([0.0] * 2, 2)  # 0 = never stop

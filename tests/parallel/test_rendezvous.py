@@ -1,9 +1,11 @@
 """Joining the process group within `trainer.rendezvous_timeout_s`: a missing rank, an unreachable master,
 a busy MASTER_PORT and a store constructor that never returns each end in one error naming the address, the
-world size and the limit. In-process: no group is formed in any of these cases."""
+world size and the limit, and a rank waiting for them says so on stderr meanwhile. In-process: no group is
+formed in any of these cases."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -65,6 +67,39 @@ def test_unreachable_master_is_named_after_the_limit():
     with pytest.raises(RendezvousError, match=expected):
         rendezvous_store("127.0.0.1", port, rank=2, world_size=4, timeout_s=0.5)
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("rank, waits_for", [
+    (1, "the rendezvous at 127.0.0.1:{port} (rank 0 hosts it)"),
+    (0, "1 more rank(s) to join the rendezvous it hosts at 127.0.0.1:{port}"),
+])
+def test_a_waiting_rank_says_at_once_what_it_waits_for_then_how_long(capsys, rank, waits_for):
+    """Not silent for the whole limit (120 s by default): the first line comes at the first failed attempt,
+    the next ones every `progress_every_s` with the time waited and left, none past the limit."""
+    port = free_port()  # nobody serves it (rank 1), nobody joins it (rank 0)
+    waits_for = waits_for.format(port=port)
+    outcome = {}
+
+    def attempt() -> None:
+        try:
+            rendezvous_store("127.0.0.1", port, rank=rank, world_size=2, timeout_s=1.6, progress_every_s=0.2)
+        except RendezvousError as e:
+            outcome["error"] = e
+
+    waiting = threading.Thread(target=attempt, daemon=True)
+    waiting.start()
+    time.sleep(0.8)  # the first line is due at the first failed attempt (rank 1) or join slice (rank 0): 0.5 s
+    early = capsys.readouterr().err
+    waiting.join(10)
+    assert "error" in outcome and f"127.0.0.1:{port}" in str(outcome["error"])
+    assert early.splitlines()[0] == (f"rendezvous: rank {rank} of 2 is waiting for {waits_for}, for up to "
+                                     "trainer.rendezvous_timeout_s=1.6 s")
+    later = (early + capsys.readouterr().err).splitlines()[1:]
+    assert len(later) >= 2, later
+    for line in later:
+        assert line.startswith(f"rendezvous: rank {rank} of 2 still waiting for {waits_for}: "), line
+        waited, left = map(float, re.search(r": ([\d.]+) s so far, ([\d.]+) s left", line).groups())
+        assert 0 < waited < 1.6 and left == pytest.approx(1.6 - waited, abs=0.1)
 
 
 def test_busy_master_port_names_the_variable():

@@ -53,6 +53,19 @@ def test_greedy_matches_argmax_of_full_forward(model):
     assert torch.equal(logits[:, p - 1 : -1].argmax(-1), out.response_ids)
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-6])  # logits / 1e-45 overflows float32: NaN probabilities
+def test_a_temperature_too_small_to_sample_at_decodes_greedily(model, temperature):
+    """The tokens and log-probs of temperature 0, decided once per request (`SamplingParams`), for the fixed
+    batch and through continuous batching."""
+    assert SamplingParams(temperature=temperature).temperature == 0.0
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5  # vLLM's line: at and above it, sampled
+    for engine in (BuiltinEngine(model, PAD), BuiltinEngine(model, PAD, max_num_seqs=2)):
+        greedy = engine.generate(_prompts(), SamplingParams(max_new_tokens=8, temperature=0))
+        tiny = engine.generate(_prompts(), SamplingParams(max_new_tokens=8, temperature=temperature, seed=1))
+        assert torch.equal(tiny.response_ids, greedy.response_ids)
+        assert torch.equal(tiny.logprobs, greedy.logprobs)
+
+
 def test_seeded_runs_repeat_and_seeds_differ(model):
     engine = BuiltinEngine(model, PAD)
     a = engine.generate(_prompts(), SamplingParams(max_new_tokens=10, seed=7))
