@@ -45,7 +45,7 @@ def _rank(rank: int, prompts: int, repeats: int, out: str) -> dict:
     for _ in range(2):
         trainer.train_step()
         trainer.step += 1
-    batch = trainer._prompts_for(trainer.step)
+    batch = trainer.rollout_phase.feed.draw(trainer.step)
     whole = BuiltinEngine(copy.deepcopy(trainer.policy.model).eval(), trainer.tokenizer.pad_token_id)
     trainer.policy.eval()
     split_s, whole_s = [], []

@@ -126,6 +126,11 @@ class ColocatedRollouts:
             parts.append(mine if i == index else shared)
         return GenerationOutput.concat(parts, self.engine.pad_token_id)
 
+    def parts(self, batch: StepPrompts) -> Iterator[tuple[int, GenerationOutput, bool]]:
+        """This DP rank's rows of ``batch`` as one part: ``(its first row in the step, output, last=True)``."""
+        start, _ = _dp_rows(len(batch.prompts), self.ctx)
+        yield start, self.generate(batch), True
+
     def prefetch(self, batch: StepPrompts | None) -> None:
         """Colocated generation uses the latest weights: nothing runs ahead."""
 
@@ -158,6 +163,7 @@ class StandaloneRollouts:
         self.compute_dtype, self.training_dtype = workers_compute_dtype(rollout_cfg.dtype, precision), training_dtype
         self.behavior_logprobs = rollout_cfg.stale_logprobs == "behavior"
         self.group_size = rollout_cfg.n  # a step's parts are whole groups of n samples (`token_split`)
+        self.stream_groups = bool(getattr(rollout_cfg, "stream_groups", False))  # each reply a part of its own
         self.exact_engine = engine == "builtin"  # the workers' engine (`decide_engine`); vLLM's kernels differ
         self.driver = WorkerDriver(ctx) if ctx.rank == 0 else None  # rank 0 talks to the workers
         push = PushToWorkers.from_config(policy, ctx, self.driver, rollout_cfg.dtype, weight_sync_cfg)
@@ -189,6 +195,16 @@ class StandaloneRollouts:
         out = self.ready.pop(batch.step)
         start, stop = _dp_rows(len(batch.prompts), self.ctx)
         return out.rows(start, stop)
+
+    def parts(self, batch: StepPrompts) -> Iterator[tuple[int, GenerationOutput, bool]]:
+        """``batch``'s rows as the trainer takes them, ``(first row in the step, output, whether it is the
+        last)``: with rollout.stream_groups each worker's reply as it arrives (`generate_parts`), else this DP
+        rank's rows joined, as one part."""
+        if self.stream_groups:
+            yield from self.generate_parts(batch)
+            return
+        start, _ = _dp_rows(len(batch.prompts), self.ctx)
+        yield start, self.generate(batch), True
 
     def generate_parts(self, batch: StepPrompts) -> Iterator[tuple[int, GenerationOutput, bool]]:
         """``batch``'s parts as each worker's reply arrives, ``(first row, output, whether it is the last)``,

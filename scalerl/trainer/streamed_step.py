@@ -1,5 +1,5 @@
-"""The streaming trainer's side of a step (``rollout.stream_groups``): the per-token forward passes over a
-step's rows run part by part as the rollout workers' replies arrive, with the same results as one pass over
+"""A step's rollout parts as the trainer receives them (`scalerl.trainer.rl_step`; the whole batch is the
+one-part case), and with ``rollout.stream_groups`` the per-token forward passes over a step's rows run part by part as the rollout workers' replies arrive, with the same results as one pass over
 the whole batch.
 
 Each standalone worker answers a contiguous set of whole prompt groups (`scalerl.rollout.sources.token_split`),
@@ -42,11 +42,14 @@ class StreamedStep:
         self.pending = list(range(0, total_rows, micro_batch_size)) if passes else []  # micro-batches not run
         self.results: dict[str, dict[int, torch.Tensor]] = {name: {} for name in passes}  # name -> start -> [m, R]
 
-    def add(self, start: int, out: GenerationOutput) -> None:
+    def add(self, start: int, out: GenerationOutput, last: bool = False) -> None:
         """The step's rows ``start .. start + len(out)`` arrived (this share's among them are kept): every pass
-        on each micro-batch now whole on every share."""
+        on each micro-batch now whole on every share. After the part marked ``last`` every share's rows are
+        in (a colocated rank sees only its own share's one part)."""
         stop = start + len(out.finish_reasons)
         self.arrived_anywhere[start:stop] = True
+        if last:
+            self.arrived_anywhere[:] = True
         lo, hi = max(start, self.own_start), min(stop, self.own_start + self.total_rows)
         if lo < hi:
             self.parts[lo - self.own_start] = out.rows(lo - start, hi - start) if (lo, hi) != (start, stop) else out
@@ -63,6 +66,8 @@ class StreamedStep:
         """The whole step's output, its parts in row order (what the unstreamed source hands over)."""
         if not bool(self.arrived.all()):
             raise RuntimeError(f"streamed step has {int(self.arrived.sum())} of {self.total_rows} rows")
+        if len(self.parts) == 1:  # the one-part case (a colocated rank, a whole batch): as it came
+            return self.parts[0]
         return GenerationOutput.concat([self.parts[s] for s in sorted(self.parts)], self.pad_token_id)
 
     def pass_results(self, response_width: int) -> dict[str, torch.Tensor]:

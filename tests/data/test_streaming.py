@@ -184,6 +184,15 @@ def test_unsupported_inputs_and_settings_are_errors_naming_the_fix(tmp_path, two
         rows_from_config(sft.data, "train", 0)  # what the SFT trainer reads its rows with
 
 
+def test_files_without_a_row_are_named(tmp_path, two_files):
+    empty = tmp_path / "empty.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(verl_rows(0, 1)).slice(0, 0), empty)
+    with pytest.raises(DataError, match=r"the training set is empty: no rows in data.train_files \(\S*empty\.parquet, "
+                                        r"\S*empty\.parquet\); put rows in them"):
+        stream([empty, empty])
+    assert stream([empty, two_files[0]]).next_batch()  # an empty file among others is no error
+
+
 # --------------------------------------------------------------------------------------- through the trainer
 def _streaming_run(data_file, out, *changes):
     return load_config(None, tiny_overrides(
@@ -195,9 +204,15 @@ def _streaming_run(data_file, out, *changes):
 def _rows_per_step(cfg):
     """The trainer of ``cfg`` and, per step, the ground truths of this rank's rows."""
     seen: list[list[int]] = []
-    holder: list[RLTrainer] = []
-    trainer = RLTrainer.from_config(cfg, on_batch=lambda batch: seen.append(truths(holder[0].step_rows)))
-    holder.append(trainer)
+    trainer = RLTrainer.from_config(cfg)
+    collect = trainer.rollout_phase.collect
+
+    def recording(step):
+        collected = collect(step)
+        seen.append(truths(collected.rows))
+        return collected
+
+    trainer.rollout_phase.collect = recording
     return trainer, seen
 
 

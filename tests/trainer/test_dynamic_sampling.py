@@ -40,10 +40,22 @@ def _lines(run: Path) -> list[dict]:
 def _recording(cfg):
     """The trainer of ``cfg`` and, per step, the batch it updated on and the rows it drew them from."""
     seen: list[tuple] = []
-    holder: list[RLTrainer] = []
-    trainer = RLTrainer.from_config(cfg, on_batch=lambda batch: seen.append((batch, list(holder[0].step_rows))))
-    holder.append(trainer)
+    rows: list[list[dict]] = []
+    trainer = RLTrainer.from_config(cfg, on_batch=lambda batch: seen.append((batch, rows[-1])))
+    _record_rows(trainer, rows)
     return trainer, seen
+
+
+def _record_rows(trainer: RLTrainer, rows: list) -> None:
+    """Each step's data rows, as the rollout phase hands them over (before ``on_batch`` sees the batch)."""
+    collect = trainer.rollout_phase.collect
+
+    def recording(step):
+        collected = collect(step)
+        rows.append(list(collected.rows))
+        return collected
+
+    trainer.rollout_phase.collect = recording
 
 
 def _groups_vary(batch, n: int) -> bool:

@@ -63,11 +63,11 @@ def test_mixed_precision_steps_are_finite(tiny_config, length_reward, precision)
 ])
 def test_old_logprobs_are_recomputed_only_where_the_engine_computes_otherwise(
         tiny_config, length_reward, monkeypatch, precision, engine_args, recomputed):
-    from scalerl.trainer import rl_trainer
+    from scalerl.trainer import rl_step
 
     calls = []
-    real = rl_trainer.response_logprobs
-    monkeypatch.setattr(rl_trainer, "response_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = rl_step.response_logprobs
+    monkeypatch.setattr(rl_step, "response_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
     trainer = RLTrainer.from_config(tiny_config(f"trainer.precision={precision}", *engine_args, length_reward))
     batches = []
     trainer.on_batch = batches.append
@@ -131,8 +131,10 @@ def test_token_budget_micro_batches_in_the_trainer(tiny_config, length_reward):
     budget = RLTrainer.from_config(tiny_config(length_reward, "trainer.total_steps=2", "actor.micro_batch_max_tokens=40",
                                    f"trainer.output_dir={fixed.output_dir}-budget"))
     budget.fit()
+    # Other micro-batch shapes sum the gradients in another order: 1.6e-6 apart after two Adam steps on an
+    # AVX2-only EPYC at two threads (the matmul's thread split follows the shape), 1e-6 or less on AVX-512.
     for (name, a), (_, b) in zip(fixed.policy.model.state_dict().items(), budget.policy.model.state_dict().items()):
-        assert torch.allclose(a, b, atol=1e-6), name
+        assert torch.allclose(a, b, atol=1e-5), name
 
 
 def test_fp16_checkpoint_keeps_the_loss_scale(tiny_config, length_reward, tmp_path):
@@ -226,5 +228,5 @@ def test_standalone_evaluation_decodes_the_weights_the_optimizer_wrote():
     assert not torch.equal(before, expected)  # the change is visible in greedy tokens
     assert torch.equal(engine.generate([[3, 4, 5]], greedy).response_ids, before)  # stale without a refresh
     trainer = SimpleNamespace(rollouts=object(), engine=engine)  # standalone: not ColocatedRollouts
-    got = RLTrainer._engine_with_current_weights(trainer).generate([[3, 4, 5]], greedy).response_ids
+    got = RLTrainer.engine_with_current_weights(trainer).generate([[3, 4, 5]], greedy).response_ids
     assert torch.equal(got, expected)

@@ -5,6 +5,7 @@ dynamic sampling) and survives a worker dying mid-step; the key is refused where
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,9 +18,16 @@ from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import GenerationOutput, SamplingParams
 from scalerl.trainer.forward_passes import response_logprobs
+from scalerl.trainer.rl_step import RolloutPhase
 from scalerl.trainer.run_checks import check_rl_layout
 from scalerl.trainer.streamed_step import StreamedStep
-from tests.spawned_group import delay_later_rows, die_at_generate, run_case, run_in_group, skip_if_unsupported
+from tests.spawned_group import (
+    delay_later_rows,
+    die_at_generate,
+    run_case,
+    run_in_group,
+    skip_if_unsupported,
+)
 from tests.tiny import TINY, tiny_model, tiny_overrides
 
 
@@ -142,14 +150,14 @@ def _runs(rank: int, out: str) -> None:
             run = f"{out}/{name}_{'streamed' if streamed else 'whole'}"
             cfg = load_config(None, [*BASE, *extra, f"rollout.stream_groups={str(streamed).lower()}",
                                      f"trainer.output_dir={run}"])
-            run_case(run, lambda: train(cfg))
+            run_case(run, lambda cfg=cfg: train(cfg))
     undo = delay_later_rows(0.5) if rank != 0 else (lambda: None)
     for name, extra in UPDATE_RUNS.items():
         for streamed in (False, True):
             run = f"{out}/{name}_{'streamed' if streamed else 'whole'}"
             cfg = load_config(None, [*BASE, *UPDATE_STREAMS, *extra, f"rollout.stream_groups={str(streamed).lower()}",
                                      f"trainer.output_dir={run}"])
-            run_case(run, lambda: train(cfg))
+            run_case(run, lambda cfg=cfg: train(cfg))
     undo()
     # Last, as it leaves the group one rank short: worker rank 2 dies inside its second generation (step 2)
     # while the trainer waits for whichever part comes first.
@@ -218,7 +226,6 @@ def test_update_mini_batches_start_before_the_batch_is_whole_and_train_the_same(
 
 def test_the_update_waits_for_the_whole_batch_where_an_early_step_would_change_what_follows():
     """Each setting that makes an early optimizer step inexact is named (the update then waits)."""
-    from scalerl.trainer.rl_trainer import RLTrainer
 
     class Probe:  # `_why_updates_wait` reads only the config, the critic, the rollouts, the plan, the layout
         def __init__(self, *overrides, critic=None, match=True, sharded=False):
@@ -230,7 +237,9 @@ def test_the_update_waits_for_the_whole_batch_where_an_early_step_would_change_w
             self.dist = type("D", (), {"dp_size": 1, "dims": ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=1)})()
             self.policy = type("M", (), {"sharded": sharded})()
 
-    why = RLTrainer._why_updates_wait
+    def why(trainer):  # the rollout phase asks its trainer
+        return RolloutPhase._why_updates_wait(SimpleNamespace(t=trainer))
+
     assert why(Probe()) is None
     assert "actor.shuffle" in why(Probe("actor.shuffle=true"))
     assert "critic" in why(Probe(critic=object()))
@@ -279,7 +288,7 @@ def _dp_runs(rank: int, out: str) -> None:
             run = f"{out}/{name}_{'streamed' if streamed else 'whole'}"
             cfg = load_config(None, [*BASE, *extra, f"rollout.stream_groups={str(streamed).lower()}",
                                      f"trainer.output_dir={run}"])
-            run_case(run, lambda: train(cfg))
+            run_case(run, lambda cfg=cfg: train(cfg))
 
 
 @pytest.fixture(scope="module")
