@@ -19,7 +19,10 @@ class RolloutBatch:
     input_ids: torch.Tensor  # [B, P + R]
     attention_mask: torch.Tensor  # [B, P + R]
     response_ids: torch.Tensor  # [B, R]
-    response_mask: torch.Tensor  # [B, R] float, 1 on generated tokens
+    # [B, R] float, 1 on the tokens the update trains on: the engine's tokens (not a multi-turn trajectory's
+    # tool results or user turns: `GenerationOutput.loss_mask`), minus stale or masked-out rows. The real
+    # tokens, for positions and lengths, are `response_attention`.
+    response_mask: torch.Tensor
     rollout_logprobs: torch.Tensor | None  # [B, R] from the engine (None for demonstrations)
     group_ids: torch.Tensor  # [B] prompt index: the GRPO group
     scores: torch.Tensor  # [B] outcome reward per sequence
@@ -36,7 +39,7 @@ class RolloutBatch:
             input_ids=torch.cat([out.prompt_ids, out.response_ids], dim=1),
             attention_mask=torch.cat([out.prompt_mask, out.response_mask], dim=1),
             response_ids=out.response_ids,
-            response_mask=out.response_mask.float(),
+            response_mask=out.trained_mask,
             rollout_logprobs=out.logprobs,
             group_ids=group_ids.to(out.response_ids.device),
             scores=scores.to(out.response_ids.device),
@@ -77,10 +80,21 @@ class RolloutBatch:
     def prompt_len(self) -> int:
         return self.input_ids.shape[1] - self.response_ids.shape[1]
 
+    @property
+    def response_attention(self) -> torch.Tensor:
+        """[B, R]: the response's real tokens (trained or not), from the attention mask: where a response
+        ends and how long it is."""
+        return self.attention_mask[:, self.prompt_len:]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """[B] long: real tokens per response (a multi-turn one's tool results and user turns included)."""
+        return self.response_attention.sum(-1).long()
+
     def token_rewards(self) -> torch.Tensor:
         """Outcome score placed on each sequence's last response token (zeros elsewhere)."""
         rewards = torch.zeros_like(self.response_mask)
-        last = (self.response_mask.sum(-1).long() - 1).clamp(min=0)
+        last = (self.response_lengths - 1).clamp(min=0)
         rewards.scatter_(1, last.unsqueeze(1), self.scores.unsqueeze(1).to(rewards.dtype))
         return rewards
 
@@ -113,7 +127,7 @@ class RolloutBatch:
         columns dropped on the left and on the right (callers pad per-token outputs back)."""
         valid = self.attention_mask.bool().any(0)
         first = int(valid.int().argmax())
-        response_valid = self.response_mask.bool().any(0)
+        response_valid = self.response_attention.bool().any(0)
         keep_r = int(response_valid.nonzero().max()) + 1 if response_valid.any() else 1
         right = self.response_ids.shape[1] - keep_r
         left = min(first, self.prompt_len - 1)

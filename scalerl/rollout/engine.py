@@ -58,6 +58,12 @@ class GenerationOutput:
     ``prompt + response`` assigns, before top-k/top-p truncation. ``finish_reasons[i]`` is ``"stop"`` or
     ``"length"``. ``weight_versions[i, t]``, where known, is the policy version (optimizer steps) of the
     weights that generated token ``t`` (-1 on padding); a standalone worker sets it.
+
+    A multi-turn rollout's response holds tokens that did not come from the engine (tool results, user turns,
+    the chat template's glue between turns: `scalerl.rollout.trajectory`): ``loss_mask[i, t]`` is 1 where the
+    engine sampled token ``t`` (it is trained), 0 where it came from elsewhere (it is context only; its
+    ``logprobs`` are 0). ``response_mask`` still marks every real token. None: every response token is the
+    engine's (a single turn, the one-segment case).
     """
 
     prompt_ids: torch.Tensor  # [B, P], left-padded
@@ -67,10 +73,17 @@ class GenerationOutput:
     logprobs: torch.Tensor  # [B, R]
     finish_reasons: list[str]
     weight_versions: torch.Tensor | None = None  # [B, R] int32
+    loss_mask: torch.Tensor | None = None  # [B, R]: 1 on the engine's tokens, 0 on tokens from elsewhere
 
     @property
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1)
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """[B, R] float: the response tokens the update trains on (the engine's real tokens)."""
+        mask = self.response_mask.float()
+        return mask if self.loss_mask is None else mask * self.loss_mask.to(mask.dtype)
 
     def rows(self, start: int, stop: int) -> GenerationOutput:
         """Rows ``start:stop``, with columns that no kept row uses trimmed (prompts on the left, responses on
@@ -83,6 +96,7 @@ class GenerationOutput:
             self.prompt_ids[start:stop, left:], prompt_mask[:, left:], self.response_ids[start:stop, :width],
             response_mask[:, :width], self.logprobs[start:stop, :width], self.finish_reasons[start:stop],
             None if self.weight_versions is None else self.weight_versions[start:stop, :width],
+            None if self.loss_mask is None else self.loss_mask[start:stop, :width],
         )
 
     @staticmethod
@@ -104,6 +118,9 @@ class GenerationOutput:
             [r for p in parts for r in p.finish_reasons],
             torch.cat([pad(p.weight_versions, response_width, False, -1) for p in parts])
             if all(p.weight_versions is not None for p in parts) else None,
+            # a part without a loss mask is all the engine's: its real tokens are trained
+            torch.cat([pad(p.loss_mask if p.loss_mask is not None else p.response_mask, response_width, False, 0)
+                       for p in parts]) if any(p.loss_mask is not None for p in parts) else None,
         )
 
 

@@ -87,14 +87,16 @@ def encode_output(out: GenerationOutput) -> list[torch.Tensor]:
     stopped = torch.tensor([r == "stop" for r in out.finish_reasons], dtype=torch.bool)
     versions = out.weight_versions if out.weight_versions is not None else torch.full(
         out.response_ids.shape, -1, dtype=torch.int32)
-    return [out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, out.logprobs, stopped,
-            versions.to(torch.int32)]
+    message = [out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, out.logprobs, stopped,
+               versions.to(torch.int32)]
+    return message if out.loss_mask is None else [*message, out.loss_mask]  # a multi-turn trajectory's mask
 
 
 def decode_output(message: list[torch.Tensor]) -> GenerationOutput:
-    prompt_ids, prompt_mask, response_ids, response_mask, logprobs, stopped, versions = message
+    prompt_ids, prompt_mask, response_ids, response_mask, logprobs, stopped, versions, *loss_mask = message
     return GenerationOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs,
-                            ["stop" if s else "length" for s in stopped.tolist()], versions)
+                            ["stop" if s else "length" for s in stopped.tolist()], versions,
+                            loss_mask[0] if loss_mask else None)
 
 
 def token_versions(response_mask: torch.Tensor, version: int) -> torch.Tensor:

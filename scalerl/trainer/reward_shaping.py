@@ -23,7 +23,7 @@ from scalerl.rollout.batch import RolloutBatch
 
 def truncated_rows(batch: RolloutBatch, max_new_tokens: int, stop_token_ids: Sequence[int]) -> torch.Tensor:
     """[B] bool: the responses cut off by the length limit (finish reason "length")."""
-    lengths = batch.response_mask.sum(-1).long()
+    lengths = batch.response_lengths
     last = batch.response_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
     stopped = torch.isin(last, torch.tensor(list(stop_token_ids), dtype=last.dtype, device=last.device))
     return (lengths >= max_new_tokens) & ~stopped
@@ -51,7 +51,7 @@ class RewardShaping:
         """The overlong penalty added to ``batch.scores`` in place (before any metric or filter reads them)."""
         if self.overlong is None:
             return {}
-        penalty = overlong_penalty(batch.response_mask.sum(-1), self.max_new_tokens, self.overlong.len,
+        penalty = overlong_penalty(batch.response_lengths, self.max_new_tokens, self.overlong.len,
                                    self.overlong.penalty_factor).to(batch.scores.dtype)
         batch.scores = batch.scores + penalty
         return {"reward/overlong_penalty/mean": float(penalty.mean()),
