@@ -20,13 +20,14 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/scalerl demo
 
-# pytest exits 5 when it collects no test; that is reported, not hidden, and is not a crash.
+# pytest exits 5 when it collects no test; that is reported, not hidden, and is not a crash. The 20 slowest
+# tests are listed at the end, so the suite's time (kept under 25 min on 2 cores) has its culprits named.
 # scripts/install_test_packages.sh installs Slurm/iproute2 for their tests when root (else says what skips).
 # Then the tests of vLLM's CPU build (`test-vllm`), in a venv of their own.
 test: setup
 	@$(PY) -m scalerl.core.cpu_capabilities
 	scripts/install_test_packages.sh
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider --durations=20; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; [ $$rc -eq 0 ] || exit $$rc
 	$(MAKE) --no-print-directory test-vllm
 

@@ -48,7 +48,9 @@ sys.path.insert(0, str(ROOT))
 
 from scalerl.comm.weights.channel import InProcessChannel
 from scalerl.comm.weights.receiver import TensorDictStore, WeightReceiver
-from scalerl.comm.weights.sender import ROLLOUT_DTYPES, WeightSender
+from scalerl.comm.weights.sender import WeightSender
+from scalerl.core.config import ROLLOUT_DTYPES
+from scalerl.core.device import PRECISION_DTYPES
 
 DEMO = ROOT / "scalerl" / "configs" / "demo.yaml"
 MiB = 1 << 20
@@ -96,7 +98,7 @@ def grpo_bytes(sft_dir: Path, out: Path, lr: float, args) -> list[dict]:
     policy = trainer.policy.model
     pairs = {}
     for name in args.dtypes:
-        dtype = ROLLOUT_DTYPES[name]
+        dtype = PRECISION_DTYPES[name]
         engine = BuiltinEngine(build_model(policy.config, seed=1).to(dtype).eval(), trainer.tokenizer.pad_token_id)
         delta = WeightSender(dtype, int(args.bucket_mb * MiB), InProcessChannel([engine_weight_receiver(engine)]))
         full = WeightSender(dtype, int(args.bucket_mb * MiB), InProcessChannel([WeightReceiver(TensorDictStore())]),
@@ -113,7 +115,7 @@ def grpo_bytes(sft_dir: Path, out: Path, lr: float, args) -> list[dict]:
             d = delta.sync(policy.named_parameters())
             f = full.sync(policy.named_parameters())
             trained = dict(policy.named_parameters())
-            exact = all(torch.equal(_bits(p), _bits(trained[n].to(ROLLOUT_DTYPES[name])))
+            exact = all(torch.equal(_bits(p), _bits(trained[n].to(PRECISION_DTYPES[name])))
                         for n, p in engine.model.named_parameters())
             rows.append({"lr": lr, "dtype": name, "step": step, "changed_fraction": d.changed_fraction,
                          "delta_bytes": d.bytes, "full_bytes": f.bytes, "ratio": d.bytes / f.bytes,
@@ -295,7 +297,7 @@ def checksum_timing(model: str, dtypes: list[str], rounds: int, bucket_mb: float
 
     rows = []
     for name in dtypes:
-        bits, views = checksum_state(model, ROLLOUT_DTYPES[name])
+        bits, views = checksum_state(model, PRECISION_DTYPES[name])
         per_bucket = max(1, int(bucket_mb * MiB) // bits.element_size())
         buckets = [bits[s : s + per_bucket] for s in range(0, bits.numel(), per_bucket)]
         for what, pieces in (("per tensor", views), ("per bucket", buckets)):

@@ -9,7 +9,9 @@ import torch
 
 from scalerl.core.errors import UserError
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# A precision's name (trainer.precision, rollout.dtype) -> its torch dtype: the one table of them.
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST_DTYPES = {name: PRECISION_DTYPES[name] for name in ("bf16", "fp16")}
 
 
 class DeviceError(UserError, RuntimeError):

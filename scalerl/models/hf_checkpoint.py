@@ -429,7 +429,18 @@ def save_pretrained(
     Everything is written into a fresh hidden sibling directory, given the run's file modes, and swapped in
     for ``path`` as a whole: an interrupted save leaves the old directory intact, and no file of an older
     save survives (a stale ``model.safetensors`` or index from another sharding would be loaded instead).
+
+    The one save for every model class: a model that saves itself (the transformers fallback,
+    `scalerl.models.transformers_model.TransformersCausalLM`, whose names and config are transformers' own) is
+    handed to its own ``save_pretrained``; anything else but a built-in ``CausalLM`` is refused by type, as
+    writing its tensors under the built-in names would load with other logits.
     """
+    own_save = getattr(type(model), "save_pretrained", None)
+    if own_save is not None:
+        return model.save_pretrained(path, tokenizer=tokenizer, max_shard_size=max_shard_bytes)
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"save_pretrained writes a built-in CausalLM or a model with its own save_pretrained, not a "
+                        f"{type(model).__name__}")
     path = Path(path)
     with built_aside(path) as staged:
         _write_model_files(model, staged, max_shard_bytes, generation_config)

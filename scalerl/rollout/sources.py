@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from scalerl.comm.weights.sender import ROLLOUT_DTYPES
+from scalerl.core.device import PRECISION_DTYPES
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import ModelParts
 from scalerl.rollout.engine import (
@@ -150,14 +150,14 @@ def workers_compute_dtype(rollout_dtype: str, precision: str) -> torch.dtype:
     ``auto`` the trainer resolves the precision after the workers started: they keep their copy's.)"""
     if rollout_dtype == "fp32" and precision == "bf16":
         return torch.bfloat16
-    return ROLLOUT_DTYPES[rollout_dtype]
+    return PRECISION_DTYPES[rollout_dtype]
 
 
 class StandaloneRollouts:
     def __init__(self, policy: ModelParts, ctx: DistContext, pad_token_id: int, rollout_cfg, weight_sync_cfg,
                  precision: str = "fp32", training_dtype: torch.dtype | None = torch.float32, engine: str = "builtin"):
         self.policy, self.ctx, self.pad_token_id = policy, ctx, pad_token_id
-        self.dtype, self.staleness = ROLLOUT_DTYPES[rollout_cfg.dtype], rollout_cfg.staleness
+        self.dtype, self.staleness = PRECISION_DTYPES[rollout_cfg.dtype], rollout_cfg.staleness
         # ``precision`` as configured (the workers read it so); ``training_dtype``: the compute dtype of the
         # trainer's forward where a built-in engine on the trainer's model would match it, else None.
         self.compute_dtype, self.training_dtype = workers_compute_dtype(rollout_cfg.dtype, precision), training_dtype

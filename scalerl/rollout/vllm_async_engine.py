@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from scalerl.comm.weights.sender import ROLLOUT_DTYPES
+from scalerl.core.device import PRECISION_DTYPES
 from scalerl.rollout.continuous_engine import GenerationRequest, RequestOutput
 from scalerl.rollout.engine import PromptTooLongError
 from scalerl.rollout.vllm_engine import (
@@ -73,7 +73,7 @@ class VLLMAsyncEngine:
             raise ValueError(f"max_num_seqs must be >= 1 (or None: vLLM's default), got {max_num_seqs}")
         self._vllm, self._final_only = vllm, RequestOutputKind.FINAL_ONLY
         self.pad_token_id, self.max_prompt_len, self.max_new_tokens = pad_token_id, max_prompt_len, max_new_tokens
-        self.dtype, self.load_bucket_bytes = ROLLOUT_DTYPES[dtype], load_bucket_bytes
+        self.dtype, self.load_bucket_bytes = PRECISION_DTYPES[dtype], load_bucket_bytes
         self.step_wait_s, self.call_timeout_s = step_wait_s, call_timeout_s
         if max_num_seqs is not None:
             engine_kwargs.setdefault("max_num_seqs", max_num_seqs)

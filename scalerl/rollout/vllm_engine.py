@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from scalerl.comm.weights.sender import ROLLOUT_DTYPES
+from scalerl.core.device import PRECISION_DTYPES
 from scalerl.core.errors import UserError
 from scalerl.models.hf_checkpoint import save_pretrained
 from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
@@ -237,7 +237,7 @@ class VLLMEngine:
         vllm = import_vllm()
         self._vllm = vllm
         self.pad_token_id = pad_token_id
-        self.dtype = ROLLOUT_DTYPES[dtype]
+        self.dtype = PRECISION_DTYPES[dtype]
         self.load_bucket_bytes = load_bucket_bytes
         self.load_stage_dir = STAGE_DIR  # None: buckets as bytes through collective_rpc (workers on other hosts)
         # Sleep mode (colocated: the trainer's update gets the KV cache's and the weights' memory back) exists
@@ -324,10 +324,7 @@ def vllm_engine_from_config(model: torch.nn.Module, cfg: Any, scratch_dir: Path,
     source = cfg.trainer.init_from or cfg.model.path
     if not source:
         source = Path(scratch_dir) / "vllm_initial_weights"
-        if hasattr(model, "save_pretrained"):  # the transformers fallback
-            model.save_pretrained(source)
-        else:
-            save_pretrained(model, source)
+        save_pretrained(model, source)  # dispatches: the transformers fallback saves itself
     return VLLMEngine(str(source), pad_token_id, dtype=cfg.rollout.dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
                       seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
                       sleep_between_generations=cfg.rollout.placement == "colocated",

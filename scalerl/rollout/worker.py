@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from scalerl.comm.weights.channel import serve_broadcast
-from scalerl.comm.weights.sender import ROLLOUT_DTYPES
+from scalerl.core.device import PRECISION_DTYPES
 from scalerl.core.errors import UserError
 from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.lora import apply_lora_from_config
@@ -50,7 +50,12 @@ from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.continuous_engine import GenerationRequest, RequestOutput
 from scalerl.rollout.engine import GenerationOutput, SamplingParams, left_pad
 from scalerl.rollout.engine_choice import decide_engine
-from scalerl.rollout.messages import MAX_PENDING_SENDS, PendingSend, isend_tensors, recv_tensors
+from scalerl.rollout.messages import (
+    MAX_PENDING_SENDS,
+    PendingSend,
+    isend_tensors,
+    recv_tensors,
+)
 from scalerl.rollout.sources import workers_compute_dtype
 from scalerl.rollout.weight_loading import engine_weight_receiver
 from scalerl.rollout.worker_protocol import (
@@ -143,7 +148,7 @@ def streaming_engine(cfg: Any, model: torch.nn.Module, pad_token_id: int, scratc
             from scalerl.models.hf_checkpoint import save_pretrained
 
             source = Path(scratch_dir) / "vllm_initial_weights"
-            model.save_pretrained(source) if hasattr(model, "save_pretrained") else save_pretrained(model, source)
+            save_pretrained(model, source)  # dispatches: the transformers fallback saves itself
         return streaming_vllm_engine(cfg, str(source), pad_token_id)
     return BuiltinStreamingEngine(BuiltinEngine(model, pad_token_id), cfg.data.max_prompt_length, r.max_new_tokens,
                                   rows)
@@ -224,7 +229,7 @@ class RolloutWorker:
         model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.trainer.init_from, device, cfg.trainer.seed)
         # The trainer's adapted modules, so pushes of its adapters land by name (`synced_tensors`).
         apply_lora_from_config(model, cfg.model.lora, cfg.trainer.seed)
-        self.model = model.to(ROLLOUT_DTYPES[cfg.rollout.dtype]).eval().requires_grad_(False)
+        self.model = model.to(PRECISION_DTYPES[cfg.rollout.dtype]).eval().requires_grad_(False)
         # rollout.engine=auto decided as the trainer decides it (`decide_engine`: the same inputs)
         self.engine_choice = decide_engine(cfg, model, dist.get_world_size() if dist.is_initialized() else 1)
         self.scratch = None

@@ -154,6 +154,11 @@ class RolloutPhase:
                   if self.early_updates else f"the update waits for the whole batch: {self.updates_wait_for}"),
                   flush=True)
 
+    def health_context(self) -> dict[str, Any]:
+        """What the doctor's trainer-idle fix reads (`scalerl.health.rollout_rules`): with rollout.stream_groups,
+        why the update waits for the whole batch (None: it streams)."""
+        return {"stream_update_waits_for": self.updates_wait_for} if self.t.cfg.rollout.stream_groups else {}
+
     def _why_updates_wait(self) -> str | None:
         """With rollout.stream_groups, why the actor's update cannot start before the batch is whole (None: its
         first-epoch mini-batches start as their groups arrive). An early optimizer step is exact only if nothing

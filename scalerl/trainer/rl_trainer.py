@@ -148,8 +148,7 @@ class RLTrainer(TrainingRun):
         if resumed or r.placement == "standalone":
             self.rollouts.sync_weights(version=self.step)
         self.start_logging()
-        if r.stream_groups:  # the doctor's trainer-idle fix names it (`scalerl.health.rollout_rules`)
-            self.monitor.context["stream_update_waits_for"] = self.rollout_phase.updates_wait_for
+        self.monitor.context.update(self.rollout_phase.health_context())
 
     def model_loaded(self, model) -> None:
         # rollout.engine, decided once (auto: from the model as loaded); the workers decide alike, with the

@@ -32,7 +32,7 @@ def _same_on_all_ranks(t: torch.Tensor) -> bool:
 
 def _checks(rank: int) -> dict:
     from scalerl.comm.counting.counted_collectives import CountedCollectives
-    from scalerl.comm.gradients.bucket_slots import Segment
+    from scalerl.comm.gradients.bucket_slots import SlotSegment
     from scalerl.comm.gradients.hierarchical import (
         HierarchicalGroups,
         NodeLayout,
@@ -73,7 +73,7 @@ def _checks(rank: int) -> dict:
 
     # -- top-k (flat): sync, count, error feedback
     n, density, steps = 1000, 0.05, 200
-    segments = [Segment(0, 0, 600), Segment(1, 600, 1000)]
+    segments = [SlotSegment(0, 0, 600), SlotSegment(1, 600, 1000)]
     exchange = TopKExchange(momentum=0.0)
     dense_sum = torch.zeros(n)
     sparse_sum = torch.zeros(n)
@@ -110,7 +110,7 @@ def _checks(rank: int) -> dict:
         g[0] = 1000.0
         for _ in range(20):
             sent = g.clone()
-            exchange_m.reduce(sent, [Segment(0, 0, 100)], [0.01], world_group, CountedCollectives(), "m", "flat")
+            exchange_m.reduce(sent, [SlotSegment(0, 0, 100)], [0.01], world_group, CountedCollectives(), "m", "flat")
         out[f"momentum_{m}"] = (float(sent[0]), float(sent[1:].abs().max()),
                                 float(exchange_m.residual_of("m")[1]), float(exchange_m.residual_of("m")[0]))
 
@@ -156,7 +156,7 @@ def _checks(rank: int) -> dict:
     bf = hierarchical_all_reduce(g.clone(), h, inter_dtype=torch.bfloat16, chunks=2)  # pipelined cast
     out["hier_bf16_pipelined"] = (_same_on_all_ranks(bf), float((bf - dense).abs().max() / dense.abs().max()))
     start, end = h.shard_bounds(1001)
-    seg = [Segment(0, 0, min(end, 1001) - start)]
+    seg = [SlotSegment(0, 0, min(end, 1001) - start)]
     ex = TopKExchange()
     tk = hierarchical_all_reduce(g.clone(), h, inter_reduce=lambda shard: ex.reduce(
         shard, seg, [1.0], h.inter, CountedCollectives(), "s", "inter"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from scalerl.comm.gradients.bucket_slots import (
-    Segment,
+    SlotSegment,
     TensorSlot,
     bucket_slots,
     segments_in,
@@ -40,7 +40,7 @@ def test_bucket_slots_follow_parameter_order_and_segments_cut_ranges():
                                                                      ("a.bias", 12, 5, "vector")]
     assert slots[0].matrix_shape == (3, 4) and slots[1].matrix_shape is None
     # a shard [10, 15) of the 17-element buffer holds the matrix's last 2 and the bias's first 3
-    assert segments_in(slots, 10, 15) == [Segment(0, 0, 2), Segment(1, 2, 5)]
+    assert segments_in(slots, 10, 15) == [SlotSegment(0, 0, 2), SlotSegment(1, 2, 5)]
 
 
 def _model_like(seed: int = 0):

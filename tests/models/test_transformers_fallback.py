@@ -333,3 +333,19 @@ def test_the_fallback_trains_under_ddp_and_fsdp_like_one_process(single_run, olm
         assert rank_refusals.keys() == {"tp", "pp"}
         assert rank_refusals["tp"].startswith("parallel.tp=2 (tensor parallelism) needs scalerl's own decoder")
         assert rank_refusals["pp"].startswith("parallel.pp=2 (pipeline parallelism) needs scalerl's own decoder")
+
+
+def test_the_one_save_dispatches_to_the_fallbacks_own_and_refuses_other_modules(olmo2_dir, tmp_path):
+    """`scalerl.models.save_pretrained` given a transformers-fallback model writes transformers' own directory
+    (it loads with the same logits), and refuses a module it cannot write by type instead of writing a
+    directory that loads as another model."""
+    model = _load(olmo2_dir, "auto")
+    assert isinstance(model, TransformersCausalLM)
+    save_pretrained(model, tmp_path / "again", tokenizer=CharTokenizer())
+    again = _load(tmp_path / "again", "auto")
+    ids, mask = _left_padded_batch()
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask), again(ids, attention_mask=mask))
+    with pytest.raises(TypeError, match="not a Linear"):
+        save_pretrained(torch.nn.Linear(2, 2), tmp_path / "linear")
+    assert not (tmp_path / "linear").exists()

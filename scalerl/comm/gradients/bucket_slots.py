@@ -66,7 +66,7 @@ def bucket_slots(params: list[torch.nn.Parameter], names: dict[int, str]) -> lis
 
 
 @dataclass(frozen=True)
-class Segment:
+class SlotSegment:
     """Part of one slot inside a range of the buffer: [lo, hi) relative to the range's start."""
 
     slot: int  # index into the slot list
@@ -78,11 +78,11 @@ class Segment:
         return self.hi - self.lo
 
 
-def segments_in(slots: list[TensorSlot], start: int, end: int) -> list[Segment]:
+def segments_in(slots: list[TensorSlot], start: int, end: int) -> list[SlotSegment]:
     """The slots' parts that fall in [start, end) (e.g. a hierarchical shard), relative to `start`."""
     out = []
     for i, s in enumerate(slots):
         lo, hi = max(s.offset, start), min(s.end, end)
         if lo < hi:
-            out.append(Segment(i, lo - start, hi - start))
+            out.append(SlotSegment(i, lo - start, hi - start))
     return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from scalerl.comm.counting.counted_collectives import CountedCollectives
-from scalerl.comm.gradients.bucket_slots import Segment
+from scalerl.comm.gradients.bucket_slots import SlotSegment
 
 DENSE_DENSITY = 0.5
 INDEX_BYTES = 4  # int32 indices (a bucket or shard is far below 2^31 elements)
@@ -64,7 +64,7 @@ class TopKExchange:
         state = self.states.get(key)
         return None if state is None else state.residual
 
-    def reduce(self, flat: torch.Tensor, segments: list[Segment], densities: list[float], group,
+    def reduce(self, flat: torch.Tensor, segments: list[SlotSegment], densities: list[float], group,
                collectives: CountedCollectives, key: object, scope: str) -> torch.Tensor:
         """SUM over `group` of every rank's compressed `flat` (1-D), written into `flat`; `densities[i]`
         applies to `segments[i]`. Positions outside the segments come back as zero."""
@@ -117,7 +117,7 @@ class TopKExchange:
             state.momentum[lo:hi] = 0
 
 
-def sparse_elements_sent(segments: list[Segment], densities: list[float]) -> int:
+def sparse_elements_sent(segments: list[SlotSegment], densities: list[float]) -> int:
     """Elements a rank sends as (index, value) pairs for these segments (the dense ones excluded)."""
     return sum(topk_count(s.numel, d) for s, d in zip(segments, densities) if not is_dense(d))
 

@@ -35,7 +35,7 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
-class Segment:
+class BucketSegment:
     """Elements ``[tensor_start, tensor_stop)`` of tensor ``entry`` sit at ``bucket_offset`` of a bucket."""
 
     entry: TensorEntry
@@ -93,14 +93,14 @@ class WeightPlan:
         start = b * self.bucket_elems
         return start, min(start + self.bucket_elems, self.total_elems)
 
-    def segments(self, b: int) -> list[Segment]:
+    def segments(self, b: int) -> list[BucketSegment]:
         """The tensor pieces of bucket ``b``, in order."""
         lo, hi = self.bucket_range(b)
         out = []
         for entry in self._entries_overlapping(lo, hi):
             s, e = max(lo, entry.start), min(hi, entry.stop)
             if e > s:
-                out.append(Segment(entry, s - entry.start, e - entry.start, s - lo))
+                out.append(BucketSegment(entry, s - entry.start, e - entry.start, s - lo))
         return out
 
     def _entries_overlapping(self, lo: int, hi: int) -> Iterable[TensorEntry]:

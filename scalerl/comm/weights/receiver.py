@@ -23,7 +23,7 @@ from scalerl.comm.weights.delta import (
     decode_bucket,
     int_view_dtype,
 )
-from scalerl.comm.weights.plan import Segment, WeightPlan
+from scalerl.comm.weights.plan import BucketSegment, WeightPlan
 
 
 class WeightStore(Protocol):
@@ -121,7 +121,7 @@ class WeightReceiver:
         self._dirty = {e.name for e in plan.entries}  # a full push makes every tensor live again
         return Ack(Status.OK, 0, 0, self.plan_hash)
 
-    def _views(self, segments: list[Segment]) -> list[torch.Tensor]:
+    def _views(self, segments: list[BucketSegment]) -> list[torch.Tensor]:
         view = int_view_dtype(self.plan.dtype)
         return [self.store.tensor(s.entry.name).view(-1).view(view)[s.tensor_start : s.tensor_stop] for s in segments]
 

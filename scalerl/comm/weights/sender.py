@@ -48,8 +48,8 @@ from scalerl.comm.weights.delta import (
     int_view_dtype,
 )
 from scalerl.comm.weights.plan import TensorEntry, WeightPlan
+from scalerl.core.device import PRECISION_DTYPES
 
-ROLLOUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODES = ("full", "delta", "auto")
 # mode "auto": every this many syncs, the way not currently preferred is tried again, so its cost stays current
 AUTO_PROBE_EVERY = 8
@@ -134,7 +134,7 @@ class WeightSender:
     @classmethod
     def from_config(cls, weight_sync, rollout_dtype: str, channel: SenderChannel | None) -> WeightSender:
         """From the ``weight_sync`` config section and ``rollout.dtype``."""
-        return cls(ROLLOUT_DTYPES[rollout_dtype], int(weight_sync.bucket_mb * MiB), channel, weight_sync.mode,
+        return cls(PRECISION_DTYPES[rollout_dtype], int(weight_sync.bucket_mb * MiB), channel, weight_sync.mode,
                    weight_sync.static_every, weight_sync.static_threshold)
 
     @property
