@@ -1,0 +1,221 @@
+"""The agent loop: multi-turn episodes against environments, one coroutine per trajectory, on a
+continuous-batching engine, producing token-exact trajectories.
+
+Each trajectory is a coroutine: render the environment's first messages (`ChatContinuity.prompt`), ask the
+engine for a turn, hand the decoded assistant message to the environment, append the tokens of its answer
+(`ChatContinuity.continuation`: a delta, never a re-render) and go on until the environment is done, or a
+limit is hit: ``max_turns``, the trajectory's token budget (``max_total_tokens``, prompt included; a turn
+is given at most what is left of it). The engine is driven by one pump (`EnginePump`): requests from every
+trajectory go into the continuous engine as they come, and its decode steps run in a worker thread, so while
+one trajectory waits for a slow tool the others keep decoding; an environment's plain methods run in
+threads too. A request's random draws are its own (seeded by the step, the trajectory's row and the
+turn), so a trajectory samples the same whatever the others do and however long their tools take.
+
+One failing episode does not fail the batch: an environment that raises ends its trajectory, with the
+class, the method and the turn in ``info["error"]`` (counted as ``agent/env_errors``); the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from scalerl.rollout.agent.chat_delta import ChatContinuity
+from scalerl.rollout.agent.environment import EnvStep, as_env_step, call_env
+from scalerl.rollout.continuous_engine import GenerationRequest, RequestOutput
+from scalerl.rollout.engine import PromptTooLongError, SamplingParams
+from scalerl.rollout.trajectory import Trajectory, TrajectorySegment
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    max_turns: int = 4
+    max_total_tokens: int = 1024  # prompt + every turn + every environment answer
+
+
+@dataclass
+class EpisodeRecord:
+    """What one episode did besides its tokens: the environment's last reward and info, how it ended."""
+
+    reward: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    end: str = "done"  # done | max_turns | budget | length | env_error
+    prefix_breaks: int = 0
+    env_s: float = 0.0  # seconds in the environment's step (tools included)
+
+
+class EnginePump:
+    """Feeds one continuous engine from many coroutines: ``await generate(prompt, sampling)`` queues a request;
+    the pump submits what is queued between decode steps and runs each ``step()`` in a worker thread."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.queued: list[tuple[GenerationRequest, asyncio.Future]] = []
+        self.waiting: dict[int, asyncio.Future] = {}
+        self.next_id = 0
+        self.wake = asyncio.Event()
+        self.closed = False
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestOutput:
+        future = asyncio.get_running_loop().create_future()
+        self.queued.append((GenerationRequest(self.next_id, prompt_ids, sampling), future))
+        self.next_id += 1
+        self.wake.set()
+        return await future
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+        except BaseException as error:  # the engine failed: every trajectory waiting on it hears so, none hangs
+            for future in [*self.waiting.values(), *(f for _, f in self.queued)]:
+                if not future.done():
+                    future.set_exception(error)
+            raise
+
+    async def _run(self) -> None:
+        while not self.closed:
+            for request, future in self.queued:  # only here, between steps: the engine is not thread-safe
+                try:
+                    self.engine.submit(request)
+                    self.waiting[request.request_id] = future
+                except Exception as error:  # a prompt too long for the engine ends that trajectory only
+                    future.set_exception(error)
+            self.queued.clear()
+            if not self.engine.has_unfinished():
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            for out in await asyncio.to_thread(self.engine.step):
+                self.waiting.pop(out.request_id).set_result(out)
+
+    def close(self) -> None:
+        self.closed = True
+        self.wake.set()
+
+
+class AgentLoop:
+    """Episodes of ``make_env()`` environments for a batch of rows on ``engine`` (a `ContinuousEngine`),
+    rendered through ``tokenizer``'s chat template."""
+
+    def __init__(self, engine: Any, tokenizer: Any, make_env: Callable[[], Any], limits: AgentLimits,
+                 template_kwargs: dict[str, Any] | None = None):
+        self.engine, self.tokenizer, self.make_env, self.limits = engine, tokenizer, make_env, limits
+        self.template_kwargs = template_kwargs or {}
+
+    def run(self, rows: list[dict], sampling: SamplingParams, row_offset: int = 0,
+            total_rows: int | None = None) -> tuple[list[Trajectory], list[EpisodeRecord]]:
+        """One trajectory per row (``rows`` already holds each prompt ``n`` times); trajectory ``i``'s turn
+        ``k`` samples with ``sampling``'s seed at global row ``row_offset + i`` of ``total_rows``, a seed per
+        turn."""
+        return asyncio.run(self._run(rows, sampling, row_offset, total_rows or len(rows)))
+
+    async def _run(self, rows, sampling, row_offset, total_rows):
+        pump = EnginePump(self.engine)
+        pumping = asyncio.create_task(pump.run())
+        try:
+            done = await asyncio.gather(*(self._episode(pump, row, i, sampling, row_offset, total_rows)
+                                          for i, row in enumerate(rows)))
+        finally:
+            pump.close()
+            await pumping
+        return [t for t, _ in done], [r for _, r in done]
+
+    async def _episode(self, pump: EnginePump, row: dict, index: int, sampling: SamplingParams, row_offset: int,
+                       total_rows: int) -> tuple[Trajectory, EpisodeRecord]:
+        record, env, turn = EpisodeRecord(), self.make_env(), 0
+        segments: list[TrajectorySegment] = []
+        finish, prompt = "stop", [self.tokenizer.eos_token_id]  # the prompt stands in if reset fails
+        try:
+            try:
+                reset = await call_env(env, "reset", row)
+                messages, tools = reset if isinstance(reset, tuple) else (reset, None)
+                continuity = ChatContinuity(self.tokenizer, tools, **self.template_kwargs)
+                prompt = continuity.prompt(messages)
+            except Exception as error:  # the user's environment (or its first messages) failed: this one only
+                record.end = "env_error"
+                record.info["error"] = f"{type(env).__name__}.reset raised: {type(error).__name__}: {error}"
+                return self._finished(prompt, segments, finish, row, record)
+            context = list(prompt)
+            while True:
+                left = self.limits.max_total_tokens - len(context)
+                if left <= 0:
+                    record.end = "budget"
+                    break
+                turn_sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, left),
+                                        seed=None if sampling.seed is None else sampling.seed * 1_000_003 + turn,
+                                        row_offset=row_offset + index, total_rows=total_rows)
+                try:
+                    out = await pump.generate(context, turn_sampling)
+                except PromptTooLongError:  # the conversation outgrew the engine's window: ended, as a budget
+                    record.end = "budget"
+                    break
+                ids = out.token_ids.tolist()
+                segments.append(TrajectorySegment(ids, True, out.logprobs.tolist(),
+                                                  int(out.weight_versions[-1]) if len(ids) else -1))
+                context += ids
+                finish, turn = out.finish_reason, turn + 1
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                began = time.perf_counter()
+                try:
+                    step: EnvStep = as_env_step(await call_env(env, "step", {"role": "assistant", "content": text}))
+                except Exception as error:
+                    record.end, record.info["error"] = "env_error", (
+                        f"{type(env).__name__}.step raised at turn {turn}: {type(error).__name__}: {error}")
+                    break
+                finally:
+                    record.env_s += time.perf_counter() - began
+                record.reward, record.info = step.reward, {**record.info, **step.info}
+                if step.done or not step.messages:
+                    record.end = "done"
+                    break
+                if turn >= self.limits.max_turns:
+                    record.end = "max_turns"
+                    break
+                delta = continuity.continuation(step.messages, ids[-1] if ids else None)
+                record.prefix_breaks += int(not delta.bridged)
+                if len(context) + len(delta.token_ids) >= self.limits.max_total_tokens:
+                    record.end = "budget"  # no room for the answer and a turn after it
+                    break
+                segments.append(TrajectorySegment(delta.token_ids, False))
+                context += delta.token_ids
+        finally:
+            close = getattr(env, "close", None)
+            if close is not None:
+                try:
+                    await call_env(env, "close")
+                except Exception as error:
+                    record.info.setdefault("error", f"{type(env).__name__}.close raised: {error}")
+        return self._finished(prompt, segments, finish, row, record)
+
+    def _finished(self, prompt: list[int], segments: list[TrajectorySegment], finish: str, row: dict,
+                  record: EpisodeRecord) -> tuple[Trajectory, EpisodeRecord]:
+        if not segments:  # nothing generated (an environment that failed at reset): an empty turn, untrained
+            segments.append(TrajectorySegment([self.tokenizer.eos_token_id], False))
+        if record.end in ("budget", "max_turns"):
+            finish = "length"
+        return Trajectory(list(prompt), segments, finish, {"row": row, "env_reward": record.reward,
+                                                           "info": record.info}), record
+
+
+def agent_metrics(records: list[EpisodeRecord], trajectories: list[Trajectory], step_s: float) -> dict[str, float]:
+    """``agent/*`` metrics of one batch of episodes (per rank; reduced over ranks by the trainer)."""
+    turns = torch.tensor([float(t.num_turns) for t in trajectories])
+    generated = sum(len(s.token_ids) for t in trajectories for s in t.segments if s.generated)
+    other = sum(len(s.token_ids) for t in trajectories for s in t.segments if not s.generated)
+    info = [r.info for r in records]
+    return {
+        "agent/turns/mean": float(turns.mean()), "agent/turns/max": float(turns.max()),
+        "agent/tool_calls": float(sum(i.get("tool_calls", 0) for i in info)),
+        "agent/tool_errors": float(sum(i.get("tool_errors", 0) for i in info)),
+        "agent/tool_timeouts": float(sum(i.get("tool_timeouts", 0) for i in info)),
+        "agent/env_errors": float(sum(r.end == "env_error" for r in records)),
+        "agent/truncated": float(sum(r.end in ("budget", "max_turns") for r in records)),
+        "agent/prefix_breaks": float(sum(r.prefix_breaks for r in records)),
+        "agent/generated_tokens": float(generated), "agent/environment_tokens": float(other),
+        "agent/env_time_share": sum(r.env_s for r in records) / max(step_s * len(records), 1e-9),
+    }
