@@ -200,7 +200,11 @@ class DataSection(_Section):
     val_split: str = opt("test", "split read from a DatasetDict.save_to_disk directory in data.val_files")
     difficulty: list[int] = opt(help="arithmetic task: difficulty levels to sample", factory=lambda: [1, 2])
     num_train: int = opt(4000, "generated tasks: number of training prompts")
-    num_val: int = opt(200, "generated tasks: number of validation prompts")
+    num_val: int = opt(200, "validation prompts: the built-in task's count, and the most read from data.val_files "
+                       "or held out from data.train_files")
+    val_fraction: float = opt(0.02, "without data.val_files: the share of data.train_files' rows held out for "
+                              "evaluation (disjoint, fixed by trainer.seed, at most data.num_val; said at start); "
+                              "0 = no evaluation", at_least=0, below=1)
     max_prompt_length: int = opt(64, "longest prompt in tokens; a longer one stops the run with an error naming it")
     chat_template: bool = opt(False, "send each prompt as a user message through the tokenizer's chat template")
     reward: str = opt("auto", "auto (verl's scorer by each row's data_source; rows without one: the task's) | "
@@ -279,6 +283,32 @@ def _reward_model_problems(reward: str, model_path: str | None) -> list[str]:
 
 
 @dataclass
+class AgentSection(_Section):
+    """Multi-turn rollouts (scalerl/rollout/agent/): each sample an episode against an environment, its
+    tool results and user turns in the trajectory as context, only the engine's tokens trained."""
+
+    name = "rollout.agent"
+    env: str | None = opt(None, "the environment: tools (the built-in tool environment over rollout.agent.tools) | "
+                                "chat (scripted user turns, the row's 'turns') | module:Class | path/file.py:Class; "
+                                "null = single-turn rollouts")
+    tools: str | None = opt(None, "with env=tools: plain Python functions as tools, module:fn1,fn2 or "
+                                  "path/file.py:fn1,fn2 (the JSON schema from each signature and docstring)")
+    tool_parser: str = opt("hermes", "the model's tool-call format (hermes: Qwen2.5/Qwen3 <tool_call>{json}</tool_call>)")
+    system: str | None = opt(None, "with env=tools: a system message before the row's prompt")
+    max_turns: int = opt(4, "engine turns per episode at most", at_least=1)
+    max_tool_calls_per_turn: int = opt(4, "tool calls run per turn at most (more are answered with an error)",
+                                       at_least=1)
+    max_total_tokens: int = opt(0, "tokens per trajectory at most (prompt, turns and environment answers); 0 = "
+                                   "data.max_prompt_length + max_turns x (rollout.max_new_tokens + 64)", at_least=0)
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        if self.env == "tools" and not self.tools:
+            p.append("rollout.agent.env=tools needs rollout.agent.tools (module:fn1,fn2 or path/file.py:fn1,fn2)")
+        return p
+
+
+@dataclass
 class RolloutSection(_Section):
     name = "rollout"
     engine: str = opt("builtin", "generation engine: " + " | ".join(ROLLOUT_ENGINES))
@@ -331,6 +361,8 @@ class RolloutSection(_Section):
                                            "the behaviour policy's (behavior: standard PPO, no extra forward; fp32 "
                                            "workers only, whose log-probs equal the trainer's forward)")
 
+    agent: AgentSection = field(default_factory=AgentSection)
+
     @property
     def correction_cap(self) -> float:
         """The importance weight cap in force: rollout.tis_cap where a config sets it, else rollout.is_cap."""
@@ -372,6 +404,11 @@ class RolloutSection(_Section):
                      f"placement={self.placement}, workers={self.workers}): it overlaps the trainer's work on one "
                      "worker's finished groups with the others' generation, and colocated or with one worker the "
                      "whole batch arrives at once; set rollout.stream_groups=false or add rollout workers")
+        p += self.agent.all_problems()
+        if self.agent.env and (self.placement != "colocated" or self.engine != "builtin"):
+            p.append(f"rollout.agent.env={self.agent.env} runs colocated on the built-in engine for now (got "
+                     f"placement={self.placement}, engine={self.engine}); set rollout.placement=colocated and "
+                     "rollout.engine=builtin")
         if self.placement == "colocated" and (self.staleness or (self.dtype != "fp32" and self.engine == "builtin")):
             p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only (dtype also "
                      "to rollout.engine=vllm) "
@@ -616,6 +653,9 @@ class TrainerSection(_Section):
     output_dir: str = opt("outputs/run", "checkpoints, metrics and the resolved config go here")
     save_every: int = opt(0, "checkpoint every N steps; 0 = only at the end")
     keep_last: int = opt(2, "checkpoints kept on disk")
+    save_on_stop: bool = opt(True, "on Ctrl-C or SIGTERM (a scheduler's time limit) the run stops after the "
+                             "current step; true: it saves a checkpoint there (trainer.resume=auto continues "
+                             "from it); false: only if trainer.save_every falls due")
     resume: str = opt("never", "auto (latest in output_dir) | never | <checkpoint dir>; never refuses an "
                       "output_dir holding another run's outputs unless trainer.overwrite=true")
     overwrite: bool = opt(False, "with resume=never, delete another run's outputs (checkpoints/, metrics.jsonl, "

@@ -74,6 +74,11 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "val/*": "mean",
     "balance/*": "mean",
     "rollout/*": "mean",
+    # scalerl/rollout/agent/loop.py's agent_metrics: counts over the batch, turns per episode
+    "agent/turns/max": "max",
+    "agent/turns/mean": "mean",
+    "agent/env_time_share": "mean",
+    "agent/*": "sum",
     "response_length/*": "mean",
     "perf/*": "mean",
 }

@@ -99,7 +99,7 @@ class ColocatedRollouts:
         return self.engine.logprobs_match_training_forward
 
     def generate(self, batch: StepPrompts) -> GenerationOutput:
-        start, stop = _dp_rows(len(batch.prompts), self.ctx)
+        start, stop = dp_rows(len(batch.prompts), self.ctx)
         pp = self.ctx.dims.pp
         if pp > 1 and stop - start >= MIN_ROWS_PER_PIPELINE_RANK * pp:
             return self._generate_over_pipeline(batch, start, stop)
@@ -128,7 +128,7 @@ class ColocatedRollouts:
 
     def parts(self, batch: StepPrompts) -> Iterator[tuple[int, GenerationOutput, bool]]:
         """This DP rank's rows of ``batch`` as one part: ``(its first row in the step, output, last=True)``."""
-        start, _ = _dp_rows(len(batch.prompts), self.ctx)
+        start, _ = dp_rows(len(batch.prompts), self.ctx)
         yield start, self.generate(batch), True
 
     def prefetch(self, batch: StepPrompts | None) -> None:
@@ -193,7 +193,7 @@ class StandaloneRollouts:
             self._collect_oldest()
         self.trainer_idle += time.perf_counter() - start
         out = self.ready.pop(batch.step)
-        start, stop = _dp_rows(len(batch.prompts), self.ctx)
+        start, stop = dp_rows(len(batch.prompts), self.ctx)
         return out.rows(start, stop)
 
     def parts(self, batch: StepPrompts) -> Iterator[tuple[int, GenerationOutput, bool]]:
@@ -203,7 +203,7 @@ class StandaloneRollouts:
         if self.stream_groups:
             yield from self.generate_parts(batch)
             return
-        start, _ = _dp_rows(len(batch.prompts), self.ctx)
+        start, _ = dp_rows(len(batch.prompts), self.ctx)
         yield start, self.generate(batch), True
 
     def generate_parts(self, batch: StepPrompts) -> Iterator[tuple[int, GenerationOutput, bool]]:
@@ -308,6 +308,7 @@ class StandaloneRollouts:
         self.dead_workers, self.last_dead = int(record[1]), int(record[2])
 
 
-def _dp_rows(total: int, ctx: DistContext) -> tuple[int, int]:
+def dp_rows(total: int, ctx: DistContext) -> tuple[int, int]:
+    """This DP rank's rows ``[start, stop)`` of a step's ``total`` (equal shares, in rank order)."""
     per = total // ctx.dp_size
     return ctx.dp_rank * per, (ctx.dp_rank + 1) * per

@@ -37,6 +37,7 @@ from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.perf.mfu import StepWork
 from scalerl.perf.timing import StepTimer
 from scalerl.rollout.batch import RolloutBatch
+from scalerl.rollout.agent.source import AgentRollouts
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine_choice import decide_engine
 from scalerl.rollout.sources import ColocatedRollouts, StandaloneRollouts
@@ -120,6 +121,8 @@ class RLTrainer(TrainingRun):
                                                self.precision_choice.requested, self.engine.compute_dtype
                                                if self.engine.logprobs_match_training_forward else None,
                                                self.engine_choice.name)
+        elif r.agent.env:  # multi-turn episodes: trajectories with their loss mask, the step as before
+            self.rollouts = AgentRollouts(self.engine, self.policy, ctx, cfg, self.tokenizer)
         else:
             self.rollouts = ColocatedRollouts(self.engine, self.policy, ctx)
         # One optimizer for the policy and the critic; each update zeroes all gradients first, so a step

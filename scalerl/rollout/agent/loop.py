@@ -49,6 +49,14 @@ class EpisodeRecord:
     env_s: float = 0.0  # seconds in the environment's step (tools included)
 
 
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """A turn's sampling seed: the step's for the first turn (a one-turn episode samples what a single-turn
+    rollout does), one of its own, fixed by the turn, after."""
+    if seed is None or turn == 0:
+        return seed
+    return (seed * 1_000_003 + turn) % 2**63
+
+
 class EnginePump:
     """Feeds one continuous engine from many coroutines: ``await generate(prompt, sampling)`` queues a request;
     the pump submits what is queued between decode steps and runs each ``step()`` in a worker thread."""
@@ -147,7 +155,7 @@ class AgentLoop:
                     record.end = "budget"
                     break
                 turn_sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, left),
-                                        seed=None if sampling.seed is None else sampling.seed * 1_000_003 + turn,
+                                        seed=turn_seed(sampling.seed, turn),
                                         row_offset=row_offset + index, total_rows=total_rows)
                 try:
                     out = await pump.generate(context, turn_sampling)

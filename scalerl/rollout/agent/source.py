@@ -1,0 +1,75 @@
+"""Multi-turn rollouts as a rollout source: the trainer asks it for a step's rows as it asks any source, and gets
+trajectories laid out with their loss mask; it never learns that an agent produced them.
+
+Colocated on the built-in engine for now: each DP rank runs its share's episodes (every prompt ``rollout.n``
+times) through `AgentLoop` on a continuous-batching engine over the policy's own weights (so the weight sync
+is free, as for single-turn colocated rollouts), and reports ``agent/*`` metrics with the step's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from scalerl.core.errors import UserError
+from scalerl.rollout.agent.environment import ChatEnvironment, ToolEnvironment, environment_class
+from scalerl.rollout.agent.loop import AgentLimits, AgentLoop, agent_metrics
+from scalerl.rollout.engine import GenerationOutput
+from scalerl.rollout.sources import ColocatedRollouts, StepPrompts, dp_rows
+from scalerl.rollout.trajectory import trajectories_to_output
+
+# Room per turn for the environment's answer, in the default token budget (rollout.agent.max_total_tokens=0).
+ENV_TOKENS_PER_TURN = 64
+
+
+def agent_limits(cfg: Any) -> AgentLimits:
+    a = cfg.rollout.agent
+    budget = a.max_total_tokens or cfg.data.max_prompt_length + a.max_turns * (cfg.rollout.max_new_tokens
+                                                                              + ENV_TOKENS_PER_TURN)
+    return AgentLimits(max_turns=a.max_turns, max_total_tokens=budget)
+
+
+def environment_factory(agent_cfg: Any) -> Callable[[], Any]:
+    """A maker of one fresh environment per episode, from ``rollout.agent``."""
+    if agent_cfg.env == "chat":
+        return ChatEnvironment
+    if agent_cfg.env == "tools":
+        from scalerl.rollout.agent.tools import tools_from_module
+
+        tools = tools_from_module(agent_cfg.tools)
+        if not tools:
+            raise UserError(f"rollout.agent.tools={agent_cfg.tools!r} names no function")
+        return lambda: ToolEnvironment(tools, agent_cfg.tool_parser, agent_cfg.system, agent_cfg.max_tool_calls_per_turn)
+    cls = environment_class(agent_cfg.env)
+    return cls
+
+
+class AgentRollouts(ColocatedRollouts):
+    """Each DP rank's rows of a step as episodes (`AgentLoop`), on a continuous engine over the policy."""
+
+    def __init__(self, engine: Any, policy: Any, ctx: Any, cfg: Any, tokenizer: Any):
+        super().__init__(engine, policy, ctx)
+        r = cfg.rollout
+        limits = agent_limits(cfg)
+        rows = cfg.trainer.batch_size * r.n // max(ctx.dp_size, 1)
+        continuous = engine.continuous_engine(limits.max_total_tokens, r.max_new_tokens, r.max_num_seqs or rows)
+        self.loop = AgentLoop(continuous, tokenizer, environment_factory(r.agent), limits)
+        self.n, self.pad_token_id = r.n, engine.pad_token_id
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def logprobs_match_training_forward(self) -> bool:
+        return self.loop.engine.logprobs_match_training_forward
+
+    def generate(self, batch: StepPrompts) -> GenerationOutput:
+        start, stop = dp_rows(len(batch.prompts), self.ctx)
+        rows = [batch.rows[i // self.n] for i in range(start, stop)]
+        began = time.perf_counter()
+        trajectories, records = self.loop.run(rows, batch.sampling, row_offset=start, total_rows=len(batch.prompts))
+        self.metrics = agent_metrics(records, trajectories, time.perf_counter() - began)
+        return trajectories_to_output(trajectories, self.pad_token_id)
+
+    def step_metrics(self) -> dict[str, float]:
+        metrics, self.metrics = self.metrics, {}
+        return metrics

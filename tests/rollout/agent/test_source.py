@@ -1,0 +1,59 @@
+"""Multi-turn rollouts in the trainer: a one-turn episode trains what today's single-turn step trains (same
+tokens, log-probs within fp32 noise), multi-turn episodes train with the user turns masked, and the agent's
+metrics come with the step's."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from scalerl.rollout.agent.source import AgentRollouts
+from scalerl.trainer.rl_trainer import RLTrainer
+
+# Continuous batching on both sides (the agent loop runs on the continuous engine), the chat template on (the
+# agent renders the first messages through it), so the only difference is the agent loop itself.
+SAME = ["data.chat_template=true", "rollout.max_num_seqs=16", "trainer.total_steps=2"]
+
+
+def _lines(trainer):
+    return [json.loads(x) for x in (trainer.output_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(x)["step"] > 0]
+
+
+def test_a_one_turn_episode_trains_what_the_single_turn_step_does(tiny_config, length_reward, tmp_path):
+    single = RLTrainer.from_config(tiny_config(*SAME, length_reward, f"trainer.output_dir={tmp_path}/single"))
+    batches = []
+    single.on_batch = batches.append
+    single.fit()
+    agent = RLTrainer.from_config(tiny_config(*SAME, length_reward, "rollout.agent.env=chat",
+                                              f"trainer.output_dir={tmp_path}/agent"))
+    assert isinstance(agent.rollouts, AgentRollouts)
+    agent_batches = []
+    agent.on_batch = agent_batches.append
+    agent.fit()
+    for a, b in zip(batches, agent_batches):
+        assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+        assert (a.rollout_logprobs - b.rollout_logprobs).abs().max() < 1e-5
+    for a, b in zip(single.policy.model.parameters(), agent.policy.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-5)
+    rows = _lines(agent)
+    assert all(r["agent/turns/max"] == 1 and r["agent/environment_tokens"] == 0 for r in rows)
+
+
+def test_multi_turn_episodes_train_with_the_user_turns_out_of_the_loss(tiny_config, length_reward, tmp_path):
+    turns = tmp_path / "chat.jsonl"
+    turns.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "ground_truth": str(2 * a), "turns": ["again"]})
+                             + "\n" for a in range(1, 21)))
+    trainer = RLTrainer.from_config(tiny_config(
+        "trainer.total_steps=1", "rollout.agent.env=chat", "rollout.agent.max_turns=2", f"data.train_files=[{turns}]",
+        f"data.val_files=[{turns}]", length_reward, f"trainer.output_dir={tmp_path}/multi"))
+    batches = []
+    trainer.on_batch = batches.append
+    trainer.fit()
+    batch = batches[0]
+    untrained = (batch.response_attention > 0) & (batch.response_mask == 0)
+    assert untrained.sum() == len(batch) * len("again")  # each episode's user turn, in the sequence, untrained
+    assert not batch.old_logprobs[untrained].any() and not batch.advantages[untrained].any()
+    row = _lines(trainer)[0]
+    assert row["agent/turns/max"] == 2 and row["agent/environment_tokens"] == len(batch) * len("again")
