@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -120,7 +121,16 @@ class AgentLoop:
         """One trajectory per row (``rows`` already holds each prompt ``n`` times); trajectory ``i``'s turn
         ``k`` samples with ``sampling``'s seed at global row ``row_offset + i`` of ``total_rows``, a seed per
         turn."""
-        return asyncio.run(self._run(rows, sampling, row_offset, total_rows or len(rows)))
+        # Not asyncio.run: at exit it waits for every worker thread, and a plain tool past its timeout still
+        # holds one (a thread cannot be killed); that thread is abandoned here instead of stalling the step.
+        loop = asyncio.new_event_loop()
+        executor = ThreadPoolExecutor(thread_name_prefix="scalerl-agent")
+        loop.set_default_executor(executor)
+        try:
+            return loop.run_until_complete(self._run(rows, sampling, row_offset, total_rows or len(rows)))
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
+            loop.close()
 
     async def _run(self, rows, sampling, row_offset, total_rows):
         pump = EnginePump(self.engine)
