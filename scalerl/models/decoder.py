@@ -390,12 +390,17 @@ class CausalLM(nn.Module):
             # Queries of a later chunk see every cached key: an all-true mask rather than SDPA's is_causal,
             # whose triangle would be aligned to the top-left corner.
             mask = attention_mask_4d(torch.ones(input_ids.shape[0], cache_start + seq, device=input_ids.device), seq)
-        hidden = self.embed_tokens(input_ids)
+        # A pipeline stage (`scalerl.parallel.pipeline.DecoderStage`) is this model with the modules it does not
+        # hold removed: no embedding after the first stage (``input_ids`` are hidden states then), its layers
+        # under their own indices, no norm and head before the last (the hidden states are returned).
+        hidden = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
         cos, sin = self.rotary(position_ids, hidden.dtype)
         local = self.local_rotary(position_ids, hidden.dtype) if self.local_rotary is not None else (cos, sin)
-        for layer in self.layers:
+        for layer in self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers:
             layer_cos, layer_sin = local if layer.local_rope else (cos, sin)
             hidden = layer(hidden, layer_cos, layer_sin, mask, kv_cache, cache_start)
+        if self.norm is None:
+            return hidden
         if packed is not None:  # norm and head on the real tokens the caller reads, then the padded layout
             positions, slots = packed.kept_tokens(logits_to_keep)
             hidden = self.norm(hidden.index_select(1, positions))

@@ -29,7 +29,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from scalerl.comm.counting.accounting import CommCounter, sharded_over, tensor_bytes
-from scalerl.models.decoder import CausalLM, attention_mask_4d, position_ids_from_mask
+from scalerl.models.decoder import CausalLM
 from scalerl.parallel.distributed import DistContext
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -65,16 +65,18 @@ def stage_layer_ids(num_layers: int, num_stages: int) -> list[list[int]]:
     return [list(range(s * per, (s + 1) * per)) for s in range(num_stages)]
 
 
-class DecoderStage(nn.Module):
-    """A slice of a ``CausalLM``: its layers ``layer_ids`` (kept under their original names, so parameter
-    names match the full model), plus the embedding on the first stage and norm + head on the last.
+class DecoderStage(CausalLM):
+    """A slice of a ``CausalLM``: the model with the modules this stage does not hold removed, so it runs the
+    model's own forward (one forward: no copy of it to drift). Its layers ``layer_ids`` keep their original
+    names (parameter names match the full model); the embedding only on the first stage, norm + head only on
+    the last.
 
     ``forward(x, attention_mask)``: ``x`` is token ids on the first stage, hidden states after; non-last
     stages return ``(hidden, attention_mask)`` so the mask travels down the pipeline with its micro-batch.
     """
 
     def __init__(self, model: CausalLM, layer_ids: list[int], first: bool, last: bool, autocast=None):
-        super().__init__()
+        nn.Module.__init__(self)  # not CausalLM's: the parts come from ``model``, not from its config
         self.config = model.config
         self.embed_tokens = copy.deepcopy(model.embed_tokens) if first else None
         self.layers = nn.ModuleDict({str(i): copy.deepcopy(model.layers[i]) for i in layer_ids})
@@ -86,17 +88,8 @@ class DecoderStage(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
         with self.autocast:
-            hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
-            key_mask = attention_mask > 0
-            positions = position_ids_from_mask(key_mask)
-            cos, sin = self.rotary(positions, hidden.dtype)
-            local = self.local_rotary(positions, hidden.dtype) if self.local_rotary is not None else (cos, sin)
-            mask = attention_mask_4d(key_mask, hidden.shape[1])
-            for layer in self.layers.values():
-                hidden = layer(hidden, *(local if layer.local_rope else (cos, sin)), mask)
-            if self.lm_head is not None:
-                return self.lm_head(self.norm(hidden))
-        return hidden, attention_mask
+            out = super().forward(x, attention_mask=(attention_mask > 0).long())
+        return out if self.lm_head is not None else (out, attention_mask)
 
 
 class PipelineRunner:

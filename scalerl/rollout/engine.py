@@ -74,6 +74,9 @@ class GenerationOutput:
     finish_reasons: list[str]
     weight_versions: torch.Tensor | None = None  # [B, R] int32
     loss_mask: torch.Tensor | None = None  # [B, R]: 1 on the engine's tokens, 0 on tokens from elsewhere
+    # per row, what the reward needs besides the text (a multi-turn episode's: the environment's own reward,
+    # its info); None for single-turn rollouts
+    reward_inputs: list[dict] | None = None
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -97,6 +100,7 @@ class GenerationOutput:
             response_mask[:, :width], self.logprobs[start:stop, :width], self.finish_reasons[start:stop],
             None if self.weight_versions is None else self.weight_versions[start:stop, :width],
             None if self.loss_mask is None else self.loss_mask[start:stop, :width],
+            None if self.reward_inputs is None else self.reward_inputs[start:stop],
         )
 
     @staticmethod
@@ -121,6 +125,8 @@ class GenerationOutput:
             # a part without a loss mask is all the engine's: its real tokens are trained
             torch.cat([pad(p.loss_mask if p.loss_mask is not None else p.response_mask, response_width, False, 0)
                        for p in parts]) if any(p.loss_mask is not None for p in parts) else None,
+            [r for p in parts for r in (p.reward_inputs or [{}] * len(p.finish_reasons))]
+            if any(p.reward_inputs is not None for p in parts) else None,
         )
 
 

@@ -97,4 +97,5 @@ def trajectories_to_output(trajectories: Sequence[Trajectory], pad_token_id: int
             at = stop
     known = any(s.weight_version >= 0 for t in trajectories for s in t.segments if s.generated)
     return GenerationOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs,
-                            [t.finish_reason for t in trajectories], versions if known else None, loss_mask)
+                            [t.finish_reason for t in trajectories], versions if known else None, loss_mask,
+                            [t.reward_inputs for t in trajectories])

@@ -267,10 +267,10 @@ class RolloutPhase:
             lo, hi = max(start, own) - own, min(start + len(out.finish_reasons), own + total) - own  # this share's
             if lo < hi:
                 with t.timer("reward"):
-                    texts = t.tokenizer.batch_decode(out.rows(lo + own - start, hi + own - start).response_ids.tolist())
-                    part_scores, part_failures = t.reward.compute(texts, [rows[(lo + i) // n] for i in range(len(texts))])
+                    mine = out.rows(lo + own - start, hi + own - start)
+                    part_scores, part_failures = self._score(mine, [rows[(lo + i) // n] for i in range(hi - lo)])
                 scores[lo:hi], failures = part_scores, failures + part_failures
-                extras.append((len(texts), dict(t.reward.last_metrics)))
+                extras.append((hi - lo, dict(t.reward.last_metrics)))
             streamed.add(start, out, last)
             if update is not None:
                 self._early_mini_batches(update, streamed, scores, step)
@@ -280,6 +280,22 @@ class RolloutPhase:
         out = streamed.output()
         passes = streamed.pass_results(out.response_ids.shape[1])
         return _Round(GeneratedRound(rows, out, scores, failures), passes, update, early, work_s - last_work_s)
+
+    def _score(self, out: GenerationOutput, rows: list[dict]) -> tuple[list[float], int]:
+        """Each sample's score and how many failed: the environment's own reward where a multi-turn episode
+        gave one (`GenerationOutput.reward_inputs`), the run's reward function on the decoded text elsewhere."""
+        given = [None if not r else r.get("env_reward") for r in (out.reward_inputs or [None] * len(rows))]
+        todo = [i for i, g in enumerate(given) if g is None]
+        scores = [0.0 if g is None else float(g) for g in given]
+        failures = 0
+        if not todo:
+            self.t.reward.last_metrics = {}  # no call: no reward metrics of this part
+        if todo:
+            texts = self.t.tokenizer.batch_decode(out.response_ids[todo].tolist())
+            computed, failures = self.t.reward.compute(texts, [rows[i] for i in todo])
+            for i, score in zip(todo, computed):
+                scores[i] = score
+        return scores, failures
 
     def _early_mini_batches(self, update: UpdateRun, streamed: StreamedStep, scores: list[float], step: int) -> None:
         """Every first-epoch mini-batch of ``update`` whose groups are in, in order (rows in row order:

@@ -57,3 +57,24 @@ def test_multi_turn_episodes_train_with_the_user_turns_out_of_the_loss(tiny_conf
     assert not batch.old_logprobs[untrained].any() and not batch.advantages[untrained].any()
     row = _lines(trainer)[0]
     assert row["agent/turns/max"] == 2 and row["agent/environment_tokens"] == len(batch) * len("again")
+
+
+def test_the_environments_own_reward_scores_its_episodes(tiny_config, length_reward, tmp_path):
+    """An environment that gives a reward scores its episode; the run's reward function scores the others."""
+    env = tmp_path / "graded.py"
+    env.write_text("class Graded:\n"
+                   "    def reset(self, row):\n        self.odd = int(row['ground_truth']) % 2\n"
+                   "        return [{'role': 'user', 'content': row['prompt']}]\n"
+                   "    def step(self, message):\n        return [], (0.25 if self.odd else None), True, {}\n")
+    trainer = RLTrainer.from_config(tiny_config("trainer.total_steps=1", f"rollout.agent.env={env}:Graded",
+                                                length_reward, f"trainer.output_dir={tmp_path}/graded"))
+    batches = []
+    trainer.on_batch = batches.append
+    trainer.fit()
+    batch = batches[0]
+    texts = trainer.tokenizer.batch_decode(batch.response_ids.tolist())
+    scores = batch.scores.tolist()
+    from_env = [s for s in scores if s == 0.25]
+    from_fn = [(s, t) for s, t in zip(scores, texts) if s != 0.25]
+    assert from_env and from_fn  # both kinds of rows in the batch
+    assert all(abs(s - len(t) / 10) < 1e-6 for s, t in from_fn)  # the length reward where the env gave none
