@@ -294,6 +294,10 @@ class AgentSection(_Section):
     tools: str | None = opt(None, "with env=tools: plain Python functions as tools, module:fn1,fn2 or "
                                   "path/file.py:fn1,fn2 (the JSON schema from each signature and docstring)")
     tool_parser: str = opt("hermes", "the model's tool-call format (hermes: Qwen2.5/Qwen3 <tool_call>{json}</tool_call>)")
+    sandbox: str | None = opt(None, "with env=tools: add a python tool whose code runs in this sandbox: process (the "
+                                    "built-in: own process group, rlimits, no network, as an unprivileged uid) | "
+                                    "module:Class | path/file.py:Class (anything with exec(code, limits)); null = "
+                                    "no python tool")
     system: str | None = opt(None, "with env=tools: a system message before the row's prompt")
     max_turns: int = opt(4, "engine turns per episode at most", at_least=1)
     max_tool_calls_per_turn: int = opt(4, "tool calls run per turn at most (more are answered with an error)",
@@ -303,8 +307,9 @@ class AgentSection(_Section):
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        if self.env == "tools" and not self.tools:
-            p.append("rollout.agent.env=tools needs rollout.agent.tools (module:fn1,fn2 or path/file.py:fn1,fn2)")
+        if self.env == "tools" and not (self.tools or self.sandbox):
+            p.append("rollout.agent.env=tools needs rollout.agent.tools (module:fn1,fn2 or path/file.py:fn1,fn2) "
+                     "or rollout.agent.sandbox=process (a python tool)")
         return p
 
 

@@ -35,11 +35,17 @@ def environment_factory(agent_cfg: Any) -> Callable[[], Any]:
     if agent_cfg.env == "chat":
         return ChatEnvironment
     if agent_cfg.env == "tools":
+        from scalerl.rollout.agent.sandbox import python_tool, sandbox_from_spec
         from scalerl.rollout.agent.tools import tools_from_module
 
-        tools = tools_from_module(agent_cfg.tools)
-        if not tools:
+        tools = tools_from_module(agent_cfg.tools) if agent_cfg.tools else []
+        if agent_cfg.tools and not tools:
             raise UserError(f"rollout.agent.tools={agent_cfg.tools!r} names no function")
+        if agent_cfg.sandbox:
+            sandbox = sandbox_from_spec(agent_cfg.sandbox)
+            print(f"rollout.agent.sandbox={agent_cfg.sandbox}: {getattr(sandbox, 'network_note', 'a sandbox of yours')}",
+                  flush=True)
+            tools.append(python_tool(sandbox))
         return lambda: ToolEnvironment(tools, agent_cfg.tool_parser, agent_cfg.system, agent_cfg.max_tool_calls_per_turn)
     cls = environment_class(agent_cfg.env)
     return cls

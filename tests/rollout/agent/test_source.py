@@ -78,3 +78,26 @@ def test_the_environments_own_reward_scores_its_episodes(tiny_config, length_rew
     from_fn = [(s, t) for s, t in zip(scores, texts) if s != 0.25]
     assert from_env and from_fn  # both kinds of rows in the batch
     assert all(abs(s - len(t) / 10) < 1e-6 for s, t in from_fn)  # the length reward where the env gave none
+
+
+def test_the_tool_environment_gets_a_sandboxed_python_tool_from_the_config(capsys):
+    import asyncio
+
+    import pytest
+
+    from scalerl.core.config import ConfigError, load_config
+    from scalerl.rollout.agent.sandbox import SandboxError
+    from scalerl.rollout.agent.source import environment_factory
+
+    with pytest.raises(ConfigError, match="rollout.agent.env=tools needs rollout.agent.tools"):
+        load_config(None, ["rollout.agent.env=tools"])
+    cfg = load_config(None, ["rollout.agent.env=tools", "rollout.agent.sandbox=process"])
+    try:
+        env = environment_factory(cfg.rollout.agent)()
+    except SandboxError as error:
+        pytest.skip(str(error))
+    assert list(env.tools) == ["python"] and "rollout.agent.sandbox=process: " in capsys.readouterr().out
+    env.reset({"prompt": "6*7?"})
+    step = asyncio.run(env.step({"role": "assistant", "content":
+                                 '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'}))
+    assert step.messages[0]["content"].strip() == "42"
