@@ -41,7 +41,11 @@ def test_a_starving_data_loader_warns_once_with_its_fix(tiny_config, monkeypatch
     with caplog.at_level(logging.WARNING, logger="scalerl.health"):
         train(cfg)
     warned = [r.message for r in caplog.records if "storage I/O" in r.message]
-    assert len(warned) == 1 and "fetching and encoding prompts" in warned[0] and "fix: read data.train_files" in warned[0]
+    assert warned and "fetching and encoding prompts" in warned[0] and "fix: read data.train_files" in warned[0]
+    # once per status: a warning may escalate to a fault once (a loaded machine stretches the first step, so
+    # the same 0.4 s is 50% of it and 79% of the next), but nothing repeats step after step
+    statuses = [m.split(": ")[2] for m in warned]
+    assert len(statuses) == len(set(statuses)) and statuses in (["warning"], ["fault"], ["warning", "fault"])
     rows = {r["step"]: r for r in _rows(cfg.trainer.output_dir)}
     assert all(rows[s]["health/resources/storage_io"] >= 1.0 for s in (1, 2, 3))
 
