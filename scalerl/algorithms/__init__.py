@@ -9,6 +9,7 @@ from scalerl.algorithms.advantages import (
     reinforce_plus_plus_advantages,
     remax_advantages,
 )
+from scalerl.algorithms.bypass_mode import RolloutCorrectionOptions
 from scalerl.algorithms.dapo import (
     groups_with_signal,
     mask_truncated_completions,
@@ -46,9 +47,10 @@ from scalerl.algorithms.pass_at_k import majority_value, pass_at_k, sampled_eval
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGG_MODES", "KL_CONTROLLER_TYPES", "KL_KINDS", "POLICY_LOSSES", "POLICY_LOSS_ALIASES",
     "AdaptiveKLController", "AdvantageEstimator", "AdvantageInputs", "FixedKLController", "PolicyLoss",
-    "PolicyLossOptions", "aggregate_loss", "apply_kl_penalty", "describe_advantage_estimators",
-    "describe_policy_losses", "entropy_from_logits", "estimator_needs", "gae_advantages", "get_advantage_estimator",
-    "get_policy_loss", "group_index", "groups_with_signal", "grpo_advantages", "kl_estimate", "kl_penalty",
+    "PolicyLossOptions", "RolloutCorrectionOptions", "aggregate_loss", "apply_kl_penalty",
+    "describe_advantage_estimators", "describe_policy_losses", "entropy_from_logits", "estimator_needs",
+    "gae_advantages", "get_advantage_estimator", "get_policy_loss", "group_index", "groups_with_signal",
+    "grpo_advantages", "kl_estimate", "kl_penalty",
     "logprobs_from_logits", "majority_value", "make_kl_controller", "mask_truncated_completions", "masked_mean",
     "masked_sum", "masked_var", "masked_whiten", "overlong_penalty", "pass_at_k", "policy_loss",
     "reinforce_plus_plus_advantages", "remax_advantages", "sampled_eval_metrics", "value_loss",

@@ -4,9 +4,11 @@
     advantages, returns = get_advantage_estimator(cfg.algorithm.adv_estimator)(inputs)
 
 Each entry is an `AdvantageEstimator`: callable on `AdvantageInputs`, with the inputs it needs beyond
-rewards and mask (``needs``: "values" means a critic, "reward_baselines" a greedy rollout per prompt) and
-a one-line description. verl's `*_vectorized` entries are their own entries: they are verl's vectorized
-formulas, which differ from the loop versions at the edges (groups of one, near-constant groups).
+rewards and mask (``needs``: "values" means a critic, "reward_baselines" a greedy rollout per prompt,
+"reward_components" each reward component's score per sample (gdpo), "old_log_probs" / "sum_pi_squared" the
+old policy's per-token log-probs and sum_v pi_v^2 (the optimal token baselines)) and a one-line
+description. verl's `*_vectorized` entries are their own entries: they are verl's vectorized formulas, which
+differ from the loop versions at the edges (groups of one, near-constant groups).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from scalerl.algorithms import group_advantages as grp
+from scalerl.algorithms import token_baselines as otb
 from scalerl.algorithms.advantages import (
     GroupIds,
     gae_advantages,
@@ -34,8 +37,13 @@ class AdvantageInputs:
 
     ``index``: group id per sample (prompt uid); ``values``: critic values (gae); ``reward_baselines``: the
     greedy response's reward per sample (remax); ``all_reduce``: SUM over data-parallel ranks, so the
-    estimators that whiten over the batch (gae, reinforce_plus_plus[_baseline]) or count it (gpg) use the
-    global batch when it is sharded.
+    estimators that whiten over the batch (gae, reinforce_plus_plus[_baseline], gdpo) or count it (gpg) use
+    the global batch when it is sharded. For verl 0.9.1's newer estimators: ``reward_components`` [K, B], each
+    reward component's score per sample, and ``reward_weights`` [K] (gdpo; verl's algorithm.gdpo_reward_keys /
+    gdpo_reward_weights); ``old_log_probs`` and ``sum_pi_squared`` [B, T], the old policy's log-prob of each
+    sampled token and sum_v pi_v^2 over the vocabulary at that position (the optimal token baselines; verl's
+    actor.calculate_sum_pi_squared); ``rollout_is_weights`` [B, T], the rollout importance weights those
+    baselines fold in when the trainer has them.
     """
 
     token_level_rewards: torch.Tensor
@@ -48,6 +56,11 @@ class AdvantageInputs:
     norm_adv_by_std_in_grpo: bool = True
     epsilon: float = 1e-6
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reward_components: torch.Tensor | None = None
+    reward_weights: tuple[float, ...] | None = None
+    old_log_probs: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +113,21 @@ def _entries() -> list[AdvantageEstimator]:
         E("gpg", lambda x: grp.gpg_advantages(x.token_level_rewards, x.response_mask, x.index,
                                               all_reduce=x.all_reduce),
           "GPG: (score - group mean) * batch size / number of non-zero scores"),
+        E("gdpo", lambda x: grp.gdpo_advantages(x.reward_components, x.response_mask, x.index, x.reward_weights,
+                                                norm_by_std=x.norm_adv_by_std_in_grpo, eps=x.epsilon,
+                                                all_reduce=x.all_reduce),
+          "GDPO: GRPO on each reward component, weighted sum whitened over the batch",
+          needs=("index", "reward_components")),
+        E("optimal_token_baseline", lambda x: otb.optimal_token_baseline_advantages(
+            x.token_level_rewards, x.response_mask, x.index, x.old_log_probs, x.sum_pi_squared,
+            x.rollout_is_weights),
+          "OTB: reward-to-go minus a per-step group baseline weighted by accumulated path variance",
+          needs=("index", "old_log_probs", "sum_pi_squared")),
+        E("tir_optimal_token_baseline", lambda x: otb.tir_optimal_token_baseline_advantages(
+            x.token_level_rewards, x.response_mask, x.index, x.old_log_probs, x.sum_pi_squared,
+            x.rollout_is_weights),
+          "OTB for multi-turn tool use: the per-step baseline indexed by each row's valid tokens",
+          needs=("index", "old_log_probs", "sum_pi_squared")),
     ]
 
 

@@ -1,5 +1,5 @@
 """Outcome advantages with a baseline from the other responses to the same prompt (group): RLOO, REINFORCE++
-with a group baseline, OPO, GPG, GRPO for pass@k, and verl's vectorized GRPO / RLOO variants.
+with a group baseline, OPO, GPG, GRPO for pass@k, GDPO, and verl's vectorized GRPO / RLOO variants.
 
 Each scores a response by s_i = sum_t r_{i,t}, returns `(advantages, returns)` [B, T] with the scalar
 advantage broadcast over the valid tokens, and runs without gradient and without a Python loop over the
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from scalerl.algorithms.advantages import GroupIds, group_index, whiten
+from scalerl.algorithms.advantages import GroupIds, group_index, grpo_advantages, whiten
 
 
 def _scores_and_groups(token_rewards: torch.Tensor, group_ids: GroupIds):
@@ -159,3 +159,32 @@ def grpo_passk_advantages(token_rewards, response_mask, group_ids: GroupIds, nor
     first_top = first_top.scatter_reduce(0, codes, torch.where(is_top, position, scores.shape[0]), reduce="amin")
     advantage = torch.where(position == first_top[codes], gap[codes], torch.zeros_like(scores))
     return _broadcast(advantage, response_mask)
+
+
+@torch.no_grad()
+def gdpo_advantages(reward_components: torch.Tensor, response_mask, group_ids: GroupIds,
+                    reward_weights=None, norm_by_std: bool = True, eps: float = 1e-6,
+                    all_reduce=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (verl 0.9.1 `gdpo`, arXiv 2601.05242): GRPO on each reward component separately, so that a
+    component with a large spread does not drown the others, then a weighted sum whitened over the batch:
+        A_k = grpo(s_k)  (per group, as `grpo_advantages`),  A = masked_whiten(sum_k w_k A_k, m) * m
+    ``reward_components`` [K, B]: each component's score per sample (verl reads them from the reward
+    function's dict under ``algorithm.gdpo_reward_keys``, in float32); ``reward_weights`` [K] default to 1
+    (verl's ``algorithm.gdpo_reward_weights``). ``all_reduce`` whitens with the global batch's statistics.
+    """
+    components = torch.as_tensor(reward_components, device=response_mask.device).to(torch.float32)
+    if components.dim() != 2 or components.shape[1] != response_mask.shape[0]:
+        raise ValueError(f"gdpo needs reward_components of shape [K, {response_mask.shape[0]}] "
+                         f"(one score per component and sample), got {tuple(components.shape)}")
+    weights = torch.ones(components.shape[0], dtype=torch.float32, device=components.device) \
+        if reward_weights is None else torch.as_tensor(reward_weights, dtype=torch.float32, device=components.device)
+    if weights.shape != (components.shape[0],):
+        raise ValueError(f"gdpo has {components.shape[0]} reward components but {weights.numel()} reward_weights")
+    total = None
+    for weight, scores in zip(weights, components):
+        # verl places each component's score on the last response token; only its sum over the row is read
+        advantage, _ = grpo_advantages(scores.unsqueeze(-1), response_mask, group_ids, norm_by_std, eps)
+        total = weight * advantage if total is None else total + weight * advantage
+    mask = response_mask.to(total.dtype)
+    advantages = whiten(total, mask, all_reduce) * mask
+    return advantages, advantages

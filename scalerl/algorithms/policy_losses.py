@@ -1,6 +1,6 @@
 """Policy-gradient losses beyond dual-clip PPO (which is `losses.policy_loss`): GSPO, SAPO, CISPO, GPG,
-GMPO (geo_mean) and DPPO's binary-TV and binary-KL trust regions. The covariance-based ones (clip-cov,
-kl-cov) are in `covariance_losses`.
+GMPO (geo_mean), DRO and DPPO's binary-TV and binary-KL trust regions. The covariance-based ones (clip-cov,
+kl-cov) are in `covariance_losses`, verl's bypass mode in `bypass_mode`.
 
 Every loss takes [B, T] log-probs of the sampled tokens under the old and the current policy, advantages
 and the response mask, builds a per-token loss matrix in verl's order of operations (`core_algos.py`),
@@ -59,7 +59,8 @@ def sapo_loss(old_logp, logp, advantages, response_mask, tau_pos: float = 1.0, t
     """SAPO (verl `sapo`, arXiv 2511.20347): a smooth sigmoid gate instead of the hard clip.
         r = exp(clamp(logp - old_logp, -20, 20)),  tau = tau_pos if A > 0 else tau_neg
         l = -A * sigmoid(tau (r - 1)) * 4 / tau
-    Metrics: ppo_kl; pg_clipfrac = pg_clipfrac_lower = 0. verl pins seq-mean-token-mean; ``agg`` decides here.
+    Metrics: ppo_kl; pg_clipfrac = pg_clipfrac_lower = 0. verl 0.9.1 always aggregates seq-mean-token-mean
+    (the registry entry passes that); ``agg`` decides here.
     """
     log_ratio = torch.clamp(logp - old_logp, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
@@ -99,16 +100,18 @@ def gpg_loss(old_logp, logp, advantages, response_mask, agg: str = "token-mean",
 
 
 def geo_mean_loss(old_logp, logp, advantages, response_mask, clip_low: float = 0.2, clip_high: float = 0.2,
-                  agg: str = "seq-mean-token-mean", token_weights=None,
+                  agg: str | None = None, token_weights=None,
                   **agg_counts) -> tuple[torch.Tensor, Metrics]:
     """GMPO (verl `geo_mean`, arXiv 2507.20673): the geometric mean of the token ratios, clipped per token in
     log space on the side that the advantage's sign makes pessimistic:
         d = logp - old_logp (no clamp),  d_c = clamp(d, -clip_low, clip_high)
         d* = sgn(A) * min(sgn(A) d, sgn(A) d_c)
         r_i = exp(sum_t m d* / (n_i + 1e-8)),  A_i = sum_t m A / (n_i + 1e-8),  l_i = -A_i r_i
-    ``token_weights`` enter as their per-sequence geometric mean. verl returns mean_i l_i over all rows; here
-    l_i is carried by each valid token of row i and reduced by ``agg``: seq-mean-token-mean (the default)
-    equals verl's whenever every row has a valid token, and is normalised across micro-batches as well.
+    ``token_weights`` enter as their per-sequence geometric mean. ``agg`` None (the default) is verl's
+    reduction: mean_i l_i over every row of this call, empty rows included, whatever the global counts, so
+    with several micro-batches their losses add up to more than one batch mean, as in verl 0.9.1. With an
+    aggregation mode, l_i is carried by each valid token of row i and reduced by `aggregate_loss` (normalised
+    across micro-batches and ranks; seq-mean-token-mean equals verl's when every row has a valid token).
     Metrics: pg_clipfrac / pg_clipfrac_lower = share of tokens with d != d_c and A > 0 / A < 0; ppo_kl.
     """
     log_ratio = logp - old_logp
@@ -122,14 +125,31 @@ def geo_mean_loss(old_logp, logp, advantages, response_mask, clip_low: float = 0
     if token_weights is not None:
         log_weights = masked_sum(torch.log(token_weights + 1e-10), response_mask, dim=-1)
         seq_losses = seq_losses * torch.exp(log_weights / (lengths + COUNT_EPS))
-    token_losses = seq_losses.unsqueeze(-1).expand_as(log_ratio)
-    loss = aggregate_loss(token_losses, response_mask, agg, **agg_counts)
+    if agg is None:
+        loss = seq_losses.mean()
+    else:
+        loss = aggregate_loss(seq_losses.unsqueeze(-1).expand_as(log_ratio), response_mask, agg, **agg_counts)
     with torch.no_grad():
         was_clipped = log_ratio != clamped
         metrics = _clip_metrics(masked_mean((was_clipped & (advantages > 0)).to(logp.dtype), response_mask),
                                 masked_mean(-log_ratio, response_mask),
                                 masked_mean((was_clipped & (advantages < 0)).to(logp.dtype), response_mask))
     return loss, metrics
+
+
+def dro_loss(old_logp, logp, advantages, response_mask, beta: float | None, agg: str = "token-mean",
+             token_weights=None, **agg_counts) -> tuple[torch.Tensor, Metrics]:
+    """DRO (verl 0.9.1 `dro`, Direct Reward Optimization): REINFORCE with a quadratic penalty on the log-ratio,
+        l = -(A logp - beta / 2 (logp - old_logp)^2)      (no clamp, no clip)
+    ``beta`` is verl's actor.policy_loss.dro_beta, which has no default: it must be given and > 0.
+    Metrics: ppo_kl only, as in verl.
+    """
+    if beta is None or not beta > 0:
+        raise ValueError(f"policy loss 'dro' needs dro_beta > 0 (verl's actor.policy_loss.dro_beta), got {beta}")
+    log_ratio = logp - old_logp
+    token_losses = _weighted(-(logp * advantages - 0.5 * beta * log_ratio.square()), token_weights)
+    loss = aggregate_loss(token_losses, response_mask, agg, **agg_counts)
+    return loss, {"ppo_kl": masked_mean(-log_ratio, response_mask).detach()}
 
 
 def _dppo(old_logp, logp, advantages, response_mask, inside, clip_c, agg, token_weights, agg_counts):

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EstimatorName:
     """``needs``: "index" = groups of samples per prompt (rollout.n >= 2), "values" = a critic,
-    "reward_baselines" = a greedy rollout per prompt scored as the baseline."""
+    "reward_baselines" = a greedy rollout per prompt scored as the baseline, "reward_components" = each reward
+    component's score per sample, "old_log_probs" / "sum_pi_squared" = the old policy's per-token log-probs
+    and sum of squared token probabilities (see `scalerl.algorithms.AdvantageInputs`)."""
 
     description: str
     needs: tuple[str, ...] = ("index",)
@@ -36,6 +38,12 @@ ADVANTAGE_ESTIMATOR_NAMES: dict[str, EstimatorName] = {
     "rloo_vectorized": EstimatorName("verl's vectorized RLOO: as rloo, but 0 for a group of one"),
     "opo": EstimatorName("OPO: score minus the length-weighted group mean"),
     "gpg": EstimatorName("GPG: (score - group mean) * batch size / number of non-zero scores"),
+    "gdpo": EstimatorName("GDPO: GRPO on each reward component, weighted sum whitened over the batch",
+                          ("index", "reward_components")),
+    "optimal_token_baseline": EstimatorName("OTB: reward-to-go minus a per-step group baseline weighted by "
+                                            "accumulated path variance", ("index", "old_log_probs", "sum_pi_squared")),
+    "tir_optimal_token_baseline": EstimatorName("OTB for multi-turn tool use: the per-step baseline indexed by each "
+                                                "row's valid tokens", ("index", "old_log_probs", "sum_pi_squared")),
 }
 
 POLICY_LOSS_NAMES: dict[str, str] = {
@@ -49,7 +57,33 @@ POLICY_LOSS_NAMES: dict[str, str] = {
     "kl_cov": "KL-Cov: -A r plus ppo_kl_coef |log r| on the top kl_cov_ratio covariance tokens",
     "dppo_tv": "DPPO-Binary-TV: truncated-IS gradient inside a |p - p_old| trust region",
     "dppo_kl": "DPPO-Binary-KL: truncated-IS gradient inside a Bernoulli-KL trust region",
+    "dro": "DRO: -(A logp - dro_beta / 2 (log r)^2), a quadratic log-ratio penalty",
+    "bypass_mode": "rollout log-probs as the old policy: PPO-clip or IS-weighted REINFORCE, with rejection sampling",
 }
+# Names the registries hold (callable as functions, equal to verl 0.9.1) whose inputs or settings the trainer
+# does not give yet: a run naming one is refused with what is missing (`not_trainable_reason`).
+NOT_YET_TRAINABLE: dict[str, str] = {
+    "gdpo": "each reward component's score per sample (verl's algorithm.gdpo_reward_keys), which the reward "
+            "functions do not report separately yet",
+    "optimal_token_baseline": "the old policy's sum of squared token probabilities from the old-log-prob pass "
+                              "(verl's actor.calculate_sum_pi_squared)",
+    "tir_optimal_token_baseline": "the old policy's sum of squared token probabilities from the old-log-prob pass "
+                                  "(verl's actor.calculate_sum_pi_squared)",
+    "dro": "its dro_beta, which has no config key yet",
+    "bypass_mode": "its rollout-correction settings, which have no config keys yet (with verl's defaults it is "
+                   "the vanilla loss)",
+}
+
+
+def not_trainable_reason(key: str, name: str) -> str | None:
+    """Why a run cannot use ``name`` for config ``key`` yet (None: it can)."""
+    missing = NOT_YET_TRAINABLE.get(name)
+    if missing is None:
+        return None
+    return (f"{key}={name} is in scalerl.algorithms (as verl 0.9.1 computes it) but the trainer does not give it "
+            f"{missing}; choose another for now")
+
+
 # Other spellings verl's documentation uses for the same losses.
 POLICY_LOSS_ALIASES: dict[str, str] = {"clip-cov": "clip_cov", "kl-cov": "kl_cov"}
 

@@ -26,6 +26,7 @@ from scalerl.core.algorithm_names import (
     needs_critic,
     needs_greedy_baseline,
     needs_groups,
+    not_trainable_reason,
     policy_loss_choices,
 )
 from scalerl.core.config_tree import (  # re-exported: `scalerl.core.config` is the public config API
@@ -492,7 +493,8 @@ class ActorSection(_Section):
     kl_loss_coef: float = opt(0.001, "KL penalty coefficient", at_least=0)
     kl_loss_type: str = opt("low_var_kl", " | ".join(KL_LOSS_TYPES) + "; a trailing '+' uses the straight-through form")
     policy_loss: str = opt("vanilla", "policy loss by verl's name (docs/algorithms-formulas.md); verl's recipes pair "
-                           "gspo, sapo and geo_mean with actor.loss_agg_mode=seq-mean-token-mean:"
+                           "gspo with actor.loss_agg_mode=seq-mean-token-mean (sapo and geo_mean aggregate their "
+                           "own way since verl 0.9.1, whatever the mode):"
                            + choices_help(POLICY_LOSS_NAMES))
     # verl's option names for the other losses (read by the loss named in its description)
     tau_pos: float = opt(1.0, "sapo: sigmoid temperature for positive advantages", above=0)
@@ -515,6 +517,8 @@ class ActorSection(_Section):
         _check(p, self.ppo_micro_batch_size >= 1, "actor.ppo_micro_batch_size", ">= 1", self.ppo_micro_batch_size)
         _check_choice(p, "actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_choice(p, "actor.policy_loss", self.policy_loss, POLICY_LOSSES)
+        if (why := not_trainable_reason("actor.policy_loss", self.policy_loss)) is not None:
+            p.append(why)
         if self.clip_cov_lb >= self.clip_cov_ub:
             p.append(f"actor.clip_cov_lb ({self.clip_cov_lb}) must be below actor.clip_cov_ub ({self.clip_cov_ub})")
         if self.kl_loss_type.removesuffix("+") not in KL_LOSS_TYPES:
@@ -617,6 +621,8 @@ class AlgorithmSection(_Section):
     def problems(self) -> list[str]:
         p: list[str] = []
         _check_choice(p, "algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        if (why := not_trainable_reason("algorithm.adv_estimator", self.adv_estimator)) is not None:
+            p.append(why)
         _check_choice(p, "algorithm.kl_penalty", self.kl_penalty, KL_LOSS_TYPES)
         p += self.kl_ctrl.all_problems() + self.overlong_buffer.all_problems()
         p += self.filter_groups.all_problems()

@@ -35,8 +35,40 @@ def batch(seed: int, groups, binary: bool = False):
     return rewards, mask, values, baselines
 
 
-def reference(name, rewards, mask, values, baselines, index, gamma, lam, norm):
+def policy_stats(seed: int, shape):
+    """The optimal token baselines' inputs: old log-probs of real probabilities, sum_v pi_v^2 in [pi^2, 1]
+    (the sampled token's share plus the rest of the vocabulary's), rollout importance weights around 1."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    old_log_probs = torch.nn.functional.logsigmoid(2.0 * torch.randn(shape, generator=gen, dtype=torch.float64))
+    pi = old_log_probs.exp()
+    sum_pi_squared = pi ** 2 + (1 - pi) ** 2 * torch.rand(shape, generator=gen, dtype=torch.float64)
+    is_weights = 0.5 + torch.rand(shape, generator=gen, dtype=torch.float64)
+    return old_log_probs, sum_pi_squared, is_weights
+
+
+def reward_components(seed: int, size: int):
+    """Two reward components per sample on different scales (accuracy 0/1, a small format score)."""
+    gen = torch.Generator().manual_seed(200 + seed)
+    accuracy = torch.randint(0, 2, (size,), generator=gen).float()
+    fmt = 0.1 * torch.rand(size, generator=gen)
+    return {"accuracy": accuracy.numpy(), "format": fmt.numpy()}
+
+
+GDPO_WEIGHTS = (1.0, 0.5)
+OTB = ("optimal_token_baseline", "tir_optimal_token_baseline")
+
+
+def reference(name, rewards, mask, values, baselines, index, gamma, lam, norm, components=None, stats=None):
     r = rewards.clone()
+    if name == "gdpo":
+        return verl.compute_gdpo_outcome_advantage(r, mask, index, norm_adv_by_std_in_grpo=norm,
+                                                   gdpo_reward_keys=list(components),
+                                                   gdpo_reward_weights=GDPO_WEIGHTS, non_tensor_batch=components,
+                                                   response_attention_mask=mask)
+    if name in OTB:
+        fn = (verl.compute_optimal_token_baseline_advantage if name == OTB[0]
+              else verl.compute_multi_turn_optimal_token_baseline_advantage)
+        return fn(r, mask, index, *stats)
     if name == "gae":
         return verl.compute_gae_advantage_return(r, values, mask, gamma, lam)
     if name == "grpo":
@@ -61,19 +93,112 @@ def reference(name, rewards, mask, values, baselines, index, gamma, lam, norm):
 def test_estimator_matches_verl(name, norm, seed):
     groups = GROUPS_NO_SINGLETON if name == "grpo_passk" else GROUPS
     rewards, mask, values, baselines = batch(seed, groups, binary=(seed == 2))
-    if name == "grpo_vectorized":  # verl computes its statistics in float32; compare at that precision
+    tol = TOL
+    if name in ("grpo_vectorized", "gdpo"):  # verl computes these group statistics in float32
         rewards = rewards.float()
         mask = mask.float()
+        tol = {"atol": 1e-5, "rtol": 1e-5}
     index = np.array(groups)
     gamma, lam = (0.99, 0.95) if seed == 1 else (1.0, 1.0)
+    components = reward_components(seed, len(groups))
+    old_log_probs, sum_pi_squared, is_weights = policy_stats(seed, mask.shape)
+    is_weights = is_weights if seed == 1 else None
     inputs = AdvantageInputs(rewards, mask, index=[f"uid-{g}" for g in groups], values=values,
-                             reward_baselines=baselines, gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm)
+                             reward_baselines=baselines, gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm,
+                             reward_components=torch.stack([torch.as_tensor(v) for v in components.values()]),
+                             reward_weights=GDPO_WEIGHTS, old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared,
+                             rollout_is_weights=is_weights)
     adv, ret = ADVANTAGE_ESTIMATORS[name](inputs)
-    ref_adv, ref_ret = reference(name, rewards, mask, values, baselines, index, gamma, lam, norm)
-    torch.testing.assert_close(adv, ref_adv.to(adv.dtype), **TOL)
-    torch.testing.assert_close(ret, ref_ret.to(ret.dtype), **TOL)
+    ref_adv, ref_ret = reference(name, rewards, mask, values, baselines, index, gamma, lam, norm, components,
+                                 (old_log_probs, sum_pi_squared, is_weights))
+    torch.testing.assert_close(adv, ref_adv.to(adv.dtype), **tol)
+    torch.testing.assert_close(ret, ref_ret.to(ret.dtype), **tol)
     assert torch.all(adv[mask == 0] == 0) or name == "gae"
     assert adv.abs().sum() > 0 and not adv.requires_grad
+
+
+def holey_batch(seed: int, groups):
+    """Multi-turn-like masks: valid tokens in two runs with a masked gap (tool output) between, rows of
+    every length, one row with no valid token; rewards on the last valid token plus a little per token."""
+    gen = torch.Generator().manual_seed(300 + seed)
+    size, width = len(groups), 9
+    mask = torch.zeros(size, width, dtype=torch.float64)
+    for row in range(size):
+        first = int(torch.randint(1, 4, (1,), generator=gen))
+        gap = int(torch.randint(0, 3, (1,), generator=gen))
+        second = int(torch.randint(0, width - first - gap + 1, (1,), generator=gen))
+        mask[row, :first] = 1.0
+        mask[row, first + gap:first + gap + second] = 1.0
+    mask[3] = 0.0
+    rewards = 0.05 * torch.randn(size, width, generator=gen, dtype=torch.float64) * mask
+    last = (mask * torch.arange(width)).argmax(dim=-1)
+    rewards[torch.arange(size), last] += torch.randint(0, 2, (size,), generator=gen).double() * mask.amax(-1)
+    return rewards, mask
+
+
+# one group with a unique longest row, one with a tie at the top, a singleton, a pair
+OTB_LAYOUTS = [[0, 0, 0, 0, 1, 1, 1, 2, 3, 3], [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5]]
+
+
+@pytest.mark.parametrize("handle_zero_tail", [True, False])
+@pytest.mark.parametrize("layout", range(len(OTB_LAYOUTS)))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("name", OTB)
+def test_optimal_token_baselines_match_verl_on_multi_turn_masks(name, seed, layout, handle_zero_tail):
+    """Masks with gaps and an empty row, where the two estimators differ (columns vs valid-token ranks)."""
+    from scalerl.algorithms import token_baselines
+
+    groups = OTB_LAYOUTS[layout]
+    rewards, mask = holey_batch(seed, groups)
+    old_log_probs, sum_pi_squared, is_weights = policy_stats(seed, mask.shape)
+    is_weights = is_weights if seed == 1 else None
+    fn = getattr(token_baselines, f"{name}_advantages")
+    adv, ret = fn(rewards, mask, np.array(groups), old_log_probs, sum_pi_squared, is_weights,
+                  handle_zero_tail=handle_zero_tail)
+    ref_fn = (verl.compute_optimal_token_baseline_advantage if name == OTB[0]
+              else verl.compute_multi_turn_optimal_token_baseline_advantage)
+    ref_adv, ref_ret = ref_fn(rewards.clone(), mask, np.array(groups), old_log_probs, sum_pi_squared, is_weights,
+                              handle_zero_tail=handle_zero_tail)
+    torch.testing.assert_close(adv, ref_adv, **TOL)
+    torch.testing.assert_close(ret, ref_ret, **TOL)
+    assert torch.all(adv[mask == 0] == 0) and adv.abs().sum() > 0
+
+
+def test_optimal_token_baselines_differ_where_valid_tokens_are_not_aligned():
+    """The checks above can tell the two apart: with gaps in the masks their advantages differ."""
+    from scalerl.algorithms import token_baselines
+
+    rewards, mask = holey_batch(0, OTB_LAYOUTS[0])
+    old_log_probs, sum_pi_squared, _ = policy_stats(0, mask.shape)
+    args = (rewards, mask, OTB_LAYOUTS[0], old_log_probs, sum_pi_squared)
+    plain, _ = token_baselines.optimal_token_baseline_advantages(*args)
+    tir, _ = token_baselines.tir_optimal_token_baseline_advantages(*args)
+    assert not torch.allclose(plain, tir)
+
+
+def test_gdpo_normalises_each_component_before_summing():
+    """One component equals GRPO then whitening; a component with a large scale does not drown a small one."""
+    rewards, mask, _, _ = batch(0, GROUPS)
+    components = reward_components(0, len(GROUPS))
+    index = np.array(GROUPS)
+    one = torch.as_tensor(components["accuracy"]).unsqueeze(0)
+    adv, _ = get_advantage_estimator("gdpo")(AdvantageInputs(rewards.float(), mask.float(), index=index,
+                                                             reward_components=one))
+    ref, _ = verl.compute_gdpo_outcome_advantage(rewards.float(), mask.float(), index,
+                                                 gdpo_reward_keys=["accuracy"], non_tensor_batch=components,
+                                                 response_attention_mask=mask.float())
+    torch.testing.assert_close(adv, ref, atol=1e-5, rtol=1e-5)
+    scaled = torch.stack([100 * torch.as_tensor(components["accuracy"]), torch.as_tensor(components["format"])])
+    unscaled = torch.stack([torch.as_tensor(components["accuracy"]), torch.as_tensor(components["format"])])
+    big, _ = get_advantage_estimator("gdpo")(AdvantageInputs(rewards, mask, index=index, reward_components=scaled))
+    small, _ = get_advantage_estimator("gdpo")(AdvantageInputs(rewards, mask, index=index,
+                                                               reward_components=unscaled))
+    torch.testing.assert_close(big, small, atol=1e-4, rtol=1e-4)  # the scale of a component does not matter
+    with pytest.raises(ValueError, match="2 reward components but 3 reward_weights"):
+        get_advantage_estimator("gdpo")(AdvantageInputs(rewards, mask, index=index, reward_components=scaled,
+                                                        reward_weights=(1.0, 1.0, 1.0)))
+    with pytest.raises(ValueError, match=r"shape \[K, 10\]"):
+        get_advantage_estimator("gdpo")(AdvantageInputs(rewards, mask, index=index, reward_components=scaled[:, :4]))
 
 
 def test_estimators_edge_cases_follow_verl():
@@ -100,6 +225,11 @@ def test_missing_inputs_and_unknown_names_raise_clearly():
         get_advantage_estimator("remax")(AdvantageInputs(rewards, mask))
     with pytest.raises(ValueError, match="needs AdvantageInputs.index"):
         get_advantage_estimator("rloo")(AdvantageInputs(rewards, mask))
+    with pytest.raises(ValueError, match="needs AdvantageInputs.reward_components"):
+        get_advantage_estimator("gdpo")(AdvantageInputs(rewards, mask, index=[0, 0]))
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        with pytest.raises(ValueError, match="needs AdvantageInputs.old_log_probs, .sum_pi_squared"):
+            get_advantage_estimator(name)(AdvantageInputs(rewards, mask, index=[0, 0]))
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo'.*grpo, .*remax"):
         get_advantage_estimator("ppo")
     assert estimator_needs("gae") == ("values",) and estimator_needs("reinforce_plus_plus") == ()
@@ -108,7 +238,8 @@ def test_missing_inputs_and_unknown_names_raise_clearly():
 def test_registry_lists_verl_names_with_descriptions():
     names = [name for name, _ in describe_advantage_estimators()]
     assert set(names) == {"gae", "grpo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus",
-                          "reinforce_plus_plus_baseline", "remax", "rloo", "rloo_vectorized", "opo", "gpg"}
+                          "reinforce_plus_plus_baseline", "remax", "rloo", "rloo_vectorized", "opo", "gpg", "gdpo",
+                          "optimal_token_baseline", "tir_optimal_token_baseline"}
     assert all(desc and "\n" not in desc for _, desc in describe_advantage_estimators())
 
 
@@ -136,19 +267,21 @@ def run_on_two_ranks(fn, shards):
 SHARDED_GROUPS = [0, 0, 1, 1, 1, 2, 3, 3, 4, 4]  # whole groups on each rank: rows 0..5 and 6..9
 
 
-@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "gae"])
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "gae", "gdpo"])
 def test_sharded_batch_uses_global_statistics(name):
     """Two DP shards with all_reduce give the full batch's advantages (whitening and GPG's alpha are global)."""
     rewards, mask, values, _ = batch(3, SHARDED_GROUPS)
     rewards[6] = 0.0  # the shards' shares of non-zero scores differ (GPG's alpha)
     rewards[0, 0] = 1.0
     groups = np.array(SHARDED_GROUPS)
-    full, _ = ADVANTAGE_ESTIMATORS[name](AdvantageInputs(rewards, mask, index=groups, values=values, gamma=0.9))
+    components = torch.stack([rewards.sum(-1), torch.linspace(0, 1, len(groups), dtype=torch.float64)])
+    full, _ = ADVANTAGE_ESTIMATORS[name](AdvantageInputs(rewards, mask, index=groups, values=values, gamma=0.9,
+                                                         reward_components=components))
     shards = [slice(0, 6), slice(6, 10)]
 
     def one_rank(rows, all_reduce):
         inputs = AdvantageInputs(rewards[rows], mask[rows], index=groups[rows], values=values[rows], gamma=0.9,
-                                 all_reduce=all_reduce)
+                                 all_reduce=all_reduce, reward_components=components[:, rows])
         return ADVANTAGE_ESTIMATORS[name](inputs)[0]
 
     sharded = torch.cat(run_on_two_ranks(one_rank, shards))

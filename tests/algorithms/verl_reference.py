@@ -20,10 +20,21 @@ read from later copies of core_algos.py; and kl_penalty stripping the trailing '
 Where verl ignores `loss_agg_mode` (gspo and sapo pin "seq-mean-token-mean", geo_mean takes a plain mean
 over rows) the transcription keeps verl's behaviour by default; `pinned_agg_mode` / `verl_mean=False`
 are the tests' hooks for scalerl's extension to every mode, not verl code.
+
+verl 0.9.1 (the `verl-0.9.1-py3-none-any.whl` release, `verl/trainer/ppo/core_algos.py` and
+`verl/trainer/ppo/rollout_corr_helper.py`), marked "0.9.1" below: compute_policy_loss_sapo (always
+"seq-mean-token-mean") and compute_policy_loss_geo_mean (torch.mean over rows), re-read against 0.9.1; and
+the section at the end: compute_gdpo_outcome_advantage, compute_optimal_token_baseline_advantage,
+compute_multi_turn_optimal_token_baseline_advantage, compute_policy_loss_dro, compute_policy_loss_reinforce,
+compute_policy_loss_bypass_mode with the weight and mask parts of compute_rollout_correction_weights /
+compute_rollout_rejection_mask / compute_rollout_correction_and_rejection_mask (their rollout_corr/* metrics
+left out: scalerl does not log them from the loss). 0.9.1's gspo honours loss_agg_mode (its transcription
+above pins it by default; the tests release the pin).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import numpy as np
@@ -421,6 +432,7 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, 
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
 
 
+# 0.9.1: agg_loss(..., loss_agg_mode="seq-mean-token-mean", ...) whatever loss_agg_mode says
 def compute_policy_loss_sapo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
                              tau_pos=1.0, tau_neg=1.05, rollout_is_weights=None,
                              pinned_agg_mode="seq-mean-token-mean", **global_batch_info):
@@ -517,6 +529,7 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
     return pg_loss, _metrics(ppo_kl=ppo_kl_abs)
 
 
+# 0.9.1: pg_loss = torch.mean(pg_losses) whatever loss_agg_mode says ("not used")
 def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                                  clip_low=0.2, clip_high=0.2, rollout_is_weights=None, verl_mean=True,
                                  **global_batch_info):
@@ -684,3 +697,385 @@ def calc_maj_val(data, vote_key, val_key):
     maj_vote = max(vote2cnt, key=vote2cnt.get)
     maj_val = vote2vals[maj_vote][0]
     return maj_val
+
+
+# --- verl 0.9.1: core_algos.py (gdpo, optimal token baselines, dro, bypass_mode), rollout_corr_helper.py ----
+
+
+def compute_gdpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
+                                   norm_adv_by_std_in_grpo=True, gdpo_reward_keys=None, gdpo_reward_weights=None,
+                                   non_tensor_batch=None, response_attention_mask=None):
+    # verl's config / batch stand-ins: gdpo_reward_keys, gdpo_reward_weights, non_tensor_batch (key -> scores)
+    # and the response part of batch["attention_mask"]
+    score_list = None
+    reward_weights = None
+    if non_tensor_batch is not None:
+        assert gdpo_reward_keys
+        valid_response_length = response_attention_mask.sum(dim=1) - 1
+        score_list = []
+        for key in gdpo_reward_keys:
+            assert key in non_tensor_batch
+            comp = non_tensor_batch[key]
+            rm_score = torch.tensor(np.asarray(comp, dtype=np.float32))
+            rm_scores = torch.zeros_like(response_mask, dtype=torch.float32)
+            rm_scores[torch.arange(rm_scores.size(0)), valid_response_length.long()] = rm_score
+            score_list.append(rm_scores)
+        if gdpo_reward_weights is not None:
+            reward_weights = list(gdpo_reward_weights)
+    if score_list is None:
+        score_list = [token_level_rewards]
+    num_scores = len(score_list)
+    if reward_weights is not None:
+        weights = torch.tensor(reward_weights, dtype=torch.float32)
+    else:
+        weights = torch.ones(num_scores, dtype=torch.float32)
+    new_advantage = None
+    for i in range(num_scores):
+        normalized_score, _ = compute_grpo_outcome_advantage(
+            score_list[i], response_mask, index, epsilon=epsilon, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+        if new_advantage is None:
+            new_advantage = weights[i] * normalized_score
+        else:
+            new_advantage += weights[i] * normalized_score
+    advantages = masked_whiten(new_advantage, response_mask) * response_mask
+    return advantages, advantages
+
+
+def compute_optimal_token_baseline_advantage(token_level_rewards, response_mask, index, old_log_probs,
+                                             sum_pi_squared, rollout_is_weights=None, handle_zero_tail=True,
+                                             epsilon=1e-8):
+    with torch.no_grad():
+        batch_size = token_level_rewards.shape[0]
+        returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+        pi_t = torch.exp(old_log_probs)
+        w_per_timestep = 1 - 2 * pi_t + sum_pi_squared
+        if rollout_is_weights is not None:
+            w_per_timestep = w_per_timestep * (rollout_is_weights**2)
+        w_cumulative = (w_per_timestep * response_mask).cumsum(dim=-1)
+        prompt_groups = defaultdict(list)
+        for i in range(batch_size):
+            prompt_groups[index[i]].append(i)
+        baselines = torch.zeros_like(returns)
+        for trajectory_indices in prompt_groups.values():
+            N = len(trajectory_indices)
+            if N == 1:
+                continue
+            traj_idx = torch.tensor(trajectory_indices)
+            returns_group = returns[traj_idx]
+            w_cumulative_group = w_cumulative[traj_idx]
+            mask_group = response_mask[traj_idx]
+            numerator = (returns_group * w_cumulative_group * mask_group).sum(dim=0)
+            denominator = (w_cumulative_group * mask_group).sum(dim=0) + epsilon
+            baseline_per_step = numerator / denominator
+            baselines[traj_idx] = baseline_per_step.unsqueeze(0).expand(N, -1)
+            if handle_zero_tail:
+                response_lengths = mask_group.sum(dim=-1)
+                sorted_lengths, _ = torch.sort(response_lengths)
+                max_length = int(sorted_lengths[-1].item())
+                second_max_length = int(sorted_lengths[-2].item())
+                max_length_idx = (response_lengths == max_length).nonzero(as_tuple=True)[0]
+                if max_length_idx.numel() == 1 and max_length > second_max_length:
+                    max_length_traj_idx = trajectory_indices[int(max_length_idx[0])]
+                    baselines[max_length_traj_idx, second_max_length:] = 0.0
+        advantages = (returns - baselines) * response_mask
+    return advantages, returns
+
+
+def compute_multi_turn_optimal_token_baseline_advantage(token_level_rewards, response_mask, index, old_log_probs,
+                                                        sum_pi_squared, rollout_is_weights=None,
+                                                        handle_zero_tail=True, epsilon=1e-8):
+    with torch.no_grad():
+        token_returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+        pi_t = torch.exp(old_log_probs)
+        w_per_timestep = 1 - 2 * pi_t + sum_pi_squared
+        if rollout_is_weights is not None:
+            w_per_timestep = w_per_timestep * (rollout_is_weights**2)
+        w_cumulative = (w_per_timestep * response_mask).cumsum(dim=-1)
+        response_lengths = response_mask.sum(dim=-1).to(dtype=torch.long)
+        max_response_length = int(response_lengths.max().item()) if response_lengths.numel() > 0 else 0
+        all_w_values = w_cumulative.new_zeros((len(response_lengths), max_response_length))
+        all_returns = torch.zeros_like(all_w_values)
+        for i in range(len(response_lengths)):
+            length = int(response_lengths[i].item())
+            if length == 0:
+                continue
+            mask = response_mask[i].bool()
+            all_w_values[i, :length] = w_cumulative[i, mask]
+            all_returns[i, :length] = token_returns[i, mask]
+        prompt_groups = defaultdict(list)
+        for i in range(len(response_lengths)):
+            if response_lengths[i] == 0:
+                continue
+            prompt_groups[index[i]].append(i)
+        baselines = torch.zeros_like(all_returns)
+        for trajectory_indices in prompt_groups.values():
+            N = len(trajectory_indices)
+            traj_idx = torch.tensor(trajectory_indices)
+            if N == 1:
+                baselines[traj_idx[0]] = 0.0
+                continue
+            w_group = all_w_values[traj_idx]
+            R_group = all_returns[traj_idx]
+            b_star = (R_group * w_group).sum(dim=0) / (w_group.sum(dim=0) + epsilon)
+            baselines[traj_idx] = b_star.to(baselines.dtype)
+            if handle_zero_tail:
+                response_lengths_group = response_lengths[traj_idx]
+                sorted_lengths, _ = torch.sort(response_lengths_group)
+                max_length = int(sorted_lengths[-1].item())
+                second_max_length = int(sorted_lengths[-2].item())
+                max_length_idx = (response_lengths_group == max_length).nonzero(as_tuple=True)[0]
+                if max_length_idx.numel() == 1 and max_length > second_max_length:
+                    max_length_traj_idx = trajectory_indices[int(max_length_idx[0])]
+                    baselines[max_length_traj_idx, second_max_length:] = 0.0
+        all_advantages = all_returns - baselines
+        advantages = torch.zeros_like(token_returns)
+        for i in range(len(response_lengths)):
+            if response_lengths[i] == 0:
+                continue
+            advantages[i, response_mask[i].bool()] = all_advantages[i, : response_lengths[i]]
+        advantages = advantages * response_mask
+    return advantages, token_returns
+
+
+def compute_policy_loss_dro(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                            dro_beta=None, rollout_is_weights=None, **global_batch_info):
+    beta = dro_beta
+    if beta is None or beta <= 0:
+        raise ValueError("policy_loss.dro_beta must be a positive value when using DRO")
+    log_ratio = log_prob - old_log_prob
+    pg_losses = -(log_prob * advantages - 0.5 * beta * log_ratio.square())
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **global_batch_info)
+    pg_metrics = {"actor/ppo_kl": masked_mean(-log_ratio, response_mask).detach().item()}
+    return pg_loss, pg_metrics
+
+
+SAFETY_BOUND = 20.0
+SUPPORTED_ROLLOUT_RS_OPTIONS = {"token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                                "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"}
+TOKEN_LEVEL_ROLLOUT_RS_OPTIONS = {"token_k1", "token_k2", "token_k3"}
+
+
+def _parse_rollout_is_threshold(threshold_spec):
+    if isinstance(threshold_spec, bool):
+        raise TypeError("rollout_is_threshold must be a float or a string, not a boolean.")
+    if isinstance(threshold_spec, int | float):
+        upper = float(threshold_spec)
+        lower = None
+    else:
+        spec = threshold_spec.strip()
+        if "_" in spec:
+            lower_str, upper_str = spec.split("_", 1)
+            lower = float(lower_str)
+            upper = float(upper_str)
+        else:
+            upper = float(spec)
+            lower = None
+    if upper <= 0:
+        raise ValueError(f"rollout_is_threshold upper bound must be positive, got {upper}.")
+    if lower is not None:
+        if lower <= 0:
+            raise ValueError(f"rollout_is_threshold lower bound must be positive, got {lower}.")
+        if lower > upper:
+            raise ValueError("rollout_is_threshold lower bound must be <= upper bound.")
+    return upper, lower
+
+
+def _parse_rollout_rs_thresholds(options, threshold_spec):
+    if threshold_spec is None:
+        raise ValueError("rollout_rs_threshold must be provided for rejection sampling.")
+    if isinstance(threshold_spec, int | float):
+        raw_specs = [str(threshold_spec)]
+    else:
+        raw_specs = [part.strip() for part in threshold_spec.split(",") if part.strip()]
+    if len(raw_specs) not in (1, len(options)):
+        raise ValueError("rollout_rs_threshold expects one threshold or one per option.")
+    if len(raw_specs) == 1 and len(options) > 1:
+        raw_specs = raw_specs * len(options)
+    thresholds = {}
+    for option, spec in zip(options, raw_specs, strict=False):
+        if option.endswith("k1"):
+            if "_" in spec:
+                lower_str, upper_str = spec.split("_", 1)
+            else:
+                upper_str = spec
+                lower_str = str(1.0 / float(upper_str))
+            lower = float(lower_str)
+            upper = float(upper_str)
+            if lower <= 0 or upper <= 0:
+                raise ValueError(f"Thresholds for option '{option}' must be positive, got {spec}.")
+            if lower > upper:
+                raise ValueError(f"Thresholds for option '{option}' must be lower <= upper, got {spec}.")
+            thresholds[option] = {"lower": lower, "upper": upper}
+        else:
+            if "_" in spec:
+                raise ValueError(f"rollout_rs_threshold for option '{option}' must provide a single upper bound.")
+            upper = float(spec)
+            if upper <= 0:
+                raise ValueError(f"Threshold for option '{option}' must be positive, got {spec}.")
+            thresholds[option] = {"lower": None, "upper": upper}
+    return thresholds
+
+
+def compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs="token_k1", rollout_rs_threshold=None):
+    if log_ratio.shape[0] == 0:
+        return response_mask
+    option_modes = [opt.strip() for opt in rollout_rs.split(",") if opt.strip()]
+    normalized_options, seen = [], set()
+    for opt in option_modes:
+        if opt not in SUPPORTED_ROLLOUT_RS_OPTIONS:
+            raise ValueError(f"Invalid rollout_rs option: {opt}.")
+        if opt not in seen:
+            normalized_options.append(opt)
+            seen.add(opt)
+    threshold_specs = _parse_rollout_rs_thresholds(normalized_options, rollout_rs_threshold)
+    log_ratio_safe = torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND)
+    token_k1 = -log_ratio_safe
+    token_k2 = 0.5 * log_ratio_safe**2
+    token_k3 = torch.exp(log_ratio_safe) - 1.0 - log_ratio_safe
+    response_mask_bool = response_mask.bool()
+    combined_mask = torch.ones_like(response_mask, dtype=log_ratio.dtype)
+
+    def _sequence_sum(values):
+        return masked_sum(values, response_mask, axis=-1)
+
+    def _sequence_mean(values):
+        return masked_mean(values, response_mask, axis=-1)
+
+    def _sequence_max(values):
+        mask_bool = response_mask.bool()
+        neg_inf = torch.tensor(float("-inf"), dtype=values.dtype)
+        masked_values = values.masked_fill(~mask_bool, neg_inf)
+        max_values = masked_values.max(dim=-1).values
+        return torch.where(max_values == neg_inf, torch.zeros_like(max_values), max_values)
+
+    for option_name in normalized_options:
+        upper_value = threshold_specs[option_name]["upper"]
+        lower_value = threshold_specs[option_name]["lower"]
+        if option_name.endswith("k1"):
+            lower_log = math.log(lower_value)
+            upper_log = math.log(upper_value)
+        if option_name == "token_k1":
+            token_keep_bool = (token_k1 >= lower_log) & (token_k1 <= upper_log)
+        elif option_name == "token_k2":
+            token_keep_bool = token_k2 <= upper_value
+        elif option_name == "token_k3":
+            token_keep_bool = token_k3 <= upper_value
+        else:
+            stat = {"k1": token_k1, "k2": token_k2, "k3": token_k3}[option_name[-2:]]
+            reduce = (_sequence_sum if option_name.startswith("seq_sum")
+                      else _sequence_mean if option_name.startswith("seq_mean") else _sequence_max)
+            seq_stat = reduce(stat)
+            if option_name.endswith("k1"):
+                seq_keep_bool_direct = (seq_stat >= lower_log) & (seq_stat <= upper_log)
+            else:
+                seq_keep_bool_direct = seq_stat <= upper_value
+            token_keep_bool = seq_keep_bool_direct.unsqueeze(-1).expand_as(response_mask_bool)
+        token_keep_mask = token_keep_bool.to(dtype=log_ratio.dtype)
+        combined_mask = combined_mask * token_keep_mask
+    final_mask = combined_mask
+    modified_response_mask = (response_mask * final_mask).to(dtype=response_mask.dtype)
+    return modified_response_mask
+
+
+def compute_rollout_correction_weights(log_ratio, response_mask, rollout_is="token", rollout_is_threshold=2.0,
+                                       rollout_is_batch_normalize=False):
+    rollout_is_threshold_upper, rollout_is_threshold_lower = _parse_rollout_is_threshold(rollout_is_threshold)
+    use_icepop = rollout_is_threshold_lower is not None
+    if rollout_is == "token":
+        log_ratio_safe = torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND)
+        raw_rollout_is_weights = torch.exp(log_ratio_safe)
+    elif rollout_is == "sequence":
+        log_ratio_sum = masked_sum(log_ratio, response_mask, axis=-1).unsqueeze(-1)
+        log_ratio_sum_safe = torch.clamp(log_ratio_sum, min=-SAFETY_BOUND, max=SAFETY_BOUND)
+        raw_rollout_is_weights = torch.exp(log_ratio_sum_safe).expand_as(log_ratio)
+    else:
+        raise ValueError(f"Unsupported rollout_is: {rollout_is}")
+    raw_rollout_is_weights = raw_rollout_is_weights * response_mask
+    if not use_icepop:
+        rollout_is_weights = raw_rollout_is_weights.clamp(max=rollout_is_threshold_upper)
+    else:
+        token_kept_mask = (raw_rollout_is_weights >= rollout_is_threshold_lower) & (
+            raw_rollout_is_weights <= rollout_is_threshold_upper)
+        rollout_is_weights = torch.where(token_kept_mask, raw_rollout_is_weights,
+                                         torch.zeros_like(raw_rollout_is_weights))
+    rollout_is_weights = rollout_is_weights.detach()
+    if rollout_is_batch_normalize:  # the single-process branch (torch.distributed not initialised)
+        if rollout_is == "token":
+            weights_mean = masked_mean(rollout_is_weights, response_mask)
+        else:
+            seq_weights = masked_mean(rollout_is_weights, response_mask, axis=-1)
+            seq_mask = (response_mask.sum(dim=-1) > 0).to(dtype=rollout_is_weights.dtype)
+            weights_mean = (seq_weights * seq_mask).sum() / seq_mask.sum().clamp_min(1e-8)
+        if weights_mean > 1e-8:
+            rollout_is_weights = rollout_is_weights / weights_mean
+    return rollout_is_weights
+
+
+def compute_rollout_correction_and_rejection_mask(old_log_prob, rollout_log_prob, response_mask, rollout_is=None,
+                                                  rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
+                                                  rollout_rs=None, rollout_rs_threshold=None):
+    if not response_mask.any():
+        raise ValueError("response_mask must contain at least one valid token (1).")
+    log_ratio = old_log_prob - rollout_log_prob
+    rollout_is_weights = None
+    if rollout_is is not None and rollout_is_threshold is not None:
+        rollout_is_weights = compute_rollout_correction_weights(log_ratio, response_mask, rollout_is,
+                                                                rollout_is_threshold, rollout_is_batch_normalize)
+    modified_response_mask = response_mask.clone()
+    if rollout_rs is not None:
+        if rollout_rs_threshold is None:
+            raise ValueError("rollout_rs_threshold must be explicitly provided when rollout_rs is enabled.")
+        modified_response_mask = compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs,
+                                                                rollout_rs_threshold)
+    return rollout_is_weights, modified_response_mask
+
+
+def compute_policy_loss_reinforce(rollout_log_prob, log_prob, advantages, response_mask,
+                                  loss_agg_mode="seq-mean-token-sum", rollout_is_weights=None, **global_batch_info):
+    if rollout_is_weights is not None:
+        pg_losses = -advantages * log_prob * rollout_is_weights
+    else:
+        pg_losses = -advantages * log_prob
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **global_batch_info)
+    negative_approx_kl = log_prob - rollout_log_prob
+    kl_divergence = masked_mean(-negative_approx_kl, response_mask)
+    return pg_loss, {"actor/ppo_kl": kl_divergence.detach().item()}
+
+
+def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                                    clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+                                    rollout_correction=None, rollout_is_weights=None, **global_batch_info):
+    # rollout_correction: the dict of config.policy_loss.rollout_correction; the clip ratios stand for config's
+    rollout_corr_config = rollout_correction
+    if rollout_corr_config is None:
+        raise ValueError("rollout_correction config not found in policy_loss.")
+    loss_type = rollout_corr_config.get("loss_type", "ppo_clip")
+    rollout_is = rollout_corr_config.get("rollout_is", None)
+    rollout_is_threshold = rollout_corr_config.get("rollout_is_threshold", 2.0)
+    rollout_is_batch_normalize = rollout_corr_config.get("rollout_is_batch_normalize", False)
+    rollout_rs = rollout_corr_config.get("rollout_rs", None)
+    rollout_rs_threshold = rollout_corr_config.get("rollout_rs_threshold", None)
+    rollout_log_prob = old_log_prob
+    with torch.no_grad():
+        computed_is_weights, modified_response_mask = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask,
+            rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
+            rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
+            rollout_rs_threshold=rollout_rs_threshold)
+    effective_mask = modified_response_mask
+    if loss_type == "reinforce":
+        pg_loss, pg_metrics = compute_policy_loss_reinforce(
+            rollout_log_prob, log_prob, advantages, effective_mask, loss_agg_mode,
+            rollout_is_weights=computed_is_weights, **global_batch_info)
+    elif loss_type == "ppo_clip":
+        pg_loss, clipfrac, kl, lower = compute_policy_loss_vanilla(
+            rollout_log_prob, log_prob, advantages, effective_mask, loss_agg_mode, clip_ratio_low=clip_ratio_low,
+            clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, rollout_is_weights=None,
+            **global_batch_info)
+        pg_metrics = {"actor/pg_clipfrac": clipfrac.item(), "actor/ppo_kl": kl.item(),
+                      "actor/pg_clipfrac_lower": lower.item()}
+    else:
+        raise ValueError(f"Invalid loss_type: {loss_type}. Must be 'reinforce' or 'ppo_clip'.")
+    return pg_loss, pg_metrics

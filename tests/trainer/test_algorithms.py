@@ -17,6 +17,7 @@ from scalerl.algorithms import (
     policy_loss,
 )
 from scalerl.algorithms.entropy import logprobs_from_logits
+from scalerl.core.algorithm_names import NOT_YET_TRAINABLE
 from scalerl.core.config import ConfigError, load_config
 from scalerl.trainer.objectives import PolicyObjective, policy_loss_options
 from scalerl.trainer.rl_trainer import RLTrainer, loss_draw_seed
@@ -43,7 +44,7 @@ def _weights(trainer):
     return {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
 
 
-@pytest.mark.parametrize("name", list(ADVANTAGE_ESTIMATORS))
+@pytest.mark.parametrize("name", [n for n in ADVANTAGE_ESTIMATORS if n not in NOT_YET_TRAINABLE])
 def test_each_estimator_trains_with_its_own_advantages(tiny_config, length_reward, name):
     overrides = ["algorithm.adv_estimator=" + name, "algorithm.gamma=0.9", "algorithm.lam=0.95", length_reward]
     trainer, batch, metrics = _two_steps(tiny_config(*overrides))
@@ -78,7 +79,7 @@ def vanilla_weights(tmp_path_factory):
     return _weights(_two_steps(config)[0])
 
 
-@pytest.mark.parametrize("name", list(POLICY_LOSSES))
+@pytest.mark.parametrize("name", [n for n in POLICY_LOSSES if n not in NOT_YET_TRAINABLE])
 def test_each_policy_loss_trains_and_logs_its_metrics(tiny_config, length_reward, vanilla_weights, name):
     trainer, _, metrics = _two_steps(tiny_config("actor.policy_loss=" + name, *LOSS_OPTIONS.get(name, ()),
                                                  length_reward))
@@ -132,7 +133,7 @@ def test_clip_cov_picks_repeat_on_resume(tiny_config, length_reward, tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("algorithm.adv_estimator=ppo", r"algorithm.adv_estimator must be one of gae, grpo, .*remax, rloo"),
-    ("actor.policy_loss=ppo2", r"actor.policy_loss must be one of vanilla, gspo, .*dppo_kl, clip-cov, kl-cov"),
+    ("actor.policy_loss=ppo2", r"actor.policy_loss must be one of vanilla, gspo, .*dppo_kl.*clip-cov, kl-cov"),
     ("algorithm.adv_estimator=rloo rollout.n=1", r"rollout.n must be >= 2 when algorithm.adv_estimator is 'rloo'"),
     ("algorithm.adv_estimator=remax rollout.temperature=0", r"advantage of algorithm.adv_estimator=remax is 0"),
     ("actor.clip_cov_lb=6", r"actor.clip_cov_lb \(6.0\) must be below actor.clip_cov_ub \(5.0\)"),
@@ -173,3 +174,12 @@ def test_data_parallel_runs_equal_the_single_process(tmp_path):
         assert len(rows[1]) == 2
         assert max_metric_diff(*rows, DP_METRICS) <= TOLERANCE, name
         assert max_weight_diff(single, tmp_path / "dp2" / name / "final") <= TOLERANCE, name
+
+
+@pytest.mark.parametrize("name", sorted(NOT_YET_TRAINABLE))
+def test_a_name_the_trainer_cannot_feed_yet_is_refused_with_what_is_missing(name):
+    """verl 0.9.1's entries whose inputs the trainer does not give yet: a run naming one fails at the config,
+    saying what is missing, instead of failing mid-step (or, for bypass_mode, silently training vanilla)."""
+    key = "algorithm.adv_estimator" if name in ADVANTAGE_ESTIMATORS else "actor.policy_loss"
+    with pytest.raises(ConfigError, match=f"{key}={name} is in scalerl.algorithms .* does not give it"):
+        load_config(None, [f"{key}={name}"])
