@@ -12,6 +12,7 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import math
 import os
 import platform
@@ -24,6 +25,7 @@ from scalerl import __version__
 from scalerl.core.config import (
     GREEDY_BELOW_TEMPERATURE,
     ConfigError,
+    config_to_dict,
     config_to_yaml,
     describe_keys,
     format_config,
@@ -71,7 +73,8 @@ def _is_main_rank() -> bool:
 
 
 def _load_run_config(args: argparse.Namespace, show: bool = True, default_path: Path | None = None) -> Any:
-    """The config the arguments describe (validated as it is read), printed on the main rank if `show`."""
+    """The config the arguments describe (validated as it is read); if `show`, the main rank prints the
+    start banner (`start_banner`), or with --print-config the whole resolved config."""
     if getattr(args, "from_verl", False):
         return _load_verl_config(args, show)
     path, overrides = split_config_args(args.config_args)
@@ -81,7 +84,7 @@ def _load_run_config(args: argparse.Namespace, show: bool = True, default_path: 
     except FileNotFoundError as e:  # a missing config file is a user error, not a crash
         raise ConfigError(str(e)) from None
     if show and _is_main_rank():
-        print(format_config(cfg), flush=True)
+        _show_config(args, cfg)
     return cfg
 
 
@@ -93,8 +96,51 @@ def _load_verl_config(args: argparse.Namespace, show: bool) -> Any:
     if _is_main_rank():
         print(translation.table(), flush=True)
         if show:
-            print(format_config(cfg), flush=True)
+            _show_config(args, cfg)
     return cfg
+
+
+def _show_config(args: argparse.Namespace, cfg: Any) -> None:
+    print(format_config(cfg) if getattr(args, "print_config", False) else start_banner(cfg, args.command), flush=True)
+
+
+def start_banner(cfg: Any, command: str) -> str:
+    """What a run starts with, in a few lines: model, data, layout, engine, precision, the keys set away from
+    their defaults, and where the whole resolved config is written (--print-config prints it here)."""
+    from scalerl.core.config import Config
+
+    m, d, t, p = cfg.model, cfg.data, cfg.trainer, cfg.parallel
+    model = t.init_from or m.path or (f"built-in (hidden_size={m.hidden_size}, "
+                                      f"num_hidden_layers={m.num_hidden_layers})")
+    data = f"{', '.join(d.train_files)} (data.format={d.format})" if d.train_files \
+        else f"the built-in {d.task} task ({d.num_train} rows)"
+    dims = [f"{k}={getattr(p, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "sp", "ep")
+            if getattr(p, k, 1) not in (1, -1)]
+    world = os.environ.get("WORLD_SIZE", "1")
+    layout = f"{world} rank{'s' if world != '1' else ''}" + (f", parallel.{', parallel.'.join(dims)}" if dims else "")
+    output = Path(cfg.sft.output_dir or Path(t.output_dir) / "sft") if command == "sft" else Path(t.output_dir)
+    changed = _changed_keys(config_to_dict(cfg), config_to_dict(Config()))
+    lines = [f"scalerl {command}",
+             f"  model:     {model}",
+             f"  data:      {data}; reward {d.reward}",
+             f"  layout:    {layout}",
+             *([f"  engine:    rollout.engine={cfg.rollout.engine}"] if command != "sft" else []),
+             f"  precision: trainer.precision={t.precision}",
+             f"  changed:   {' '.join(changed) if changed else 'nothing (every key at its default)'}",
+             f"  config:    {output / 'config.yaml'} (every key; --print-config prints it here)"]
+    return "\n".join(lines)
+
+
+def _changed_keys(values: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key=value`` for each leaf of ``values`` that differs from ``defaults``, in the config's order."""
+    changed = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            changed += _changed_keys(value, defaults.get(key, {}), f"{prefix}{key}.")
+        elif value != defaults.get(key):
+            shown = json.dumps(value) if not isinstance(value, str) else value
+            changed.append(f"{prefix}{key}={shown}")
+    return changed
 
 
 def _split_from_verl(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -108,15 +154,34 @@ def _split_from_verl(argv: list[str]) -> tuple[list[str], list[str]]:
 def cmd_train(args: argparse.Namespace) -> int:
     from scalerl.trainer.rl_trainer import train
 
-    train(_load_run_config(args))
+    _say_trained_model(train(_load_run_config(args)))
+    _leave_process_group()
     return 0
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from scalerl.trainer.sft_trainer import train_sft
 
-    train_sft(_load_run_config(args))
+    _say_trained_model(train_sft(_load_run_config(args)))
+    _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> None:
+    """The process group this command's run joined (torchrun, srun, ...), closed before the interpreter exits:
+    left to the interpreter's teardown, gloo's threads were once destroyed while joinable ("terminate called
+    without an active exception", SIGABRT on a rank whose run had finished)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _say_trained_model(summary: dict[str, Any]) -> None:
+    """A run's last line: where its trained model is (what model.path or trainer.init_from can name)."""
+    if isinstance(summary, dict) and summary.get("trained_model") and _is_main_rank():
+        print(f"trained model: {summary['trained_model']} (start from it with trainer.init_from, sample with "
+              f"scalerl generate --model)", flush=True)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -221,6 +286,12 @@ def _add_config_args(parser: argparse.ArgumentParser, extra_usage: str = "") -> 
                         help="optional YAML config file first, then dotted key=value overrides")
 
 
+def _add_print_config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the whole resolved config at start instead of the short banner (it is "
+                             "written to the output directory's config.yaml either way)")
+
+
 def _add_from_verl_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-verl", action="store_true",
                         help="the arguments are a verl command line's Hydra overrides (verl's key names), "
@@ -300,10 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
                 OVERRIDE_HELP + "\nexamples:\n  scalerl train run.yaml actor.lr=1e-6 rollout.n=8\n"
                 "  torchrun --nproc-per-node 8 -m scalerl train run.yaml trainer.resume=auto\n"
                 "  scalerl train --from-verl algorithm.adv_estimator=grpo data.train_files=train.parquet ...\n")
-    _add_config_args(train, " [--from-verl]")
+    _add_config_args(train, " [--from-verl] [--print-config]")
     _add_from_verl_arg(train)
-    _add_config_args(add("sft", cmd_sft, "supervised fine-tuning (uses the data.* and sft.* keys)",
-                         OVERRIDE_HELP + "\nexamples:\n  scalerl sft run.yaml sft.steps=500 sft.lr=1e-4\n"))
+    _add_print_config_arg(train)
+    sft = add("sft", cmd_sft, "supervised fine-tuning (uses the data.* and sft.* keys)",
+              OVERRIDE_HELP + "\nexamples:\n  scalerl sft run.yaml sft.steps=500 sft.lr=1e-4\n")
+    _add_config_args(sft, " [--print-config]")
+    _add_print_config_arg(sft)
     _add_config_args(add("demo", cmd_demo, "small end-to-end run on the built-in model and task (CPU friendly)",
                          OVERRIDE_HELP + "\nexamples:\n  scalerl demo\n  scalerl demo trainer.total_steps=50\n"))
     config = add("config", cmd_config, "print the resolved config as YAML (checks a config and overrides)",
@@ -379,10 +453,25 @@ def main(argv: list[str] | None = None) -> int:
 
     Bad input (`UserError`: config, data, model files, layout, launcher environment) prints `error: ...` and
     returns 2; a run that cannot go on (`RunFailure`: a lost or frozen rank, repeated skipped steps) prints
-    `error: ...` and returns 1. Neither shows a traceback: the message names the cause and the fix."""
+    `error: ...` and returns 1; a run stopped by SIGINT or SIGTERM (`RunStopped`) prints its one line and
+    returns 130 or 143. None shows a traceback: the message names the cause and the fix. A closed stdout
+    (`scalerl config --keys | head`) ends the command quietly."""
+    try:
+        return _run(argv)
+    except BrokenPipeError:  # `scalerl ... | head`: the reader left; say nothing more to it
+        _quiet_stdout()
+        return 0
+
+
+def _run(argv: list[str] | None) -> int:
+    """`main` without its closed-pipe handling: parse, run, report the errors a user can act on."""
     parser = build_parser()
     argv, scalerl_overrides = _split_from_verl(sys.argv[1:] if argv is None else list(argv))
-    args, extra = parser.parse_known_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except SystemExit:  # --help, --version, a usage error: flushed here, where a closed pipe is caught
+        sys.stdout.flush()
+        raise
     args.scalerl_overrides = scalerl_overrides
     if extra and getattr(args, "command", None) in ("doctor", "launch") and all(
             "=" in e and not e.startswith("-") or e.endswith((".yaml", ".yml")) for e in extra):
@@ -390,7 +479,25 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args)
-    except (UserError, RunFailure) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
+        return code
+    except (UserError, RunFailure) as e:  # a stopped run (Ctrl-C, SIGTERM) says its line without "error:",
+        prefix = getattr(e, "prefix", "error: ")  # once: every rank stopped at the same step
+        if prefix or _is_main_rank():
+            print(f"{prefix}{e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except KeyboardInterrupt:  # before the training loop (which stops between steps) or a second Ctrl-C
+        print("interrupted: stopped at once, nothing saved by this run", file=sys.stderr, flush=True)
+        return 130
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so flushing it at exit does not raise a second BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (a test's capture): nothing left to flush
+        pass
+    finally:
+        os.close(devnull)

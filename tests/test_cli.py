@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import types
 
@@ -46,7 +47,18 @@ def test_train_loads_config_and_calls_trainer(tmp_path, monkeypatch, capsys):
     (cfg,) = calls
     assert isinstance(cfg, Config)
     assert cfg.actor.lr == 1e-5 and cfg.rollout.n == 2
-    assert "resolved config" in capsys.readouterr().out
+    out = capsys.readouterr().out  # a short banner, not the ~190 lines of the resolved config
+    assert out.splitlines() == [
+        "scalerl train",
+        "  model:     built-in (hidden_size=128, num_hidden_layers=2)",
+        "  data:      the built-in arithmetic task (4000 rows); reward auto",
+        "  layout:    1 rank",
+        "  engine:    rollout.engine=builtin",
+        "  precision: trainer.precision=fp32",
+        "  changed:   rollout.n=2 actor.lr=1e-05 actor.ppo_mini_batch_size=32",  # in the config's order
+        "  config:    outputs/run/config.yaml (every key; --print-config prints it here)"]
+    assert main(["train", "--print-config", str(path), "rollout.n=2", "actor.ppo_mini_batch_size=32"]) == 0
+    assert capsys.readouterr().out.startswith("resolved config:\n  model:\n")  # every key, as before
 
 
 def test_sft_and_demo_call_their_targets(monkeypatch):
@@ -138,3 +150,23 @@ def test_version_prints_torch_version(capsys):
     out = capsys.readouterr().out
     assert torch.__version__ in out and "scalerl" in out
     assert ("CUDA: not available" in out) != torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("command", [["config", "--keys"], ["--help"], ["train", "--help"]])
+def test_a_reader_that_stops_early_ends_the_command_quietly(command):
+    # `scalerl config --keys | head -2`: the pipe closes while scalerl still writes
+    reader = subprocess.Popen(["head", "-2"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    writer = subprocess.run([sys.executable, "-m", "scalerl", *command], stdout=reader.stdin, stderr=subprocess.PIPE,
+                            text=True, check=False)
+    reader.stdin.close()
+    reader.wait()
+    assert writer.returncode == 0 and writer.stderr == ""  # no BrokenPipeError traceback
+
+
+def test_ctrl_c_before_the_first_step_is_one_line(monkeypatch, capsys):
+    def interrupted(cfg):
+        raise KeyboardInterrupt  # as Ctrl-C while the model loads (the loop's own handler is not set yet)
+
+    fake_module(monkeypatch, "scalerl.trainer.rl_trainer", train=interrupted)
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err == "interrupted: stopped at once, nothing saved by this run\n"

@@ -55,6 +55,7 @@ def test_test_modules_at_the_root_test_root_modules_or_the_whole_package():
         "test_train_cli_files": "the user's path through cli.py: sft then train on JSONL files",
         "test_gpu_selftest": "scripts/gpu_selftest.sh at the repository root: its CPU run (every check SKIPs)",
         "test_spawned_group": "tests/spawned_group.py, the multi-process harness every spawned test shares",
+        "test_readme_tour": "README.md's five-minute tour: its commands run, their output against what it shows",
     }
     modules = {p.stem for p in TESTS.glob("test_*.py")}
     assert set(across) <= modules, f"named but gone: {sorted(set(across) - modules)}"

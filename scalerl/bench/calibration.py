@@ -150,7 +150,11 @@ def links_for(report: dict[str, Any], cell: dict[str, Any] | None = None, inter_
     measured = [v["inter"] for v in links.values() if isinstance(v, dict) and v.get("inter")]
     if measured:
         return Links(intra, LinkCost.from_dict(max(measured, key=lambda d: d["bytes_per_s"])))
-    return Links(intra, intra)
+    # Nothing measured between nodes: the projection treats the inter-node link as the intra-node one, and
+    # says so, instead of naming an intra-node link (a PCIe preset) as if it joined the nodes.
+    return Links(intra, LinkCost(intra.alpha_s, intra.bytes_per_s,
+                                 f"none measured, so taken as fast as the intra-node link ({intra.source}); "
+                                 "measure one with scalerl bench --nodes 2 (emulated nodes) or name one: --link"))
 
 
 def link_key(nodes: int, rate_mbit: float) -> str:

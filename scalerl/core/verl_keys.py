@@ -23,7 +23,9 @@ class VerlKey:
     """One verl key: `target` is the scalerl key set from `transform(value, verl)` (None: nothing set).
 
     `inert` is the value that changes nothing here; any other value of a key with no target is an error.
-    `only_if(verl)` false: verl itself ignores the key in this run (e.g. kl_ctrl without use_kl_in_reward)."""
+    `only_if(verl)` false: verl itself ignores the key in this run (e.g. kl_ctrl without use_kl_in_reward).
+    `read_by`: the key sets nothing itself, but that key's transform reads it (the table shows whose target
+    it feeds)."""
 
     verl: str
     default: Any
@@ -32,6 +34,7 @@ class VerlKey:
     transform: Callable[[Any, Verl], Any] | None = None
     inert: Any = NO_DEFAULT
     only_if: Callable[[Verl], bool] | None = None
+    read_by: str | None = None  # the verl key whose translation reads this one (the table names its target)
 
 
 A, R, OPT = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.actor.optim."
@@ -176,7 +179,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey(OPT + "lr_warmup_steps", -1, "actor.warmup_steps", "-1: from lr_warmup_steps_ratio",
             transform=lambda v, verl: _warmup_steps(int(v), verl)),
     VerlKey(OPT + "lr_warmup_steps_ratio", 0.0, None, "read by lr_warmup_steps (x total steps)",
-            only_if=lambda verl: False),
+            only_if=lambda verl: False, read_by=OPT + "lr_warmup_steps"),
     VerlKey(OPT + "lr_scheduler_type", "constant", "actor.lr_schedule"),
     VerlKey(OPT + "warmup_style", None, "actor.lr_schedule", "verl's older name of lr_scheduler_type",
             only_if=lambda verl: verl[OPT + "warmup_style"] is not None),
@@ -218,7 +221,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey(R + "name", NO_DEFAULT, "rollout.engine", "sglang and trtllm run on vllm here (same sampling)", _engine),
     VerlKey(R + "val_kwargs.temperature", 0.0, "rollout.val_temperature", "0 unless val_kwargs.do_sample",
             _val_temperature),
-    VerlKey(R + "val_kwargs.do_sample", False, None, "read by val_kwargs.temperature", only_if=lambda verl: False),
+    VerlKey(R + "val_kwargs.do_sample", False, None, "read by val_kwargs.temperature", only_if=lambda verl: False,
+            read_by=R + "val_kwargs.temperature"),
     VerlKey(R + "ignore_eos", False, None, inert=False),
     VerlKey(R + "multi_turn.enable", False, None, inert=False),
     # critic: a copy of the policy trained by the actor's optimiser (one schedule)
@@ -245,7 +249,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey("custom_reward_function.path", None, "data.reward", "file.py:name, verl's signature", _reward,
             only_if=lambda verl: verl["custom_reward_function.path"] is not None),
     VerlKey("custom_reward_function.name", "compute_score", None, "read by custom_reward_function.path",
-            only_if=lambda verl: False),
+            only_if=lambda verl: False, read_by="custom_reward_function.path"),
     VerlKey("custom_reward_function.reward_kwargs", {}, None, inert={}),
     VerlKey("reward_model.enable", False, "data.reward", "verl's reward is then the model's score alone; with "
             "custom_reward_function.path scalerl adds that function's score", _reward_model_only,
@@ -261,7 +265,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey("trainer.total_epochs", 30, "trainer.total_steps", "rows // train_batch_size x epochs, or "
             "trainer.total_training_steps", _total_steps,
             only_if=lambda verl: "data.train_files" in verl or verl["trainer.total_training_steps"] is not None),
-    VerlKey("trainer.total_training_steps", None, None, "read by trainer.total_epochs", only_if=lambda verl: False),
+    VerlKey("trainer.total_training_steps", None, None, "read by trainer.total_epochs", only_if=lambda verl: False,
+            read_by="trainer.total_epochs"),
     VerlKey("trainer.save_freq", -1, "trainer.save_every", "-1: scalerl still saves the final checkpoint", _freq),
     VerlKey("trainer.test_freq", -1, "trainer.eval_every", "-1: evaluation before and after training", _freq),
     VerlKey("trainer.logger", ["console", "wandb"], "trainer.logger", "+ jsonl, scalerl's metrics file; "
@@ -269,11 +274,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey("trainer.default_local_dir", None, "trainer.output_dir", "verl's default: "
             "checkpoints/<project_name>/<experiment_name>", _output_dir),
     VerlKey("trainer.project_name", "verl_examples", None, "read by trainer.default_local_dir",
-            only_if=lambda verl: False),
+            only_if=lambda verl: False, read_by="trainer.default_local_dir"),
     VerlKey("trainer.experiment_name", "gsm8k", None, "read by trainer.default_local_dir",
-            only_if=lambda verl: False),
+            only_if=lambda verl: False, read_by="trainer.default_local_dir"),
     VerlKey("trainer.resume_mode", "auto", "trainer.resume", transform=_resume),
-    VerlKey("trainer.resume_from_path", None, None, "read by trainer.resume_mode", only_if=lambda verl: False),
+    VerlKey("trainer.resume_from_path", None, None, "read by trainer.resume_mode", only_if=lambda verl: False,
+            read_by="trainer.resume_mode"),
     VerlKey("trainer.max_actor_ckpt_to_keep", NO_DEFAULT, "trainer.keep_last"),
     VerlKey("trainer.balance_batch", True, "trainer.balance_batch"),
     VerlKey("trainer.critic_warmup", 0, None, inert=0),

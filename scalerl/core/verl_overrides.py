@@ -8,6 +8,7 @@ in neither table (add it to one). Torch-free: `scalerl config --from-verl` stays
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import json
 import re
@@ -71,12 +72,13 @@ def translate(args: list[str]) -> Translation:
     """The scalerl values and table rows for verl overrides `args`; ConfigError names a key that cannot be."""
     given = parse_overrides(args)
     by_key = {k.verl: k for k in VERL_KEYS}
+    known_targets = set(_all_keys(_config_class()))
     unknown = [k for k in given if k not in by_key and _no_effect_reason(k) is None]
     if unknown:
-        raise ConfigError(f"--from-verl: no scalerl equivalent for {', '.join(unknown)}; if it only tunes verl's "
-                          "engine it belongs in NO_EFFECT (scalerl/core/verl_keys.py)")
+        problems = [_unknown_key_problem(k, known_targets) for k in unknown]
+        raise ConfigError("--from-verl: " + (problems[0] if len(problems) == 1 else
+                                             f"{len(problems)} keys:\n  " + "\n  ".join(problems)))
     verl = {k.verl: k.default for k in VERL_KEYS if k.default is not NO_DEFAULT} | given
-    known_targets = set(_all_keys(_config_class()))
     rows, values = [], {}
     for entry in VERL_KEYS:
         if entry.verl not in verl:
@@ -86,7 +88,10 @@ def translate(args: list[str]) -> Translation:
         inert = verl.get(entry.inert[1:]) if isinstance(entry.inert, str) and entry.inert.startswith("$") \
             else entry.inert
         if entry.only_if is not None and not entry.only_if(verl):
-            if from_line:
+            reader = by_key.get(entry.read_by) if entry.read_by else None
+            if from_line and reader is not None and reader.target is not None:
+                rows.append((label, value, f"{reader.target} (read with {reader.verl})"))
+            elif from_line:
                 rows.append((label, value, f"no effect here: {entry.note or 'verl ignores it in this run'}"))
             continue
         if entry.target is None or entry.target not in known_targets:
@@ -105,6 +110,24 @@ def translate(args: list[str]) -> Translation:
         if key not in by_key:
             rows.append((key, value, f"no effect here: {_no_effect_reason(key)}"))
     return Translation(rows, values)
+
+
+def _verl_key_names() -> list[str]:
+    """Every verl key the tables name literally (a pattern's wildcards match too much to suggest)."""
+    return [k.verl for k in VERL_KEYS] + [pattern for pattern, _ in NO_EFFECT if "*" not in pattern]
+
+
+def _unknown_key_problem(key: str, scalerl_keys: set[str]) -> str:
+    """Why ``key`` is not taken: a scalerl key before the '--', or a verl key mistyped (did you mean), or one
+    scalerl does not translate."""
+    if key in scalerl_keys:
+        return (f"{key} is a scalerl key, not one of verl's: scalerl keys go after a '--' "
+                f"(--from-verl <verl keys> -- {key}=...)")
+    close = difflib.get_close_matches(key, _verl_key_names(), n=1, cutoff=0.85)
+    if close:
+        return f"unknown verl key '{key}'; did you mean '{close[0]}'?"
+    return (f"'{key}' is not a verl key scalerl translates (docs/configuration.md#from-verl lists them); "
+            "scalerl keys go after a '--'")
 
 
 def _config_class() -> type:

@@ -289,10 +289,16 @@ def _hub_hint(entry: Path) -> str:
     name = str(entry)
     if entry.is_absolute() or entry.suffix.lower() in DATA_SUFFIXES or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         return ""
+    # A dataset with several configurations needs one named (GSM8K's is 'main'); the hint shows where it goes.
+    subset = ", 'main'" if name.lower() in _MAIN_CONFIG_DATASETS else ""
+    where = "" if subset else " (with the configuration's name as a second argument if it has several)"
     return (f"; nothing is downloaded, so if {name!r} is a Hugging Face Hub dataset, save a local copy first: "
-            f"python -c \"import datasets; datasets.load_dataset('{name}').save_to_disk('DIR')\" (then "
-            f"data.train_files=[DIR], with data.split for the split), or huggingface-cli download {name} "
+            f"python -c \"import datasets; datasets.load_dataset('{name}'{subset}).save_to_disk('DIR')\"{where} "
+            f"(then data.train_files=[DIR], with data.split for the split), or huggingface-cli download {name} "
             "--repo-type dataset --local-dir DIR (then point data.train_files at its .parquet files)")
+
+
+_MAIN_CONFIG_DATASETS = ("openai/gsm8k", "gsm8k")  # load_dataset refuses them without their 'main' configuration
 
 
 def _check_template(template: str) -> None:

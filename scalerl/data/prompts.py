@@ -61,13 +61,14 @@ def check_prompts(tokenizer: Any, rows: list[dict], chat_template: bool, max_len
 
 
 def encode_demonstrations(tokenizer: Any, rows: list[dict], chat_template: bool,
-                          max_positions: int) -> list[tuple[list[int], list[int]]]:
+                          max_positions: int, source: str = "the SFT data") -> list[tuple[list[int], list[int]]]:
     """`encode_demonstration` for every row; a row the tokenizer cannot encode, without a response, or
-    longer than the model's positions is an error naming it."""
+    longer than the model's positions is an error naming it (``source``: where the rows were read)."""
     examples = []
     for number, row in enumerate(rows, start=1):
         if not isinstance(row.get("response"), str):
-            raise DataError(f"SFT row {number} has no 'response' text to train on: {prompt_preview(row['prompt'])}")
+            raise DataError(f"SFT row {number} of {source} has no 'response' text to train on (a 'response' "
+                            f"column, TRL's 'completion', or GSM8K's 'answer'): {prompt_preview(row['prompt'])}")
         try:
             prompt, response = encode_demonstration(tokenizer, row, chat_template)
         except TokenizerError as e:

@@ -4,6 +4,7 @@ rows in memory (`PromptStream`), or, with ``data.streaming=true``, read lazily f
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
 from collections.abc import Callable
@@ -25,11 +26,15 @@ _SPLIT_OF_SAVED_DATASET = {"train": "split", "test": "val_split"}  # a DatasetDi
 
 
 def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
-    """Train (``split="train"``) or held-out (``"test"``) rows: the built-in task, or the configured files."""
-    if data_cfg.task == "arithmetic" and not getattr(data_cfg, _SPLIT_FILES[split]):
+    """Train (``split="train"``) or held-out (``"test"``) rows. The built-in task makes both only when no data
+    files are given; with ``data.train_files`` and no ``data.val_files``, the held-out rows are carved from the
+    training files (`held_out_split`) and the training rows are the rest, never the built-in task's."""
+    files = getattr(data_cfg, _SPLIT_FILES[split])
+    if split == "test" and not files and data_cfg.train_files:
+        return _carved_validation_rows(data_cfg, seed)
+    if data_cfg.task == "arithmetic" and not data_cfg.train_files and not files:
         count = data_cfg.num_train if split == "train" else data_cfg.num_val
         return make_arithmetic_rows(split, count, list(data_cfg.difficulty), seed)
-    files = getattr(data_cfg, _SPLIT_FILES[split])
     if not files and split == "test":
         return []  # no held-out set: evaluation is skipped
     if not files:
@@ -38,6 +43,15 @@ def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
     if split == "train" and data_cfg.streaming:
         raise DataError("data.streaming=true is for RL runs (scalerl train), whose prompt stream reads the files "
                         "lazily; SFT reads data.train_files whole: set data.streaming=false")
+    rows = _file_rows(data_cfg, split)
+    if split == "train" and not data_cfg.val_files:
+        rows = held_out_split(rows, _held_out_count(data_cfg, len(rows)), seed)[0]
+    return rows
+
+
+def _file_rows(data_cfg: Any, split: str) -> list[dict]:
+    """The rows of the split's files (at most data.num_train / data.num_val of them)."""
+    files = getattr(data_cfg, _SPLIT_FILES[split])
     limit = data_cfg.num_train if split == "train" else data_cfg.num_val
     columns = ColumnNames(data_cfg.prompt_key, data_cfg.ground_truth_key, data_cfg.reward_fn_key)
     saved_split = getattr(data_cfg, _SPLIT_OF_SAVED_DATASET[split])
@@ -47,6 +61,46 @@ def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
     if not rows and limit:  # data.num_val=0 asks for none
         raise empty_data_files(expand_paths(files, saved_split), f"data.{_SPLIT_FILES[split]}")
     return rows
+
+
+def _held_out_count(data_cfg: Any, total: int) -> int:
+    """How many of ``total`` training rows are held out: data.val_fraction of them (rounded down), at most
+    data.num_val, and always at least one left to train on."""
+    return max(0, min(int(data_cfg.val_fraction * total), data_cfg.num_val, total - 1))
+
+
+def held_out_split(rows: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """``rows`` split into (training, held-out): ``count`` rows drawn by ``seed`` are held out, disjoint from
+    the rest; both keep the files' order, so the same files and seed give the same split on every rank and
+    every resume."""
+    held = set(random.Random(f"held_out:{seed}").sample(range(len(rows)), count)) if count else set()
+    return ([row for i, row in enumerate(rows) if i not in held], [row for i, row in enumerate(rows) if i in held])
+
+
+def _carved_validation_rows(data_cfg: Any, seed: int) -> list[dict]:
+    """The held-out rows of data.train_files (no data.val_files), said in one line at start; none, with a
+    line saying why, where a split cannot or should not be carved."""
+    if data_cfg.streaming:
+        _say_once("evaluation: none (data.streaming=true reads data.train_files lazily, so no rows are held out; "
+                  "give data.val_files to evaluate)")
+        return []
+    rows = _file_rows(data_cfg, "train")
+    count = _held_out_count(data_cfg, len(rows))
+    if count == 0:
+        why = ("data.val_fraction=0" if data_cfg.val_fraction == 0 else "data.num_val=0" if data_cfg.num_val == 0
+               else f"data.val_fraction={data_cfg.val_fraction:g} of {len(rows)} rows is less than one")
+        _say_once(f"evaluation: none ({why}; give data.val_files, or raise data.val_fraction, to evaluate)")
+        return []
+    _say_once(f"evaluation: {count} of the {len(rows)} rows of data.train_files held out (data.val_fraction="
+              f"{data_cfg.val_fraction:g}, at most data.num_val={data_cfg.num_val}, drawn by trainer.seed="
+              f"{seed}); training uses the other {len(rows) - count}")
+    return held_out_split(rows, count, seed)[1]
+
+
+def _say_once(line: str) -> None:
+    """One line from the first rank (every rank carves the same split)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
 
 
 def prompt_stream_from_config(data_cfg: Any, batch_size: int, seed: int, ctx: DistContext,

@@ -41,8 +41,8 @@ def device_models(facts: list[dict[str, Any]]) -> list[Finding]:
         f.get("local_rank", 0), len(f.get("gpus") or [None]) - 1)]["name"] for f in facts}
     kinds = Counter(models.values())
     if len(kinds) < 2:
-        return [finding("device_models", OK, f"every rank runs on {next(iter(kinds))}; per-rank speed is "
-                         "measured by --performance-profiling")]
+        return [finding("device_models", OK, f"every rank runs on {next(iter(kinds))} (per-rank speed: the "
+                         "per-rank phase table of --performance-profiling)")]
     majority = kinds.most_common(1)[0][0]
     odd = [r for r, m in models.items() if m != majority]
     return [finding("device_models", RULES["device_models"].severities["mixed"].status,

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 # A collective's group: "dp", "trainer", "rollout" (see `DistContext.group_of`) or a process group.
 Over = Union[str, dist.ProcessGroup]
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch 2.13 renamed the tensor all-gather (the old name warns on every rank); older torch has only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 @dataclass
@@ -119,7 +121,7 @@ class DistContext:
             return tensor
         out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         with self.comm.collective(kind, "all_gather", out, group, dim=dim or default_dim):
-            dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+            _all_gather_single(out, tensor.contiguous(), group=group)
         return out
 
     def broadcast(self, tensor: torch.Tensor, src: int | None = None, *, over: Over = "trainer",

@@ -9,7 +9,9 @@ from typing import Any
 import torch
 
 from scalerl.algorithms.pass_at_k import sampled_eval_metrics
+from scalerl.data.errors import DataError
 from scalerl.data.prompts import encode_prompts
+from scalerl.data.reward_functions import RewardFunctionError
 from scalerl.data.rewards import RewardComputer
 from scalerl.rollout.engine import RolloutEngine, SamplingParams
 
@@ -41,7 +43,7 @@ def evaluate(
         )
         out = engine.generate(encode_prompts(tokenizer, [r["prompt"] for r in chunk], chat_template), sampling)
         texts = tokenizer.batch_decode(out.response_ids.tolist())
-        chunk_scores, _ = reward.compute(texts, chunk)
+        chunk_scores, _ = scored_validation(reward, texts, chunk)
         scores.extend(chunk_scores)
         lengths.extend(out.response_lengths.tolist())
     t = torch.tensor(scores)
@@ -50,6 +52,15 @@ def evaluate(
         "val/score/mean": float(t.mean()),
         "val/response_length/mean": float(torch.tensor(lengths, dtype=torch.float).mean()),
     }
+
+
+def scored_validation(reward: RewardComputer, texts: list[str], rows: list[dict]) -> tuple[list[float], int]:
+    """`reward.compute` on validation rows; a reward that cannot take them says it was these rows (the line at
+    start says where they come from: data.val_files, held out from data.train_files, or the built-in task)."""
+    try:
+        return reward.compute(texts, rows)
+    except (RewardFunctionError, DataError) as error:
+        raise type(error)(f"scoring the validation rows: {error}") from None
 
 
 def data_source_of(row: dict, default: str) -> str:
@@ -97,7 +108,7 @@ def evaluate_sampled(
         out = engine.generate([p for p in prompts for _ in range(n)], sampling)
         texts = tokenizer.batch_decode(out.response_ids.tolist())
         sample_rows = [row for row in chunk for _ in range(n)]
-        chunk_scores, _ = reward.compute(texts, sample_rows)
+        chunk_scores, _ = scored_validation(reward, texts, sample_rows)
         scores.extend(chunk_scores)
         predictions.extend(text.strip() for text in texts)
         prompt_ids.extend(row_offset + start + i // n for i in range(len(sample_rows)))

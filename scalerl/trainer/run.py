@@ -58,7 +58,7 @@ from scalerl.trainer.run_directory import (
     resume_from_checkpoint,
     say,
 )
-from scalerl.trainer.run_failures import SkippedStepGuard
+from scalerl.trainer.run_failures import RunStopped, SkippedStepGuard, StopSignals, stopped_message
 from scalerl.trainer.update import OptimizerStep
 
 
@@ -77,11 +77,36 @@ def start_run(cfg: Config, kind: str) -> DistContext:
     (RL), the world's last ``rollout.workers`` ranks are theirs (``ctx.is_trainer`` is False there)."""
     cfg.validate()
     check_run_inputs(cfg, sft=kind == "sft")
+    check_model_directory_here(cfg)
+    if kind == "rl":
+        check_engine_installed(cfg)
     t = cfg.trainer
     workers = cfg.rollout.workers if kind == "rl" and cfg.rollout.placement == "standalone" else 0
     return init_distributed(cfg.parallel, resolve_device(t.device), workers, dist_timeout_s=t.dist_timeout_s,
                             rendezvous_timeout_s=t.rendezvous_timeout_s,
                             trace_dir=run_output_dir(cfg, kind) / "nccl_traces")
+
+
+def check_model_directory_here(cfg: Config) -> None:
+    """The model directory must exist where the run runs (`check_run_inputs` leaves a missing one to here: a
+    launcher may check where it does not); said before the decoder is chosen from a config.json not there."""
+    key = "trainer.init_from" if cfg.trainer.init_from else "model.path"
+    source = cfg.trainer.init_from or cfg.model.path
+    if source and not Path(source).is_dir():
+        raise ConfigError(f"{key}={source}: no such directory here; scalerl reads a Hugging Face model directory "
+                          "(config.json, safetensors weights, tokenizer) and downloads nothing: for a Hub model, "
+                          f"huggingface-cli download NAME --local-dir DIR, then {key}=DIR")
+
+
+def check_engine_installed(cfg: Config) -> None:
+    """``rollout.engine=vllm`` beside the trainer needs vLLM to import: checked before the output directory
+    is claimed or anything is written to it (the built-in model's first weights are saved there for vLLM).
+    Standalone workers import it where they run, which may be another machine."""
+    if cfg.rollout.engine != "vllm" or cfg.rollout.placement != "colocated":
+        return
+    from scalerl.rollout.vllm_engine import import_vllm
+
+    import_vllm()  # VLLMNotAvailable says how to install (or repair) it; imported once, the engine's later
 
 
 def loads_local_shards(ctx: DistContext) -> bool:
@@ -292,30 +317,53 @@ class TrainingRun:
     def fit(self) -> dict[str, Any]:
         """Steps until ``total_steps``, evaluating every ``eval_every`` steps and at the last, saving every
         ``trainer.save_every`` and at the last; then the model exported. Returns "initial" and "last"
-        metrics and the exported model's path (under ``export_key``)."""
+        metrics and the exported model's path (under ``export_key``). SIGINT or SIGTERM stops the loop
+        between steps on every rank (`StopSignals`), saving there with ``trainer.save_on_stop``, and raises
+        `RunStopped` with the one line that says so."""
         save_every = self.cfg.trainer.save_every
         summary: dict[str, Any] = {}
+        saved: tuple[int, Path] | None = None  # the step and checkpoint this run wrote last
         try:
-            if self.eval_at_start and self.step == 0 and self.val_rows:
-                summary["initial"] = self.evaluate()
-                self.logger.log({**summary["initial"], **self._timings()}, step=0)
-            while self.step < self.total_steps:
-                metrics = self.train_step()
-                self.step += 1
-                metrics.update(self.monitor.observe(self.step, metrics))
-                last = self.step == self.total_steps
-                if self.val_rows and (last or (self.eval_every and self.step % self.eval_every == 0)):
-                    metrics.update(self.evaluate())
-                    metrics.update(self._timings())
-                self.logger.log(metrics, step=self.step)
-                self.skip_guard.after_step(self.step, self.optimizer_step.consecutive_skips)
-                if (save_every and self.step % save_every == 0) or last:
-                    self.save()
-                summary["last"] = metrics
+            with StopSignals() as signals:
+                if self.eval_at_start and self.step == 0 and self.val_rows:
+                    summary["initial"] = self.evaluate()
+                    self.logger.log({**summary["initial"], **self._timings()}, step=0)
+                first_step = self.step
+                while self.step < self.total_steps:
+                    signum = signals.agreed(self.dist.world_size > 1, self.dist.group, self.dist.device)
+                    if signum:
+                        self.stop(signum, first_step, saved)
+                    metrics = self.train_step()
+                    self.step += 1
+                    metrics.update(self.monitor.observe(self.step, metrics))
+                    last = self.step == self.total_steps
+                    if self.val_rows and (last or (self.eval_every and self.step % self.eval_every == 0)):
+                        metrics.update(self.evaluate())
+                        metrics.update(self._timings())
+                    self.logger.log(metrics, step=self.step)
+                    self.skip_guard.after_step(self.step, self.optimizer_step.consecutive_skips)
+                    if (save_every and self.step % save_every == 0) or last:
+                        saved = (self.step, self.save())
+                    summary["last"] = metrics
             summary.update(self.export())
         finally:
             self.close()
         return summary
+
+    def stop(self, signum: int, first_step: int, saved: tuple[int, Path] | None) -> None:
+        """End a run asked to stop, between steps: a checkpoint of this step (unless one was just saved, or
+        trainer.save_on_stop=false, or no step ran), then `RunStopped` with the line to print."""
+        path, not_saved_because = None, ""
+        if saved is not None and saved[0] == self.step:
+            path = saved[1]
+        elif self.step == first_step:
+            not_saved_because = "no step ran"
+        elif self.cfg.trainer.save_on_stop:
+            path = self.save()
+        else:
+            not_saved_because = "trainer.save_on_stop=false"
+        raise RunStopped(stopped_message(signum, self.step, self.total_steps, path, not_saved_because,
+                                         self.checkpoint_root), signum)
 
     def _timings(self) -> dict[str, float]:
         """What the timer measured since the step's metrics were read (evaluation), combined over ranks."""
@@ -351,12 +399,17 @@ class TrainingRun:
                                 is_main=self.dist.is_main)
             if self.dist.world_size > 1:
                 self.dist.barrier()
-            return {self.export_key: str(path)}
+            return self.exported(path)
         path = checkpoint.export_hf_model(
             self.policy.model, self.tokenizer, self.output_dir / self.export_name, self.dist,
             dtype=export_dtype(t.export_dtype, t.init_from or self.cfg.model.path, self.cfg.model.dtype),
             max_shard_bytes=byte_size(t.export_max_shard_size))
-        return {self.export_key: str(path)}
+        return self.exported(path)
+
+    def exported(self, path: Path) -> dict[str, str]:
+        """`fit`'s summary of the export: ``trained_model``, the one name both trainers use (and the CLI's
+        last line), and the trainer's own older key (``export_key``)."""
+        return {"trained_model": str(path), self.export_key: str(path)}
 
     def close(self) -> None:
         self.reward.close()  # its worker processes, with data.reward_workers

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ def check_run_inputs(cfg: Any, sft: bool | None = None, import_reward: bool = Tr
     None both; `import_reward` imports a user reward function (launchers skip it: it may exist only where
     the ranks run). Raises a UserError (ConfigError, CheckpointFormatError, TokenizerError,
     RewardFunctionError) naming the key."""
+    resolve_init_from(cfg)
     if import_reward and cfg.data.reward not in BUILTIN_REWARDS:
         from scalerl.data.rewards import load_reward_fns
 
@@ -50,6 +52,35 @@ def check_run_inputs(cfg: Any, sft: bool | None = None, import_reward: bool = Tr
         raise ConfigError(problems[0])
     if problems:
         raise ConfigError(f"invalid config ({len(problems)} problems):\n  " + "\n  ".join(problems))
+
+
+# Where a run's output directory holds its trained model: RL's export, SFT's export, SFT's under an RL directory.
+TRAINED_MODEL_DIRS = ("final", "model", "sft/model")
+
+
+def resolve_init_from(cfg: Any) -> None:
+    """``trainer.init_from`` given as a run's output directory (`scalerl sft`'s, as the README writes it)
+    becomes the trained model inside it, said once; a directory with no model in it or below it is refused,
+    naming the paths looked at."""
+    source = cfg.trainer.init_from
+    if not source or not Path(source).is_dir() or _holds_model(Path(source)):
+        return
+    found = [Path(source) / name for name in TRAINED_MODEL_DIRS if _holds_model(Path(source) / name)]
+    if len(found) == 1:
+        cfg.trainer.init_from = str(found[0])
+        if os.environ.get("RANK", "0") == "0":  # stderr: `scalerl config` keeps stdout for the YAML
+            print(f"trainer.init_from={source}: the trained model in it, {found[0]}", file=sys.stderr, flush=True)
+        return
+    looked = ", ".join(str(Path(source) / name) for name in TRAINED_MODEL_DIRS)
+    if found:
+        raise ConfigError(f"trainer.init_from={source} holds several trained models ({', '.join(map(str, found))}); "
+                          "name the one to start from")
+    raise ConfigError(f"trainer.init_from={source} holds no model: no config.json in it, nor in {looked} (where "
+                      "scalerl train and scalerl sft export theirs); give the model directory itself")
+
+
+def _holds_model(directory: Path) -> bool:
+    return (directory / "config.json").is_file() or (directory / "adapter_config.json").is_file()
 
 
 def model_directory_problems(cfg: Any) -> list[str]:

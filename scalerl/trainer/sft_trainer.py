@@ -61,8 +61,11 @@ class SFTTrainer(TrainingRun):
             announce(warning)
         self.policy = self.lay_out(model)
         self.trained = {"actor": self.policy}
+        files = cfg.data.train_files
+        source = f"data.train_files ({', '.join(files)})" if files else f"the built-in {cfg.data.task} task"
         self.examples = encode_demonstrations(self.tokenizer, rows_from_config(cfg.data, "train", t.seed),
-                                              cfg.data.chat_template, model.config.max_position_embeddings)
+                                              cfg.data.chat_template, model.config.max_position_embeddings,
+                                              source)
         self.val_rows = ctx.dp_share(rows_from_config(cfg.data, "test", t.seed))
         self.stream = PromptStream(list(range(len(self.examples))), s.batch_size, t.seed, cfg.data.shuffle,
                                    batch_key="sft.batch_size")

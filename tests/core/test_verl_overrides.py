@@ -242,3 +242,31 @@ def test_train_from_verl_runs_one_step_on_verl_parquet(tmp_path):
     assert len(steps) == 1 and steps[0]["reward/num_failures"] == 0  # verl's gsm8k scorer by data_source
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["actor"]["ppo_mini_batch_size"] == 8 and saved["actor"]["weight_decay"] == 0.01
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.optim.lrr=1e-6",  # a typo of a translated key
+     "--from-verl: unknown verl key 'actor_rollout_ref.actor.optim.lrr'; did you mean 'actor_rollout_ref.actor.optim.lr'?"),
+    ("actor_rollout_ref.rollout.gpu_memory_utilizaton=0.5",  # ... and of engine tuning that changes nothing here
+     ("--from-verl: unknown verl key 'actor_rollout_ref.rollout.gpu_memory_utilizaton'; did you mean "
+      "'actor_rollout_ref.rollout.gpu_memory_utilization'?")),
+    ("model.path=/models/qwen",  # a scalerl key before the '--'
+     ("--from-verl: model.path is a scalerl key, not one of verl's: scalerl keys go after a '--' "
+      "(--from-verl <verl keys> -- model.path=...)")),
+    ("nothing.like.it=1",
+     ("--from-verl: 'nothing.like.it' is not a verl key scalerl translates (docs/configuration.md#from-verl "
+      "lists them); scalerl keys go after a '--'")),
+])
+def test_unknown_keys_get_a_suggestion_or_the_way_to_pass_scalerl_keys(override, message, capsys):
+    assert main(["config", "--from-verl", "algorithm.adv_estimator=grpo", override]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {message}\n"
+    assert "scalerl/core" not in err and ".py" not in err  # written for users: no source paths
+
+
+def test_the_table_names_the_scalerl_key_a_read_key_feeds():
+    rows = _rows(translate([MODEL, "trainer.total_training_steps=3", "custom_reward_function.path=r.py",
+                            "custom_reward_function.name=score", "trainer.project_name=p"]))
+    assert rows["trainer.total_training_steps"] == "trainer.total_steps (read with trainer.total_epochs)"
+    assert rows["custom_reward_function.name"] == "data.reward (read with custom_reward_function.path)"
+    assert rows["trainer.project_name"] == "trainer.output_dir (read with trainer.default_local_dir)"

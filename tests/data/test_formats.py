@@ -207,9 +207,13 @@ def test_arrow_ipc_file_and_damaged_saved_dataset(tmp_path):
 
 def test_hub_name_is_not_downloaded(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(DataError, match=r"'openai/gsm8k' does not exist.*nothing is downloaded.*save_to_disk.*"
+    with pytest.raises(DataError, match=r"'openai/gsm8k' does not exist.*nothing is downloaded.*"
+                                        r"load_dataset\('openai/gsm8k', 'main'\)\.save_to_disk.*"
                                         r"huggingface-cli download openai/gsm8k --repo-type dataset"):
-        load_rows("openai/gsm8k")
+        load_rows("openai/gsm8k")  # as docs/configuration.md writes it: GSM8K has no default configuration
+    with pytest.raises(DataError, match=r"load_dataset\('someone/set'\)\.save_to_disk\('DIR'\)\" \(with the "
+                                        r"configuration's name as a second argument if it has several\)"):
+        load_rows("someone/set")
     with pytest.raises(DataError) as error:
         load_rows("missing.jsonl")
     assert "huggingface-cli" not in str(error.value)  # a file name is not a Hub name

@@ -1,5 +1,6 @@
 """`scalerl train` from the command line on a verl-format GSM8K-style parquet and on a TRL-format dataset
-saved with `DatasetDict.save_to_disk` (the user's path: their files, unchanged)."""
+saved with `DatasetDict.save_to_disk` (the user's path: their files, unchanged); without data.val_files,
+evaluation runs on rows held out from the user's file, scored by the user's reward."""
 
 import json
 
@@ -82,3 +83,35 @@ def test_verl_job_as_it_is_parquet_reward_file_and_auto_scorer(tmp_path):
                  f"data.train_files=[{tmp_path / 'train.parquet'}]"]) == 0
     (step,) = [row for row in _metrics(auto) if "critic/score/mean" in row]
     assert step["reward/num_failures"] == 0 and 0 <= step["critic/score/mean"] <= 1
+
+
+def test_trl_reward_on_a_users_file_evaluates_on_rows_held_out_from_it(tmp_path, capsys):
+    rows = [{"prompt": f"{i}+1=", "solution": str(i + 1)} for i in range(100)]
+    (tmp_path / "trl.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    # A TRL reward that needs the file's own column; it records the solutions it scored.
+    seen = tmp_path / "seen.txt"
+    (tmp_path / "acc.py").write_text(
+        "def accuracy(prompts, completions, solution, **kwargs):\n"
+        f"    open({str(seen)!r}, 'a').write(''.join(s + '\\n' for s in solution))\n"
+        "    return [float(c.strip() == s) for c, s in zip(completions, solution)]\n")
+    run = tmp_path / "run"
+    assert main(["train", *TINY, f"trainer.output_dir={run}", "trainer.total_steps=1",
+                 f"data.reward={tmp_path / 'acc.py'}:accuracy", f"data.train_files=[{tmp_path / 'trl.jsonl'}]",
+                 "data.val_fraction=0.04"]) == 0
+    assert ("evaluation: 4 of the 100 rows of data.train_files held out (data.val_fraction=0.04, at most "
+            "data.num_val=8, drawn by trainer.seed=0); training uses the other 96") in capsys.readouterr().out
+    initial, *_ = _metrics(run)
+    assert initial["step"] == 0 and "val/accuracy" in initial
+    scored = seen.read_text().split()
+    assert len(scored) == 4 + 4 * 4 + 4  # evaluation at step 0, one step of 4 prompts x 4 samples, the last evaluation
+    assert set(scored) <= {row["solution"] for row in rows}  # the user's rows only, never the built-in task's
+    assert not set(scored[:4]) & set(scored[4:20])  # the held-out rows are not trained on
+
+
+def test_sft_row_without_a_response_names_the_file(tmp_path, capsys):
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "ground_truth": str(i + 1)})
+                                                    + "\n" for i in range(8)))
+    assert main(["sft", *TINY, f"trainer.output_dir={tmp_path / 'run'}",
+                 f"data.train_files=[{tmp_path / 'prompts.jsonl'}]"]) == 2
+    assert (f"SFT row 1 of data.train_files ({tmp_path / 'prompts.jsonl'}) has no 'response' text to train on"
+            in capsys.readouterr().err)

@@ -492,3 +492,11 @@ def test_a_long_generation_tail_is_judged_where_generation_costs():
 def test_colocated_runs_have_nothing_to_wait_for():
     findings = run_step_rules(StepView({"timing_s/step": 1.0}, None, {"world_size": 1, "dp_size": 1}))
     assert {f.status for f in findings if f.leaf.startswith("rollout/")} == {OK}
+
+
+def test_one_rank_says_each_thing_once_and_points_at_the_phase_table():
+    findings = run_step_rules(StepView({"timing_s/step": 1.0}, None, {"world_size": 1}))
+    summaries = [f.summary for f in findings if f.rule in ("comm_share", "achieved_bandwidth")]
+    assert summaries == ["one rank: no communication", "one rank: no link to measure"]  # not the same line twice
+    (device,) = [f for f in cluster_findings(healthy_facts(nodes=1)) if f.rule == "device_models"]
+    assert device.summary.endswith("(per-rank speed: the per-rank phase table of --performance-profiling)")

@@ -24,3 +24,22 @@ def test_missing_socket_interface_fails_before_the_rendezvous(monkeypatch):
                                                    rf"exist on node {re.escape(socket.gethostname())} \(rank 0\)"):
         init_distributed(ParallelSection(dp_replicate=2), torch.device("cpu"))
     assert not dist.is_initialized()
+
+
+def _gather_with_warnings(rank: int):
+    import warnings
+
+    from scalerl.parallel.distributed import single_process_context
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gathered = single_process_context().all_gather(torch.tensor([float(rank)]), over=dist.group.WORLD)
+    return gathered.tolist(), [str(w.message) for w in caught]
+
+
+def test_the_tensor_all_gather_warns_no_rank_of_a_deprecated_name():
+    from tests.spawned_group import run_in_group
+
+    for gathered, warned in run_in_group(_gather_with_warnings, 2, timeout_s=120):
+        assert gathered == [0.0, 1.0]
+        assert not [w for w in warned if "deprecated" in w]  # torch 2.13's all_gather_into_tensor warned each rank

@@ -1,6 +1,8 @@
 """The run scaffold: one checked entry (`start_run`) for both trainers, and the seams a harness uses instead
 of patching a trainer's members (``timer=``, ``wrap_optimizer_step=``, ``on_batch=``)."""
 
+import sys
+
 import pytest
 import torch
 
@@ -83,3 +85,16 @@ def test_the_entry_checks_what_the_config_names(tiny_config, tmp_path):
     with pytest.raises(ConfigError, match="sft.output_dir.*is a file"):
         start_run(tiny_config(f"sft.output_dir={tmp_path / 'taken'}"), "sft")
     start_run(tiny_config(f"sft.output_dir={tmp_path / 'taken'}"), "rl")  # RL does not write there
+
+
+def test_a_run_refused_for_a_missing_vllm_writes_nothing(tmp_path, monkeypatch, capsys):
+    from scalerl.cli import main
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails, as where it is not installed
+    run = tmp_path / "run"
+    verl = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.name=vllm",
+            "data.max_prompt_length=32", "data.max_response_length=8", "trainer.total_training_steps=1",
+            f"trainer.default_local_dir={run}"]
+    assert main(["train", "--from-verl", *verl, "--", "model.hidden_size=32", "model.intermediate_size=64"]) == 2
+    assert "rollout.engine=vllm needs vLLM, which is not installed" in capsys.readouterr().err
+    assert not run.exists()  # no claim file, no vllm_initial_weights/

@@ -1,9 +1,16 @@
 """How a run that cannot go on ends: repeated skipped optimizer steps stop it naming the last checkpoint
-from before the skipping began (the collective failures are in tests/parallel/test_collective_failures.py)."""
+from before the skipping began (the collective failures are in tests/parallel/test_collective_failures.py);
+and how a run asked to stop ends: SIGINT or SIGTERM mid-run stops `scalerl train` between steps with one
+line and the signal's exit code, and `trainer.resume=auto` continues from the checkpoint it saved."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +19,7 @@ from scalerl.core.errors import RunFailure
 from scalerl.trainer.rl_trainer import train
 from scalerl.trainer.run_failures import SkippedStepGuard, last_good_checkpoint
 from scalerl.trainer.update import OptimizerStep
+from tests.tiny import tiny_overrides
 
 
 def _checkpoint(root, step):
@@ -58,3 +66,80 @@ def test_a_diverged_run_stops_instead_of_skipping_forever(tiny_config, length_re
     metrics = Path(cfg.trainer.output_dir) / "metrics.jsonl"
     logged = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len(logged) < 8 and logged[-1]["actor/skipped_steps"] >= 1  # stopped early, after logging the step
+
+
+def _steps_logged(run: Path) -> list[int]:
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return [json.loads(line)["step"] for line in lines if line.strip()]
+
+
+def _train_until_signalled(run: Path, signum: int, *overrides: str) -> subprocess.CompletedProcess:
+    """`scalerl train` of many tiny steps, sent ``signum`` once its second step is logged."""
+    command = [sys.executable, "-m", "scalerl", "train",
+               *tiny_overrides("trainer.total_steps=500", "data.num_val=0", *overrides), f"trainer.output_dir={run}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while 2 not in _steps_logged(run) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_between_steps_saves_and_says_how_to_continue(tmp_path, signum):
+    run = tmp_path / "run"
+    stopped = _train_until_signalled(run, signum)
+    assert stopped.returncode == 128 + signum  # 130 for SIGINT, 143 for SIGTERM
+    assert "Traceback" not in stopped.stderr
+    (line,) = [line for line in stopped.stderr.splitlines() if line.startswith("stopped by")]
+    step = max(_steps_logged(run))
+    assert line.startswith(f"stopped by {signal.Signals(signum).name} after step {step} of 500: saved checkpoint "
+                           f"{run / 'checkpoints' / f'step_{step:08d}'}; continue with: scalerl train ")
+    assert line.endswith("trainer.resume=auto")
+    # The resume continues after the saved step, without repeating one.
+    resumed = subprocess.run([sys.executable, "-m", "scalerl", "train", *tiny_overrides(
+        f"trainer.total_steps={step + 1}", "data.num_val=0"), f"trainer.output_dir={run}", "trainer.resume=auto"],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _steps_logged(run) == list(range(1, step + 2))
+
+
+def test_without_save_on_stop_nothing_new_is_saved_and_the_line_says_so(tmp_path):
+    run = tmp_path / "run"
+    stopped = _train_until_signalled(run, signal.SIGTERM, "trainer.save_on_stop=false")
+    assert stopped.returncode == 143
+    (line,) = [line for line in stopped.stderr.splitlines() if line.startswith("stopped by")]
+    assert "nothing saved (trainer.save_on_stop=false); last checkpoint: none" in line
+    assert not list((run / "checkpoints").glob("step_*"))
+
+
+def _agree_on_a_signal(rank: int):
+    from scalerl.trainer.run_failures import StopSignals
+
+    signals = StopSignals()
+    first = signals.agreed(True)  # neither rank was signalled
+    if rank == 1:
+        signals.received = signal.SIGTERM  # as the handler notes it: only this rank got the scheduler's SIGTERM
+    return first, signals.agreed(True)
+
+
+def test_every_rank_stops_for_a_signal_any_rank_received():
+    from tests.spawned_group import run_in_group
+
+    assert run_in_group(_agree_on_a_signal, 2, timeout_s=120) == [(0, signal.SIGTERM), (0, signal.SIGTERM)]
+
+
+def test_a_forwarded_ctrl_c_is_the_same_request_a_later_one_stops_at_once():
+    from scalerl.trainer.run_failures import StopSignals
+
+    with StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C ...
+        os.kill(os.getpid(), signal.SIGINT)  # ... and torchrun forwarding it, a moment later
+        assert signals.received == signal.SIGINT  # noted, nothing raised: the loop stops at its next step
+        signals.received_at -= StopSignals.REPEAT_S + 1  # the user presses again, later
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on leaving
