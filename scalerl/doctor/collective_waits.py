@@ -22,7 +22,8 @@ from typing import Any
 import torch.distributed as dist
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-               "broadcast", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter")
+               "broadcast", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter",
+               "all_gather_single", "reduce_scatter_single")  # the last two: torch 2.13's names
 TIMED_ONLY = ("barrier", "send", "recv", "batch_isend_irecv")
 
 
@@ -58,6 +59,8 @@ class CollectiveWaits:
     def __enter__(self) -> CollectiveWaits:  # noqa: PYI034 (typing.Self needs Python 3.11)
         self._originals["barrier"] = dist.barrier
         for name in COLLECTIVES + TIMED_ONLY:
+            if not hasattr(dist, name):  # a name this torch does not have (older or newer than the list)
+                continue
             original = self._originals.get(name) or getattr(dist, name)
             self._originals[name] = original
             setattr(dist, name, self._wrap(name, original))

@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 # A collective's group: "dp", "trainer", "rollout" (see `DistContext.group_of`) or a process group.
 Over = Union[str, dist.ProcessGroup]
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-# torch 2.13 renamed the tensor all-gather (the old name warns on every rank); older torch has only the old one.
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    """torch 2.13's name for the tensor all-gather (the old name warns on every rank; older torch has only it),
+    looked up at each call so a wrapper patched onto torch.distributed (the doctor's wait timing) sees it."""
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(*args, **kwargs)
 
 
 @dataclass

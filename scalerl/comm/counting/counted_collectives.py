@@ -21,9 +21,14 @@ import torch.distributed as dist
 from scalerl.comm.counting.collective_bytes import wire_bytes
 
 SendCallback = Callable[[str, int, Optional[float]], None]
-# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones. Looked up at
+# each call, so a wrapper patched onto torch.distributed (the doctor's wait timing) sees the call.
+def _all_gather_single(*args, **kwargs):
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args, **kwargs):
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 def _sent(op: str, payload: torch.Tensor, group, src: int = 0) -> int:
