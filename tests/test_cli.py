@@ -157,9 +157,9 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(command):
     # `scalerl config --keys | head -2`: the pipe closes while scalerl still writes
     reader = subprocess.Popen(["head", "-2"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     writer = subprocess.run([sys.executable, "-m", "scalerl", *command], stdout=reader.stdin, stderr=subprocess.PIPE,
-                            text=True, check=False)
+                            text=True, check=False, timeout=120)
     reader.stdin.close()
-    reader.wait()
+    reader.wait(timeout=30)
     assert writer.returncode == 0 and writer.stderr == ""  # no BrokenPipeError traceback
 
 

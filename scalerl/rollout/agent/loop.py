@@ -37,6 +37,7 @@ from scalerl.rollout.trajectory import Trajectory, TrajectorySegment
 class AgentLimits:
     max_turns: int = 4
     max_total_tokens: int = 1024  # prompt + every turn + every environment answer
+    env_timeout_s: float = 300.0  # one reset or step of the environment (its tools included), at most
 
 
 @dataclass
@@ -150,7 +151,7 @@ class AgentLoop:
         finish, prompt = "stop", [self.tokenizer.eos_token_id]  # the prompt stands in if reset fails
         try:
             try:
-                reset = await call_env(env, "reset", row)
+                reset = await asyncio.wait_for(call_env(env, "reset", row), self.limits.env_timeout_s)
                 messages, tools = reset if isinstance(reset, tuple) else (reset, None)
                 continuity = ChatContinuity(self.tokenizer, tools, **self.template_kwargs)
                 prompt = continuity.prompt(messages)
@@ -180,7 +181,8 @@ class AgentLoop:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 began = time.perf_counter()
                 try:
-                    step: EnvStep = as_env_step(await call_env(env, "step", {"role": "assistant", "content": text}))
+                    step: EnvStep = as_env_step(await asyncio.wait_for(
+                        call_env(env, "step", {"role": "assistant", "content": text}), self.limits.env_timeout_s))
                 except Exception as error:
                     record.end, record.info["error"] = "env_error", (
                         f"{type(env).__name__}.step raised at turn {turn}: {type(error).__name__}: {error}")

@@ -4,6 +4,7 @@ own trajectory, seeded runs reproduce whatever the timing, and a failing environ
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -133,3 +134,16 @@ def test_an_environment_written_with_tuples_and_async_methods_works_as_is():
     assert [r.reward for r in records] == [1.0, 1.0] and all(r.end == "done" for r in records)
     assert records[0].info["seen"] == TOK.decode(trajectories[0].segments[0].token_ids)
     assert isinstance(EnvStep().messages, list)
+
+
+def test_an_environment_that_never_answers_ends_its_episode_at_the_limit():
+    class Hangs(ChatEnvironment):
+        async def step(self, message):
+            await asyncio.sleep(60)
+
+    model = tiny_model(vocab_size=128).eval()
+    began = time.perf_counter()
+    _, records = _loop(model, Hangs, AgentLimits(max_turns=3, max_total_tokens=64, env_timeout_s=0.3)).run(
+        ROWS[:2], SAMPLING)
+    assert time.perf_counter() - began < 10 and all(r.end == "env_error" for r in records)
+    assert "Hangs.step raised at turn 1: TimeoutError" in records[0].info["error"]
