@@ -46,3 +46,16 @@ def tiny_run_model(tokenizer: CharTokenizer, seed: int = 0) -> CausalLM:
     """The model a run with ``TINY`` trains: the built-in architecture at TINY's sizes, over the built-in
     tokenizer's vocabulary and positions (what `scalerl train` would build, e.g. to save as a directory)."""
     return build_model(builtin_model_config(load_config(None, TINY).model, tokenizer), seed=seed)
+
+
+def record_step_rows(trainer, rows: list) -> None:
+    """Append each step's data rows (this rank's, one per group) to ``rows`` as the RL trainer's rollout phase
+    hands them over, before ``on_batch`` sees the batch."""
+    collect = trainer.rollout_phase.collect
+
+    def recording(step):
+        collected = collect(step)
+        rows.append(list(collected.rows))
+        return collected
+
+    trainer.rollout_phase.collect = recording

@@ -14,7 +14,7 @@ from scalerl.data.streaming import StreamingPromptStream
 from scalerl.trainer.rl_trainer import RLTrainer
 from tests.data.test_formats import verl_record
 from tests.spawned_group import run_in_group
-from tests.tiny import tiny_overrides
+from tests.tiny import record_step_rows, tiny_overrides
 
 
 def verl_rows(start, count):
@@ -202,18 +202,11 @@ def _streaming_run(data_file, out, *changes):
 
 
 def _rows_per_step(cfg):
-    """The trainer of ``cfg`` and, per step, the ground truths of this rank's rows."""
-    seen: list[list[int]] = []
+    """The trainer of ``cfg`` and, per step, this rank's rows (filled as it runs)."""
+    rows: list[list[dict]] = []
     trainer = RLTrainer.from_config(cfg)
-    collect = trainer.rollout_phase.collect
-
-    def recording(step):
-        collected = collect(step)
-        seen.append(truths(collected.rows))
-        return collected
-
-    trainer.rollout_phase.collect = recording
-    return trainer, seen
+    record_step_rows(trainer, rows)
+    return trainer, rows
 
 
 def _straight_and_resumed(data_file, out, *changes):
@@ -225,7 +218,8 @@ def _straight_and_resumed(data_file, out, *changes):
                                                    "trainer.resume=auto", *changes))
     assert resumed.step == 2
     resumed.fit()
-    return {"expected": expected, "after": after, "position": resumed.stream.state_dict()["position"]}
+    return {"expected": [truths(r) for r in expected], "after": [truths(r) for r in after],
+            "position": resumed.stream.state_dict()["position"]}
 
 
 def test_trainer_resumes_the_stream_at_world_one(tmp_path):

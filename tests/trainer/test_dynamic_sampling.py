@@ -12,6 +12,7 @@ import torch
 from scalerl.core.config import load_config
 from scalerl.trainer.rl_trainer import RLTrainer, train
 from tests.spawned_group import run_in_group
+from tests.tiny import record_step_rows
 from tests.trainer.conftest import TINY
 
 # Odd answers score a constant (their groups have no signal and are dropped); even answers score a hash of the
@@ -42,20 +43,8 @@ def _recording(cfg):
     seen: list[tuple] = []
     rows: list[list[dict]] = []
     trainer = RLTrainer.from_config(cfg, on_batch=lambda batch: seen.append((batch, rows[-1])))
-    _record_rows(trainer, rows)
+    record_step_rows(trainer, rows)
     return trainer, seen
-
-
-def _record_rows(trainer: RLTrainer, rows: list) -> None:
-    """Each step's data rows, as the rollout phase hands them over (before ``on_batch`` sees the batch)."""
-    collect = trainer.rollout_phase.collect
-
-    def recording(step):
-        collected = collect(step)
-        rows.append(list(collected.rows))
-        return collected
-
-    trainer.rollout_phase.collect = recording
 
 
 def _groups_vary(batch, n: int) -> bool:
