@@ -23,10 +23,6 @@ from typing import Any
 from scalerl.core.errors import UserError
 
 
-class AgentEnvironmentError(UserError, RuntimeError):
-    """A user's environment failed: the message names the class, the method and the turn."""
-
-
 @dataclass
 class EnvStep:
     """What an environment answers to an assistant message: the messages that follow (role ``tool`` or
