@@ -129,10 +129,17 @@ class SlotKVCache(KVCache):
     def write_rows(self, slots: torch.Tensor, prefilled: KVCache, end: int) -> None:
         """Copy a prefill's cache (``[layers, k, heads, P, dim]``) into rows ``slots`` at columns ``[end - P, end)``."""
         keys, values = prefilled.keys, prefilled.values
-        if self.keys is None and prefilled.kv is not None:
+        fresh = self.keys is None
+        if fresh and prefilled.kv is not None:
             self.allocate(keys.shape[2], keys.shape[4], keys.dtype, keys.device)
         elif self.keys is None:
             self._allocate_separate(keys[0], values[0])
+        if fresh:
+            # Zeroed once: a row admitted mid-way masks the columns left of its prompt, but attention still
+            # multiplies them (a masked score is its key's product plus -inf), so a NaN or inf that
+            # uninitialised memory happened to hold there made that row's every later token NaN.
+            for buffer in self._buffers():
+                buffer.zero_()
         start = end - keys.shape[3]
         if self.kv is not None and prefilled.kv is not None:
             self.kv[:, slots, :, start:end] = prefilled.kv

@@ -72,6 +72,38 @@ def test_a_requests_output_does_not_depend_on_what_shares_the_batch(model, sampl
             assert o.finish_reason == alone[i].finish_reason
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["model", "fused"])
+def test_a_request_admitted_mid_way_never_reads_uninitialised_cache_memory(model, monkeypatch, fused):
+    """The columns left of a late request's prompt are masked yet still multiplied: fresh memory that held a
+    NaN there made every later token of that request NaN (seen in the agent loop, where turns arrive late).
+    Here every fresh float tensor holds NaN, as reused memory may."""
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    first, late = GenerationRequest(0, [15, 16, 17], sampling), GenerationRequest(1, [19, 20, 21, 22, 23], sampling)
+
+    def outputs():
+        engine = BuiltinEngine(model, PAD).continuous_engine(MAX_PROMPT, MAX_NEW, max_num_seqs=4) if fused else \
+            ContinuousEngine(model, PAD, 4, MAX_PROMPT, MAX_NEW, finish_check_every=2)
+        engine.submit(first)
+        done = engine.step()  # the first request is in flight at a later column when the second one comes
+        engine.submit(late)
+        while engine.has_unfinished():
+            done += engine.step()
+        return {o.request_id: o for o in done}
+
+    clean = outputs()
+    empty = torch.empty
+
+    def nan_filled(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", nan_filled)
+    poisoned = outputs()
+    for i in (0, 1):
+        assert torch.isfinite(poisoned[i].logprobs).all(), i
+        assert torch.equal(poisoned[i].token_ids, clean[i].token_ids), i
+
+
 def test_a_request_alone_equals_the_fixed_batch_engine_on_it(model):
     prompt = _prompts()[3]
     sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=5, stop_token_ids=NATURAL_STOPS)
