@@ -121,14 +121,27 @@ class RewardFunction:
         column_names = sorted({name for i in inputs for name in i.columns} - set(given))
         for name in column_names:
             given[name] = [i.columns.get(name) for i in inputs]
-        missing = [name for name, p in self.parameters.items() if name not in given and p.default is p.empty
-                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        missing = self._required_beyond(given)
         if missing:
             raise RewardFunctionError(
                 f"reward {self.name} needs {', '.join(map(repr, missing))}, which the rows do not give "
                 f"(columns: {column_names or 'none'}; TRL rewards get prompts, completions and the dataset's "
                 "extra columns)")
         return (), self._declared(given)
+
+    def missing_inputs(self, row: dict) -> list[str]:
+        """What this function needs that ``row`` does not give: ``ground_truth`` for scalerl-style functions,
+        the required parameters beyond prompts, completions and the row's columns for TRL's."""
+        inputs = reward_inputs(row)
+        if self.style == "scalerl":
+            return [] if inputs.has_ground_truth else ["ground_truth"]
+        if self.style == "trl":
+            return self._required_beyond(set(_TRL_KEYWORDS) | set(inputs.columns))
+        return []
+
+    def _required_beyond(self, given) -> list[str]:
+        return [name for name, p in self.parameters.items() if name not in given and p.default is p.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
     def _declared(self, given: dict[str, Any]) -> dict[str, Any]:
         if self.takes_any_keyword:

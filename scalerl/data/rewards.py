@@ -170,6 +170,22 @@ class RewardComputer:
         self._check_rows(rows)
         return [self._scores(index, f, responses, rows, completion_ids) for index, f in enumerate(self.functions)]
 
+    def check_split(self, rows: Sequence[dict], split: str) -> None:
+        """Before the first call: every function gets what it needs from ``rows`` (a split's first rows; the
+        keys of a data set's rows agree), else an error naming the split, the missing inputs and the columns
+        the rows do give."""
+        for f in self.functions:
+            if not isinstance(f, RewardFunction):  # a reward server takes whole rows
+                continue
+            for row in rows:
+                missing = f.missing_inputs(row)
+                if missing:
+                    columns = sorted(reward_inputs(row).columns)
+                    raise RewardFunctionError(
+                        f"reward {f.name} needs {', '.join(map(repr, missing))}, which the {split} do not give "
+                        f"(their columns: {columns or 'none'}); add the column to those rows, or choose a reward "
+                        "that reads what they have (data.reward)")
+
     def close(self) -> None:
         """Stop the worker processes, if any (the run's end); in-process scoring needs no closing."""
         if self.pool is not None:

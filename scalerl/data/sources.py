@@ -49,6 +49,19 @@ def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
     return rows
 
 
+def split_origin(data_cfg: Any, split: str) -> str:
+    """Where `rows_from_config`'s rows of ``split`` come from, for messages: "training rows (data.train_files:
+    a.jsonl)", "validation rows (held out from data.train_files)", "validation rows (the built-in arithmetic
+    task)"."""
+    name = "training" if split == "train" else "validation"
+    files = getattr(data_cfg, _SPLIT_FILES[split])
+    if files:
+        return f"{name} rows (data.{_SPLIT_FILES[split]}: {', '.join(map(str, files))})"
+    if split == "test" and data_cfg.train_files:
+        return f"{name} rows (held out from data.train_files: {', '.join(map(str, data_cfg.train_files))})"
+    return f"{name} rows (the built-in {data_cfg.task} task)"
+
+
 def _file_rows(data_cfg: Any, split: str) -> list[dict]:
     """The rows of the split's files (at most data.num_train / data.num_val of them)."""
     files = getattr(data_cfg, _SPLIT_FILES[split])

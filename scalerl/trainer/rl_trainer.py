@@ -29,6 +29,7 @@ from scalerl.data.sources import (
     prompt_stream_from_config,
     reward_from_config,
     rows_from_config,
+    split_origin,
 )
 from scalerl.models.decode_model import fused_decode_unsupported
 from scalerl.models.value_model import ValueModel
@@ -99,8 +100,12 @@ class RLTrainer(TrainingRun):
             self.reference.eval()
         self.trained = {"actor": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
 
+        self.reward = reward_from_config(cfg.data, self.device)
+
         def check(rows: list[dict], split: str) -> None:
             check_prompts(self.tokenizer, rows, cfg.data.chat_template, cfg.data.max_prompt_length, split)
+            if not r.agent.env:  # an environment's episodes bring their own rewards (or rows it reads)
+                self.reward.check_split(rows[:8], split_origin(cfg.data, "train" if split == "training" else "test"))
 
         # A streamed training set is checked as it is drawn (`PromptFeed.encode`), not up front.
         self.stream = prompt_stream_from_config(cfg.data, t.batch_size, t.seed, ctx,
@@ -111,7 +116,6 @@ class RLTrainer(TrainingRun):
         evaluated = all_val_rows[: len(self.val_rows) * ctx.dp_size]
         self.val_sources = sorted({data_source_of(row, cfg.data.task) for row in evaluated})
         check(self.val_rows, "validation")
-        self.reward = reward_from_config(cfg.data, self.device)
         self.reward.last_good_checkpoint = lambda: last_good_checkpoint(self.checkpoint_root)
         if self.engine_choice.decided and ctx.is_main:
             print(f"rollout.engine=auto: {self.engine_choice.name} ({self.engine_choice.why})", flush=True)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from scalerl.comm.gradients.setup import announce
 from scalerl.core.config import Config
 from scalerl.data.prompts import encode_demonstrations
-from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config
+from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config, split_origin
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.perf.memory import max_memory_gb
@@ -82,6 +82,7 @@ class SFTTrainer(TrainingRun):
         )
         self.engine = BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=ctx.all_finished)
         self.reward = reward_from_config(cfg.data, self.device)
+        self.reward.check_split(self.val_rows[:8], split_origin(cfg.data, "test"))
         self.resume(RESUME_MUST_MATCH)
         self.start_logging()
 

@@ -108,6 +108,26 @@ def test_trl_reward_on_a_users_file_evaluates_on_rows_held_out_from_it(tmp_path,
     assert not set(scored[:4]) & set(scored[4:20])  # the held-out rows are not trained on
 
 
+@pytest.mark.parametrize("short_split", ["train", "val"])
+def test_a_reward_needing_a_column_one_split_lacks_is_refused_before_training_naming_that_split(
+        tmp_path, capsys, short_split):
+    full = [{"prompt": f"{i}+1=", "solution": str(i + 1)} for i in range(40)]
+    short = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(40)]
+    files = {"train": full, "val": full, short_split: short}
+    for split, rows in files.items():
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "acc.py").write_text("def accuracy(prompts, completions, solution, **kwargs):\n"
+                                     "    return [float(c.strip() == s) for c, s in zip(completions, solution)]\n")
+    run = tmp_path / "run"
+    assert main(["train", *TINY, f"trainer.output_dir={run}", "trainer.total_steps=1",
+                 f"data.reward={tmp_path / 'acc.py'}:accuracy", f"data.train_files=[{tmp_path / 'train.jsonl'}]",
+                 f"data.val_files=[{tmp_path / 'val.jsonl'}]"]) == 2
+    name, key = ("training", "train_files") if short_split == "train" else ("validation", "val_files")
+    assert (f"reward accuracy needs 'solution', which the {name} rows (data.{key}: {tmp_path / (short_split + '.jsonl')})"
+            " do not give (their columns: ['answer'])") in capsys.readouterr().err
+    assert not (run / "metrics.jsonl").exists() or not _metrics(run)  # refused before any step
+
+
 def test_sft_row_without_a_response_names_the_file(tmp_path, capsys):
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "ground_truth": str(i + 1)})
                                                     + "\n" for i in range(8)))
