@@ -9,10 +9,12 @@ extension and layerwise reload (`scalerl.rollout.vllm_weight_loading`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -321,14 +323,37 @@ def vllm_engine_from_config(model: torch.nn.Module, cfg: Any, scratch_dir: Path,
     """The vLLM engine of ``rollout.engine=vllm`` (beside the trainer, or in a rollout worker). It starts on
     ``trainer.init_from`` / ``model.path``, or, for a model with no directory (a built-in one), on
     ``model``'s weights saved under ``scratch_dir``; weight sync then loads every update into it."""
+    with vllm_start_weights(model, cfg, scratch_dir) as source:
+        return VLLMEngine(source, pad_token_id, dtype=cfg.rollout.dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
+                          seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+                          sleep_between_generations=cfg.rollout.placement == "colocated",
+                          tensor_parallel_size=cfg.rollout.vllm_tensor_parallel_size)
+
+
+@contextlib.contextmanager
+def vllm_start_weights(model: torch.nn.Module, cfg: Any, scratch_dir: Path) -> Iterator[str]:
+    """The directory vLLM starts from: ``trainer.init_from`` / ``model.path``, or ``model``'s weights saved to
+    ``scratch_dir/vllm_initial_weights``, written only after the checks that could refuse the engine (vLLM
+    imports, CPU tensor parallelism, the head size) passed, and removed again if the engine still fails to
+    start: a refused run leaves nothing behind in its output directory."""
     source = cfg.trainer.init_from or cfg.model.path
-    if not source:
-        source = Path(scratch_dir) / "vllm_initial_weights"
-        save_pretrained(model, source)  # dispatches: the transformers fallback saves itself
-    return VLLMEngine(str(source), pad_token_id, dtype=cfg.rollout.dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
-                      seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-                      sleep_between_generations=cfg.rollout.placement == "colocated",
-                      tensor_parallel_size=cfg.rollout.vllm_tensor_parallel_size)
+    if source:
+        yield str(source)
+        return
+    check_cpu_tensor_parallel(cfg.rollout.vllm_tensor_parallel_size)
+    import_vllm()
+    head_dim = getattr(getattr(model, "config", None), "head_dim", None)
+    if not torch.cuda.is_available() and head_dim is not None and head_dim < MIN_CPU_HEAD_DIM:
+        raise UserError(f"vLLM's CPU attention refuses head_dim {head_dim} (< {MIN_CPU_HEAD_DIM}) of this model "
+                        "(model.hidden_size / model.num_attention_heads): use rollout.engine=builtin for it, or "
+                        f"a model whose heads are at least {MIN_CPU_HEAD_DIM} wide")
+    saved = Path(scratch_dir) / "vllm_initial_weights"
+    save_pretrained(model, saved)  # dispatches: the transformers fallback saves itself
+    try:
+        yield str(saved)
+    except BaseException:
+        shutil.rmtree(saved, ignore_errors=True)
+        raise
 
 
 def vllm_layer_groups(names: Iterable[str]) -> list[list[str]]:

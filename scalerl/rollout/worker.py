@@ -143,13 +143,10 @@ def streaming_engine(cfg: Any, model: torch.nn.Module, pad_token_id: int, scratc
             raise UserError(f"rollout.partial=true with rollout.engine=vllm needs vLLM's asynchronous engine "
                             f"(scalerl.rollout.vllm_async_engine), which did not import: {e}; use "
                             "rollout.engine=builtin or rollout.partial=false") from e
-        source = cfg.trainer.init_from or cfg.model.path
-        if not source:
-            from scalerl.models.hf_checkpoint import save_pretrained
+        from scalerl.rollout.vllm_engine import vllm_start_weights
 
-            source = Path(scratch_dir) / "vllm_initial_weights"
-            save_pretrained(model, source)  # dispatches: the transformers fallback saves itself
-        return streaming_vllm_engine(cfg, str(source), pad_token_id)
+        with vllm_start_weights(model, cfg, scratch_dir) as source:
+            return streaming_vllm_engine(cfg, source, pad_token_id)
     return BuiltinStreamingEngine(BuiltinEngine(model, pad_token_id), cfg.data.max_prompt_length, r.max_new_tokens,
                                   rows)
 

@@ -10,6 +10,7 @@ returns."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,6 +205,28 @@ def test_without_a_push_the_stream_samples_what_the_fixed_batch_samples(scenario
     assert set(streamed.weight_versions[streamed.response_mask.bool()].tolist()) == {5}
 
 
+def test_vllm_start_weights_are_saved_only_after_the_checks_and_removed_if_the_engine_fails(tmp_path, monkeypatch):
+    from scalerl.core.config import load_config
+    from scalerl.core.errors import UserError
+    from scalerl.rollout import vllm_engine
+    from tests.tiny import tiny_model
+
+    cfg = load_config(None, [*CFG, "rollout.engine=vllm"])
+    saved = tmp_path / "vllm_initial_weights"
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: None)
+    monkeypatch.setattr(vllm_engine.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match=r"refuses head_dim 8 \(< 32\) of this model.*rollout.engine=builtin"):
+        with vllm_engine.vllm_start_weights(tiny_model(), cfg, tmp_path):
+            pass
+    assert not saved.exists()  # refused before anything was written
+    wide = tiny_model(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(RuntimeError, match="engine failed"):
+        with vllm_engine.vllm_start_weights(wide, cfg, tmp_path) as source:
+            assert (Path(source) / "config.json").is_file()
+            raise RuntimeError("engine failed")
+    assert not saved.exists()  # the engine's own failure takes its start weights with it
+
+
 def test_the_streaming_engine_for_vllm_comes_from_its_module(tmp_path, monkeypatch):
     """rollout.engine=vllm: the worker's streaming engine is `streaming_vllm_engine(cfg, model_dir,
     pad_token_id)` started on the model's weights saved in the worker's scratch directory; without that
@@ -216,8 +239,11 @@ def test_the_streaming_engine_for_vllm_comes_from_its_module(tmp_path, monkeypat
     from scalerl.rollout.worker import streaming_engine
     from tests.tiny import tiny_model
 
+    from scalerl.rollout import vllm_engine
+
     cfg = load_config(None, [*CFG, "rollout.engine=vllm"])
-    model = tiny_model()
+    model = tiny_model(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)  # heads vLLM's CPU build takes
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: None)  # the fake engine below needs no vLLM
     monkeypatch.setitem(sys.modules, "scalerl.rollout.vllm_async_engine", None)  # not importable
     with pytest.raises(UserError, match=r"rollout.partial=true with rollout.engine=vllm needs.*rollout.partial=false"):
         streaming_engine(cfg, model, 0, tmp_path, "vllm")
