@@ -58,7 +58,7 @@ from scalerl.trainer.rollout_rebalance import rebalance_batch
 from scalerl.trainer.run import TrainingRun, run_output_dir, start_run, step_work
 from scalerl.trainer.run_checks import check_rl_layout
 from scalerl.trainer.run_directory import CHECKPOINTS_DIR
-from scalerl.trainer.run_failures import last_good_checkpoint, run_reporting_failures
+from scalerl.trainer.run_failures import StopSignals, last_good_checkpoint, run_reporting_failures
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, UpdateRun, run_update
 
 # Config keys a resumed run must share with the checkpoint it resumes (others, e.g. total_steps, may change).
@@ -295,7 +295,10 @@ def train(cfg: Config) -> dict[str, Any]:
 
     def run() -> dict[str, Any]:
         if not ctx.is_trainer:
-            RolloutWorker(cfg, resolve_device(cfg.trainer.device), ctx.rollout_group).serve()
+            # A Ctrl-C reaches the workers too (the terminal's process group, torchrun's forwarding): they keep
+            # serving, as the trainer finishes its step, saves and sends them STOP; a second one stops at once.
+            with StopSignals():
+                RolloutWorker(cfg, resolve_device(cfg.trainer.device), ctx.rollout_group).serve()
             return {}
         return RLTrainer(cfg, ctx).fit()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from scalerl.core.errors import RunFailure
+from scalerl.core.net import free_port
 from scalerl.trainer.rl_trainer import train
 from scalerl.trainer.run_failures import SkippedStepGuard, last_good_checkpoint
 from scalerl.trainer.update import OptimizerStep
@@ -74,16 +75,23 @@ def _steps_logged(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in lines if line.strip()]
 
 
-def _train_until_signalled(run: Path, signum: int, *overrides: str) -> subprocess.CompletedProcess:
-    """`scalerl train` of many tiny steps, sent ``signum`` once its second step is logged."""
-    command = [sys.executable, "-m", "scalerl", "train",
+def _train_until_signalled(run: Path, signum: int, *overrides: str, launcher: tuple[str, ...] = ("-m", "scalerl")
+                           ) -> subprocess.CompletedProcess:
+    """`scalerl train` of many tiny steps, sent ``signum`` once its second step is logged: to the process, or,
+    under a ``launcher`` such as torchrun, to its whole process group, as a terminal's Ctrl-C is."""
+    command = [sys.executable, *launcher, "train",
                *tiny_overrides("trainer.total_steps=500", "data.num_val=0", *overrides), f"trainer.output_dir={run}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    group = launcher[-1] != "scalerl"
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=group)
     deadline = time.monotonic() + 120
     while 2 not in _steps_logged(run) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    process.send_signal(signum)
+    if group:
+        os.killpg(process.pid, signum)
+    else:
+        process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=120)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
@@ -105,6 +113,20 @@ def test_a_signal_stops_between_steps_saves_and_says_how_to_continue(tmp_path, s
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert resumed.returncode == 0, resumed.stderr
     assert _steps_logged(run) == list(range(1, step + 2))
+
+
+def test_ctrl_c_under_torchrun_with_a_standalone_worker_stops_the_trainer_between_steps(tmp_path):
+    """The worker gets the Ctrl-C too (and torchrun's forwarded copy): it keeps serving until the trainer has
+    finished its step, saved and told it to stop, instead of dying and failing the trainer's step."""
+    run = tmp_path / "run"
+    launcher = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                "-m", "scalerl")
+    stopped = _train_until_signalled(run, signal.SIGINT, "rollout.placement=standalone", launcher=launcher)
+    assert "stopped answering" not in stopped.stderr and "stopped at once" not in stopped.stderr, stopped.stderr[-3000:]
+    (line,) = [line for line in stopped.stderr.splitlines() if line.startswith("stopped by")]
+    step = max(_steps_logged(run))
+    assert line.startswith(f"stopped by SIGINT after step {step} of 500: saved checkpoint "
+                           f"{run / 'checkpoints' / f'step_{step:08d}'}")
 
 
 def test_without_save_on_stop_nothing_new_is_saved_and_the_line_says_so(tmp_path):
