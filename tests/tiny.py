@@ -59,3 +59,19 @@ def record_step_rows(trainer, rows: list) -> None:
         return collected
 
     trainer.rollout_phase.collect = recording
+
+
+def save_tiny_teacher(path, seed: int = 7, *changes: str, sharpness: float = 8.0):
+    """A model directory a run can load as ``algorithm.distill.teacher``: the built-in architecture over the
+    built-in tokenizer (saved with it), at TINY's sizes with ``changes`` (e.g. ``"model.hidden_size=64"``), its
+    logits scaled by ``sharpness`` (through the final norm) so that, unlike a freshly initialised student, it
+    prefers some tokens strongly: a teacher with something to teach."""
+    import torch
+
+    from scalerl.models.hf_checkpoint import save_pretrained
+
+    tokenizer = CharTokenizer()
+    model = build_model(builtin_model_config(load_config(None, tiny_overrides(*changes)).model, tokenizer), seed=seed)
+    with torch.no_grad():
+        model.norm.weight.mul_(sharpness)
+    return save_pretrained(model, path, tokenizer=tokenizer)

@@ -16,7 +16,7 @@ from typing import Any
 from scalerl.bench.cell_runner import CellFiles
 from scalerl.bench.matrix import Cell
 
-PHASES = ("data", "gen", "reward", "old_log_prob", "ref", "adv", "balance", "update_critic", "update_actor",
+PHASES = ("data", "gen", "reward", "old_log_prob", "ref", "teacher", "adv", "balance", "update_critic", "update_actor",
           "update_weights")
 COMM_KINDS = ("grad", "param", "tp", "pp", "rebalance", "weight_sync", "rollout", "metrics")
 

@@ -588,6 +588,34 @@ class OverlongBufferSection(_Section):
 
 
 @dataclass
+class DistillSection(_Section):
+    """On-policy distillation (docs/algorithms.md, On-policy distillation): a teacher scores the student's own
+    sampled tokens and each token's advantage is ``-coef * k(student, teacher)`` (with k1: ``coef * (log p_teacher -
+    log p_student)``, the negative reverse KL on that token), added to ``task_weight`` times the task reward's
+    advantage."""
+
+    name = "algorithm.distill"
+    teacher: str | None = opt(None, "the teacher's model directory (same tokenizer as the student); null = off")
+    coef: float = opt(1.0, "weight of the per-token distillation advantage", above=0)
+    task_weight: float = opt(0.0, "weight of algorithm.adv_estimator's advantage from the task reward "
+                                  "(0 = distillation alone; the reward is still scored and logged)", at_least=0)
+    estimator: str = opt("k1", "the per-token KL estimate whose negative is the advantage: " + " | ".join(KL_LOSS_TYPES)
+                         + " (k1: teacher log-prob - student log-prob; verl's distillation_loss.loss_mode)")
+    max_clamp: float | None = opt(None, "clamp each token's estimate to [-max_clamp, max_clamp] (verl's "
+                                        "loss_max_clamp); null = none")
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _check_choice(p, "algorithm.distill.estimator", self.estimator, KL_LOSS_TYPES)
+        if self.max_clamp is not None and not self.max_clamp > 0:
+            p.append(f"algorithm.distill.max_clamp must be > 0 or null, got {self.max_clamp}")
+        if self.teacher is not None and not str(self.teacher).strip():
+            p.append("algorithm.distill.teacher is empty: give the teacher's model directory, or null for no "
+                     "distillation")
+        return p
+
+
+@dataclass
 class KLControlSection(_Section):
     """The coefficient beta of KL in the reward (verl's algorithm.kl_ctrl), read with algorithm.use_kl_in_reward."""
 
@@ -617,6 +645,7 @@ class AlgorithmSection(_Section):
     kl_ctrl: KLControlSection = field(default_factory=KLControlSection)
     overlong_buffer: OverlongBufferSection = field(default_factory=OverlongBufferSection)
     filter_groups: FilterGroupsSection = field(default_factory=FilterGroupsSection)
+    distill: DistillSection = field(default_factory=DistillSection)
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -625,7 +654,7 @@ class AlgorithmSection(_Section):
             p.append(why)
         _check_choice(p, "algorithm.kl_penalty", self.kl_penalty, KL_LOSS_TYPES)
         p += self.kl_ctrl.all_problems() + self.overlong_buffer.all_problems()
-        p += self.filter_groups.all_problems()
+        p += self.filter_groups.all_problems() + self.distill.all_problems()
         return p
 
 

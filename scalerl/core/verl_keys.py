@@ -135,6 +135,28 @@ def _policy_loss_key(name: str) -> VerlKey:
     return VerlKey(A + "policy_loss." + name, NO_DEFAULT, "actor." + name)
 
 
+D = "distillation."
+
+
+def _distills(verl: Verl) -> bool:
+    return bool(verl["distillation.enabled"])
+
+
+def _teacher_path(value: Any, verl: Verl) -> str:
+    if not value:
+        raise ConfigError("--from-verl: distillation.enabled=true needs the teacher's model directory: "
+                          "distillation.teacher_models.teacher_model.model_path=<dir>")
+    return str(value)
+
+
+def _distill_estimator(value: Any, verl: Verl) -> str:
+    if value == "forward_kl_topk":
+        raise ConfigError("--from-verl: distillation.distillation_loss.loss_mode=forward_kl_topk (the forward KL over "
+                          "the teacher's top-k tokens) is not implemented here; the per-token estimators are: "
+                          "k1 (verl's recommendation with use_policy_gradient=true), k2, k3, abs")
+    return str(value)
+
+
 def _uses_kl_in_reward(verl: Verl) -> bool:
     return bool(verl["algorithm.use_kl_in_reward"])
 
@@ -277,6 +299,32 @@ VERL_KEYS: tuple[VerlKey, ...] = (
             only_if=lambda verl: False, read_by="trainer.default_local_dir"),
     VerlKey("trainer.experiment_name", "gsm8k", None, "read by trainer.default_local_dir",
             only_if=lambda verl: False, read_by="trainer.default_local_dir"),
+    # on-policy distillation (verl 0.9.1's distillation.*: its policy-gradient form; docs/algorithms.md)
+    VerlKey("distillation.enabled", False, None, "read by distillation.teacher_models.teacher_model.model_path",
+            only_if=lambda verl: False, read_by=D + "teacher_models.teacher_model.model_path"),
+    VerlKey(D + "teacher_models.teacher_model.model_path", None, "algorithm.distill.teacher", transform=_teacher_path,
+            only_if=_distills),
+    VerlKey(D + "teacher_models.teacher_model.key", None, None, "one teacher for every data source here",
+            inert=None, only_if=_distills),
+    VerlKey(D + "teacher_key", "data_source", None, "one teacher for every data source here", inert="data_source",
+            only_if=_distills),
+    VerlKey(D + "distillation_loss.use_policy_gradient", False, None, "scalerl trains distillation as a "
+            "per-token reward (Thinking Machines' form, use_policy_gradient=true); the supervised backprop of "
+            "the KL is not implemented", inert=True, only_if=_distills),
+    VerlKey(D + "distillation_loss.loss_mode", "k3", "algorithm.distill.estimator", "the per-token estimate whose "
+            "negative is the advantage (k1 is verl's recommendation with policy gradient)", transform=_distill_estimator,
+            only_if=_distills),
+    VerlKey(D + "distillation_loss.use_task_rewards", True, "algorithm.distill.task_weight",
+            "true: the task advantage added with weight 1, false: distillation alone",
+            transform=lambda v, _: 1.0 if v else 0.0, only_if=_distills),
+    VerlKey(D + "distillation_loss.distillation_loss_coef", 1.0, "algorithm.distill.coef",
+            "verl applies it only with use_task_rewards", transform=lambda v, verl: float(v) if verl[
+                D + "distillation_loss.use_task_rewards"] else 1.0, only_if=_distills),
+    VerlKey(D + "distillation_loss.loss_max_clamp", None, "algorithm.distill.max_clamp", only_if=_distills),
+    VerlKey(D + "distillation_loss.log_prob_min_clamp", None, None, "no log-prob floor here", inert=None,
+            only_if=_distills),
+    VerlKey(D + "distillation_loss.policy_loss_mode", "vanilla", None, "the actor's policy loss, as verl requires",
+            inert="vanilla", only_if=_distills),
     VerlKey("trainer.resume_mode", "auto", "trainer.resume", transform=_resume),
     VerlKey("trainer.resume_from_path", None, None, "read by trainer.resume_mode", only_if=lambda verl: False,
             read_by="trainer.resume_mode"),
@@ -345,6 +393,14 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.model.lora*", "LoRA settings, read only with lora_rank > 0 (an error here)"),
     ("algorithm.pf_ppo.*", "read only with algorithm.use_pf_ppo=true (an error here)"),
     ("reward_model.sandbox_fusion.max_concurrent", "read only with sandbox_fusion.url (an error here)"),
+    (D + "n_gpus_per_node", "the teacher's resources: here it runs on the trainer's ranks"),
+    (D + "nnodes", "the teacher's resources: here it runs on the trainer's ranks"),
+    (D + "teacher_models.teacher_model.num_replicas", "the teacher's serving"),
+    (D + "teacher_models.teacher_model.inference.*", "the teacher's inference engine: here its forward pass"),
+    (D + "distillation_loss.topk", "read with loss_mode=forward_kl_topk, which scalerl does not implement"),
+    (D + "distillation_loss.use_chunked_topk", "top-k memory"), (D + "distillation_loss.chunked_topk_chunk_size",
+                                                                 "top-k memory"),
+    (D + "distillation_loss.clip_ratio*", "the distillation term's own PPO clip: here the actor's (one loss)"),
     ("global_profiler.*", "profiling only"), ("ray_kwargs.*", "Ray start-up"), ("transfer_queue.*", "verl internals"),
 )
 

@@ -74,6 +74,7 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "val/*": "mean",
     "balance/*": "mean",
     "rollout/*": "mean",
+    "distill/*": "mean",  # scalerl/algorithms/distillation.py: already over every rank's tokens (all-reduced sums)
     # scalerl/rollout/agent/loop.py's agent_metrics: counts over the batch, turns per episode
     "agent/turns/max": "max",
     "agent/turns/mean": "mean",

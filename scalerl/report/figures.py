@@ -25,8 +25,8 @@ TITLES = {
     "baselines": "Baselines measured in the same run",
 }
 PAGE = (11.0, 7.5)
-PHASES = ("gen", "old_log_prob", "ref", "update_critic", "update_actor", "update_weights", "data", "reward", "adv",
-          "balance", "other")
+PHASES = ("gen", "old_log_prob", "ref", "teacher", "update_critic", "update_actor", "update_weights", "data", "reward",
+          "adv", "balance", "other")
 KINDS = ("grad", "param", "tp", "pp", "weight_sync", "rollout", "rebalance", "metrics")
 
 

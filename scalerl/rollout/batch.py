@@ -11,7 +11,7 @@ from scalerl.rollout.engine import GenerationOutput, left_pad
 
 # Fields laid out like the response, [B, R]; input_ids and attention_mask are [B, P + R].
 PER_TOKEN_FIELDS = ("response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs",
-                    "values", "advantages", "returns", "is_weights")
+                    "teacher_logprobs", "values", "advantages", "returns", "is_weights")
 
 
 @dataclass
@@ -28,6 +28,7 @@ class RolloutBatch:
     scores: torch.Tensor  # [B] outcome reward per sequence
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None  # [B, R] on-policy distillation's teacher (algorithm.distill)
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None

@@ -9,8 +9,8 @@ the per-token passes (old log-probs where they are recomputed, reference log-pro
 micro-batch grid as they arrive (`StreamedStep`), and the update's first-epoch mini-batches step as soon as
 their groups are in (`_why_updates_wait` names what stops that). Every batch, a mini-batch's groups or the
 whole step's rows, is made by one `RolloutPhase.prepare`: staleness mask, overlong shaping, old log-probs
-(the rollout's, or the pass with the rollout correction's importance weights), reference log-probs,
-advantages. Nothing of a step outlives `RolloutPhase.collect`, which returns it as one `CollectedStep`.
+(the rollout's, or the pass with the rollout correction's importance weights), reference log-probs, the
+distillation teacher's (`algorithm.distill`), advantages. Nothing of a step outlives `RolloutPhase.collect`, which returns it as one `CollectedStep`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from scalerl.algorithms.distillation import combine_advantages, distill_advantages
 from scalerl.algorithms.estimator_registry import (
     GROUP_LOCAL_ESTIMATORS,
     AdvantageInputs,
@@ -227,7 +228,8 @@ class RolloutPhase:
         stream_metrics = {"timing_s/stream_overlap": first.overlap_s,
                           "perf/stream_early_mini_batches": float(first.early_mini_batches)} \
             if cfg.rollout.stream_groups else {}
-        return CollectedStep(batch, generated.rows, metrics, int(not reused) + (t.reference is not None) + (t.critic is not None),
+        passes = int(not reused) + (t.reference is not None) + (t.teacher is not None) + (t.critic is not None)
+        return CollectedStep(batch, generated.rows, metrics, passes,
                              first.update, stream_metrics)
 
     def _draw_round(self, step: int, round_index: int) -> StepPrompts:
@@ -344,6 +346,10 @@ class RolloutPhase:
             with t.timer("ref"):
                 batch.ref_logprobs = passes["ref"] if "ref" in passes else response_logprobs(
                     t.reference.model, batch, temperature, micro, t.autocast, t.packed_kernel)
+        if t.teacher is not None:
+            with t.timer("teacher"):
+                batch.teacher_logprobs = passes["teacher"] if "teacher" in passes else response_logprobs(
+                    t.teacher.model, batch, temperature, micro, t.autocast, t.packed_kernel)
         with t.timer("adv"):
             self._advantages(batch, reward_baselines, said)
         return batch
@@ -377,6 +383,12 @@ class RolloutPhase:
             all_reduce=t.dist.all_reduce if t.dist.dp_size > 1 else None,
         )
         batch.advantages, batch.returns = get_advantage_estimator(alg.adv_estimator)(inputs)
+        if t.teacher is not None:  # on-policy distillation: the teacher's per-token advantage on the sampled tokens
+            d = alg.distill
+            distill, distill_metrics = distill_advantages(batch.teacher_logprobs, batch.old_logprobs, batch.response_mask,
+                                                          d.coef, inputs.all_reduce, d.estimator, d.max_clamp)
+            batch.advantages = combine_advantages(batch.advantages, distill, d.task_weight)
+            metrics.update(distill_metrics)
 
     # ------------------------------------------------------------------------------------ the passes
     def _part_passes(self) -> dict[str, Callable[[RolloutBatch], torch.Tensor]]:
@@ -396,6 +408,8 @@ class RolloutPhase:
             passes["old"] = timed("old_log_prob", self.old_policy if self.old_policy is not None else t.policy.model)
         if t.reference is not None:
             passes["ref"] = timed("ref", t.reference.model)
+        if t.teacher is not None:
+            passes["teacher"] = timed("teacher", t.teacher.model)
         return passes
 
     @torch.no_grad()

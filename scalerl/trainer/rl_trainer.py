@@ -15,14 +15,18 @@ pipeline stages.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from scalerl.algorithms.distillation import check_teacher_tokenizer
 from scalerl.algorithms.loss_registry import get_policy_loss
 from scalerl.core.algorithm_names import needs_critic
-from scalerl.core.config import Config
+from scalerl.core.config import Config, ConfigError
 from scalerl.core.device import compute_dtype, resolve_device
 from scalerl.data.prompts import check_prompts
 from scalerl.data.sources import (
@@ -32,6 +36,7 @@ from scalerl.data.sources import (
     split_origin,
 )
 from scalerl.models.decode_model import fused_decode_unsupported
+from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
@@ -65,6 +70,7 @@ from scalerl.trainer.update import OptimizerStep, UpdatePlan, UpdateRun, run_upd
 RESUME_MUST_MATCH = [
     "model.path", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
     "model.num_key_value_heads", "model.intermediate_size", "algorithm.adv_estimator", "trainer.init_from",
+    "algorithm.distill.teacher",
 ]
 
 
@@ -98,6 +104,10 @@ class RLTrainer(TrainingRun):
         self.reference = self.lay_out(reference, trainable=False) if reference is not None else None
         if self.reference is not None:
             self.reference.eval()
+        teacher = load_teacher(cfg, self.tokenizer, self.device) if cfg.algorithm.distill.teacher else None
+        self.teacher = self.lay_out(teacher, trainable=False) if teacher is not None else None  # frozen, like the reference
+        if self.teacher is not None:
+            self.teacher.eval()
         self.trained = {"actor": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
 
         self.reward = reward_from_config(cfg.data, self.device)
@@ -286,6 +296,20 @@ class RLTrainer(TrainingRun):
         self.rollouts.close()
         getattr(self.engine, "close", lambda: None)()  # a vLLM engine's child process
         super().close()
+
+
+def load_teacher(cfg: Config, student_tokenizer: Any, device: torch.device) -> nn.Module:
+    """On-policy distillation's teacher (``algorithm.distill.teacher``), frozen, checked to read the student's
+    token ids as the same text. Its tokenizer is its own directory's, else ``model.tokenizer``."""
+    path = cfg.algorithm.distill.teacher
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"algorithm.distill.teacher={path!r} is not a model directory (no config.json there): give "
+                          "a directory a run exported (its final/ or sft/model/) or a Hugging Face model directory")
+    own_tokenizer = (Path(path) / "tokenizer.json").is_file()
+    teacher_cfg = dataclasses.replace(cfg.model, path=path, tokenizer=None if own_tokenizer else cfg.model.tokenizer)
+    teacher, tokenizer = load_model_and_tokenizer(teacher_cfg, None, device, cfg.trainer.seed)
+    check_teacher_tokenizer(student_tokenizer, tokenizer, path)
+    return teacher.requires_grad_(False)
 
 
 def train(cfg: Config) -> dict[str, Any]:

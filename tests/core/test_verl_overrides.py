@@ -161,6 +161,40 @@ def test_verls_lora_keys_set_the_adapters_and_are_ignored_without_a_rank():
     assert _rows(off)["actor_rollout_ref.model.lora_alpha"].startswith("no effect here: ")
 
 
+def test_verls_on_policy_distillation_keys_set_algorithm_distill():
+    """verl 0.9.1's distillation.* in its policy-gradient form; the supervised form (its yaml's default) and a
+    second teacher are refused saying why; without distillation.enabled the keys change nothing."""
+    D = "distillation."
+    on = translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}teacher_models.teacher_model.model_path=t",
+                    f"{D}distillation_loss.use_policy_gradient=true", f"{D}distillation_loss.loss_mode=k1",
+                    f"{D}distillation_loss.distillation_loss_coef=0.5", f"{D}distillation_loss.loss_max_clamp=10"])
+    assert {k: v for k, v in on.values.items() if k.startswith("algorithm.distill.")} == {
+        "algorithm.distill.teacher": "t", "algorithm.distill.estimator": "k1", "algorithm.distill.task_weight": 1.0,
+        "algorithm.distill.coef": 0.5, "algorithm.distill.max_clamp": 10}
+    alone = translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}teacher_models.teacher_model.model_path=t",
+                       f"{D}distillation_loss.use_policy_gradient=true", f"{D}distillation_loss.use_task_rewards=false",
+                       f"{D}distillation_loss.distillation_loss_coef=0.5"])
+    assert alone.values["algorithm.distill.task_weight"] == 0.0
+    assert alone.values["algorithm.distill.coef"] == 1.0  # verl applies the coefficient only with task rewards
+    with pytest.raises(ConfigError, match=r"use_policy_gradient=false changes the run .*supervised backprop"):
+        translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}teacher_models.teacher_model.model_path=t"])
+    with pytest.raises(ConfigError, match=r"distillation.enabled=true needs the teacher's model directory"):
+        translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}distillation_loss.use_policy_gradient=true"])
+    with pytest.raises(ConfigError, match=r"teacher_models.teacher_model.key=openai/gsm8k changes the run"):
+        translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}teacher_models.teacher_model.model_path=t",
+                   f"{D}distillation_loss.use_policy_gradient=true", f"{D}teacher_models.teacher_model.key=openai/gsm8k"])
+    with pytest.raises(ConfigError, match=r"loss_mode=forward_kl_topk .* is not implemented here"):
+        translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}teacher_models.teacher_model.model_path=t",
+                   f"{D}distillation_loss.use_policy_gradient=true", f"{D}distillation_loss.loss_mode=forward_kl_topk"])
+    off = translate(["actor_rollout_ref.model.path=m", f"{D}teacher_models.teacher_model.model_path=t"])
+    assert "algorithm.distill.teacher" not in off.values
+    assert _rows(off)[f"{D}teacher_models.teacher_model.model_path"].startswith("no effect here")
+    cfg, _ = load_verl_config(["actor_rollout_ref.model.path=m", f"{D}enabled=true",
+                               f"{D}teacher_models.teacher_model.model_path=t",
+                               f"{D}distillation_loss.use_policy_gradient=true"])
+    assert cfg.algorithm.distill.teacher == "t" and cfg.algorithm.distill.estimator == "k3"  # verl's default mode
+
+
 def test_critic_optimiser_keys_must_match_the_actors_shared_optimiser():
     shared = ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05", "critic.optim.lr_warmup_steps_ratio=0.05",
               "trainer.total_training_steps=20"]

@@ -1,7 +1,8 @@
 """Every advantage estimator and policy loss by name in the RL trainer: each runs two tiny steps in-process and
 really changes the update (the batch's advantages through the `on_batch` seam, the trained weights); vanilla
 is today's dual-clip objective bit for bit; clip_cov's random picks repeat on resume; and DP=2 runs with a
-non-default loss, an estimator that whitens over the global batch and remax equal the single process."""
+non-default loss, an estimator that whitens over the global batch, remax and on-policy distillation equal the single
+process."""
 
 import json
 
@@ -23,6 +24,7 @@ from scalerl.trainer.objectives import PolicyObjective, policy_loss_options
 from scalerl.trainer.rl_trainer import RLTrainer, loss_draw_seed
 from scalerl.verify import COMPARED_METRICS, TOLERANCE, max_metric_diff, max_weight_diff, run_kind, verification_overrides
 from tests.spawned_group import run_in_group
+from tests.tiny import save_tiny_teacher
 from tests.trainer.conftest import TINY
 
 # Losses whose first, on-policy mini-batch has vanilla's gradient would differ from it only slightly after;
@@ -154,25 +156,36 @@ def test_estimators_without_groups_take_one_sample_per_prompt():
 # the first on-policy pg_loss: with these advantages it is 0 up to rounding (a sequence mean of group-centred
 # scores, a token mean of whitened returns), nothing to compare relatively.
 DP_METRICS = tuple(k for k in COMPARED_METRICS["grpo"] if k != "actor/pg_loss")
+# ... and on-policy distillation (its metrics all-reduced), with the task reward added, from a teacher saved in
+# the test's directory ({out}).
 DP_RUNS = {"gspo": ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"],
            "rpp_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
-           "remax": ["algorithm.adv_estimator=remax"]}
+           "remax": ["algorithm.adv_estimator=remax"],
+           "distill": ["algorithm.distill.teacher={out}/teacher", "algorithm.distill.task_weight=1.0"]}
+
+
+def _dp_overrides(extra, out_dir):
+    return [o.format(out=out_dir) for o in extra]
 
 
 def _dp_rank(rank, out_dir):
     for name, extra in DP_RUNS.items():
-        run_kind("grpo", [*verification_overrides(2), *extra, "parallel.dp_replicate=2"], out_dir / "dp2" / name)
+        run_kind("grpo", [*verification_overrides(2), *_dp_overrides(extra, out_dir), "parallel.dp_replicate=2"],
+                 out_dir / "dp2" / name)
 
 
 def test_data_parallel_runs_equal_the_single_process(tmp_path):
-    singles = {name: run_kind("grpo", [*verification_overrides(2), *extra], tmp_path / "single" / name)
+    save_tiny_teacher(tmp_path / "teacher", 7, *verification_overrides(2))
+    singles = {name: run_kind("grpo", [*verification_overrides(2), *_dp_overrides(extra, tmp_path)],
+                              tmp_path / "single" / name)
                for name, extra in DP_RUNS.items()}
     run_in_group(_dp_rank, 2, tmp_path)
     for name, single in singles.items():
         rows = [[r for r in map(json.loads, (tmp_path / run / name / "metrics.jsonl").read_text().splitlines())
                  if r["step"] > 0] for run in ("single", "dp2")]
         assert len(rows[1]) == 2
-        assert max_metric_diff(*rows, DP_METRICS) <= TOLERANCE, name
+        compared = DP_METRICS + (("distill/reverse_kl",) if name == "distill" else ())
+        assert max_metric_diff(*rows, compared) <= TOLERANCE, name
         assert max_weight_diff(single, tmp_path / "dp2" / name / "final") <= TOLERANCE, name
 
 
