@@ -66,13 +66,15 @@ ROLLOUT_PLACEMENTS = ("colocated", "standalone")
 LR_SCHEDULES = ("constant", "cosine")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+DEFAULT_JUDGE_TEMPLATE = ("Question: {prompt}\nReference answer: {ground_truth}\nResponse: {response}\n"
+                          "Grade the response from 0 to 10.\nGrade:")  # data.judge.template's default
 KL_CONTROLLER_TYPES = ("fixed", "adaptive")  # scalerl.algorithms.kl_reward's (core sits below algorithms)
 ADV_ESTIMATORS = tuple(ADVANTAGE_ESTIMATOR_NAMES)  # verl's names (`scalerl.core.algorithm_names`)
 POLICY_LOSSES = tuple(policy_loss_choices())
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 DEVICES = ("auto", "cpu", "cuda")
-BUILTIN_REWARDS = ("auto", "gsm8k", "math", "none")  # none: data.reward_model alone
+BUILTIN_REWARDS = ("auto", "gsm8k", "math", "none", "judge")  # none: data.reward_model alone; judge: data.judge
 ROLLOUT_DTYPES = ("bf16", "fp32")
 # A sampling temperature below this decodes greedily (`scalerl.rollout.engine.SamplingParams`): logits / T
 # overflows float32 for tiny T (NaN probabilities, an empty completion); vLLM draws its line here too.
@@ -183,6 +185,40 @@ class RewardModelSection(_Section):
 
 
 @dataclass
+class JudgeSection(_Section):
+    """A generative judge as the reward (data.reward=judge; `scalerl.data.reward_judge`): a model prompted with a
+    rubric scores each response, its verdict parsed (docs/configuration.md#generative-judges)."""
+
+    name = "data.judge"
+    model: str | None = opt(None, "the judge's model directory (any model scalerl loads); needed by data.reward=judge")
+    tokenizer: str | None = opt(None, "its tokenizer directory; null = data.judge.model ('builtin' for a built-in one)")
+    template: str = opt(DEFAULT_JUDGE_TEMPLATE, "the judge's prompt: {prompt}, {response} (required) and "
+                                                "{ground_truth} are filled in")
+    verdict: str = opt("number", "how its answer is read: number (the first number / data.judge.max_score) | label "
+                                 "(the first of data.judge.labels found)")
+    max_score: float = opt(10.0, "verdict=number: the grade that scores 1.0", above=0)
+    labels: str = opt("correct=1,incorrect=0", "verdict=label: label=score pairs, matched as whole words")
+    max_new_tokens: int = opt(16, "longest judge answer (greedy, so a response always gets the same verdict)",
+                              at_least=1)
+    batch_size: int = opt(16, "judge prompts per generation batch", at_least=1)
+    chat_template: bool = opt(False, "send the judge prompt through its tokenizer's chat template (instruct judges)")
+    dtype: str = opt("float32", "the judge's parameter dtype: " + " | ".join(DTYPES))
+
+    def problems(self) -> list[str]:
+        from scalerl.data.reward_judge import VERDICTS, parse_labels, template_problems
+
+        p: list[str] = template_problems(self.template)
+        _check_choice(p, "data.judge.verdict", self.verdict, VERDICTS)
+        _check_choice(p, "data.judge.dtype", self.dtype, DTYPES)
+        if self.verdict == "label":
+            try:
+                parse_labels(self.labels)
+            except ValueError as error:
+                p.append(str(error))
+        return p
+
+
+@dataclass
 class DataSection(_Section):
     name = "data"
     task: str = opt("arithmetic", "built-in task: " + " | ".join(TASKS))
@@ -209,7 +245,7 @@ class DataSection(_Section):
     max_prompt_length: int = opt(64, "longest prompt in tokens; a longer one stops the run with an error naming it")
     chat_template: bool = opt(False, "send each prompt as a user message through the tokenizer's chat template")
     reward: str = opt("auto", "auto (verl's scorer by each row's data_source; rows without one: the task's) | "
-                      "gsm8k | math | module:function (searched in the current directory first, then sys.path) | "
+                      "gsm8k | math | judge (a generative judge model: data.judge.*) | module:function (searched in the current directory first, then sys.path) | "
                       "file.py:function (relative to the current directory); the function may have scalerl's, "
                       "verl's (compute_score, single or batched) or TRL's signature; several comma-separated are "
                       "added up with data.reward_weights | http(s)://host:port/path (a reward server, "
@@ -231,6 +267,7 @@ class DataSection(_Section):
                               "HTTP 429/5xx, after 0.5 s, 1 s, 2 s...", at_least=0)
     shuffle: bool = opt(True, "shuffle training prompts every epoch")
     reward_model: RewardModelSection = field(default_factory=RewardModelSection)
+    judge: JudgeSection = field(default_factory=JudgeSection)
     streaming: bool = opt(False, "read data.train_files (Parquet, Arrow, save_to_disk) lazily by row group, each "
                           "data-parallel rank its own share, instead of whole into memory; data.num_train does "
                           "not apply, validation files are still read whole")
@@ -238,7 +275,9 @@ class DataSection(_Section):
                               "memory grows with it, not with the dataset", at_least=1)
 
     def problems(self) -> list[str]:
-        p: list[str] = self.reward_model.all_problems()
+        p: list[str] = self.reward_model.all_problems() + self.judge.all_problems()
+        if "judge" in [spec.strip() for spec in self.reward.split(",")] and not self.judge.model:
+            p.append("data.reward=judge needs data.judge.model (the judge's model directory)")
         _check_choice(p, "data.task", self.task, TASKS)
         _check(p, len(self.difficulty) >= 1 and all(d >= 1 for d in self.difficulty), "data.difficulty",
                "a non-empty list of levels >= 1", self.difficulty)

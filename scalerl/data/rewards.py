@@ -313,7 +313,14 @@ def reward_from_config(data_cfg: Any, device: Any = "cpu") -> RewardComputer:
     """The reward a run's `data` config section asks for (its reward model, if any, on `device`)."""
     section = getattr(data_cfg, "reward_model", None)  # absent from sections built by hand without one
     model = reward_model_from_config(section, getattr(data_cfg, "chat_template", False), device) if section else None
-    return RewardComputer(data_cfg.reward, timeout_s=data_cfg.reward_timeout_s,
+    reward: Any = data_cfg.reward
+    specs = [spec.strip() for spec in reward.split(",")]
+    if "judge" in specs:  # a generative judge (data.judge): a model, built here, among the other functions
+        from scalerl.data.reward_judge import judge_from_config
+
+        judge = judge_from_config(data_cfg, device)
+        reward = [judge if spec == "judge" else spec for spec in specs]
+    return RewardComputer(reward, timeout_s=data_cfg.reward_timeout_s,
                           weights=list(data_cfg.reward_weights) or None,
                           max_consecutive_failures=data_cfg.max_reward_failures, task=data_cfg.task,
                           # a section without the keys (written before they came) scores as it did

@@ -39,10 +39,11 @@ def check_run_inputs(cfg: Any, sft: bool | None = None, import_reward: bool = Tr
     the ranks run). Raises a UserError (ConfigError, CheckpointFormatError, TokenizerError,
     RewardFunctionError) naming the key."""
     resolve_init_from(cfg)
-    if import_reward and cfg.data.reward not in BUILTIN_REWARDS:
+    specs = ",".join(s for s in cfg.data.reward.split(",") if s.strip() != "judge")  # the judge: data.judge.model
+    if import_reward and specs and specs not in BUILTIN_REWARDS:
         from scalerl.data.rewards import load_reward_fns
 
-        load_reward_fns(cfg.data.reward, cfg.data.task)  # runs the modules' imports, as the run would
+        load_reward_fns(specs, cfg.data.task)  # runs the modules' imports, as the run would
     problems = model_directory_problems(cfg)
     if sft is not False and cfg.sft.output_dir:
         problems += output_dir_problems(cfg.sft.output_dir, "sft.output_dir")

@@ -1,0 +1,154 @@
+"""A generative judge as the reward (``data.reward=judge``, ``data.judge.*``): a language model prompted with a
+rubric scores each response; its verdict is parsed into a number.
+
+The judge is any model directory scalerl loads (the built-in decoder or the transformers fallback). Its prompt
+is ``data.judge.template`` with ``{prompt}``, ``{response}`` and ``{ground_truth}`` filled in (``{response}`` is
+required: a judge that never sees the response scores nothing), encoded as prompts are (`encode_prompts`:
+through the judge tokenizer's chat template with ``data.judge.chat_template``). It generates greedily
+(temperature 0: the same response gets the same verdict, every run) at most ``data.judge.max_new_tokens``
+tokens, in batches of ``data.judge.batch_size``, on the built-in engine, on the trainer's device.
+
+Verdicts (``data.judge.verdict``):
+    number   the first number in the judge's text, divided by ``data.judge.max_score`` (so "Score: 7" of 10
+             is 0.7); a number outside [0, max_score] is not a verdict
+    label    the first of ``data.judge.labels`` ("correct=1,incorrect=0") found in the text, as a whole word,
+             case-insensitive; it scores the label's value
+
+A text with no verdict is never a silent 0: the judge returns the raw text, which the reward computer counts
+as a failure (``reward/num_failures``) and logs once per kind with the text, as any unusable reward value.
+It is called as TRL's batched rewards are (``fn(prompts, completions, **columns)``), so it adds up with other
+rewards (``data.reward=judge,file.py:fn``) and is checked against the rows like them.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from scalerl.core.config import DEFAULT_JUDGE_TEMPLATE
+
+JUDGE_SLOTS = ("prompt", "response", "ground_truth")
+DEFAULT_TEMPLATE = DEFAULT_JUDGE_TEMPLATE
+VERDICTS = ("number", "label")
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
+def template_problems(template: str, key: str = "data.judge.template") -> list[str]:
+    """What is wrong with a judge template: a slot it does not know, no ``{response}``, a malformed brace."""
+    try:
+        slots = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as error:
+        return [f"{key} is not a template ({error}); use {{prompt}}, {{response}} and {{ground_truth}}, and double a "
+                "literal brace ({{ or }})"]
+    problems = []
+    unknown = sorted(slots - set(JUDGE_SLOTS))
+    if unknown:
+        problems.append(f"{key} names {', '.join('{' + s + '}' for s in unknown)}; the slots are "
+                        + ", ".join("{" + s + "}" for s in JUDGE_SLOTS))
+    if "response" not in slots:
+        problems.append(f"{key} has no {{response}} slot: the judge would never see the response it scores")
+    return problems
+
+
+def parse_labels(spec: str, key: str = "data.judge.labels") -> dict[str, float]:
+    """``"correct=1,incorrect=0"`` as ``{"correct": 1.0, "incorrect": 0.0}``; ValueError naming the key."""
+    labels: dict[str, float] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, sep, value = part.partition("=")
+        try:
+            labels[name.strip().lower()] = float(value)
+        except ValueError:
+            raise ValueError(f"{key}={spec!r}: {part!r} is not label=number (e.g. correct=1,incorrect=0)") from None
+        if not sep or not name.strip():
+            raise ValueError(f"{key}={spec!r}: {part!r} is not label=number (e.g. correct=1,incorrect=0)")
+    if not labels:
+        raise ValueError(f"{key} is empty: give label=number pairs, e.g. correct=1,incorrect=0")
+    return labels
+
+
+@dataclass(frozen=True)
+class VerdictParser:
+    """A judge's text -> its score, or None when the text holds no verdict."""
+
+    kind: str = "number"
+    max_score: float = 10.0
+    labels: tuple[tuple[str, float], ...] = ()
+
+    def __call__(self, text: str) -> float | None:
+        if self.kind == "number":
+            match = _NUMBER.search(text)
+            if match is None:
+                return None
+            value = float(match.group())
+            return value / self.max_score if 0 <= value <= self.max_score else None
+        found = [(m.start(), score) for label, score in self.labels
+                 for m in [re.search(rf"\b{re.escape(label)}\b", text, re.IGNORECASE)] if m]
+        return min(found)[1] if found else None  # the label the judge wrote first
+
+
+class GenerativeJudge:
+    """The judge as a batched (TRL-style) reward function: ``judge(prompts, completions, **columns)`` -> one
+    score per completion, or the judge's raw text where it gave no verdict (a counted failure)."""
+
+    __name__ = "judge"
+
+    def __init__(self, engine: Any, tokenizer: Any, template: str = DEFAULT_TEMPLATE,
+                 parse: VerdictParser = VerdictParser(), max_new_tokens: int = 16, batch_size: int = 16,
+                 chat_template: bool = False):
+        problems = template_problems(template)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.engine, self.tokenizer, self.template, self.parse = engine, tokenizer, template, parse
+        self.max_new_tokens, self.batch_size, self.chat_template = max_new_tokens, batch_size, chat_template
+        self.last_texts: list[str] = []  # the judge's raw answers of the last call (tests, debugging)
+
+    def prompt_text(self, prompt: Any, response: str, ground_truth: Any) -> str:
+        if isinstance(prompt, list):  # chat messages: the conversation's text
+            prompt = "\n".join(str(m.get("content", "")) for m in prompt)
+        return self.template.format(prompt=prompt, response=response,
+                                    ground_truth="" if ground_truth is None else ground_truth)
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **columns: Any) -> list[float | str]:
+        import torch
+
+        from scalerl.data.prompts import encode_prompts
+        from scalerl.rollout.engine import SamplingParams
+
+        truths = columns.get("ground_truth") or [None] * len(prompts)
+        responses = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        texts = [self.prompt_text(p, r, g) for p, r, g in zip(prompts, responses, truths)]
+        sampling = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0,
+                                  stop_token_ids=self.tokenizer.stop_token_ids)
+        answers: list[str] = []
+        for start in range(0, len(texts), self.batch_size):
+            ids = encode_prompts(self.tokenizer, texts[start : start + self.batch_size], self.chat_template)
+            with torch.no_grad():
+                out = self.engine.generate(ids, sampling)
+            rows = [row[: int(n)] for row, n in zip(out.response_ids.tolist(), out.response_lengths.tolist())]
+            answers.extend(self.tokenizer.batch_decode(rows))
+        self.last_texts = answers
+        verdicts: list[float | str] = []
+        for answer in answers:
+            score = self.parse(answer)
+            verdicts.append(score if score is not None else f"no verdict in the judge's answer {answer.strip()!r}")
+        return verdicts
+
+
+def judge_from_config(data_cfg: Any, device: Any) -> GenerativeJudge:
+    """The judge ``data.judge`` describes, its model loaded on ``device`` in eval mode."""
+    import torch
+
+    from scalerl.core.config import ModelSection
+    from scalerl.models.load import load_model_and_tokenizer
+    from scalerl.rollout.builtin_engine import BuiltinEngine
+
+    j = data_cfg.judge
+    model_cfg = ModelSection(path=j.model, tokenizer=j.tokenizer, dtype=j.dtype)
+    model, tokenizer = load_model_and_tokenizer(model_cfg, None, torch.device(device), 0)
+    model.eval().requires_grad_(False)
+    labels = tuple(parse_labels(j.labels).items()) if j.verdict == "label" else ()
+    return GenerativeJudge(BuiltinEngine(model, tokenizer.pad_token_id), tokenizer, j.template,
+                           VerdictParser(j.verdict, j.max_score, labels), j.max_new_tokens, j.batch_size,
+                           j.chat_template)
