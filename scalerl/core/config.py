@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import string
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,8 @@ ROLLOUT_PLACEMENTS = ("colocated", "standalone")
 LR_SCHEDULES = ("constant", "cosine")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+JUDGE_SLOTS = ("prompt", "response", "ground_truth")  # data.judge.template's slots (scalerl/data/reward_judge.py)
+JUDGE_VERDICTS = ("number", "label")
 DEFAULT_JUDGE_TEMPLATE = ("Question: {prompt}\nReference answer: {ground_truth}\nResponse: {response}\n"
                           "Grade the response from 0 to 10.\nGrade:")  # data.judge.template's default
 KL_CONTROLLER_TYPES = ("fixed", "adaptive")  # scalerl.algorithms.kl_reward's (core sits below algorithms)
@@ -184,6 +187,40 @@ class RewardModelSection(_Section):
         return p
 
 
+def judge_template_problems(template: str, key: str = "data.judge.template") -> list[str]:
+    """What is wrong with a judge template: a slot it does not know, no ``{response}``, a malformed brace."""
+    try:
+        slots = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as error:
+        return [f"{key} is not a template ({error}); use {{prompt}}, {{response}} and {{ground_truth}}, and double a "
+                "literal brace ({{ or }})"]
+    problems = []
+    unknown = sorted(slots - set(JUDGE_SLOTS))
+    if unknown:
+        problems.append(f"{key} names {', '.join('{' + s + '}' for s in unknown)}; the slots are "
+                        + ", ".join("{" + s + "}" for s in JUDGE_SLOTS))
+    if "response" not in slots:
+        problems.append(f"{key} has no {{response}} slot: the judge would never see the response it scores")
+    return problems
+
+
+def parse_judge_labels(spec: str, key: str = "data.judge.labels") -> dict[str, float]:
+    """``"correct=1,incorrect=0"`` as ``{"correct": 1.0, "incorrect": 0.0}``; ValueError naming the key."""
+    labels: dict[str, float] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, sep, value = part.partition("=")
+        try:
+            labels[name.strip().lower()] = float(value)
+        except ValueError:
+            raise ValueError(f"{key}={spec!r}: {part!r} is not label=number (e.g. correct=1,incorrect=0)") from None
+        if not sep or not name.strip():
+            raise ValueError(f"{key}={spec!r}: {part!r} is not label=number (e.g. correct=1,incorrect=0)")
+    if not labels:
+        raise ValueError(f"{key} is empty: give label=number pairs, e.g. correct=1,incorrect=0")
+    return labels
+
+
+
 @dataclass
 class JudgeSection(_Section):
     """A generative judge as the reward (data.reward=judge; `scalerl.data.reward_judge`): a model prompted with a
@@ -205,14 +242,12 @@ class JudgeSection(_Section):
     dtype: str = opt("float32", "the judge's parameter dtype: " + " | ".join(DTYPES))
 
     def problems(self) -> list[str]:
-        from scalerl.data.reward_judge import VERDICTS, parse_labels, template_problems
-
-        p: list[str] = template_problems(self.template)
-        _check_choice(p, "data.judge.verdict", self.verdict, VERDICTS)
+        p: list[str] = judge_template_problems(self.template)
+        _check_choice(p, "data.judge.verdict", self.verdict, JUDGE_VERDICTS)
         _check_choice(p, "data.judge.dtype", self.dtype, DTYPES)
         if self.verdict == "label":
             try:
-                parse_labels(self.labels)
+                parse_judge_labels(self.labels)
             except ValueError as error:
                 p.append(str(error))
         return p

@@ -23,49 +23,12 @@ rewards (``data.reward=judge,file.py:fn``) and is checked against the rows like 
 from __future__ import annotations
 
 import re
-import string
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from scalerl.core.config import DEFAULT_JUDGE_TEMPLATE
-
-JUDGE_SLOTS = ("prompt", "response", "ground_truth")
-DEFAULT_TEMPLATE = DEFAULT_JUDGE_TEMPLATE
-VERDICTS = ("number", "label")
+# The checks `load_config` runs on data.judge live with the config (a lower layer).
+from scalerl.core.config import DEFAULT_JUDGE_TEMPLATE, judge_template_problems, parse_judge_labels
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
-
-
-def template_problems(template: str, key: str = "data.judge.template") -> list[str]:
-    """What is wrong with a judge template: a slot it does not know, no ``{response}``, a malformed brace."""
-    try:
-        slots = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
-    except ValueError as error:
-        return [f"{key} is not a template ({error}); use {{prompt}}, {{response}} and {{ground_truth}}, and double a "
-                "literal brace ({{ or }})"]
-    problems = []
-    unknown = sorted(slots - set(JUDGE_SLOTS))
-    if unknown:
-        problems.append(f"{key} names {', '.join('{' + s + '}' for s in unknown)}; the slots are "
-                        + ", ".join("{" + s + "}" for s in JUDGE_SLOTS))
-    if "response" not in slots:
-        problems.append(f"{key} has no {{response}} slot: the judge would never see the response it scores")
-    return problems
-
-
-def parse_labels(spec: str, key: str = "data.judge.labels") -> dict[str, float]:
-    """``"correct=1,incorrect=0"`` as ``{"correct": 1.0, "incorrect": 0.0}``; ValueError naming the key."""
-    labels: dict[str, float] = {}
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        name, sep, value = part.partition("=")
-        try:
-            labels[name.strip().lower()] = float(value)
-        except ValueError:
-            raise ValueError(f"{key}={spec!r}: {part!r} is not label=number (e.g. correct=1,incorrect=0)") from None
-        if not sep or not name.strip():
-            raise ValueError(f"{key}={spec!r}: {part!r} is not label=number (e.g. correct=1,incorrect=0)")
-    if not labels:
-        raise ValueError(f"{key} is empty: give label=number pairs, e.g. correct=1,incorrect=0")
-    return labels
 
 
 @dataclass(frozen=True)
@@ -94,10 +57,10 @@ class GenerativeJudge:
 
     __name__ = "judge"
 
-    def __init__(self, engine: Any, tokenizer: Any, template: str = DEFAULT_TEMPLATE,
+    def __init__(self, engine: Any, tokenizer: Any, template: str = DEFAULT_JUDGE_TEMPLATE,
                  parse: VerdictParser = VerdictParser(), max_new_tokens: int = 16, batch_size: int = 16,
                  chat_template: bool = False):
-        problems = template_problems(template)
+        problems = judge_template_problems(template)
         if problems:
             raise ValueError("; ".join(problems))
         self.engine, self.tokenizer, self.template, self.parse = engine, tokenizer, template, parse
@@ -148,7 +111,7 @@ def judge_from_config(data_cfg: Any, device: Any) -> GenerativeJudge:
     model_cfg = ModelSection(path=j.model, tokenizer=j.tokenizer, dtype=j.dtype)
     model, tokenizer = load_model_and_tokenizer(model_cfg, None, torch.device(device), 0)
     model.eval().requires_grad_(False)
-    labels = tuple(parse_labels(j.labels).items()) if j.verdict == "label" else ()
+    labels = tuple(parse_judge_labels(j.labels).items()) if j.verdict == "label" else ()
     return GenerativeJudge(BuiltinEngine(model, tokenizer.pad_token_id), tokenizer, j.template,
                            VerdictParser(j.verdict, j.max_score, labels), j.max_new_tokens, j.batch_size,
                            j.chat_template)

@@ -196,6 +196,6 @@ def _profile(world: DoctorWorld, cfg: Config, options: DoctorOptions,
     # the doctor saw in collectives itself.
     context["comm_wait_s"] = sum(r["comm_s"] for r in records) / len(records) + metrics.get("timing_s/comm/grad", 0.0)
     view = StepView(metrics, records, context)
-    findings = run_step_rules(view, reward_history=result["reduced"])
+    findings = run_step_rules(view, reward_history=result["reduced"], mismatch_history=result["reduced"])
     return findings, {"per_rank": records, "metrics": metrics, "context": context, "steps": options.steps,
                       "warmup": options.warmup, "kind": options.kind, "trace_dir": options.trace_dir}

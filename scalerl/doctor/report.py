@@ -32,6 +32,7 @@ UNMEASURED_WHY = {
     "compute/parallel_granularity": NEEDS_PROFILE,
     "training/non_finite": NEEDS_PROFILE,
     "training/reward_collapse": NEEDS_MONITOR,
+    "training/logprob_mismatch": NEEDS_MONITOR,
 }
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from scalerl.health.step_rules import StepView, run_step_rules
+from scalerl.health.step_rules import MISMATCH_KEY, StepView, run_step_rules
 from scalerl.health.tree import FAULT, LEAVES, WARNING, Finding, health_metrics
 from scalerl.perf.memory import memory_capacity_gb
 
@@ -28,7 +28,10 @@ def _rollout_context(rollout: Any) -> dict[str, Any]:
     if rollout is None:
         return {}
     return {"rollout_placement": rollout.placement, "rollout_staleness": rollout.staleness,
-            "rollout_workers": rollout.workers, "rollout_stream_groups": bool(getattr(rollout, "stream_groups", False))}
+            "rollout_workers": rollout.workers, "rollout_stream_groups": bool(getattr(rollout, "stream_groups", False)),
+            # the log-prob mismatch rule's fix names the correction in force and the engine's precision
+            "rollout_is_cap": getattr(rollout, "correction_cap", None), "rollout_is_level": getattr(rollout, "is_level", None),
+            "rollout_dtype": getattr(rollout, "dtype", None)}
 
 
 def _stream_context(cfg: Any) -> dict[str, Any]:
@@ -49,6 +52,7 @@ class HealthMonitor:
         self.context = context
         self.emit = emit if emit is not None else logger.warning
         self.reward_history: list[dict[str, float]] = []
+        self.mismatch_history: list[dict[str, float]] = []  # rollout/logprob_diff/mean per step, where measured
         self.recent: list[dict[str, float]] = []
         self._alerting: dict[tuple, str] = {}  # finding key -> status last reported
 
@@ -74,10 +78,13 @@ class HealthMonitor:
             return {}
         if all(k in metrics for k in REWARD_KEYS):
             self.reward_history = (self.reward_history + [{k: metrics[k] for k in REWARD_KEYS}])[-HISTORY_STEPS:]
+        if MISMATCH_KEY in metrics:
+            self.mismatch_history = (self.mismatch_history + [{MISMATCH_KEY: metrics[MISMATCH_KEY]}])[-HISTORY_STEPS:]
         self.recent = (self.recent + [{k: metrics[k] for k in RECENT_KEYS if k in metrics}])[-RECENT_STEPS:]
         if step % self.every:
             return {}
-        findings = run_step_rules(StepView(dict(metrics), None, self.context, self.recent), self.reward_history)
+        findings = run_step_rules(StepView(dict(metrics), None, self.context, self.recent), self.reward_history,
+                                  self.mismatch_history)
         self._report_crossings(step, findings)
         return health_metrics(findings)
 

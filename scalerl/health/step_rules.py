@@ -237,7 +237,39 @@ def reward_collapse(history: list[dict[str, float]]) -> list[Finding]:
                      f"{best:.4g} ({drop:.0%} below it)", evidence, fix)]
 
 
-__all__ = ["STEP_RULES", "StepView", "reward_collapse", "run_step_rules"]
+MISMATCH_KEY = "rollout/logprob_diff/mean"
+
+
+def logprob_mismatch(history: list[dict[str, float]], context: dict | None = None) -> list[Finding]:
+    """``history``: ``rollout/logprob_diff/mean`` of each step so far, oldest first (present only where the
+    trainer recomputes old log-probs instead of reusing the engine's). The level over the last steps and its
+    growth from the first ones, each against its threshold; the fix names the run's correction settings."""
+    rule, context = RULES["logprob_mismatch"], context or {}
+    diffs = [h[MISMATCH_KEY] for h in history if MISMATCH_KEY in h]
+    if not diffs:
+        return [finding("logprob_mismatch", NOT_MEASURED, "the trainer reuses the engine's log-probs (they equal its "
+                        "own forward's), so there is no gap to measure")]
+    window = min(3, len(diffs))
+    now, first = statistics.mean(diffs[-window:]), statistics.mean(diffs[:window])
+    growth = now / first if first > 0 and len(diffs) >= 2 * window else 1.0
+    level, trend = rule.thresholds["mean"].status(now), rule.thresholds["growth"].status(growth)
+    status = max((level, trend), key=lambda s: {OK: 0, WARNING: 1, FAULT: 2}[s])
+    evidence = {"recent_mean": round(now, 5), "first_mean": round(first, 5), "growth": round(growth, 2),
+                "steps": len(diffs), "rollout.is_cap": context.get("rollout_is_cap"),
+                "rollout.is_level": context.get("rollout_is_level"), "rollout.dtype": context.get("rollout_dtype")}
+    cap = context.get("rollout_is_cap")
+    fix = ("weight the off-policy tokens: rollout.is_cap=2 with rollout.is_level=token (verl's TIS) or "
+           "rollout.is_mode=mask (MIS)" if not cap else
+           f"the correction is on (rollout.is_cap={cap:g}); lower the cap or use rollout.is_mode=mask to drop the "
+           "tokens that disagree most")
+    fix += ("; compute the engine in the trainer's precision (rollout.dtype, trainer.precision) so the two forwards "
+            "agree; for MoE models, fewer router flips (routing replay is not in scalerl yet)")
+    grew = f", {growth:.2g}x its first steps'" if growth != 1.0 else ""
+    return [finding("logprob_mismatch", status, f"the trainer's log-probs differ from the engine's by {now:.3g} nats "
+                    f"per token over the last {window} steps{grew}", evidence, fix if status != OK else "")]
+
+
+__all__ = ["STEP_RULES", "StepView", "logprob_mismatch", "reward_collapse", "run_step_rules"]
 
 STEP_RULES: tuple[Callable[[StepView], list[Finding]], ...] = (
     stragglers, token_imbalance, parallel_granularity, comm_share, achieved_bandwidth, memory_peak,
@@ -245,9 +277,12 @@ STEP_RULES: tuple[Callable[[StepView], list[Finding]], ...] = (
 )
 
 
-def run_step_rules(view: StepView, reward_history: list[dict[str, float]] | None = None) -> list[Finding]:
-    """Every step rule's findings for ``view`` (and the reward history, when given)."""
+def run_step_rules(view: StepView, reward_history: list[dict[str, float]] | None = None,
+                   mismatch_history: list[dict[str, float]] | None = None) -> list[Finding]:
+    """Every step rule's findings for ``view`` (and the reward and log-prob mismatch histories, when given)."""
     findings = [f for rule in STEP_RULES for f in rule(view)]
     if reward_history is not None:
         findings += reward_collapse(reward_history)
+    if mismatch_history is not None:
+        findings += logprob_mismatch(mismatch_history, view.context)
     return findings

@@ -359,6 +359,20 @@ _RULES = (
                                       "GRPO's advantage is the reward minus its group mean: when every sample "
                                       "scores the same, advantages are 0 and the policy stops learning"),
          }),
+    Rule("logprob_mismatch", "training/logprob_mismatch",
+         "rollout/logprob_diff/mean (|trainer log-prob - engine log-prob| per sampled token, where the trainer "
+         "recomputes them) over the last steps, and its growth from the first steps",
+         "{fix}",
+         thresholds={
+             "mean": Threshold(0.02, 0.1, True, " nats per token",
+                               "two forwards of the same weights in other precisions or kernels differ by a "
+                               "little per token; at 0.1 nats the update's importance ratios are off by about 10% "
+                               "per token (exp(0.1)), and PPO's clip acts on numerics instead of policy change"),
+             "growth": Threshold(2.0, 4.0, True, "x the first steps'",
+                                 "a gap that keeps growing is the policy drifting where the two computations "
+                                 "disagree (e.g. an MoE router choosing other experts), the pattern the collapse "
+                                 "reports filed against verl and TRL describe before their runs collapsed"),
+         }),
     # ------------------------------------------------------------------------------ rollout pipeline
     Rule("trainer_idle", "rollout/trainer_idle",
          "timing_s/trainer_idle over timing_s/step: the share of the step the trainer waited for rollouts from "

@@ -70,6 +70,8 @@ TREE: tuple[Branch, ...] = (
     Branch("training", "training signal", (
         Leaf("training/non_finite", "non-finite values", "are losses and gradient norms finite?"),
         Leaf("training/reward_collapse", "reward collapse", "does the reward still vary and hold its level?"),
+        Leaf("training/logprob_mismatch", "train/inference mismatch",
+             "do the trainer's log-probs of the sampled tokens stay close to the engine's, without growing?"),
     )),
     Branch("rollout", "rollout pipeline", (
         Leaf("rollout/trainer_idle", "trainer waiting for rollouts",

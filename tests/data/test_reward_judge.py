@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from scalerl.core.config import ConfigError, load_config
-from scalerl.data.reward_judge import GenerativeJudge, VerdictParser, parse_labels, template_problems
+from scalerl.core.config import judge_template_problems as template_problems
+from scalerl.core.config import parse_judge_labels as parse_labels
+from scalerl.data.reward_judge import GenerativeJudge, VerdictParser
 from scalerl.data.rewards import RewardComputer
 from scalerl.models.tokenizer import CharTokenizer
 from tests.tiny import save_tiny_teacher, tiny_overrides

@@ -55,6 +55,21 @@ def test_reward_history_is_kept_between_checks():
     assert levels["health/training/reward_collapse"] == 1.0 and "GRPO advantages are all 0" in messages[-1]
 
 
+def test_a_growing_train_inference_gap_is_reported_as_it_grows():
+    """A drifting engine: the step metrics' rollout/logprob_diff/mean grows 30% a step; the monitor, checking
+    every 3 steps, says nothing while it is small and steady, then warns once it has doubled."""
+    m, messages = monitor(every=3)
+    levels = {}
+    for step in range(1, 4):
+        levels = m.observe(step, dict(HEALTHY, **{"rollout/logprob_diff/mean": 0.005}))
+    assert levels["health/training/logprob_mismatch"] == 0.0 and messages == []
+    for step in range(4, 10):
+        levels = m.observe(step, dict(HEALTHY, **{"rollout/logprob_diff/mean": 0.005 * 1.3 ** (step - 3)}))
+    assert levels["health/training/logprob_mismatch"] >= 1.0
+    (message,) = [msg for msg in messages if "train/inference mismatch" in msg]
+    assert "x its first steps'" in message and "rollout.is_cap" in message
+
+
 def test_off_when_every_is_zero_and_built_from_a_config():
     cfg = load_config(None, ["trainer.monitor_every=0"])
     m = HealthMonitor.for_run(cfg.trainer.monitor_every, cfg, ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=1),

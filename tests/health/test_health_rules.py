@@ -23,7 +23,7 @@ from scalerl.health import (
     run_cluster_rules,
     run_step_rules,
 )
-from scalerl.health.step_rules import reward_collapse
+from scalerl.health.step_rules import logprob_mismatch, reward_collapse
 from tests.health.recorded_measurements import (
     healthy_cluster_measurements,
     healthy_facts,
@@ -59,9 +59,10 @@ def test_healthy_records_raise_nothing():
     assert alarms(findings) == {}
     assert exit_code(findings) == 0
     leaves = roll_up(findings)
-    # Everything these modes measure is measured: only the reward history (needs 5 steps) is not.
-    assert {k for k, r in leaves.items() if r.status == NOT_MEASURED} == {"training/reward_collapse",
-                                                                           "resources/host_device_transfer"}
+    # Everything these modes measure is measured: not the reward history (needs 5 steps), nor a log-prob gap
+    # (the built-in engine's log-probs are the trainer's own).
+    assert {k for k, r in leaves.items() if r.status == NOT_MEASURED} == {
+        "training/reward_collapse", "training/logprob_mismatch", "resources/host_device_transfer"}
 
 
 # ------------------------------------------------------------------------------------------ communication
@@ -313,6 +314,23 @@ def test_reward_collapse_and_flat_rewards():
     saturated = rising + [{"critic/score/mean": 1.0, "critic/score/max": 1.0, "critic/score/min": 1.0}] * 5
     assert "harder prompts" in reward_collapse(saturated)[0].fix
     assert [f.status for f in reward_collapse(flat[:3])] == [NOT_MEASURED]
+
+
+def test_a_train_inference_log_prob_gap_warns_by_level_and_by_growth():
+    """Fault injection as metrics: an engine whose numerics drift from the trainer's (the gap grows step by
+    step), one that is off from the start, and a healthy bf16-like gap that stays put."""
+    steady = [{"rollout/logprob_diff/mean": 0.008 + 0.0005 * (i % 2)} for i in range(12)]
+    assert [f.status for f in logprob_mismatch(steady)] == [OK]
+    drifting = [{"rollout/logprob_diff/mean": 0.004 * 1.25 ** i} for i in range(12)]  # 0.004 -> 0.047
+    (f,) = logprob_mismatch(drifting, {"rollout_is_cap": 2.0})
+    assert f.status == FAULT and f.evidence["growth"] > 4  # grew past 4x while its level is only a warning
+    assert "rollout.is_cap=2" in f.fix and "rollout.dtype" in f.fix
+    off = [{"rollout/logprob_diff/mean": 0.15}] * 4
+    (f,) = logprob_mismatch(off, {"rollout_is_cap": 0.0})
+    assert f.status == FAULT and "rollout.is_cap=2 with rollout.is_level=token" in f.fix
+    assert "0.15 nats per token" in f.summary
+    (f,) = logprob_mismatch([{"critic/score/mean": 1.0}] * 6)
+    assert f.status == NOT_MEASURED and "reuses the engine's log-probs" in f.summary
 
 
 # ------------------------------------------------------------------------------------------ the tree as data
