@@ -337,6 +337,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench_command(args)
 
 
+def cmd_serve_rollouts(args: argparse.Namespace) -> int:
+    from scalerl.rollout.agent.endpoint import serve_rollouts_main
+
+    return serve_rollouts_main(getattr(args, "serve_args", []))
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from scalerl.report.cli import run_report_command
 
@@ -429,6 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--output-dir", default="outputs/verify", metavar="DIR", help="where runs are written")
 
     add("version", cmd_version, "print versions of scalerl, python, torch, optional packages, CUDA and NCCL")
+    # Its options are the endpoint module's own (`scalerl serve-rollouts --help`), parsed there: that module
+    # imports torch, which building this parser must not.
+    serve = sub.add_parser("serve-rollouts", add_help=False, help="serve a model as an OpenAI-compatible endpoint "
+                           "that records the token ids of each session (agent programs; docs/agent-endpoint.md)")
+    serve.set_defaults(func=cmd_serve_rollouts)
     from scalerl.doctor.cli import EPILOG as DOCTOR_EPILOG  # cheap: no torch
     from scalerl.doctor.cli import add_doctor_arguments
 
@@ -476,6 +487,8 @@ def _run(argv: list[str] | None) -> int:
     if extra and getattr(args, "command", None) in ("doctor", "launch") and all(
             "=" in e and not e.startswith("-") or e.endswith((".yaml", ".yml")) for e in extra):
         args.config_args += extra  # `doctor --performance-profiling run.yaml --steps 5 parallel.tp=2`
+    elif getattr(args, "command", None) == "serve-rollouts":
+        args.serve_args = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

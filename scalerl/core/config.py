@@ -366,8 +366,12 @@ class AgentSection(_Section):
     env: str | None = opt(None, "the environment: tools (the built-in tool environment over rollout.agent.tools) | "
                                 "chat (scripted user turns, the row's 'turns') | module:Class | path/file.py:Class; "
                                 "null = single-turn rollouts")
-    tools: str | None = opt(None, "with env=tools: plain Python functions as tools, module:fn1,fn2 or "
-                                  "path/file.py:fn1,fn2 (the JSON schema from each signature and docstring)")
+    tools: str | None = opt(None, "with env=tools (or beside a TRL environment's methods): plain Python functions as "
+                                  "tools, module:fn1,fn2 or path/file.py:fn1,fn2 (the JSON schema from each "
+                                  "signature and docstring; TRL's tools=[...] functions as they are)")
+    tool_config: str | None = opt(None, "with env=tools: verl's tool config YAML (tools: - class_name, config, "
+                                        "tool_schema; verl's multi_turn.tool_config_path), its BaseTool classes as "
+                                        "tools, one instance per trajectory (docs/agents.md)")
     tool_parser: str = opt("hermes", "the model's tool-call format (hermes: Qwen2.5/Qwen3 <tool_call>{json}</tool_call>)")
     sandbox: str | None = opt(None, "with env=tools: add a python tool whose code runs in this sandbox: process (the "
                                     "built-in: own process group, rlimits, no network, as an unprivileged uid) | "
@@ -382,9 +386,12 @@ class AgentSection(_Section):
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        if self.env == "tools" and not (self.tools or self.sandbox):
-            p.append("rollout.agent.env=tools needs rollout.agent.tools (module:fn1,fn2 or path/file.py:fn1,fn2) "
-                     "or rollout.agent.sandbox=process (a python tool)")
+        if self.env == "tools" and not (self.tools or self.sandbox or self.tool_config):
+            p.append("rollout.agent.env=tools needs rollout.agent.tools (module:fn1,fn2 or path/file.py:fn1,fn2), "
+                     "rollout.agent.tool_config (verl's tool YAML) or rollout.agent.sandbox=process (a python tool)")
+        if self.tool_config is not None and self.env != "tools":
+            p.append(f"rollout.agent.tool_config={self.tool_config!r} is read with rollout.agent.env=tools (got env="
+                     f"{self.env}): set rollout.agent.env=tools")
         return p
 
 

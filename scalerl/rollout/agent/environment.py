@@ -5,8 +5,11 @@ chat template), ``step(assistant_message) -> EnvStep`` (or a ``(messages, reward
 optional ``close()``; each method plain or ``async`` (plain ones run in a thread pool, so a slow one never
 holds the other trajectories). It is named in the config as ``module:Class`` or ``path/file.py:Class``
 (`environment_class`), built once per trajectory with the row's ``env_kwargs`` (verl's ``interaction_kwargs``
-go there too). Built in: `ToolEnvironment` (tools from plain Python functions: the model calls them, in its
-tool-call format, until it answers without a call) and `ChatEnvironment` (scripted user turns).
+go there too). It may also have ``episode_reward()``, called once when the episode ends (not after an
+error), before ``close()``: a number there is the episode's reward. Built in: `ToolEnvironment` (tools from
+plain Python functions: the model calls them, in its tool-call format, until it answers without a call) and
+`ChatEnvironment` (scripted user turns). A TRL environment (`is_trl_environment`) is run through
+`adapters.TrlEnvironment`.
 """
 
 from __future__ import annotations
@@ -54,6 +57,17 @@ async def call_env(env: Any, method: str, *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args)
 
 
+def is_trl_environment(cls: type) -> bool:
+    """TRL's ``environment_factory`` shape: ``reset(**row)`` (it takes ``**kwargs``, as TRL passes every column
+    of the row by keyword), its public methods the tools, an optional ``get_reward()``. A scalerl environment's
+    ``reset(row)`` takes the row as one argument."""
+    try:
+        parameters = inspect.signature(cls.reset).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
 def environment_class(spec: str) -> type:
     """The class ``spec`` names: ``package.module:Class`` or ``path/to/file.py:Class``."""
     where, sep, name = spec.rpartition(":")
@@ -79,9 +93,10 @@ def environment_class(spec: str) -> type:
     if not isinstance(cls, type):
         raise UserError(f"environment {spec!r}: {where} has no class {name}")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
-    if missing:
+    if missing and not is_trl_environment(cls):
         raise UserError(f"environment {spec!r}: {name} has no {' or '.join(missing)} method "
-                        "(an environment has reset(row) and step(assistant_message))")
+                        "(an environment has reset(row) and step(assistant_message); a TRL environment has "
+                        "reset(**kwargs) and its tools as public methods)")
     return cls
 
 
@@ -96,12 +111,22 @@ class ToolEnvironment:
                  max_calls_per_turn: int = 4, max_result_chars: int = 2048):
         from scalerl.rollout.agent.tool_calls import get_parser
 
+        self.tool_definitions = list(tools)
         self.tools = {t.name: t for t in tools}
+        self.sessions: list[Any] = []  # the tools' per-episode states (`open_episode`)
         self.parser, self.system = get_parser(parser), system
         self.max_calls_per_turn, self.max_result_chars = max_calls_per_turn, max_result_chars
         self.stats = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "tool_s": 0.0}
 
+    def open_tool_episodes(self, row: dict) -> None:
+        """A tool with ``open_episode(row)`` (a verl tool: an instance of its own per trajectory) is replaced, for
+        this episode, by what that returns: a tool with async ``episode_reward()`` and ``close()``."""
+        self.sessions = [t.open_episode(row) for t in self.tool_definitions if hasattr(t, "open_episode")]
+        self.tools = {t.name: t for t in self.tool_definitions}
+        self.tools.update({s.name: s for s in self.sessions})
+
     def reset(self, row: dict) -> tuple[list[dict], list[dict]]:
+        self.open_tool_episodes(row)
         prompt = row["prompt"]
         messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         if self.system and not (messages and messages[0].get("role") == "system"):
@@ -136,6 +161,19 @@ class ToolEnvironment:
             self.stats["tool_s"] += result.seconds
             replies.append(result.content)
         return EnvStep([{"role": "tool", "content": r} for r in replies], info=dict(self.stats))
+
+    async def episode_reward(self) -> float | None:
+        """The sum of the rewards the episode's tools give (a verl tool's ``calc_reward``); None when none does."""
+        rewards = [r for r in await asyncio.gather(*(s.episode_reward() for s in self.sessions)) if r is not None]
+        return float(sum(rewards)) if rewards else None
+
+    async def close(self) -> None:
+        """Every tool's episode closed (a verl tool's instance released), even where another one fails."""
+        results = await asyncio.gather(*(s.close() for s in self.sessions), return_exceptions=True)
+        self.sessions = []
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
 
 
 class ChatEnvironment:

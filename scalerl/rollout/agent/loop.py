@@ -90,18 +90,27 @@ class EnginePump:
     async def _run(self) -> None:
         while not self.closed:
             for request, future in self.queued:  # only here, between steps: the engine is not thread-safe
+                if future.cancelled():  # its caller gave up before it was submitted
+                    continue
                 try:
                     self.engine.submit(request)
                     self.waiting[request.request_id] = future
                 except Exception as error:  # a prompt too long for the engine ends that trajectory only
                     future.set_exception(error)
             self.queued.clear()
+            gone = [i for i, future in self.waiting.items() if future.cancelled()]
+            if gone:  # callers that gave up (a client that disconnected): their rows are freed
+                self.engine.abort(gone)
+                for i in gone:
+                    del self.waiting[i]
             if not self.engine.has_unfinished():
                 self.wake.clear()
                 await self.wake.wait()
                 continue
             for out in await asyncio.to_thread(self.engine.step):
-                self.waiting.pop(out.request_id).set_result(out)
+                future = self.waiting.pop(out.request_id, None)
+                if future is not None and not future.done():  # done: cancelled during the step
+                    future.set_result(out)
 
     def close(self) -> None:
         self.closed = True
@@ -204,6 +213,8 @@ class AgentLoop:
                 segments.append(TrajectorySegment(delta.token_ids, False))
                 context += delta.token_ids
         finally:
+            if record.end != "env_error" and callable(getattr(env, "episode_reward", None)):
+                await self._episode_reward(env, record)
             close = getattr(env, "close", None)
             if close is not None:
                 try:
@@ -211,6 +222,17 @@ class AgentLoop:
                 except Exception as error:
                     record.info.setdefault("error", f"{type(env).__name__}.close raised: {error}")
         return self._finished(prompt, segments, finish, row, record)
+
+    async def _episode_reward(self, env: Any, record: EpisodeRecord) -> None:
+        """The environment's own score of the whole episode, read once it is over whatever ended it (TRL's
+        ``get_reward``, verl's ``calc_reward``): a number replaces the last step's reward, None leaves it."""
+        try:
+            reward = await asyncio.wait_for(call_env(env, "episode_reward"), self.limits.env_timeout_s)
+            if reward is not None:
+                record.reward = float(reward)
+        except Exception as error:  # noqa: BLE001 - the user's scoring failed: this episode's error, not the run's
+            record.end, record.info["error"] = "env_error", (
+                f"{type(env).__name__}.episode_reward raised: {type(error).__name__}: {error}")
 
     def _finished(self, prompt: list[int], segments: list[TrajectorySegment], finish: str, row: dict,
                   record: EpisodeRecord) -> tuple[Trajectory, EpisodeRecord]:

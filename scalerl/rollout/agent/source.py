@@ -13,7 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 from scalerl.core.errors import UserError
-from scalerl.rollout.agent.environment import ChatEnvironment, ToolEnvironment, environment_class
+from scalerl.rollout.agent.environment import (
+    ChatEnvironment,
+    ToolEnvironment,
+    environment_class,
+    is_trl_environment,
+)
 from scalerl.rollout.agent.loop import AgentLimits, AgentLoop, agent_metrics
 from scalerl.rollout.engine import GenerationOutput
 from scalerl.rollout.sources import ColocatedRollouts, StepPrompts, dp_rows
@@ -41,6 +46,10 @@ def environment_factory(agent_cfg: Any) -> Callable[[], Any]:
         tools = tools_from_module(agent_cfg.tools) if agent_cfg.tools else []
         if agent_cfg.tools and not tools:
             raise UserError(f"rollout.agent.tools={agent_cfg.tools!r} names no function")
+        if agent_cfg.tool_config:  # verl's tool YAML: its BaseTool classes, an instance per trajectory
+            from scalerl.rollout.agent.adapters import tools_from_verl_config
+
+            tools += tools_from_verl_config(agent_cfg.tool_config)
         if agent_cfg.sandbox:
             sandbox = sandbox_from_spec(agent_cfg.sandbox)
             print(f"rollout.agent.sandbox={agent_cfg.sandbox}: {getattr(sandbox, 'network_note', 'a sandbox of yours')}",
@@ -48,6 +57,12 @@ def environment_factory(agent_cfg: Any) -> Callable[[], Any]:
             tools.append(python_tool(sandbox))
         return lambda: ToolEnvironment(tools, agent_cfg.tool_parser, agent_cfg.system, agent_cfg.max_tool_calls_per_turn)
     cls = environment_class(agent_cfg.env)
+    if is_trl_environment(cls):  # TRL's environment_factory class, as it is: its methods are the tools
+        from scalerl.rollout.agent.adapters import trl_environment_factory
+        from scalerl.rollout.agent.tools import tools_from_module
+
+        return trl_environment_factory(cls, tools_from_module(agent_cfg.tools) if agent_cfg.tools else [],
+                                       agent_cfg.tool_parser, agent_cfg.system, agent_cfg.max_tool_calls_per_turn)
     return cls
 
 
