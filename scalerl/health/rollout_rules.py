@@ -124,5 +124,41 @@ def generation_tail(view: StepView) -> list[Finding]:
                     f"is {gen_share:.0%} of the step", evidence, fix)]
 
 
+TOOL_TIME = "agent/tool_s/"
+
+
+def tool_latency(view: StepView) -> list[Finding]:
+    m = view.metrics
+    if "agent/env_time_share" not in m:
+        return [finding("tool_latency", OK, "single-turn rollouts: no environment to wait for")]
+    share = m["agent/env_time_share"]
+    tools = {k[len(TOOL_TIME):]: v for k, v in m.items() if k.startswith(TOOL_TIME)}
+    slowest = max(tools, key=tools.get) if tools else None
+    status = RULES["tool_latency"].thresholds["share"].status(share)
+    evidence = {"env_time_share": round(share, 3), "tool_s_per_call": {k: round(v, 4) for k, v in tools.items()},
+                "slowest_tool": slowest, "tool_timeouts": m.get("agent/tool_timeouts", 0.0)}
+    named = f"; the slowest tool is {slowest} ({tools[slowest]:.3g} s per call)" if slowest else ""
+    fix = (f"make the slow tool faster or bound it ({slowest or 'the tool'}: cache, batch its requests, a shorter "
+           "timeout; an answer that times out is an error message to the model, not a hang); keep more episodes in "
+           "flight so the engine decodes while tools wait (rollout.max_num_seqs); rollout.staleness >= 1 overlaps "
+           "the slow episodes with the update")
+    return [finding("tool_latency", status, f"episodes spent {share:.0%} of the step in their environments{named}",
+                    evidence, fix if status != OK else "")]
+
+
+def prefix_breaks(view: StepView) -> list[Finding]:
+    m = view.metrics
+    if "agent/prefix_breaks" not in m:
+        return [finding("prefix_breaks", OK, "single-turn rollouts: one prompt, nothing to extend")]
+    breaks = m["agent/prefix_breaks"]
+    status = RULES["prefix_breaks"].thresholds["breaks"].status(breaks)
+    evidence = {"agent/prefix_breaks": breaks, "agent/turns/mean": m.get("agent/turns/mean")}
+    fix = ("the model's chat template rewrites earlier turns once later messages follow (e.g. Qwen3's strips "
+           "<think> blocks from history): serve and train with a template that renders history as it was "
+           "generated (data.chat_template with a tokenizer whose template keeps it), or accept the mismatch knowingly")
+    return [finding("prefix_breaks", status, f"{breaks:g} turn(s) this step could not extend the previous prompt "
+                    "token for token", evidence, fix if status != OK else "")]
+
+
 def rollout_pipeline(view: StepView) -> list[Finding]:
-    return trainer_idle(view) + rollout_idle(view) + generation_tail(view)
+    return trainer_idle(view) + rollout_idle(view) + generation_tail(view) + tool_latency(view) + prefix_breaks(view)

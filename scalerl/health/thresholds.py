@@ -402,6 +402,23 @@ _RULES = (
              "gen_share": Threshold(
              0.25, None, True, " of the step",
              "below a quarter of the step the tail costs little however long it is")}),
+    Rule("tool_latency", "rollout/tool_latency",
+         "agent/env_time_share (the mean share of the step an episode spent in its environment's step, tools "
+         "included) and agent/tool_s/<tool> (each tool's mean seconds per call, the slowest named)",
+         "{fix}",
+         thresholds={"share": Threshold(
+             0.5, 0.8, True, " of the step",
+             "an episode waiting on its tools more than half the step leaves the engine decoding few rows; past "
+             "four fifths the step's length is the tools' latency, whatever the model or the layout")}),
+    Rule("prefix_breaks", "rollout/prefix_breaks",
+         "agent/prefix_breaks: turns whose prompt could not be built as the last prompt + the last completion + "
+         "the new messages' tokens, because the chat template renders earlier turns differently once later "
+         "messages follow",
+         "{fix}",
+         thresholds={"breaks": Threshold(
+             0, None, True, " turns",
+             "at a break the trained context is the tokens the engine sampled, but the model served with this "
+             "template sees earlier turns rendered otherwise: it is trained on text it will not be shown")}),
 )
 RULES: dict[str, Rule] = {rule.id: rule for rule in _RULES}
 

@@ -80,6 +80,10 @@ TREE: tuple[Branch, ...] = (
              "do standalone rollout workers always have a request to generate?"),
         Leaf("rollout/generation_tail", "generation long tail",
              "do a step's responses end at similar lengths, or does the longest keep the batch decoding?"),
+        Leaf("rollout/tool_latency", "tool-latency-bound agent rollouts",
+             "do multi-turn episodes spend their time generating, or waiting for their tools (which one)?"),
+        Leaf("rollout/prefix_breaks", "chat-template prefix breaks",
+             "does every turn's prompt extend the last one token for token, as the model will see it served?"),
     )),
 )
 LEAVES: dict[str, Leaf] = {leaf.id: leaf for branch in TREE for leaf in branch.leaves}

@@ -79,6 +79,7 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "agent/turns/max": "max",
     "agent/turns/mean": "mean",
     "agent/env_time_share": "mean",
+    "agent/tool_s/*": "max",  # a tool's mean seconds per call: the slowest rank's, which sets the pace
     "agent/*": "sum",
     "response_length/*": "mean",
     "perf/*": "mean",

@@ -507,6 +507,21 @@ def test_a_long_generation_tail_is_judged_where_generation_costs():
     assert alarms(cheap) == {}
 
 
+def test_agent_rollouts_bound_by_tool_latency_and_prefix_breaks_are_named():
+    base = {"timing_s/step": 1.0, "agent/turns/mean": 3.0, "agent/prefix_breaks": 0.0}
+    quick = dict(base, **{"agent/env_time_share": 0.2, "agent/tool_s/calc": 0.01})
+    assert alarms(run_step_rules(StepView(quick, None, {"world_size": 1}))) == {}
+    slow = dict(base, **{"agent/env_time_share": 0.6, "agent/tool_s/calc": 0.01, "agent/tool_s/search": 0.9})
+    findings = run_step_rules(StepView(slow, None, {"world_size": 1}))
+    assert alarms(findings) == {"rollout/tool_latency": WARNING}
+    f = the_finding(findings, "rollout/tool_latency")
+    assert "the slowest tool is search (0.9 s per call)" in f.summary and "rollout.max_num_seqs" in f.fix
+    broken = dict(quick, **{"agent/prefix_breaks": 4.0})
+    findings = run_step_rules(StepView(broken, None, {"world_size": 1}))
+    assert alarms(findings) == {"rollout/prefix_breaks": WARNING}
+    assert "<think>" in the_finding(findings, "rollout/prefix_breaks").fix
+
+
 def test_colocated_runs_have_nothing_to_wait_for():
     findings = run_step_rules(StepView({"timing_s/step": 1.0}, None, {"world_size": 1, "dp_size": 1}))
     assert {f.status for f in findings if f.leaf.startswith("rollout/")} == {OK}

@@ -116,7 +116,8 @@ class ToolEnvironment:
         self.sessions: list[Any] = []  # the tools' per-episode states (`open_episode`)
         self.parser, self.system = get_parser(parser), system
         self.max_calls_per_turn, self.max_result_chars = max_calls_per_turn, max_result_chars
-        self.stats = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "tool_s": 0.0}
+        self.stats = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "tool_s": 0.0,
+                      "tool_s_by_name": {}}  # name -> [seconds, calls]: the doctor names the slowest tool
 
     def open_tool_episodes(self, row: dict) -> None:
         """A tool with ``open_episode(row)`` (a verl tool: an instance of its own per trajectory) is replaced, for
@@ -154,11 +155,14 @@ class ToolEnvironment:
             return await call_tool(tool, call.arguments, max_chars=self.max_result_chars)
 
         results = await asyncio.gather(*(run(c) for c in calls))  # one turn's calls run side by side
-        for result in results:
+        for call, result in zip(calls, results):
             self.stats["tool_calls"] += 1
             self.stats["tool_errors"] += int(result.error)
             self.stats["tool_timeouts"] += int(result.timed_out)
             self.stats["tool_s"] += result.seconds
+            if call.name in self.tools:
+                spent = self.stats["tool_s_by_name"].setdefault(call.name, [0.0, 0])
+                spent[0], spent[1] = spent[0] + result.seconds, spent[1] + 1
             replies.append(result.content)
         return EnvStep([{"role": "tool", "content": r} for r in replies], info=dict(self.stats))
 

@@ -250,7 +250,13 @@ def agent_metrics(records: list[EpisodeRecord], trajectories: list[Trajectory], 
     generated = sum(len(s.token_ids) for t in trajectories for s in t.segments if s.generated)
     other = sum(len(s.token_ids) for t in trajectories for s in t.segments if not s.generated)
     info = [r.info for r in records]
+    per_tool: dict[str, list[float]] = {}  # name -> [seconds, calls] over the batch's episodes
+    for i in info:
+        for name, (seconds, calls) in i.get("tool_s_by_name", {}).items():
+            total = per_tool.setdefault(name, [0.0, 0])
+            total[0], total[1] = total[0] + seconds, total[1] + calls
     return {
+        **{f"agent/tool_s/{name}": seconds / max(calls, 1) for name, (seconds, calls) in sorted(per_tool.items())},
         "agent/turns/mean": float(turns.mean()), "agent/turns/max": float(turns.max()),
         "agent/tool_calls": float(sum(i.get("tool_calls", 0) for i in info)),
         "agent/tool_errors": float(sum(i.get("tool_errors", 0) for i in info)),

@@ -54,6 +54,27 @@ def _step(env, text):
     return asyncio.run(timed())
 
 
+def test_each_tools_time_is_recorded_and_the_doctor_names_the_slowest():
+    """Per-tool seconds from the tool environment, through `agent_metrics`, to the doctor's tool-latency leaf."""
+    from scalerl.health import StepView, run_step_rules
+    from scalerl.rollout.agent.loop import EpisodeRecord, agent_metrics
+    from scalerl.rollout.trajectory import Trajectory
+
+    env = ToolEnvironment([tool_from_function(op), tool_from_function(slow, timeout_s=5)])
+    env.reset({"prompt": "3@4="})
+    _step(env, '<tool_call>{"name": "op", "arguments": {"a": 3, "b": 4}}</tool_call>')
+    step = _step(env, '<tool_call>{"name": "slow", "arguments": {"seconds": 0.3}}</tool_call>'
+                      '<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
+    by_name = step.info["tool_s_by_name"]
+    assert set(by_name) == {"op", "slow"} and by_name["slow"][1] == 1 and by_name["slow"][0] >= 0.3  # unknown: not timed
+    record = EpisodeRecord(info=step.info, env_s=0.9)
+    metrics = agent_metrics([record], [Trajectory([1], [])], step_s=1.0)
+    assert metrics["agent/tool_s/slow"] >= 0.3 > metrics["agent/tool_s/op"]
+    findings = run_step_rules(StepView({"timing_s/step": 1.0, **metrics}, None, {"world_size": 1}))
+    (f,) = [f for f in findings if f.leaf == "rollout/tool_latency"]
+    assert f.status == "fault" and "the slowest tool is slow" in f.summary and f.evidence["slowest_tool"] == "slow"
+
+
 def test_environments_load_by_name_and_bad_names_say_why(tmp_path):
     source = tmp_path / "my_env.py"
     source.write_text("class Env:\n    def reset(self, row):\n        return []\n    def step(self, m):\n        return [], 1, True\n"
