@@ -5,8 +5,11 @@ chat template), ``step(assistant_message) -> EnvStep`` (or a ``(messages, reward
 optional ``close()``; each method plain or ``async`` (plain ones run in a thread pool, so a slow one never
 holds the other trajectories). It is named in the config as ``module:Class`` or ``path/file.py:Class``
 (`environment_class`), built once per trajectory with the row's ``env_kwargs`` (verl's ``interaction_kwargs``
-go there too). It may also have ``episode_reward()``, called once when the episode ends (not after an
-error), before ``close()``: a number there is the episode's reward. Built in: `ToolEnvironment` (tools from
+go there too). The escape hatch for users who drive generation themselves: a class with ``run(generate, row)``
+(and no ``step``) gets an async ``generate(prompt_ids, max_new_tokens=None)`` returning the sampled segment and
+returns a `scalerl.rollout.agent.loop.TokenEpisode`, checked token for token against what the engine saw.
+It may also have ``episode_reward()``, called once when the episode ends (not after an error), before
+``close()``: a number there is the episode's reward. Built in: `ToolEnvironment` (tools from
 plain Python functions: the model calls them, in its tool-call format, until it answers without a call) and
 `ChatEnvironment` (scripted user turns). A TRL environment (`is_trl_environment`) is run through
 `adapters.TrlEnvironment`.
@@ -93,10 +96,11 @@ def environment_class(spec: str) -> type:
     if not isinstance(cls, type):
         raise UserError(f"environment {spec!r}: {where} has no class {name}")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
-    if missing and not is_trl_environment(cls):
+    token_level = callable(getattr(cls, "run", None)) and not callable(getattr(cls, "step", None))
+    if missing and not is_trl_environment(cls) and not token_level:
         raise UserError(f"environment {spec!r}: {name} has no {' or '.join(missing)} method "
                         "(an environment has reset(row) and step(assistant_message); a TRL environment has "
-                        "reset(**kwargs) and its tools as public methods)")
+                        "reset(**kwargs) and its tools as public methods; a token-level one run(generate, row))")
     return cls
 
 

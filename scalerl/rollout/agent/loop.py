@@ -18,6 +18,7 @@ class, the method and the turn in ``info["error"]`` (counted as ``agent/env_erro
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
@@ -155,7 +156,10 @@ class AgentLoop:
 
     async def _episode(self, pump: EnginePump, row: dict, index: int, sampling: SamplingParams, row_offset: int,
                        total_rows: int) -> tuple[Trajectory, EpisodeRecord]:
-        record, env, turn = EpisodeRecord(), self.make_env(), 0
+        env = self.make_env()
+        if drives_generation(env):
+            return await self._token_episode(env, pump, row, index, sampling, row_offset, total_rows)
+        record, turn = EpisodeRecord(), 0
         segments: list[TrajectorySegment] = []
         finish, prompt = "stop", [self.tokenizer.eos_token_id]  # the prompt stands in if reset fails
         try:
@@ -234,6 +238,65 @@ class AgentLoop:
             record.end, record.info["error"] = "env_error", (
                 f"{type(env).__name__}.episode_reward raised: {type(error).__name__}: {error}")
 
+    async def _token_episode(self, env: Any, pump: EnginePump, row: dict, index: int, sampling: SamplingParams,
+                             row_offset: int, total_rows: int) -> tuple[Trajectory, EpisodeRecord]:
+        """The escape hatch: ``env.run(generate, row)`` drives generation itself at the token level and returns a
+        `TokenEpisode`. Its generated segments must be the very segments ``generate`` returned, each sampled on
+        exactly the tokens before it in the episode, so the trajectory is what the engine saw and sampled."""
+        record, calls = EpisodeRecord(), []  # calls: (prompt ids, the segment generate returned)
+        finishes: dict[int, str] = {}  # id(segment) -> the engine's finish reason
+
+        async def generate(prompt_ids: list[int], max_new_tokens: int | None = None) -> TrajectorySegment:
+            if len(calls) >= self.limits.max_turns:
+                raise EpisodeLimit(f"generate called {len(calls) + 1} times; rollout.agent.max_turns is "
+                                   f"{self.limits.max_turns}")
+            left = self.limits.max_total_tokens - len(prompt_ids)
+            if left <= 0:
+                raise EpisodeLimit(f"a prompt of {len(prompt_ids)} tokens leaves nothing of "
+                                   f"rollout.agent.max_total_tokens={self.limits.max_total_tokens}")
+            wanted = min(sampling.max_new_tokens, left, max_new_tokens or sampling.max_new_tokens)
+            out = await pump.generate(list(prompt_ids), replace(
+                sampling, max_new_tokens=wanted, seed=turn_seed(sampling.seed, len(calls)),
+                row_offset=row_offset + index, total_rows=total_rows))
+            ids = out.token_ids.tolist()
+            segment = TrajectorySegment(ids, True, out.logprobs.tolist(),
+                                        int(out.weight_versions[-1]) if ids else -1)
+            calls.append((list(prompt_ids), segment))
+            finishes[id(segment)] = out.finish_reason
+            return segment
+
+        prompt: list[int] = [self.tokenizer.eos_token_id]
+        segments: list[TrajectorySegment] = []
+        finish = "stop"
+        try:
+            if not inspect.iscoroutinefunction(env.run):
+                raise TypeError("run must be an async def: it awaits generate(prompt_ids) for each turn")
+            episode = await call_env(env, "run", generate, row)
+            if not isinstance(episode, TokenEpisode):
+                raise TypeError(f"run returned {type(episode).__name__}; return a TokenEpisode(prompt_ids, segments)")
+            prompt, segments = list(episode.prompt_ids), [
+                s if isinstance(s, TrajectorySegment) else TrajectorySegment(list(s), False) for s in episode.segments]
+            check_token_episode(prompt, segments, calls)
+            record.reward, record.info = episode.reward, dict(episode.info)
+            generated = [s for s in segments if s.generated]
+            finish = finishes[id(generated[-1])] if generated else "stop"
+        except EpisodeLimit as error:  # ended at the limit: the calls so far, as long as each extends the last
+            record.end, record.info["error"] = "max_turns", str(error)
+            if calls:
+                prompt, segments = calls_as_trajectory(calls)
+        except Exception as error:  # the user's run failed or returned a trajectory the engine did not produce
+            record.end, record.info["error"] = "env_error", (
+                f"{type(env).__name__}.run raised: {type(error).__name__}: {error}")
+            segments = []
+        finally:
+            close = getattr(env, "close", None)
+            if close is not None:
+                try:
+                    await call_env(env, "close")
+                except Exception as error:
+                    record.info.setdefault("error", f"{type(env).__name__}.close raised: {error}")
+        return self._finished(prompt, segments, finish, row, record)
+
     def _finished(self, prompt: list[int], segments: list[TrajectorySegment], finish: str, row: dict,
                   record: EpisodeRecord) -> tuple[Trajectory, EpisodeRecord]:
         if not segments:  # nothing generated (an environment that failed at reset): an empty turn, untrained
@@ -242,6 +305,67 @@ class AgentLoop:
             finish = "length"
         return Trajectory(list(prompt), segments, finish, {"row": row, "env_reward": record.reward,
                                                            "info": record.info}), record
+
+
+class EpisodeLimit(Exception):
+    """A token-level episode asked past ``max_turns`` or ``max_total_tokens``: it ends there."""
+
+
+@dataclass
+class TokenEpisode:
+    """What a token-level environment's ``run(generate, row)`` returns: the prompt's ids and the response's
+    segments in order, each a segment ``generate`` returned (trained) or a list of token ids the
+    environment added (context: tool results, user turns, template glue); its reward (None: the run's
+    reward function scores the decoded trajectory) and anything to log."""
+
+    prompt_ids: list[int]
+    segments: list[Any]
+    reward: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def drives_generation(env: Any) -> bool:
+    """A token-level environment: ``run(generate, row)`` and no message-level ``step``."""
+    return callable(getattr(env, "run", None)) and not callable(getattr(env, "step", None))
+
+
+def check_token_episode(prompt: list[int], segments: list[TrajectorySegment],
+                        calls: list[tuple[list[int], TrajectorySegment]]) -> None:
+    """Token exactness of a token-level episode: its generated segments are the segments ``generate`` returned,
+    in order, none twice or left out, and each was sampled on exactly the prompt + the segments before it."""
+    generated = [s for s in segments if s.generated]
+    returned = [segment for _, segment in calls]
+    if len(generated) != len(returned) or any(a is not b for a, b in zip(generated, returned)):
+        raise ValueError(f"its trajectory holds {len(generated)} generated segment(s) where generate returned "
+                         f"{len(returned)}; put each segment generate returned in the trajectory, in order, and "
+                         "give other tokens as plain id lists")
+    context, k = list(prompt), 0
+    for segment in segments:
+        if segment.generated:
+            sampled_on = calls[k][0]
+            if sampled_on != context:
+                at = next((i for i, (a, b) in enumerate(zip(sampled_on, context)) if a != b),
+                          min(len(sampled_on), len(context)))
+                raise ValueError(f"generate call {k + 1} was given a prompt of {len(sampled_on)} tokens that differs "
+                                 f"from the trajectory before its segment ({len(context)} tokens) at token {at}: "
+                                 "train on what the engine saw, i.e. prompt each turn with the trajectory so far")
+            k += 1
+        context += segment.token_ids
+
+
+def calls_as_trajectory(calls: list[tuple[list[int], TrajectorySegment]]) -> tuple[list[int], list[TrajectorySegment]]:
+    """The trajectory a token-level episode's ``generate`` calls make, where each call's prompt extends the
+    previous call's prompt and completion (what came between is context); it stops at the first that does not."""
+    prompt, segments = calls[0][0], [calls[0][1]]
+    context = prompt + calls[0][1].token_ids
+    for sampled_on, segment in calls[1:]:
+        if sampled_on[: len(context)] != context:
+            break
+        if len(sampled_on) > len(context):
+            segments.append(TrajectorySegment(sampled_on[len(context):], False))
+        segments.append(segment)
+        context = sampled_on + segment.token_ids
+    return prompt, segments
 
 
 def agent_metrics(records: list[EpisodeRecord], trajectories: list[Trajectory], step_s: float) -> dict[str, float]:

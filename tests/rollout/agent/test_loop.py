@@ -11,11 +11,11 @@ import torch
 
 from scalerl.models.tokenizer import CharTokenizer
 from scalerl.rollout.agent.environment import ChatEnvironment, EnvStep
-from scalerl.rollout.agent.loop import AgentLimits, AgentLoop, agent_metrics
+from scalerl.rollout.agent.loop import AgentLimits, AgentLoop, TokenEpisode, agent_metrics
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
-from scalerl.rollout.trajectory import trajectories_to_output
+from scalerl.rollout.trajectory import TrajectorySegment, trajectories_to_output
 from scalerl.trainer.forward_passes import response_logprobs
 from tests.tiny import tiny_model
 
@@ -143,3 +143,53 @@ def test_an_environment_that_never_answers_ends_its_episode_at_the_limit():
         ROWS[:2], SAMPLING)
     assert time.perf_counter() - began < 10 and all(r.end == "env_error" for r in records)
     assert "Hangs.step raised at turn 1: TimeoutError" in records[0].info["error"]
+
+
+# ---- the token-level escape hatch: run(generate, row) ------------------------------------------------------------
+class TwoTurns:
+    """Drives generation itself: a turn, then its own context tokens, then a second turn on exactly that."""
+
+    def __init__(self, cheat=None):
+        self.cheat = cheat
+
+    async def run(self, generate, row):
+        prompt = TOK.encode(row["prompt"])
+        first = await generate(prompt)
+        glue = TOK.encode("|ok|")
+        second_prompt = prompt + first.token_ids + glue
+        if self.cheat == "re-render":
+            second_prompt = TOK.encode(row["prompt"] + "?") + first.token_ids + glue
+        second = await generate(second_prompt, max_new_tokens=3)
+        segments = [first, glue, second]
+        if self.cheat == "fabricate":
+            segments[2] = TrajectorySegment(second.token_ids, True, second.logprobs)  # not what generate returned
+        return TokenEpisode(prompt, segments, reward=float(len(second.token_ids)), info={"mine": 1})
+
+
+class Forever:
+    async def run(self, generate, row):
+        ids = TOK.encode(row["prompt"])
+        while True:
+            ids = ids + (await generate(ids, max_new_tokens=2)).token_ids
+
+
+def test_a_token_level_environment_drives_generation_and_is_held_to_what_the_engine_saw():
+    model = tiny_model(vocab_size=128).eval()
+    trajectories, records = _loop(model, TwoTurns).run(ROWS, SAMPLING)
+    for t, r, row in zip(trajectories, records, ROWS):
+        first, glue, second = t.segments
+        assert t.prompt_ids == TOK.encode(row["prompt"]) and glue.token_ids == TOK.encode("|ok|")
+        assert first.generated and second.generated and not glue.generated and len(second.token_ids) <= 3
+        assert r.end == "done" and r.reward == len(second.token_ids) and r.info["mine"] == 1
+    out = trajectories_to_output(trajectories, TOK.pad_token_id)
+    batch = RolloutBatch.from_generation(out, torch.arange(4), torch.zeros(4))
+    # the engine's log-probs are the training forward's at every trained position, as for message-level episodes
+    logprobs = response_logprobs(model, batch, 1.0, 4)
+    trained = batch.response_mask.bool()
+    assert torch.allclose(logprobs[trained], batch.rollout_logprobs[trained], atol=1e-4)
+    for cheat, message in [("fabricate", "generated segment"), ("re-render", "differs from the trajectory")]:
+        _, records = _loop(model, lambda: TwoTurns(cheat)).run(ROWS[:1], SAMPLING)
+        assert records[0].end == "env_error" and message in records[0].info["error"], records[0].info
+    trajectories, records = _loop(model, Forever).run(ROWS[:1], SAMPLING)
+    assert records[0].end == "max_turns" and "max_turns is 3" in records[0].info["error"]
+    assert [s.generated for s in trajectories[0].segments] == [True, True, True]  # the three calls, chained
