@@ -35,8 +35,7 @@ trainer = RLTrainer.from_config(cfg)
 times, used = [], []
 for _ in range(steps):
     start = time.perf_counter()
-    m = trainer.train_step()
-    trainer.step += 1
+    m = trainer.advance()
     times.append(time.perf_counter() - start)
     used.append(m["perf/cpu_threads"])
 print(json.dumps({"times": times, "threads": used}))

@@ -183,8 +183,7 @@ def grpo_cell(overrides: list[str], steps: int) -> dict:
     rows = []
     for i in range(steps + 1):
         start = time.perf_counter()
-        m = trainer.train_step()
-        trainer.step += 1
+        m = trainer.advance()
         if i:  # the first step pays one-time costs (allocations, kernel choice, vLLM's first load)
             rows.append({"step": time.perf_counter() - start,
                          **{p: m.get(f"timing_s/{p}", 0.0) for p in GRPO_PHASES},

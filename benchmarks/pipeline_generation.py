@@ -43,8 +43,7 @@ def _rank(rank: int, prompts: int, repeats: int, out: str) -> dict:
     ctx = init_distributed(cfg.parallel, torch.device("cpu"), 0, dist_timeout_s=300, rendezvous_timeout_s=300)
     trainer = RLTrainer(cfg, ctx)
     for _ in range(2):
-        trainer.train_step()
-        trainer.step += 1
+        trainer.advance()
     batch = trainer.rollout_phase.feed.draw(trainer.step)
     whole = BuiltinEngine(copy.deepcopy(trainer.policy.model).eval(), trainer.tokenizer.pad_token_id)
     trainer.policy.eval()

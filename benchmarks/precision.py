@@ -54,8 +54,7 @@ trainer = RLTrainer.from_config(cfg)
 rows = []
 for i in range(steps + 1):
     start, cpu = time.perf_counter(), time.process_time()
-    m = trainer.train_step()
-    trainer.step += 1
+    m = trainer.advance()
     if i:  # the first step pays one-time costs (allocations, kernel choice)
         rows.append({"step": time.perf_counter() - start, "cpu_step": time.process_time() - cpu,
                      **{k[9:]: v for k, v in m.items() if k.startswith("timing_s/")},

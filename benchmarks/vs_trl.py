@@ -66,8 +66,7 @@ trainer = RLTrainer.from_config(cfg)
 rows = []
 for i in range(s["steps"] + 1):
     start, cpu = time.perf_counter(), time.process_time()
-    m = trainer.train_step()
-    trainer.step += 1
+    m = trainer.advance()
     if i:
         rows.append({"step": time.perf_counter() - start, "cpu_step": time.process_time() - cpu, "gen": m["timing_s/gen"],
                      "tokens_per_s": m["perf/throughput"], "reward": m["critic/score/mean"]})

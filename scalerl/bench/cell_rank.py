@@ -67,8 +67,7 @@ def run(spec: dict[str, Any]) -> int:
         # The step's batch, with advantages, for the baselines.
         trainer = RLTrainer(cfg, ctx, on_batch=lambda batch: captured.update(batch=batch))
         for _ in range(spec["warmup"]):
-            trainer.train_step()
-            trainer.step += 1
+            trainer.advance()
         plain = generate = compute_probe = None
         baselines: dict[str, list[float]] = {}
         if spec.get("calibration") and ctx.world_size == 1:
@@ -87,13 +86,12 @@ def run(spec: dict[str, Any]) -> int:
         steps, walls, cpus, host_busy = [], [], [], []
         for i in range(spec["steps"]):
             counters, wall, cpu = read_cpu_counters(), time.perf_counter(), _cpu_seconds()
-            metrics = trainer.train_step()
+            metrics = trainer.advance()
             walls.append(time.perf_counter() - wall)
             cpus.append(_cpu_seconds() - cpu)
             after = read_cpu_counters()
             if counters is not None and after is not None:
                 host_busy.append(after.system_busy - counters.system_busy)
-            trainer.step += 1
             steps.append(_kept(metrics))
             if (plain or generate) and i % every == 0 and len(baselines.get("plain_update_s", [])) < rounds:
                 run_baselines(trainer, captured["batch"], plain, generate, baselines)

@@ -95,17 +95,15 @@ def profile_rank(world: DoctorWorld, user_cfg: Config, kind: str, steps: int, wa
     copy_s = None
     with waits:
         for _ in range(warmup):
-            reduce_metrics(trainer.local_step(), ctx)
-            trainer.step += 1
+            reduce_metrics(trainer.advance(reduced=False), ctx)
         profiler = _profiler(device, trace_dir)
         with profiler if profiler is not None else _nothing():
             for _ in range(steps):
                 timer.take_step()
-                local = trainer.local_step()
+                local = trainer.advance(reduced=False)
                 phases = timer.take_step()
                 per_step.append(_step_record(local, phases))
                 reduced.append(reduce_metrics(local, ctx))
-                trainer.step += 1
         if profiler is not None:
             if trace_dir:
                 Path(trace_dir).mkdir(parents=True, exist_ok=True)

@@ -271,6 +271,13 @@ class TrainingRun:
         """Held-out metrics, combined over ranks."""
         raise NotImplementedError
 
+    def advance(self, reduced: bool = True) -> dict[str, float]:
+        """One training step and the step counter moved past it: the one seam every loop over steps uses (`fit`,
+        the doctor's profiler, bench cells, benchmarks, tests). ``reduced=False``: this rank's own metrics."""
+        metrics = self.train_step() if reduced else self.local_step()
+        self.step += 1
+        return metrics
+
     def train_step(self) -> dict[str, float]:
         """One step; its metrics combined over ranks."""
         return reduce_metrics(self.local_step(), self.dist)
@@ -333,8 +340,7 @@ class TrainingRun:
                     signum = signals.agreed(self.dist.world_size > 1, self.dist.group, self.dist.device)
                     if signum:
                         self.stop(signum, first_step, saved)
-                    metrics = self.train_step()
-                    self.step += 1
+                    metrics = self.advance()
                     metrics.update(self.monitor.observe(self.step, metrics))
                     last = self.step == self.total_steps
                     if self.val_rows and (last or (self.eval_every and self.step % self.eval_every == 0)):

@@ -48,8 +48,7 @@ def run(tmp_path):
         trainer = RLTrainer.from_config(cfg, on_batch=lambda b: batches.append(b.select(torch.arange(len(b)))))
         metrics = []
         for _ in range(steps):
-            metrics.append(trainer.train_step())
-            trainer.step += 1
+            metrics.append(trainer.advance())
         return trainer, batches, metrics
 
     return two_steps

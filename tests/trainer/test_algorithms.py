@@ -36,9 +36,7 @@ def _two_steps(config):
     """Two RL steps of ``config``; (trainer, the first step's batch after its advantages, both steps' metrics)."""
     batches = []
     trainer = RLTrainer.from_config(config, on_batch=batches.append)
-    metrics = [trainer.train_step()]
-    trainer.step += 1
-    metrics.append(trainer.train_step())
+    metrics = [trainer.advance(), trainer.advance()]
     return trainer, batches[0], metrics
 
 

@@ -27,8 +27,7 @@ def _steps(config, count):
     trainer = RLTrainer.from_config(config, on_batch=batches.append)
     metrics = []
     for _ in range(count):
-        metrics.append(trainer.train_step())
-        trainer.step += 1
+        metrics.append(trainer.advance())
     return trainer, batches, metrics
 
 
