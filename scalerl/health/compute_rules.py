@@ -61,10 +61,14 @@ def stragglers(view: StepView) -> list[Finding]:
         return [finding("stragglers", OK, f"rank {slowest} works {ratio:.2f}x the {basis} rank because it "
                          f"holds the most tokens ({explained}): see data sharding imbalance", evidence, ranks=[slowest])]
     evidence["phase"] = phase
+    lost = _others_wait(view.per_rank, slowest, phase) if view.per_rank else None
+    waited = "every other rank waits for it"
+    if lost is not None:
+        evidence["others_wait_s_in_phase"] = round(lost, 4)
+        waited = f"the other ranks wait {lost:.3f} s per step for it in {phase}"
     return [finding("stragglers", status,
                      f"rank {slowest}{f' on {host}' if host else ''} works {ratio:.2f}x the {basis} rank "
-                     f"({busy[slowest]:.3f} s vs {median:.3f} s per step, most of it in {phase}); every other "
-                     f"rank waits for it", evidence,
+                     f"({busy[slowest]:.3f} s vs {median:.3f} s per step, most of it in {phase}); {waited}", evidence,
                      fix_text("stragglers", ranks=slowest, hosts=host or "its node", phase=phase),
                      ranks=[slowest], hosts=[host] if host else [])]
 
@@ -87,6 +91,13 @@ def _dominant_phase(per_rank: list[dict[str, Any]], rank: int) -> str:
         others = [r["phases"][phase]["busy_s"] for r in per_rank if phase in r.get("phases", {})]
         excess[phase] = stats["busy_s"] - statistics.median(others)
     return max(excess, key=excess.get) if excess else "the step"
+
+
+def _others_wait(per_rank: list[dict[str, Any]], rank: int, phase: str) -> float | None:
+    """The median time the ranks other than ``rank`` spend waiting (peers and collectives) in ``phase``."""
+    waits = [r["phases"][phase]["wait_s"] for r in per_rank
+             if r["rank"] != rank and "wait_s" in r.get("phases", {}).get(phase, {})]
+    return statistics.median(waits) if waits else None
 
 
 def _explained_by_tokens(view: StepView, slowest: int) -> str:

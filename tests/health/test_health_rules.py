@@ -166,6 +166,11 @@ def test_a_slow_rank_is_a_straggler_named_with_its_phase():
     assert alarms(findings) == {"compute/stragglers": FAULT}
     f = the_finding(findings, "compute/stragglers")
     assert f.ranks == (2,) and "rank 2" in f.summary and "gen" in f.summary and f.evidence["ratio"] == 2.5
+    for r in (0, 1, 3):  # the others, done early, wait for rank 2 in its slow phase
+        records[r]["phases"]["gen"]["wait_s"] = 1.4 + 0.1 * r
+    f = the_finding(profile_findings(records=records), "compute/stragglers")
+    assert "the other ranks wait 1.500 s per step for it in gen" in f.summary
+    assert f.evidence["others_wait_s_in_phase"] == 1.5
 
 
 def test_a_rank_slowest_in_only_one_step_is_noise():
