@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from scalerl.health.step_rules import MISMATCH_KEY, StepView, run_step_rules
+from scalerl.health.step_rules import MISMATCH_KEY, TRAJECTORY_KEYS, StepView, run_step_rules
 from scalerl.health.tree import FAULT, LEAVES, WARNING, Finding, health_metrics
 from scalerl.perf.memory import memory_capacity_gb
 
@@ -76,8 +76,9 @@ class HealthMonitor:
     def observe(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         if self.every <= 0:
             return {}
-        if all(k in metrics for k in REWARD_KEYS):
-            self.reward_history = (self.reward_history + [{k: metrics[k] for k in REWARD_KEYS}])[-HISTORY_STEPS:]
+        if all(k in metrics for k in REWARD_KEYS):  # with the trajectory that names a collapse's cause
+            kept = {k: metrics[k] for k in REWARD_KEYS + TRAJECTORY_KEYS if k in metrics}
+            self.reward_history = (self.reward_history + [kept])[-HISTORY_STEPS:]
         if MISMATCH_KEY in metrics:
             self.mismatch_history = (self.mismatch_history + [{MISMATCH_KEY: metrics[MISMATCH_KEY]}])[-HISTORY_STEPS:]
         self.recent = (self.recent + [{k: metrics[k] for k in RECENT_KEYS if k in metrics}])[-RECENT_STEPS:]

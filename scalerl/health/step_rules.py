@@ -231,10 +231,58 @@ def reward_collapse(history: list[dict[str, float]]) -> list[Finding]:
     drop = (best - now) / abs(best) if best else 0.0
     evidence.update(best_window_mean=round(best, 4), window_mean=round(now, 4), drop=round(drop, 3))
     status = rule.thresholds["drop_from_best"].status(drop)
-    fix = ("lower actor.lr; add a KL penalty (actor.use_kl_loss=true, actor.kl_loss_coef); resume from a "
-           "checkpoint before the drop (trainer.resume=<checkpoint dir>)")
+    cause, fix = collapse_cause(scored, averages.index(best), window)
+    if cause:
+        evidence["cause"] = cause
+    fix += "; resume from a checkpoint before the drop (trainer.resume=<checkpoint dir>)"
     return [finding("reward_collapse", status, f"mean reward over the last {window} steps {now:.4g}, best "
-                     f"{best:.4g} ({drop:.0%} below it)", evidence, fix)]
+                     f"{best:.4g} ({drop:.0%} below it){': ' + cause if cause and status != OK else ''}",
+                     evidence, fix)]
+
+
+# What the monitor keeps of each step besides the reward, to name a collapse's cause (`collapse_cause`).
+TRAJECTORY_KEYS = ("actor/entropy", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac", "actor/lr")
+
+
+def collapse_cause(history: list[dict[str, float]], best_start: int, window: int) -> tuple[str, str]:
+    """Why the reward fell, read from the training trajectory: the steps of the best reward window against the
+    steps since. A cause and its fix: the entropy collapsed (the policy stopped exploring) or blew up (it
+    went random), the gradient norm spiked, the updates moved the policy too far per step (KL to the
+    previous policy, clip fraction), or the learning rate rose into the drop; none found: the generic fix."""
+    before = history[best_start : best_start + window]
+    after = history[best_start + window :] or history[-window:]
+
+    def mean(rows, key):
+        values = [r[key] for r in rows if key in r]
+        return statistics.mean(values) if values else None
+
+    def peak(rows, key):
+        values = [r[key] for r in rows if key in r]
+        return max(values) if values else None
+
+    entropy_then, entropy_now = mean(before, "actor/entropy"), mean(after, "actor/entropy")
+    grad_then, grad_peak = mean(before, "actor/grad_norm"), peak(after, "actor/grad_norm")
+    kl_now, clip_now = mean(after, "actor/ppo_kl"), mean(after, "actor/pg_clipfrac")
+    lr_then, lr_now = mean(before, "actor/lr"), mean(after, "actor/lr")
+    if grad_then and grad_peak is not None and grad_peak > 10 * grad_then:
+        return (f"the gradient norm spiked to {grad_peak:.3g} ({grad_peak / grad_then:.0f}x its {grad_then:.3g} at the "
+                "best steps)", "lower actor.lr and keep actor.grad_clip > 0 (the spike is the step that broke it)")
+    if lr_then and lr_now is not None and lr_now > 2 * lr_then:
+        return (f"the learning rate rose from {lr_then:.3g} to {lr_now:.3g} into the drop (the warmup or schedule)",
+                "lower actor.lr (the peak the schedule reaches), or lengthen actor.warmup_steps")
+    if entropy_then and entropy_now is not None and entropy_now < 0.3 * entropy_then:
+        return (f"the entropy collapsed from {entropy_then:.3g} to {entropy_now:.3g}: the policy stopped exploring",
+                "keep it exploring: actor.entropy_coeff > 0, rollout.temperature, DAPO's clip-higher "
+                "(actor.clip_ratio_high=0.28)")
+    if entropy_then and entropy_now is not None and entropy_now > 2 * entropy_then:
+        return (f"the entropy rose from {entropy_then:.3g} to {entropy_now:.3g}: the policy is falling apart into "
+                "noise", "lower actor.lr; a KL penalty to the reference (actor.use_kl_loss=true, actor.kl_loss_coef)")
+    if (kl_now is not None and kl_now > 0.05) or (clip_now is not None and clip_now > 0.3):
+        return ("each update moves the policy far (KL to the previous policy "
+                f"{kl_now if kl_now is not None else float('nan'):.3g}, clip fraction "
+                f"{clip_now if clip_now is not None else float('nan'):.2f})",
+                "smaller updates: lower actor.lr, fewer actor.ppo_epochs, or a KL penalty (actor.use_kl_loss=true)")
+    return "", ("lower actor.lr; add a KL penalty (actor.use_kl_loss=true, actor.kl_loss_coef)")
 
 
 MISMATCH_KEY = "rollout/logprob_diff/mean"

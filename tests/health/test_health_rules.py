@@ -321,6 +321,33 @@ def test_reward_collapse_and_flat_rewards():
     assert [f.status for f in reward_collapse(flat[:3])] == [NOT_MEASURED]
 
 
+def test_a_reward_collapse_is_blamed_on_what_the_training_trajectory_shows():
+    """Fault injection as histories: the same reward drop with a gradient spike, a learning rate that rose into
+    it, an entropy collapse, and large updates; each names its own cause and fix, and none names nothing."""
+    def run(**trajectory):
+        rows = []
+        for i, m in enumerate((0.1, 0.3, 0.5, 0.6, 0.6, 0.6, 0.2, 0.1, 0.05)):
+            late = i >= 6
+            row = {"critic/score/mean": m, "critic/score/max": 1.0, "critic/score/min": 0.0, "actor/entropy": 2.0,
+                   "actor/grad_norm": 0.5, "actor/ppo_kl": 0.001, "actor/pg_clipfrac": 0.01, "actor/lr": 1e-6}
+            row.update({k: v for k, v in trajectory.items() if late})
+            rows.append(row)
+        (f,) = reward_collapse(rows)
+        assert f.status == WARNING
+        return f
+
+    spike = run(**{"actor/grad_norm": 40.0})
+    assert "the gradient norm spiked to 40" in spike.summary and "actor.grad_clip" in spike.fix
+    lr = run(**{"actor/lr": 1e-4})
+    assert "the learning rate rose from 1e-06 to 0.0001" in lr.summary and "actor.warmup_steps" in lr.fix
+    entropy = run(**{"actor/entropy": 0.2})
+    assert "the entropy collapsed" in entropy.summary and "actor.entropy_coeff" in entropy.fix
+    far = run(**{"actor/ppo_kl": 0.2})
+    assert "each update moves the policy far" in far.summary and "actor.ppo_epochs" in far.fix
+    plain = run()
+    assert "cause" not in plain.evidence and plain.fix.startswith("lower actor.lr; add a KL penalty")
+
+
 def test_a_train_inference_log_prob_gap_warns_by_level_and_by_growth():
     """Fault injection as metrics: an engine whose numerics drift from the trainer's (the gap grows step by
     step), one that is off from the start, and a healthy bf16-like gap that stays put."""
