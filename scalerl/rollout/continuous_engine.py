@@ -54,6 +54,37 @@ class GenerationRequest:
     prompt_ids: Sequence[int]
     sampling: SamplingParams
     uniforms: torch.Tensor | None = None
+    # Prefix reuse (a conversation's next turn): ``keep_kv`` keeps this request's keys and values once it
+    # finishes; ``reuse_from`` names a kept request whose tokens this prompt starts with, so only the rest
+    # is prefilled. A kept entry is used once (or released, or evicted oldest first past 2 x max_num_seqs).
+    keep_kv: bool = False
+    reuse_from: int | None = None
+
+
+@dataclass
+class KeptPrefix:
+    """A finished request's token ids (its prompt and every response token fed back: all but the last) and
+    their keys and values, ``[layers, 2 kv_heads, n, head_dim]`` (the fused layout) or a (keys, values) pair."""
+
+    token_ids: list[int]
+    kv: torch.Tensor | None
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    def cache(self, num_layers: int, width: int) -> KVCache:
+        """A one-row cache of ``width`` columns holding this prefix at ``[0, n)``, in the layout it was kept in."""
+        n = len(self.token_ids)
+        cache = KVCache(num_layers, 1, width)
+        if self.kv is not None:
+            cache.allocate(self.kv.shape[1] // 2, self.kv.shape[3], self.kv.dtype, self.kv.device)
+            cache.kv[:, 0, :, :n] = self.kv
+        else:
+            for name, kept in (("keys", self.keys), ("values", self.values)):
+                buffer = torch.zeros(num_layers, 1, kept.shape[1], width, kept.shape[3], dtype=kept.dtype,
+                                     device=kept.device)
+                buffer[:, 0, :, :n] = kept
+                setattr(cache, name, buffer)
+        return cache
 
 
 @dataclass
@@ -139,6 +170,8 @@ class ContinuousEngine:
         self.rows = 0  # rows in use, at the front (live ones and gaps)
         self.column = 0  # the column the next decode step writes
         self.filters: tuple | None = None  # (temperature, top_k, top_p) of the rows in flight
+        self.kept: dict[int, KeptPrefix] = {}  # request id -> its keys and values, oldest first
+        self.prefill_tokens = 0  # tokens run through a prefill forward (prefix reuse skips the kept ones)
 
     # ------------------------------------------------------------------------------------------ public
     def submit(self, request: GenerationRequest) -> None:
@@ -170,6 +203,11 @@ class ContinuousEngine:
         if not self.num_running:
             self.filters = None
         return before - len(self.waiting) + len(rows)
+
+    def release(self, request_ids: Iterable[int]) -> None:
+        """Drop the kept keys and values of these requests (a conversation that ended)."""
+        for i in request_ids:
+            self.kept.pop(i, None)
 
     @property
     def num_running(self) -> int:
@@ -268,12 +306,35 @@ class ContinuousEngine:
         tokens, logprobs, versions = (t[rows].cpu() for t in (self.tokens_out, self.logprobs_out, self.versions_out))
         outputs = []
         for i, (row, count, stop) in enumerate(zip(*host)):
+            if self.slots[row].keep_kv:
+                self._keep(row, self.slots[row], tokens[i, : count - 1].tolist())
             request, self.slots[row] = self.slots[row], None
             outputs.append(RequestOutput(request.request_id, list(request.prompt_ids), tokens[i, :count],
                                          logprobs[i, :count], versions[i, :count], "stop" if stop else "length"))
         if not self.num_running:
             self.filters = None
         return outputs
+
+    def _keep(self, row: int, request: GenerationRequest, fed: list[int]) -> None:
+        """Keep ``row``'s keys and values of its prompt and the response tokens fed back (``fed``): the first
+        that many of its key-mask columns (padding and the overrun past its stop are not among them)."""
+        token_ids = list(request.prompt_ids) + fed
+        columns = self.key_mask[row].nonzero().squeeze(1)[: len(token_ids)]
+        if self.cache.kv is not None:
+            kept = KeptPrefix(token_ids, self.cache.kv[:, row].index_select(2, columns))
+        else:
+            kept = KeptPrefix(token_ids, None, self.cache.keys[:, row].index_select(2, columns),
+                              self.cache.values[:, row].index_select(2, columns))
+        self.kept[request.request_id] = kept
+        while len(self.kept) > 2 * self.max_num_seqs:  # bounded: the oldest kept prefix goes first
+            self.kept.pop(next(iter(self.kept)))
+
+    def _reusable(self, request: GenerationRequest) -> KeptPrefix | None:
+        kept = self.kept.pop(request.reuse_from, None) if request.reuse_from is not None else None
+        if kept is None:
+            return None
+        n = len(kept.token_ids)
+        return kept if len(request.prompt_ids) > n and list(request.prompt_ids[:n]) == kept.token_ids else None
 
     # ------------------------------------------------------------------------------------------ admission
     def _admit(self) -> None:
@@ -293,7 +354,14 @@ class ContinuousEngine:
             self.filters = filters
             taken.append(self.waiting.popleft())
         if taken:
-            self._prefill(taken, free[: len(taken)])
+            slots = free[: len(taken)]
+            prefixes = [self._reusable(r) for r in taken]
+            fresh = [(r, slot) for r, slot, k in zip(taken, slots, prefixes) if k is None]
+            if fresh:  # one batched prefill of the whole prompts
+                self._prefill([r for r, _ in fresh], [slot for _, slot in fresh])
+            for r, slot, kept in zip(taken, slots, prefixes):
+                if kept is not None:  # a conversation's next turn: only its new tokens
+                    self._prefill([r], [slot], kept)
             gaps = gaps[len(taken):]
         while self.rows and self.slots[self.rows - 1] is None:  # empty rows at the back just drop off
             self.rows -= 1
@@ -302,15 +370,27 @@ class ContinuousEngine:
             self._close_gaps()
         self.cache.view_start = self._base()
 
-    def _prefill(self, requests: list[GenerationRequest], slots: list[int]) -> None:
+    def _prefill(self, requests: list[GenerationRequest], slots: list[int], kept: KeptPrefix | None = None) -> None:
+        """Prefill ``requests`` into ``slots``: their whole prompts in one batch, or one request whose prompt
+        starts with ``kept``'s tokens, of which only the rest runs, over the kept keys and values."""
         prompt_ids, prompt_mask = left_pad([r.prompt_ids for r in requests], self.pad_token_id)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         width = prompt_ids.shape[1]
         if self.column < width:  # room on the left for the prompts (they end at the write column)
             self._move_columns(self._base() + width - self.column)
         end = self.column
-        prefilled = KVCache(self.model.config.num_hidden_layers, len(requests), width)
-        logits = self.forward(prompt_ids, attention_mask=prompt_mask, kv_cache=prefilled, cache_start=0, logits_to_keep=1)
+        layers = self.model.config.num_hidden_layers
+        if kept is None:
+            prefilled = KVCache(layers, len(requests), width)
+            logits = self.forward(prompt_ids, attention_mask=prompt_mask, kv_cache=prefilled, cache_start=0,
+                                  logits_to_keep=1)
+            self.prefill_tokens += int(prompt_mask.sum())
+        else:
+            n = len(kept.token_ids)
+            prefilled = kept.cache(layers, width)  # positions follow from the mask: the suffix's are n..width-1
+            logits = self.forward(prompt_ids[:, n:], attention_mask=prompt_mask, kv_cache=prefilled, cache_start=n,
+                                  logits_to_keep=1)
+            self.prefill_tokens += width - n
         index = torch.as_tensor(slots, device=self.device)
         self.cache.write_rows(index, prefilled, end)
         self.key_mask[index] = False

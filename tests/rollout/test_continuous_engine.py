@@ -104,6 +104,47 @@ def test_a_request_admitted_mid_way_never_reads_uninitialised_cache_memory(model
         assert torch.equal(poisoned[i].token_ids, clean[i].token_ids), i
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["model", "fused"])
+def test_a_conversations_next_turn_prefills_only_its_new_tokens_and_samples_the_same(model, fused):
+    """Prefix reuse: turn 2's prompt is turn 1's prompt + completion + new tokens; with ``reuse_from`` only the
+    last completion token and the new ones run through a prefill, over turn 1's kept keys and values (a row that
+    stopped early leaves overrun columns behind, which are not kept), and it samples what a fresh engine
+    re-encoding the whole prompt samples."""
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, stop_token_ids=NATURAL_STOPS)
+
+    def engine():
+        return BuiltinEngine(model, PAD).continuous_engine(MAX_PROMPT + 30, MAX_NEW, max_num_seqs=4) if fused else \
+            ContinuousEngine(model, PAD, 4, MAX_PROMPT + 30, MAX_NEW, finish_check_every=4)
+
+    reused, fresh = engine(), engine()
+    first = {o.request_id: o for o in reused.generate_stream([
+        GenerationRequest(i, p, sampling, keep_kv=True) for i, p in enumerate(_prompts(3, seed=4))])}
+    assert sorted(reused.kept) == [0, 1, 2]
+    assert any(len(o.token_ids) < 12 and o.finish_reason == "stop" for o in first.values())  # overrun columns
+    turns = [GenerationRequest(10 + i, list(o.prompt_ids) + o.token_ids.tolist() + [40 + i, 41], sampling,
+                               reuse_from=i) for i, o in first.items()]
+    before = reused.prefill_tokens
+    second = {o.request_id: o for o in reused.generate_stream(turns)}
+    assert reused.prefill_tokens - before == 3 * 3  # per turn: the last sampled token and the two new ones
+    assert not reused.kept  # each kept prefix is used once
+    again = {o.request_id: o for o in fresh.generate_stream(
+        [GenerationRequest(t.request_id, t.prompt_ids, sampling) for t in turns])}
+    assert fresh.prefill_tokens == sum(len(t.prompt_ids) for t in turns)
+    for i, o in second.items():
+        assert torch.equal(o.token_ids, again[i].token_ids), i
+        assert (o.logprobs - again[i].logprobs).abs().max() < 1e-5
+    # A prompt that does not start with the kept tokens is prefilled whole; kept prefixes are bounded.
+    kept = reused.generate_stream([GenerationRequest(20, [15, 16, 17], sampling, keep_kv=True)])
+    list(kept)
+    before = reused.prefill_tokens
+    list(reused.generate_stream([GenerationRequest(21, [15, 99 % VOCAB, 17, 18], sampling, reuse_from=20)]))
+    assert reused.prefill_tokens - before == 4
+    list(reused.generate_stream([GenerationRequest(30 + i, [15 + i, 16], sampling, keep_kv=True) for i in range(10)]))
+    assert sorted(reused.kept) == list(range(32, 40))  # 2 x max_num_seqs: the oldest went first
+    reused.release(list(reused.kept))
+    assert not reused.kept
+
+
 def test_a_request_alone_equals_the_fixed_batch_engine_on_it(model):
     prompt = _prompts()[3]
     sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=5, stop_token_ids=NATURAL_STOPS)

@@ -69,15 +69,25 @@ class EnginePump:
         self.queued: list[tuple[GenerationRequest, asyncio.Future]] = []
         self.waiting: dict[int, asyncio.Future] = {}
         self.next_id = 0
+        self.released: list[int] = []  # kept prefixes to drop at the next step
         self.wake = asyncio.Event()
         self.closed = False
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestOutput:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, keep_kv: bool = False,
+                       reuse_from: int | None = None) -> RequestOutput:
+        """The request's output; ``keep_kv`` / ``reuse_from``: prefix reuse across a conversation's turns (the
+        engine keeps this request's keys and values / prefills only what follows the named request's tokens)."""
         future = asyncio.get_running_loop().create_future()
-        self.queued.append((GenerationRequest(self.next_id, prompt_ids, sampling), future))
+        request = GenerationRequest(self.next_id, prompt_ids, sampling, keep_kv=keep_kv, reuse_from=reuse_from)
+        self.queued.append((request, future))
         self.next_id += 1
         self.wake.set()
         return await future
+
+    def release(self, request_id: int | None) -> None:
+        """A conversation ended: the keys and values its last turn kept go (between two steps)."""
+        if request_id is not None:
+            self.released.append(request_id)
 
     async def run(self) -> None:
         try:
@@ -99,6 +109,9 @@ class EnginePump:
                 except Exception as error:  # a prompt too long for the engine ends that trajectory only
                     future.set_exception(error)
             self.queued.clear()
+            if self.released and hasattr(self.engine, "release"):
+                self.engine.release(self.released)
+            self.released = []
             gone = [i for i, future in self.waiting.items() if future.cancelled()]
             if gone:  # callers that gave up (a client that disconnected): their rows are freed
                 self.engine.abort(gone)
@@ -160,6 +173,7 @@ class AgentLoop:
         if drives_generation(env):
             return await self._token_episode(env, pump, row, index, sampling, row_offset, total_rows)
         record, turn = EpisodeRecord(), 0
+        previous: int | None = None  # the last turn's request: its kept keys and values prefix the next turn
         segments: list[TrajectorySegment] = []
         finish, prompt = "stop", [self.tokenizer.eos_token_id]  # the prompt stands in if reset fails
         try:
@@ -181,11 +195,12 @@ class AgentLoop:
                 turn_sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, left),
                                         seed=turn_seed(sampling.seed, turn),
                                         row_offset=row_offset + index, total_rows=total_rows)
-                try:
-                    out = await pump.generate(context, turn_sampling)
+                try:  # each turn keeps its keys and values; the next prefills only what follows them
+                    out = await pump.generate(context, turn_sampling, keep_kv=True, reuse_from=previous)
                 except PromptTooLongError:  # the conversation outgrew the engine's window: ended, as a budget
                     record.end = "budget"
                     break
+                previous = out.request_id
                 ids = out.token_ids.tolist()
                 segments.append(TrajectorySegment(ids, True, out.logprobs.tolist(),
                                                   int(out.weight_versions[-1]) if len(ids) else -1))
@@ -217,6 +232,7 @@ class AgentLoop:
                 segments.append(TrajectorySegment(delta.token_ids, False))
                 context += delta.token_ids
         finally:
+            pump.release(previous)
             if record.end != "env_error" and callable(getattr(env, "episode_reward", None)):
                 await self._episode_reward(env, record)
             close = getattr(env, "close", None)
@@ -245,6 +261,7 @@ class AgentLoop:
         exactly the tokens before it in the episode, so the trajectory is what the engine saw and sampled."""
         record, calls = EpisodeRecord(), []  # calls: (prompt ids, the segment generate returned)
         finishes: dict[int, str] = {}  # id(segment) -> the engine's finish reason
+        last: list[int | None] = [None]  # the last call's request id
 
         async def generate(prompt_ids: list[int], max_new_tokens: int | None = None) -> TrajectorySegment:
             if len(calls) >= self.limits.max_turns:
@@ -257,7 +274,8 @@ class AgentLoop:
             wanted = min(sampling.max_new_tokens, left, max_new_tokens or sampling.max_new_tokens)
             out = await pump.generate(list(prompt_ids), replace(
                 sampling, max_new_tokens=wanted, seed=turn_seed(sampling.seed, len(calls)),
-                row_offset=row_offset + index, total_rows=total_rows))
+                row_offset=row_offset + index, total_rows=total_rows), keep_kv=True, reuse_from=last[0])
+            last[0] = out.request_id  # a prompt that extends this call's reuses its keys and values
             ids = out.token_ids.tolist()
             segment = TrajectorySegment(ids, True, out.logprobs.tolist(),
                                         int(out.weight_versions[-1]) if ids else -1)
@@ -289,6 +307,7 @@ class AgentLoop:
                 f"{type(env).__name__}.run raised: {type(error).__name__}: {error}")
             segments = []
         finally:
+            pump.release(last[0])
             close = getattr(env, "close", None)
             if close is not None:
                 try:
