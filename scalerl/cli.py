@@ -337,6 +337,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench_command(args)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from scalerl.plan.cli import run_plan_command
+
+    return run_plan_command(args)
+
+
 def cmd_serve_rollouts(args: argparse.Namespace) -> int:
     from scalerl.rollout.agent.endpoint import serve_rollouts_main
 
@@ -384,8 +390,20 @@ def build_parser() -> argparse.ArgumentParser:
               OVERRIDE_HELP + "\nexamples:\n  scalerl sft run.yaml sft.steps=500 sft.lr=1e-4\n")
     _add_config_args(sft, " [--print-config]")
     _add_print_config_arg(sft)
-    _add_config_args(add("demo", cmd_demo, "small end-to-end run on the built-in model and task (CPU friendly)",
-                         OVERRIDE_HELP + "\nexamples:\n  scalerl demo\n  scalerl demo trainer.total_steps=50\n"))
+    demo = add("demo", cmd_demo, "small end-to-end run on the built-in model and task (CPU friendly)",
+               OVERRIDE_HELP + "\nexamples:\n  scalerl demo\n  scalerl demo trainer.total_steps=50\n"
+               "  scalerl demo --agent\n")
+    _add_config_args(demo, " [--agent]")
+
+    def cmd_demo_agent(args: argparse.Namespace) -> int:  # `demo --agent`: the tool task (scalerl/demo.py)
+        from scalerl.demo import AGENT_DEMO_CONFIG, run_agent_demo
+
+        run_agent_demo(_load_run_config(args, show=False, default_path=AGENT_DEMO_CONFIG))
+        return 0
+
+    demo.add_argument("--agent", dest="func", action="store_const", const=cmd_demo_agent, default=cmd_demo,
+                      help="the tool task instead: SFT on tool-use demonstrations, then GRPO with the tool "
+                           "environment (defaults: scalerl/configs/demo_agent.yaml; docs/rollout.md)")
     config = add("config", cmd_config, "print the resolved config as YAML (checks a config and overrides)",
                  OVERRIDE_HELP + "\nexamples:\n  scalerl config run.yaml actor.lr=1e-6\n  scalerl config --keys\n")
     _add_config_args(config, " [--keys] [--from-verl]")
@@ -450,6 +468,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(add("bench", cmd_bench, "measure a matrix of layouts (throughput, latency, bytes, MFU) into "
                             "benchmark_report.json; --compare two reports; --project to N nodes", BENCH_EPILOG))
+    from scalerl.plan import EPILOG as PLAN_EPILOG  # cheap: no torch
+    from scalerl.plan import add_plan_arguments
+
+    add_plan_arguments(add("plan", cmd_plan, "predict a run's time and memory per rank and phase before it starts, "
+                           "name the first phase that would not fit with its fix, recommend a layout", PLAN_EPILOG))
     from scalerl.report.cli import EPILOG as REPORT_EPILOG
     from scalerl.report.cli import add_report_arguments
 

@@ -19,6 +19,7 @@ LAYERS = {
     "rollout": 3, "data": 3,
     "trainer": 4,
     "cli": 5, "__main__": 5, "demo": 5, "verify": 5, "launch": 5, "doctor": 5, "bench": 5, "report": 5,
+    "plan": 5,
 }
 APPS = {name for name, layer in LAYERS.items() if layer == 5} - {"launch"}
 

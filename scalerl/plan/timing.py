@@ -1,0 +1,343 @@
+"""Predicted seconds of each phase of one rank, from the cost model (`scalerl.bench.cost_model`): compute at
+per-phase rates (a fixed cost per call plus FLOPs at an effective rate) and every collective's alpha-beta
+time, plus what the cost model leaves out and a plan needs: the AdamW step (seconds per parameter), the
+checkpoint write (bytes at the disk's write speed) and evaluation (a greedy generation of the validation rows).
+
+Where the rates come from:
+
+- ``cpu``: measured on this machine. `scalerl.bench.compute_probe` times forward + backward at two widths,
+  forward-only passes and generation at two batch sizes on the config's own model (layers capped so the
+  probe stays short; the fixed cost per call scaled back by the layer count), split by
+  `scalerl.bench.calibration.probe_fit` into fixed and per-FLOP parts; a fused AdamW step is timed over a
+  tensor; the runtime's RSS is read in a fresh process that imports the trainer and builds the run's data;
+  the disk's write speed as `scalerl doctor` measures it; with more than one rank, the loopback link by an
+  all-reduce sweep between two gloo processes (`scalerl.bench.link_probe.timed_sweep`, fitted by
+  `fit_link`), each rank with the threads it will have.
+- a GPU (h100, h200, a100, ...): the datasheet's bf16 peak (`scalerl.perf.flops`) at an assumed MFU (stated,
+  ``--mfu-train`` / ``--mfu-gen``), each decode step and AdamW step bounded by reading the weights at the
+  datasheet's HBM bandwidth, and nominal links (`LINK_PRESETS`). Every such number is labelled assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from scalerl.bench.cost_model.collective_cost import LINK_PRESETS, LinkCost, fit_link
+from scalerl.bench.cost_model.step_projection import (
+    ComputeRates,
+    Links,
+    TokenLengths,
+    compute_seconds,
+    project_step,
+)
+from scalerl.bench.cost_model.step_traffic import StepShape
+from scalerl.perf.flops import datasheet_peak_flops
+from scalerl.plan.memory import EVAL_CHUNK_ROWS, PlanSetup, policy_counts
+
+PROBE_MAX_PARAMS = 120_000_000  # the compute probe builds the model: beyond this, fewer layers
+# Datasheet HBM bandwidth (bytes/s): NVIDIA H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80GB SXM 2.039 TB/s,
+# A100 40GB 1.555 TB/s, L40S 864 GB/s, AMD MI300X 5.3 TB/s.
+HBM_BYTES_PER_S = {"h100": 3.35e12, "h200": 4.8e12, "a100": 2.039e12, "a100-40gb": 1.555e12, "l40s": 0.864e12,
+                   "mi300x": 5.3e12}
+NVLINK = {"h100": "nvlink4", "h200": "nvlink4", "a100": "nvlink3"}
+ADAM_BYTES_PER_PARAM = 28  # fp32: read param, grad, 2 moments (16 B); write param, 2 moments (12 B)
+DEFAULT_MFU_TRAIN, DEFAULT_MFU_GEN = 0.35, 0.35
+
+
+@dataclass
+class Calibration:
+    """Everything the times are computed from, with where each came from."""
+
+    rates: ComputeRates
+    adam_s_per_param: float
+    disk_bytes_per_s: float
+    intra: LinkCost
+    inter: LinkCost
+    runtime_bytes: float = 0.0
+    threads_per_rank: int = 0
+    source: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"rates": self.rates.to_dict(), "adam_s_per_param": self.adam_s_per_param,
+                "disk_bytes_per_s": self.disk_bytes_per_s, "intra": self.intra.to_dict(),
+                "inter": self.inter.to_dict(), "runtime_bytes": self.runtime_bytes,
+                "threads_per_rank": self.threads_per_rank, "source": self.source, "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Calibration:
+        return cls(ComputeRates.from_dict(data["rates"]), data["adam_s_per_param"], data["disk_bytes_per_s"],
+                   LinkCost.from_dict(data["intra"]), LinkCost.from_dict(data["inter"]),
+                   data.get("runtime_bytes", 0.0), data.get("threads_per_rank", 0), data.get("source", ""),
+                   list(data.get("notes", [])))
+
+
+# ---------------------------------------------------------------- calibration: this CPU
+
+
+def _probe_model_config(s: PlanSetup):
+    cfg = s.model
+    total = policy_counts(s)[0]
+    if total <= PROBE_MAX_PARAMS:
+        return cfg, 1.0
+    root = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    per_layer = max(1, (total - root) / cfg.num_hidden_layers)
+    layers = int(max(1, min(cfg.num_hidden_layers, (PROBE_MAX_PARAMS - root) // per_layer)))
+    probe = dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=None)
+    return probe, (cfg.num_hidden_layers + 1) / (layers + 1)
+
+
+def probe_rates(s: PlanSetup) -> tuple[ComputeRates, str]:
+    """The compute probe on the config's model (built here, random weights), fitted into per-phase rates."""
+    import torch
+
+    from scalerl.bench.calibration import probe_fit
+    from scalerl.bench.compute_probe import probe_compute
+    from scalerl.models.decoder import build_model
+
+    cfg, scale = _probe_model_config(s)
+    model = build_model(dataclasses.replace(cfg, torch_dtype="float32"), seed=0).float()
+    new_tokens = max(2, min(s.new_tokens, 16))
+    start = time.perf_counter()
+    probe = probe_compute(model, 0, max(1, s.micro_rows), new_tokens)
+    del model
+    fit = probe_fit(cfg, probe)
+
+    def rate(slope: float) -> float:
+        return 1.0 / slope if slope > 0 else float("inf")
+
+    (gen_fixed, gen_slope), (train_fixed, train_slope) = fit["gen"], fit["train"]
+    forward_fixed, forward_slope = fit["forward"]
+    rates = ComputeRates(gen_flops_per_s=rate(gen_slope), train_flops_per_s=rate(train_slope),
+                         forward_flops_per_s=rate(forward_slope), other_s_per_row=0.0,
+                         gen_step_s=gen_fixed * scale, train_call_s=train_fixed * scale,
+                         forward_call_s=forward_fixed * scale,
+                         source="measured here: compute probe on the config's architecture"
+                                + (f" at {cfg.num_hidden_layers} layers (fixed costs x {scale:.2f})" if scale != 1 else "")
+                                + f", {torch.get_num_threads()} thread(s), micro-batch {s.micro_rows}, "
+                                f"{new_tokens} new tokens, {time.perf_counter() - start:.0f} s")
+    return rates, json.dumps({k: probe[k] for k in ("train", "forward", "gen")})
+
+
+def time_adamw(params: int, fused: bool = True) -> float:
+    """Seconds per parameter of one AdamW step, timed over a tensor of up to 8M float32 elements."""
+    import torch
+
+    n = int(max(2**16, min(params, 8 * 2**20)))
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    try:
+        opt = torch.optim.AdamW([p], fused=fused)
+        opt.step()
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW([p], foreach=True)
+        opt.step()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / n
+
+
+_RUNTIME_SCRIPT = """
+import resource, sys
+import scalerl.trainer.rl_trainer  # the trainer and everything it imports
+from scalerl.core.config import load_config
+from scalerl.data.sources import rows_from_config
+cfg = load_config(sys.argv[1] or None, sys.argv[2:])
+if not cfg.data.train_files:
+    rows_from_config(cfg.data, "train", cfg.trainer.seed)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def measure_runtime_bytes(config_path: str | None, overrides: list[str]) -> float:
+    """Peak RSS of a fresh process that imports the trainer and builds the run's built-in data: what a CPU
+    rank holds before its model."""
+    out = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT, config_path or "", *overrides],
+                         capture_output=True, text=True, timeout=300, check=False,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if out.returncode != 0:
+        raise RuntimeError(f"runtime probe failed: {out.stderr[-2000:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _loopback_rank(rank: int, port: int, queue) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from scalerl.bench.link_probe import SIZES, timed_sweep
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    try:
+        results = timed_sweep(None, 2, list(SIZES) + [16 * 2**20])
+        if rank == 0:
+            queue.put(results)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_loopback() -> LinkCost:
+    """Two gloo processes on loopback, an all-reduce sweep (the bench's link probe), fitted alpha-beta."""
+    import torch.multiprocessing as mp
+
+    from scalerl.core.net import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_loopback_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = queue.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    sizes = [r["size"] for r in results]
+    seconds = [r["time_s"] for r in results]
+    return fit_link(sizes, seconds, "all_reduce", 2, "gloo", source="measured here: gloo all-reduce sweep on loopback, "
+                                                                    "2 processes x 1 thread")
+
+
+def disk_write_speed(directory: str) -> float:
+    from pathlib import Path
+
+    from scalerl.doctor.storage import probe_dir, write_speed
+
+    path = probe_dir(directory)
+    if not path.is_dir():
+        path = Path(".").absolute()
+    return write_speed(path, 64 * 2**20)
+
+
+def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], threads: int,
+                  output_dir: str) -> Calibration:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        rates, _ = probe_rates(s)
+        adam = time_adamw(policy_counts(s)[1])
+    finally:
+        torch.set_num_threads(before)
+    runtime = measure_runtime_bytes(config_path, overrides)
+    disk = disk_write_speed(output_dir)
+    notes = [f"runtime RSS {runtime / 2**20:.0f} MiB (measured here: the trainer imported, the data built)",
+             f"AdamW step {adam * 1e9:.2f} ns per parameter (measured here, {threads} thread(s))",
+             f"disk write {disk / 1e6:.0f} MB/s (measured here, fsynced, under {output_dir})"]
+    world = s.layout.world + s.layout.rollout_workers
+    if world > 1:
+        intra = measure_loopback()
+        notes.append(f"loopback {intra.bytes_per_s / 1e9:.2f} GB/s, latency {intra.alpha_s * 1e6:.0f} us ({intra.source})")
+    else:
+        intra = LinkCost(0.0, float("inf"), "one rank: no link")
+    return Calibration(rates, adam, disk, intra, intra, runtime, threads,
+                       source=f"this machine's CPU ({os.cpu_count()} cores), {threads} thread(s) per rank: "
+                              + rates.source, notes=notes)
+
+
+# ---------------------------------------------------------------- calibration: datasheets
+
+
+def datasheet_calibration(s: PlanSetup, device: str, link: str | None, mfu_train: float | None,
+                          mfu_gen: float | None, disk_bytes_per_s: float) -> Calibration:
+    import torch
+
+    name = device.lower()
+    dtype = torch.bfloat16 if s.compute_bytes == 2 else torch.float32
+    peak = datasheet_peak_flops(name.upper(), dtype)
+    train, gen = mfu_train or DEFAULT_MFU_TRAIN, mfu_gen or DEFAULT_MFU_GEN
+    hbm = next((v for k, v in HBM_BYTES_PER_S.items() if name.startswith(k)), None)
+    if hbm is None:
+        raise KeyError(f"no datasheet HBM bandwidth for {device!r}; known: {', '.join(HBM_BYTES_PER_S)}")
+    weights = policy_counts(s)[0] * s.compute_bytes / s.layout.tp
+    rates = ComputeRates(gen_flops_per_s=peak * gen, train_flops_per_s=peak * train, forward_flops_per_s=peak * train,
+                         other_s_per_row=0.0, gen_step_s=weights / hbm,
+                         source=f"datasheet: {device.upper()} {'bf16' if s.compute_bytes == 2 else 'fp32'} peak "
+                                f"{peak / 1e12:.0f} TFLOP/s x MFU {train:g} (train, assumed) / {gen:g} (generation, "
+                                f"assumed), each decode step reading the weights at {hbm / 1e12:.2f} TB/s (HBM datasheet)")
+    intra = LINK_PRESETS[NVLINK.get(name[:4], "pcie5")]
+    inter = LINK_PRESETS[link or "ib-ndr"]
+    notes = [f"intra-node: {intra.source}", f"inter-node: {inter.source}",
+             f"AdamW step: {ADAM_BYTES_PER_PARAM} bytes per parameter at the HBM datasheet bandwidth",
+             f"checkpoint writes at {disk_bytes_per_s / 1e9:.2f} GB/s per node (given or measured here)",
+             "device memory: the CUDA context and the allocator's fragmentation are not counted"]
+    return Calibration(rates, ADAM_BYTES_PER_PARAM / hbm, disk_bytes_per_s, intra, inter, 0.0, 0,
+                       source=rates.source, notes=notes)
+
+
+# ---------------------------------------------------------------- phase times
+
+
+def step_shape(s: PlanSetup) -> tuple[StepShape, TokenLengths]:
+    forward = int(s.old_pass) + int(s.reference) + int(s.critic)
+    lengths = TokenLengths(s.prompt_len or s.prompt_width, s.response_len or s.new_tokens)
+    width = lengths.prompt + lengths.response
+    micro = s.micro_rows
+    if s.micro_max_tokens:
+        micro = max(1, min(micro, int(s.micro_max_tokens // max(1.0, width))))
+    step = StepShape(rows=s.rows, prompt_len=s.prompt_width, response_len=s.new_tokens, train_width=width,
+                     micro_rows=micro, mini_rows=max(1, s.mini_rows), epochs=s.epochs, forward_passes=forward,
+                     pp_width=s.prompt_width + s.new_tokens, act_bytes=s.act_bytes, param_bytes=s.param_bytes)
+    return step, lengths
+
+
+PHASE_OF_COMM = {"grad": "update", "param": "update", "tp": "update", "pp": "update", "sequence": "update",
+                 "rollout": "generation", "weight_sync": "weight_sync", "metrics": "other"}
+
+
+def phase_seconds(s: PlanSetup, cal: Calibration, contention: float = 1.0) -> dict[str, float]:
+    """Seconds per phase of one trainer rank: the step's phases, and (once each time they run) checkpoint
+    save and evaluation. ``other`` is the per-row host work (not probed: 0 unless calibrated)."""
+    step, lengths = step_shape(s)
+    layout = dataclasses.replace(s.layout, rollout_param_bytes=s.rollout_bytes,
+                                 weight_sync_ratio=1.0)
+    estimate = project_step(s.model, step, layout, lengths, cal.rates, Links(cal.intra, cal.inter), contention)
+    out = {"generation": estimate.compute_s["gen"], "old_log_prob": 0.0, "ref_log_prob": 0.0,
+           "update": estimate.compute_s["update"], "weight_sync": 0.0, "other": estimate.compute_s["other"]}
+    passes = int(s.old_pass) + int(s.reference) + int(s.critic)
+    if passes:
+        each = estimate.compute_s["forward"] / passes
+        out["old_log_prob"] = each * (int(s.old_pass) + int(s.critic))
+        out["ref_log_prob"] = each * int(s.reference)
+    trainable = policy_counts(s)[1]
+    out["update"] += step.optimizer_steps * trainable / s.shard * cal.adam_s_per_param * max(1.0, contention)
+    for kind, seconds in estimate.comm_s.items():
+        phase = PHASE_OF_COMM.get(kind, "other")
+        if kind == "param" and s.fsdp:  # FSDP gathers: once per generation, per forward pass, per micro-batch
+            calls = {"generation": 1, "old_log_prob": step.forward_passes * math.ceil(step.rows / step.micro_rows),
+                     "update": 2 * step.micro_batches}
+            whole = sum(calls.values())
+            for name, n in calls.items():
+                out[name] += seconds * n / whole
+            continue
+        out[phase] = out.get(phase, 0.0) + seconds
+    total_params = policy_counts(s)[0]
+    state = total_params * s.param_bytes / s.shard + 2 * trainable * (4 if s.lora_rank else s.param_bytes) / s.shard
+    writers = min(s.layout.ranks_per_node, s.layout.world)  # the node's ranks share its disk
+    out["checkpoint_save"] = state * writers / cal.disk_bytes_per_s if cal.disk_bytes_per_s > 0 else 0.0
+    if s.eval_rows:
+        eval_step = dataclasses.replace(step, rows=min(s.eval_rows, EVAL_CHUNK_ROWS), forward_passes=0)
+        chunks = math.ceil(s.eval_rows / EVAL_CHUNK_ROWS)
+        out["evaluation"] = chunks * compute_seconds(s.model, eval_step, layout, lengths, cal.rates, contention)["gen"]
+    return out
+
+
+STEP_PHASES = ("generation", "old_log_prob", "ref_log_prob", "update", "weight_sync", "other")
+
+
+def step_seconds(phases: dict[str, float]) -> float:
+    return sum(phases.get(p, 0.0) for p in STEP_PHASES)

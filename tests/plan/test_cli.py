@@ -1,0 +1,75 @@
+"""`scalerl plan`: a 7B projection to 8 GPUs gives every phase, the command's text and exit codes, and one
+prediction against a measured tiny run on this CPU (loose tolerance: benchmarks/plan_validation.py measures)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from scalerl.core.config import load_config
+from scalerl.plan.cli import (
+    Cluster,
+    add_plan_arguments,
+    make_plan,
+    render,
+    run_plan_command,
+)
+from scalerl.plan.memory import PHASES
+from scalerl.plan.timing import step_seconds
+from tests.tiny import tiny_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_7b_projection_to_8_gpus_gives_every_phase():
+    cfg = load_config(None, ["actor.use_kl_loss=true", "trainer.precision=bf16", "trainer.batch_size=64",
+                             "actor.ppo_micro_batch_size=4"])
+    plan = make_plan(cfg, Cluster(1, 8, "h100"), model_name="qwen2.5-7b", disk_bytes_per_s=2e9,
+                     widths={"prompt_width": 512, "new_tokens": 1024})
+    assert plan.setup.train_width == 1536
+    assert set(PHASES) <= set(plan.seconds)
+    assert set(PHASES) - {"weight_sync"} <= set(plan.memory)  # colocated: no weight sync buffers
+    assert all(plan.seconds[p] >= 0 for p in PHASES) and step_seconds(plan.seconds) > 0
+    assert plan.memory["update"]["parameters"] > 7e9 * 4 * 0.99  # 7.6B float32 weights, unsharded (DDP)
+    assert plan.unfit is not None and plan.fix is not None  # 7B with AdamW in fp32 cannot fit 80 GB unsharded
+    assert plan.advice and all(why for _, why in plan.advice)
+    standalone = make_plan(load_config(None, ["rollout.placement=standalone", "rollout.workers=2",
+                                              "rollout.dtype=bf16", "parallel.dp_replicate=1", "parallel.dp_shard=-1"]),
+                           Cluster(1, 8, "h100"), model_name="qwen2.5-7b", disk_bytes_per_s=2e9, recommend=False)
+    assert "weight_sync" in standalone.memory and standalone.worker_memory["kv_cache"] > 0
+    assert standalone.seconds["weight_sync"] > 0
+    text = io.StringIO()
+    render(plan, text)
+    assert "DOES NOT FIT" in text.getvalue() and "fix:" in text.getvalue()
+
+
+def test_the_command_writes_json_and_exits_1_when_a_phase_does_not_fit(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    out = tmp_path / "plan.json"
+    code = run_plan_command(parser.parse_args(["--model", "qwen2.5-7b", "--device", "a100", "--devices-per-node", "8",
+                                               "--disk-gb-per-s", "1", "--no-recommend", "--json", str(out)]))
+    assert code == 1
+    data = json.loads(out.read_text())
+    assert data["first_unfit"]["fix"] and "datasheet" in data["calibration"]["source"]
+    assert run_plan_command(parser.parse_args(["--device", "cpu", "--nodes", "2"])) == 2
+    assert "--nodes 1" in capsys.readouterr().err
+
+
+def test_prediction_against_a_measured_tiny_run(tmp_path):
+    overrides = tiny_overrides("trainer.total_steps=3", "trainer.cpu_threads=1", f"trainer.output_dir={tmp_path}")
+    cfg = load_config(None, overrides)
+    plan = make_plan(cfg, Cluster(1, 1, "cpu"), overrides=overrides, recommend=False)
+    subprocess.run([sys.executable, "-m", "scalerl", "train", *overrides], cwd=REPO, check=True,
+                   capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "timing_s/step" in r]
+    measured_gb = max(r["perf/max_memory_gb"] for r in steps)
+    predicted_gb = max(sum(p.values()) for p in plan.memory.values()) / 2**30
+    assert 0.7 < predicted_gb / measured_gb < 1.3
+    measured_s = min(r["timing_s/step"] for r in steps[1:])
+    assert 0.2 < step_seconds(plan.seconds) / measured_s < 5  # tiny steps on a shared machine: loose

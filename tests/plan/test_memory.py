@@ -1,0 +1,95 @@
+"""The memory model against the bytes a built model really holds: parameters, gradients and AdamW state of
+the tiny model, the KV cache the engine allocates, and the first phase over a small cap with its fix."""
+
+from __future__ import annotations
+
+import torch
+
+from scalerl.bench.cost_model.step_traffic import Layout
+from scalerl.models.kv_cache import KVCache
+from scalerl.plan.cli import find_fix, first_unfit
+from scalerl.plan.memory import (
+    GIB,
+    PlanSetup,
+    kv_cache_bytes,
+    lora_param_count,
+    persistent_parts,
+    phase_parts,
+    total,
+)
+from tests.tiny import tiny_model, tiny_model_config
+
+
+def _setup(**changes) -> PlanSetup:
+    return PlanSetup(**{"model": tiny_model_config(), "layout": Layout(), "rows": 16, "prompt_width": 16,
+                        "new_tokens": 8, "micro_rows": 4, "mini_rows": 16, **changes})
+
+
+def test_parameters_gradients_and_adamw_state_are_the_built_models_bytes():
+    model = tiny_model()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.randint(3, 64, (2, 6))
+    model(ids, attention_mask=torch.ones_like(ids)).float().logsumexp(-1).mean().backward()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.step()
+    moments = sum(t.numel() * t.element_size() for state in optimizer.state.values()
+                  for k, t in state.items() if k in ("exp_avg", "exp_avg_sq"))
+    setup = _setup(model=model.config)
+    parts = persistent_parts(setup)
+    assert parts["parameters"] == params
+    assert parts["optimizer"] == moments
+    assert phase_parts(setup)["update"]["gradients"] == grads
+    sharded = persistent_parts(setup.replace(layout=Layout(dp_shard=2)))  # FSDP over 2: half of each
+    assert sharded["parameters"] == params / 2 and sharded["optimizer"] == moments / 2
+
+
+def test_ddp_keeps_a_bucket_copy_of_the_gradients_and_lora_trains_only_adapters():
+    cfg = tiny_model_config()
+    ddp = persistent_parts(_setup(layout=Layout(dp_replicate=2)))
+    assert ddp["ddp_buckets"] == ddp["parameters"]
+    adapters = lora_param_count(cfg, 4, ("all-linear",))
+    h, q, kv, i = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    assert adapters == cfg.num_hidden_layers * 4 * ((h + q) * 2 + (h + kv) * 2 + (h + i) * 3)
+    lora = persistent_parts(_setup(lora_rank=4))
+    assert lora["optimizer"] == 2 * adapters * 4
+
+
+def test_kv_cache_formula_is_what_the_engine_allocates():
+    cfg = tiny_model_config()
+    rows, length = 6, 40
+    cache = KVCache(cfg.num_hidden_layers, rows, length)
+    cache.allocate(cfg.num_key_value_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+    allocated = cache.kv.numel() * cache.kv.element_size()
+    # batch x length x layers x kv heads x head dim x 2 x bytes
+    assert kv_cache_bytes(cfg, rows, length, 4) == allocated
+    assert kv_cache_bytes(cfg, rows, length, 4) == rows * length * cfg.num_hidden_layers * \
+        cfg.num_key_value_heads * cfg.head_dim * 2 * 4
+    setup = _setup(prompt_width=32, new_tokens=8, rows=6)
+    assert phase_parts(setup)["generation"]["kv_cache"] == allocated
+
+
+def test_activation_checkpointing_saves_memory_and_the_first_phase_over_a_cap_gets_a_fix():
+    setup = _setup(micro_rows=16, prompt_width=256, new_tokens=64, rows=16)
+    update = total(phase_parts(setup)["update"])
+    assert total(phase_parts(setup.replace(activation_checkpointing=True))["update"]) < update
+    others = max(total(p) for name, p in phase_parts(setup).items() if name != "update")
+    cap = (others + update) / 2  # generation fits, the update does not
+    phase, peak = first_unfit(setup, cap)
+    assert phase == "update" and peak == update
+    override, why = find_fix(setup, cap, phase)
+    assert override == "model.activation_checkpointing=true" and why
+    assert first_unfit(setup.replace(activation_checkpointing=True), cap) is None
+
+
+def test_a_cap_below_the_weights_needs_fsdp():
+    setup = _setup(layout=Layout(dp_replicate=4), model=tiny_model_config(hidden_size=128, intermediate_size=512,
+                                                                           num_hidden_layers=4),
+                   rows=1, micro_rows=1, prompt_width=4, new_tokens=4)  # the weights dominate
+    state = total(persistent_parts(setup))
+    cap = state / 2  # not even the weights and AdamW state fit one rank; FSDP gathers the model to generate
+    phase, _ = first_unfit(setup, cap)
+    assert phase == "generation"
+    override, _ = find_fix(setup, cap, phase)
+    assert override.startswith("parallel.dp_shard=4") and cap < GIB
