@@ -60,7 +60,7 @@ __all__ = [
 
 DTYPES = ("float32", "bfloat16", "float16")
 MODEL_IMPLEMENTATIONS = ("auto", "scalerl", "transformers")
-TASKS = ("arithmetic", "gsm8k", "math")
+TASKS = ("arithmetic", "gsm8k", "math", "tool_arithmetic")
 DATA_FORMATS = ("auto", "gsm8k", "math", "rows", "verl", "trl")
 ROLLOUT_ENGINES = ("builtin", "vllm", "auto")
 ROLLOUT_PLACEMENTS = ("colocated", "standalone")
@@ -588,9 +588,18 @@ class ActorSection(_Section):
     ppo_kl_coef: float = opt(0.1, "kl_cov: coefficient of the |log r| penalty", at_least=0)
     mask_truncated_completions: bool = opt(False, "TRL's: responses cut off at rollout.max_new_tokens count in no "
                                            "loss and no token count (their share: response_length/clip_ratio)")
+    router_replay: bool = opt(False, "MoE models: rollout routing replay (R3). The built-in engine records the "
+                              "experts each token was routed to, and the old/reference log-prob passes and the "
+                              "update route by them (gate weights recomputed from the current router at those "
+                              "experts), so router drift between engine and trainer cannot move a token to other "
+                              "experts. Built-in engine, colocated, fixed batch (rollout.max_num_seqs=0), no "
+                              "packing, no tp/pp/sp/ep; refused on a dense model")
 
     def problems(self) -> list[str]:
         p: list[str] = []
+        if self.router_replay and self.use_remove_padding:
+            p.append("actor.router_replay=true with actor.use_remove_padding=true: recorded routes are laid out like "
+                     "padded rows, not packed ones; set actor.use_remove_padding=false or actor.router_replay=false")
         _check_optimizer(p, "actor", self.warmup_steps, self.lr_schedule)
         _check(p, len(self.betas) == 2, "actor.betas", "two values in [0, 1)", self.betas)
         _check(p, self.ppo_epochs >= 1, "actor.ppo_epochs", ">= 1", self.ppo_epochs)
@@ -990,7 +999,29 @@ class Config(_Section):
                      "run could not draw the same; use rollout.staleness <= 1 with dynamic sampling")
         p += _lora_problems(self)
         p += _sequence_parallel_problems(self)
+        p += _router_replay_problems(self)
         return p
+
+
+def _router_replay_problems(cfg: Config) -> list[str]:
+    """actor.router_replay on what records and replays routes: the built-in engine's fixed batch, colocated,
+    over unsplit layers (a dense model is refused at trainer start, where the model is known)."""
+    r, par = cfg.rollout, cfg.parallel
+    if not cfg.actor.router_replay:
+        return []
+    p = [f"actor.router_replay=true with parallel.{key}={getattr(par, key)}: routing replay runs with data "
+         f"parallelism only (parallel.dp_replicate / dp_shard); set parallel.{key}=1 or actor.router_replay=false"
+         for key in ("tp", "pp", "sp", "ep") if getattr(par, key) > 1]
+    if r.engine == "vllm":
+        p.append("actor.router_replay=true with rollout.engine=vllm: scalerl's vLLM engine does not ask vLLM for the "
+                 "experts it routed to (recent vLLM has enable_return_routed_experts; not wired in), so there is "
+                 "nothing to replay; set rollout.engine=builtin or actor.router_replay=false")
+    if r.placement != "colocated" or r.agent.env or r.max_num_seqs:
+        p.append(f"actor.router_replay=true records routes in the built-in engine's fixed colocated batch only (got "
+                 f"rollout.placement={r.placement}, rollout.max_num_seqs={r.max_num_seqs}, rollout.agent.env="
+                 f"{r.agent.env or 'none'}); set rollout.placement=colocated, rollout.max_num_seqs=0 and no "
+                 "rollout.agent.env, or actor.router_replay=false")
+    return p
 
 
 def sequence_parallel_head_problems(sp: int, heads: int, kv_heads: int, prefix: str = "") -> list[str]:

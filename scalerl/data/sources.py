@@ -4,6 +4,7 @@ rows in memory (`PromptStream`), or, with ``data.streaming=true``, read lazily f
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import random
@@ -19,9 +20,15 @@ from scalerl.data.formats import ColumnNames
 from scalerl.data.loaders import empty_data_files, expand_paths, load_rows
 from scalerl.data.rewards import RewardComputer
 from scalerl.data.streaming import StreamingPromptStream
+from scalerl.data.tool_arithmetic import REWARD_SPEC as TOOL_REWARD_SPEC
+from scalerl.data.tool_arithmetic import make_tool_arithmetic_rows
 from scalerl.parallel.distributed import DistContext
 
 _SPLIT_FILES = {"train": "train_files", "test": "val_files"}
+# The built-in tasks' row makers: (split, count, levels, seed) -> rows, when no data files are given.
+BUILTIN_TASK_ROWS = {"arithmetic": make_arithmetic_rows, "tool_arithmetic": make_tool_arithmetic_rows}
+# data.reward=auto for a built-in task whose reward is not one of the named built-in rewards.
+TASK_REWARD_SPECS = {"tool_arithmetic": TOOL_REWARD_SPEC}
 _SPLIT_OF_SAVED_DATASET = {"train": "split", "test": "val_split"}  # a DatasetDict directory's split to read
 
 
@@ -32,9 +39,9 @@ def rows_from_config(data_cfg: Any, split: str, seed: int) -> list[dict]:
     files = getattr(data_cfg, _SPLIT_FILES[split])
     if split == "test" and not files and data_cfg.train_files:
         return _carved_validation_rows(data_cfg, seed)
-    if data_cfg.task == "arithmetic" and not data_cfg.train_files and not files:
+    if data_cfg.task in BUILTIN_TASK_ROWS and not data_cfg.train_files and not files:
         count = data_cfg.num_train if split == "train" else data_cfg.num_val
-        return make_arithmetic_rows(split, count, list(data_cfg.difficulty), seed)
+        return BUILTIN_TASK_ROWS[data_cfg.task](split, count, list(data_cfg.difficulty), seed)
     if not files and split == "test":
         return []  # no held-out set: evaluation is skipped
     if not files:
@@ -154,7 +161,12 @@ def _gathered_over_dp(ctx: DistContext, share: list[dict]) -> list[dict]:
 
 def reward_from_config(data_cfg: Any, device: Any = "cpu") -> RewardComputer:
     """The reward the ``data`` section asks for (`scalerl.data.rewards.reward_from_config`: ``auto`` scores by
-    each row's data_source, falling back to the task's built-in; a reward model runs on ``device``)."""
+    each row's data_source, falling back to the task's built-in; a reward model runs on ``device``). A built-in
+    task with a reward of its own (`TASK_REWARD_SPECS`: tool_arithmetic's final answer after the tool result)
+    scores with it under ``auto``."""
+    if data_cfg.reward.strip() == "auto" and getattr(data_cfg, "task", None) in TASK_REWARD_SPECS:
+        data_cfg = copy.copy(data_cfg)
+        data_cfg.reward = TASK_REWARD_SPECS[data_cfg.task]
     return rewards.reward_from_config(data_cfg, device)
 
 

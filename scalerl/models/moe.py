@@ -56,11 +56,21 @@ class TopKRouter(nn.Linear):
         super().__init__(hidden, num_experts, bias=False)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x`` ``[N, H]`` -> (logits ``[N, E]``, weights ``[N, k]`` in ``x``'s dtype, expert ids ``[N, k]``)."""
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[N, H]`` -> (logits ``[N, E]``, weights ``[N, k]`` in ``x``'s dtype, expert ids ``[N, k]``).
+
+        ``replay`` ``[N, k]`` (routing replay, `scalerl.models.routing_replay`): recorded expert ids used in
+        place of the top-k, each row whose ids are all >= 0 (a row with -1 keeps the router's own choice);
+        their weights are the current probabilities at those ids (renormalised alike), so the router still
+        gets its gradient."""
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if replay is not None:
+            replay = replay.to(device=experts.device, dtype=torch.long)
+            experts = torch.where((replay >= 0).all(-1, keepdim=True), replay, experts)
+            weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights.to(logits.dtype), experts
@@ -90,11 +100,18 @@ class SparseMoeBlock(nn.Module):
         self.token_mask: torch.Tensor | None = None  # [N] bool of the forward's real rows (`set_capacity_factor`)
         # (assignments dropped, assignments of real tokens) of the latest capacity-limited forward, on this rank
         self.last_drop_counts: torch.Tensor | None = None
+        # Routing replay: recorded expert ids [N, k] of the next forward's flattened tokens (-1: none), set
+        # by `scalerl.models.routing_replay.replaying_routes`; None routes by the router's own top-k.
+        self.replay_experts: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        logits, weights, experts = self.gate(flat)
+        replay = self.replay_experts
+        if replay is not None and replay.shape[0] != flat.shape[0]:
+            raise ValueError(f"routing replay: {replay.shape[0]} recorded routes for a forward of {flat.shape[0]} "
+                             "tokens")
+        logits, weights, experts = self.gate(flat) if replay is None else self.gate(flat, replay)
         self.last_router_logits = logits
         factor = self.capacity_factor if self.training else 0.0
         real = None
@@ -148,7 +165,8 @@ def routed_expert_outputs(flat: torch.Tensor, weights: torch.Tensor, experts: to
         if kept is not None:
             dropped += len(idx) - len(kept)
             idx, w = idx[kept], w[kept]
-        out.index_add_(0, idx, expert(flat.index_select(0, idx)) * w.unsqueeze(-1))
+        # (under autocast the experts compute in bf16 while the residual stream stays fp32: add in ``out``'s dtype)
+        out.index_add_(0, idx, (expert(flat.index_select(0, idx)) * w.unsqueeze(-1)).to(out.dtype))
     return out, dropped
 
 

@@ -33,6 +33,9 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None  # [B, R] truncated importance weights (rollout vs old policy)
+    # [B, P + R, num_sparse_layers, top_k] int: the engine's routed experts, laid out like input_ids (-1: none
+    # recorded), replayed by the trainer's forwards with actor.router_replay (`scalerl.models.routing_replay`)
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def from_generation(cls, out: GenerationOutput, group_ids: torch.Tensor, scores: torch.Tensor) -> "RolloutBatch":
@@ -44,6 +47,7 @@ class RolloutBatch:
             rollout_logprobs=out.logprobs,
             group_ids=group_ids.to(out.response_ids.device),
             scores=scores.to(out.response_ids.device),
+            routed_experts=out.routed_experts,
         )
 
     @classmethod
@@ -120,6 +124,8 @@ class RolloutBatch:
             t = getattr(self, name)
             if t is not None:
                 updates[name] = F.pad(t, (0, extra_r))
+        if self.routed_experts is not None:  # laid out like input_ids; -1: no recorded route
+            updates["routed_experts"] = F.pad(self.routed_experts, (0, 0, 0, 0, extra_p, extra_r), value=-1)
         return replace(self, **updates)
 
     def trimmed(self) -> tuple["RolloutBatch", int, int]:
@@ -134,6 +140,8 @@ class RolloutBatch:
         left = min(first, self.prompt_len - 1)
         cols = slice(left, self.input_ids.shape[1] - right)
         updates = {"input_ids": self.input_ids[:, cols], "attention_mask": self.attention_mask[:, cols]}
+        if self.routed_experts is not None:
+            updates["routed_experts"] = self.routed_experts[:, cols]
         for name in PER_TOKEN_FIELDS:
             t = getattr(self, name)
             if t is not None:

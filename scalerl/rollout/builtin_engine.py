@@ -7,6 +7,9 @@ KV cache gathered into fewer rows), so finished rows stop costing decode work: a
 stop at very different lengths costs about its total tokens, not rows x longest. A row's random draws are
 tied to its global row (``SamplingParams.row_offset``), so its sample never depends on which other rows
 are still decoding. Which tokens count is worked out once after the loop, from each row's first stop token.
+With ``record_routes`` (actor.router_replay) a MoE model's routed experts are recorded as they are computed:
+the prompt's at prefill, each fed token's at its decode step, written to the row's place in the caller's
+batch (`GenerationOutput.routed_experts`, `scalerl.models.routing_replay`).
 
 With ``max_num_seqs`` set, a batch larger than that goes through continuous batching instead
 (`scalerl.rollout.continuous_engine`: a finished row's slot is refilled from the rest), with the same
@@ -15,6 +18,7 @@ outputs; ``continuous_engine()`` hands out such an engine for a stream of reques
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -24,6 +28,12 @@ from torch.distributed.fsdp import FSDPModule
 from scalerl.models.decode_model import DecodeModel, fused_decode_unsupported
 from scalerl.models.decoder import CausalLM
 from scalerl.models.kv_cache import KVCache
+from scalerl.models.routing_replay import (
+    NO_ROUTE,
+    ROUTE_DTYPE,
+    RouteRecorder,
+    route_shape,
+)
 from scalerl.parallel.fsdp_generation import gathered_once
 from scalerl.rollout.continuous_engine import (  # the finish-check intervals: one definition, both engines
     FINISH_CHECK_EVERY_CPU,
@@ -98,8 +108,12 @@ class BuiltinEngine:
         max_num_seqs: int = 0,
         dtype: torch.dtype | None = None,
         fused: bool = True,
+        record_routes: bool = False,
     ):
         self.model = model
+        # Record each token's routed experts in every sparse MoE layer (`GenerationOutput.routed_experts`, for
+        # actor.router_replay); fixed batches only. Off: no hook, no cost.
+        self.record_routes = record_routes
         # Generation's compute dtype on the fused path (None: the parameters'); bf16 over fp32 parameters
         # computes as a bf16 autocast forward does, from bf16 copies laid out once per weight sync
         # (`DecodeModel`). ``fused=False`` decodes with the model's own forward (the reference the tests use).
@@ -176,6 +190,10 @@ class BuiltinEngine:
         sharded = any(isinstance(m, FSDPModule) for m in self.model.modules())
         # Sharded or tensor-parallel forwards are collectives, so ranks decode in lockstep: one fixed batch.
         if 0 < self.max_num_seqs < len(prompts) and not decodes_in_lockstep(self.model):
+            if self.record_routes:
+                raise ValueError("recording routed experts (actor.router_replay=true) covers the fixed batch only; "
+                                 "continuous batching (rollout.max_num_seqs > 0) does not record them: set "
+                                 "rollout.max_num_seqs=0")
             return self._generate_continuous(prompts, sampling)
         with torch.no_grad() if sharded else torch.inference_mode(), gathered_once(self.model):
             return self._generate(prompts, sampling, self._forward(sharded))
@@ -234,7 +252,27 @@ class BuiltinEngine:
         tokens_out = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=device)
         logprobs_out = torch.zeros((batch, max_new), dtype=torch.float32, device=device)
 
-        logits = forward(prompt_ids, attention_mask=prompt_mask, kv_cache=cache, cache_start=0, logits_to_keep=1)
+        routes = None
+        if self.record_routes:  # [B, P + max_new, L, k]: prompt at prefill, each fed response token at its step
+            layers, top_k = route_shape(model)
+            if not layers:
+                raise ValueError("record_routes (actor.router_replay=true) needs a model with sparse MoE layers")
+            routes = torch.full((batch, total_len, layers, top_k), NO_ROUTE, dtype=ROUTE_DTYPE, device=device)
+        with RouteRecorder(model) if routes is not None else contextlib.nullcontext() as recorder:
+            logits = forward(prompt_ids, attention_mask=prompt_mask, kv_cache=cache, cache_start=0, logits_to_keep=1)
+            if recorder is not None:
+                prompt_routes = recorder.take().reshape(batch, prompt_len, *routes.shape[2:])
+                routes[:, :prompt_len] = prompt_routes.masked_fill(~prompt_mask.bool()[:, :, None, None], NO_ROUTE)
+            steps = self._decode(forward, logits, rows, cache, sampling, generator, tokens_out, logprobs_out,
+                                 stop_ids, check_every, prompt_len, recorder, routes)
+        return self._finish(prompt_ids, prompt_mask, tokens_out[:, :steps], logprobs_out[:, :steps], stop_ids, routes)
+
+    def _decode(self, forward, logits, rows: DecodingRows, cache, sampling, generator, tokens_out, logprobs_out,
+                stop_ids, check_every: int, prompt_len: int, recorder: RouteRecorder | None,
+                routes: torch.Tensor | None) -> int:
+        """The decode loop from the prefill's ``logits``; returns the steps taken. With a ``recorder``, each fed
+        token's routes go to ``routes[row, prompt_len + t]`` of its row in the caller's batch."""
+        max_new = sampling.max_new_tokens
         steps, checked = max_new, 0
         for t in range(max_new):
             tokens = self._sample(logits[:, -1], rows, t, sampling, generator, tokens_out, logprobs_out)
@@ -260,7 +298,9 @@ class BuiltinEngine:
                 kv_cache=cache,
                 cache_start=cur,
             )
-        return self._finish(prompt_ids, prompt_mask, tokens_out[:, :steps], logprobs_out[:, :steps], stop_ids)
+            if recorder is not None:
+                routes[rows.index, cur] = recorder.take()
+        return steps
 
     def _sample(self, logits, rows: DecodingRows, step: int, sampling, generator, tokens_out, logprobs_out):
         """Sample step ``step`` for the decoding rows and write the tokens and log-probs to their rows."""
@@ -279,7 +319,7 @@ class BuiltinEngine:
         finished = rows - unfinished
         return self.compact_at is not None and rows > 1 and finished > 0 and finished >= self.compact_at * rows
 
-    def _finish(self, prompt_ids, prompt_mask, tokens, logprobs, stop_ids) -> GenerationOutput:
+    def _finish(self, prompt_ids, prompt_mask, tokens, logprobs, stop_ids, routes=None) -> GenerationOutput:
         """Cut each row after its first stop token (kept, as generated), pad the rest, and trim columns
         that no row uses."""
         steps = tokens.shape[1]
@@ -288,6 +328,10 @@ class BuiltinEngine:
         last = torch.where(stopped, is_stop.int().argmax(-1), steps - 1)
         response_mask = torch.arange(steps, device=tokens.device).unsqueeze(0) <= last.unsqueeze(1)
         width = int(last.max()) + 1
+        if routes is not None:  # fed tokens after a row's stop token are not the response's: no route
+            prompt_len = prompt_ids.shape[1]
+            routes = routes[:, : prompt_len + width].clone()
+            routes[:, prompt_len:].masked_fill_(~response_mask[:, :width, None, None], NO_ROUTE)
         return GenerationOutput(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -295,6 +339,7 @@ class BuiltinEngine:
             response_mask=response_mask.long()[:, :width],
             logprobs=logprobs.masked_fill(~response_mask, 0.0)[:, :width],
             finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
+            routed_experts=routes,
         )
 
 

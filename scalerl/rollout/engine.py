@@ -77,6 +77,10 @@ class GenerationOutput:
     # per row, what the reward needs besides the text (a multi-turn episode's: the environment's own reward,
     # its info); None for single-turn rollouts
     reward_inputs: list[dict] | None = None
+    # [B, P + R, num_sparse_layers, top_k] int32: the experts each token was routed to in each sparse MoE layer,
+    # laid out as [prompt | response] (-1 where none was recorded: padding, the last response token); the
+    # built-in engine records them when asked (`BuiltinEngine.record_routes`, actor.router_replay), else None
+    routed_experts: torch.Tensor | None = None
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -101,6 +105,8 @@ class GenerationOutput:
             None if self.weight_versions is None else self.weight_versions[start:stop, :width],
             None if self.loss_mask is None else self.loss_mask[start:stop, :width],
             None if self.reward_inputs is None else self.reward_inputs[start:stop],
+            None if self.routed_experts is None
+            else self.routed_experts[start:stop, left : self.prompt_ids.shape[1] + width],
         )
 
     @staticmethod
@@ -127,6 +133,9 @@ class GenerationOutput:
                        for p in parts]) if any(p.loss_mask is not None for p in parts) else None,
             [r for p in parts for r in (p.reward_inputs or [{}] * len(p.finish_reasons))]
             if any(p.reward_inputs is not None for p in parts) else None,
+            torch.cat([torch.nn.functional.pad(p.routed_experts, (0, 0, 0, 0, prompt_width - p.prompt_ids.shape[1],
+                                                                  response_width - p.response_ids.shape[1]), value=-1)
+                       for p in parts]) if all(p.routed_experts is not None for p in parts) else None,
         )
 
 

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from scalerl.algorithms.entropy import logprobs_from_logits
 from scalerl.models.decoder import CausalLM
 from scalerl.models.packing import choose_packed_kernel, packed_batch_or_none, response_layout
+from scalerl.models.routing_replay import replaying_routes, replays_routes
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.fsdp_generation import gathered_once
 from scalerl.parallel.sequence_parallel import SequenceShards, splits_sequences
@@ -46,14 +47,16 @@ def response_logprobs(
     packed_kernel: str | None = None,
 ) -> torch.Tensor:
     """Per-token log-probs ``[B, R]`` of the batch's responses under ``model`` at the sampling temperature
-    (zero on padding)."""
+    (zero on padding). A model marked for routing replay (`enable_router_replay`: actor.router_replay, the
+    policy and its copies, not a teacher) routes by the batch's recorded experts where it has them."""
 
     def logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if temperature not in (0.0, 1.0):
             logits = logits / temperature
         return logprobs_from_logits(logits, labels)
 
-    return _per_response_token(model, batch, micro_batch_size, autocast, logprobs, packed_kernel)
+    replay = batch.routed_experts is not None and replays_routes(model)
+    return _per_response_token(model, batch, micro_batch_size, autocast, logprobs, packed_kernel, replay)
 
 
 @torch.no_grad()
@@ -65,13 +68,16 @@ def response_values(critic: nn.Module, batch: RolloutBatch, micro_batch_size: in
 
 
 def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast, per_token,
-                        packed_kernel: str | None = None) -> torch.Tensor:
+                        packed_kernel: str | None = None, replay: bool = False) -> torch.Tensor:
     """``per_token(output, labels)`` over the model's fp32 outputs at the positions before each response token
     and the response ids, micro-batch by micro-batch (all-padding columns trimmed), masked and padded back to
     ``[B, R]``. Packed, the model returns only the predictions of the masked response tokens ``[M, ...]``, so
     ``per_token`` (a log-softmax over the vocabulary) runs on those and its ``[M]`` results are put in place.
     Under sequence parallelism the policy returns this rank's shard of the logits (`SequenceShards`):
-    ``per_token`` runs there and only its results are gathered."""
+    ``per_token`` runs there and only its results are gathered. ``replay``: forwards route by the batch's
+    recorded experts (`replaying_routes`)."""
+    if replay and packed_kernel is not None:
+        raise ValueError("actor.router_replay=true does not apply to packed rows (actor.use_remove_padding=true)")
     out = []
     # Plain weights are cast to the compute dtype once for the pass (`Autocast.holding_casts`), not per
     # micro-batch; FSDP2/TP parameters are left to autocast's per-forward casts.
@@ -84,7 +90,7 @@ def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size:
             packed_outputs = packed_kernel is not None and not splits_sequences(model)  # sp unpacks its shards
             input_ids, attention_mask = packed_batch_or_none(micro.input_ids, micro.attention_mask, packed_kernel,
                                                              marked if packed_outputs else None)
-            with autocast or contextlib.nullcontext():
+            with autocast or contextlib.nullcontext(), replaying_routes(model, micro.routed_experts if replay else None):
                 output = model(input_ids, attention_mask=attention_mask, logits_to_keep=response_len + 1)
             with autocast.paused() if holds else contextlib.nullcontext():  # fp32 log-softmax
                 if isinstance(output, SequenceShards):  # the last kept position predicts nothing: label 0

@@ -32,6 +32,8 @@ class MicroBatchObjective:
 
     metric_names: tuple[str, ...] = ()
     mask_channel = 1  # where `target` keeps the response mask (the tokens a packed output predicts)
+    # Whether the update's forwards route by the batch's recorded experts (actor.router_replay: the policy's)
+    replays_routes = False
 
     def __init__(self) -> None:
         # Outputs in the packed layout of the masked response tokens (`scalerl.models.packing`); set by the
@@ -132,6 +134,7 @@ class PolicyObjective(MicroBatchObjective):
                                                     clip_ratio_high=actor_cfg.clip_ratio_high,
                                                     clip_ratio_c=actor_cfg.clip_ratio_c)
         self.generator: torch.Generator | None = None
+        self.replays_routes = bool(getattr(actor_cfg, "router_replay", False))
         # verl's metric names: each loss logs its own (gpg none, kl_cov only ppo_kl)
         self.metric_names = ("actor/pg_loss", "actor/entropy", "actor/kl_loss",
                              *(f"actor/{name}" for name in loss.metric_names))

@@ -37,6 +37,7 @@ from scalerl.data.sources import (
 )
 from scalerl.models.decode_model import fused_decode_unsupported
 from scalerl.models.load import load_model_and_tokenizer
+from scalerl.models.routing_replay import enable_router_replay
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
@@ -93,6 +94,12 @@ class RLTrainer(TrainingRun):
         super().__init__(cfg, ctx, total_steps=t.total_steps, eval_every=t.eval_every, timer=timer)
         self.on_batch = on_batch
         model = self.load_model()
+        if a.router_replay:  # before the reference, critic and old-policy copies, which inherit the mark
+            enable_router_replay(model)  # a dense model is refused here, naming the key
+            if self.engine_choice.name != "builtin":
+                raise ValueError(f"actor.router_replay=true needs the built-in engine, which records routed experts; "
+                                 f"rollout.engine={self.engine_choice.configured} resolved to "
+                                 f"{self.engine_choice.name}: set rollout.engine=builtin")
         self.shaping = RewardShaping(cfg, self.tokenizer.stop_token_ids,
                                      all_reduce=ctx.all_reduce if ctx.dp_size > 1 else None)
         # The critic and the frozen reference start as copies of the policy, made before it is laid out.
@@ -130,6 +137,8 @@ class RLTrainer(TrainingRun):
         if self.engine_choice.decided and ctx.is_main:
             print(f"rollout.engine=auto: {self.engine_choice.name} ({self.engine_choice.why})", flush=True)
         self.engine = self._build_engine()  # generates when colocated, evaluates always
+        if a.router_replay:
+            self.engine.record_routes = True  # GenerationOutput.routed_experts, replayed by the passes and update
         if r.placement == "standalone":
             self.rollouts = StandaloneRollouts(self.policy, ctx, self.tokenizer.pad_token_id, r, cfg.weight_sync,
                                                self.precision_choice.requested, self.engine.compute_dtype

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from scalerl.models.packing import packed_batch_or_none
+from scalerl.models.routing_replay import replaying_routes
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import MicroBatch, ModelParts
 from scalerl.parallel.seqlen_balance import (
@@ -110,7 +111,9 @@ def token_budget_batches(batch: RolloutBatch, max_tokens: int, ctx: DistContext,
     return [batch.select(torch.tensor(sorted(g), device=device)) for g in groups]
 
 
-def _forward_inputs(parts: ModelParts, mini: RolloutBatch, plan: UpdatePlan, objective, ctx) -> list[MicroBatch]:
+def _forward_inputs(parts: ModelParts, mini: RolloutBatch, plan: UpdatePlan, objective, ctx,
+                    routes: list | None = None) -> list[MicroBatch]:
+    """The micro-batches' forward inputs; ``routes``, when a list, takes each one's recorded routed experts."""
     packed = None if parts.fixed_shapes else plan.packed_kernel  # pipeline stages fix padded shapes
     if parts.fixed_shapes:  # the pipeline splits the padded mini-batch into its own micro-batches
         micros = [mini.padded_to(*plan.fixed_widths)]
@@ -124,6 +127,8 @@ def _forward_inputs(parts: ModelParts, mini: RolloutBatch, plan: UpdatePlan, obj
     # response tokens, [1, M, ...]: the loss's log-softmax runs on those M tokens (`objectives`).
     # Under sequence parallelism the shards keep the padded layout (`SequenceShards`).
     objective.packed_outputs = packed is not None and ctx.dims.sp == 1
+    if routes is not None:
+        routes.extend(m.routed_experts for m in micros)
     return [MicroBatch(*packed_batch_or_none(m.input_ids, m.attention_mask, packed,
                                              m.response_mask > 0 if objective.packed_outputs else None),
                        objective.target(m), objective.keep(m)) for m in micros]
@@ -166,8 +171,11 @@ class UpdateRun:
         self.parts.train()
         objective.start_mini_batch(mini_batch_counts(mini, self.ctx, self.plan.horizon))
         step.optimizer.zero_grad(set_to_none=True)
-        micros = _forward_inputs(self.parts, mini, self.plan, objective, self.ctx)
-        calls = self.parts.forward_backward(micros, objective, self.autocast, step.grad_scaler)
+        # actor.router_replay: each micro-batch's forward routes by its rows' recorded experts
+        routes = [] if objective.replays_routes and mini.routed_experts is not None else None
+        micros = _forward_inputs(self.parts, mini, self.plan, objective, self.ctx, routes)
+        with replaying_routes(self.parts.model, routes):
+            calls = self.parts.forward_backward(micros, objective, self.autocast, step.grad_scaler)
         objective.end_mini_batch(calls)
         norm, was_skipped = step(self.parts)
         self.norms.append(norm)

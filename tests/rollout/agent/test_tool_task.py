@@ -1,0 +1,117 @@
+"""The tool task's tool, the scripted teacher's demonstrations and an episode on it: the tool computes the
+operator and rejects bad arguments; the demonstrations parse with the Hermes parser under the built-in
+tokenizer's template (plain concatenation), their SFT rows hold exactly the tokens the agent loop lays out,
+and an episode through the agent loop calls the tool and gets its result as an untrained segment."""
+
+import asyncio
+
+import torch
+
+from scalerl.data.tool_arithmetic import (
+    TOOL_SPEC,
+    demonstration_sft_rows,
+    make_tool_arithmetic_rows,
+    op,
+    tool_answer_reward,
+    tool_demonstration,
+    tool_demonstration_rows,
+)
+from scalerl.demo import tool_environment_factory
+from scalerl.models.tokenizer import CharTokenizer
+from scalerl.rollout.agent.chat_delta import ChatContinuity
+from scalerl.rollout.agent.loop import AgentLimits, AgentLoop
+from scalerl.rollout.agent.tool_calls import get_parser
+from scalerl.rollout.agent.tools import call_tool, tool_from_function, tools_from_module
+from scalerl.rollout.continuous_engine import RequestOutput
+from scalerl.rollout.engine import SamplingParams
+
+TOK = CharTokenizer()
+ROWS = make_tool_arithmetic_rows("test", 6, [1, 2, 3], seed=0)
+
+
+def test_the_tool_computes_the_operator_and_rejects_bad_arguments():
+    (tool,) = tools_from_module(TOOL_SPEC)
+    assert tool.name == "op" and tool.parameters["required"] == ["a", "b"]
+    assert tool.parameters["properties"]["a"]["type"] == "integer" and "@" in tool.description
+
+    def run(arguments):
+        return asyncio.run(call_tool(tool, arguments))
+
+    assert run({"a": 47, "b": 38}).content == str(47 * 38 + 47 + 38) and not run({"a": 47, "b": 38}).error
+    for bad, message in (({"a": "47", "b": 38}, "must be integer"), ({"a": 1}, "missing required argument 'b'"),
+                         ({"a": True, "b": 2}, "must be integer"), ({"a": 1.5, "b": 2}, "must be integer"),
+                         ({"a": 1, "b": 2, "c": 3}, "unknown argument 'c'"), ({"a": 10**7, "b": 1}, "out of range")):
+        result = run(bad)
+        assert result.error and message in result.content, (bad, result.content)
+    assert tool_from_function(op).schema() == tool.schema()
+
+
+def test_demonstrations_parse_with_the_hermes_parser_and_hold_the_right_answer():
+    parser, env = get_parser("hermes"), tool_environment_factory()()
+    for row in ROWS:
+        _user, call, result, answer = tool_demonstration(row)
+        parsed = parser.parse(call["content"])
+        assert not parsed.errors and [(c.name, c.arguments) for c in parsed.calls] == [
+            ("op", {"a": row["operands"][0], "b": row["operands"][1]})]
+        env.reset(row)
+        step = asyncio.run(env.step(call))  # the tool environment answers the call with the demonstration's result
+        assert [m["content"] for m in step.messages] == [result["content"]] == [row["ground_truth"]]
+        assert not parser.parse(answer["content"]).calls and asyncio.run(env.step(answer)).done
+        assert tool_answer_reward(call["content"] + result["content"] + answer["content"], row["ground_truth"]) == 1.0
+
+
+def test_sft_rows_hold_the_tokens_the_agent_loop_lays_out_under_the_builtin_template():
+    """Through the built-in tokenizer's template (contents concatenated) the agent loop's context at the second
+    turn is prompt + the call + the eos the engine sampled + the tool's result: the answer row's prompt."""
+    row = ROWS[0]
+    messages = tool_demonstration(row)
+    call_row, answer_row = demonstration_sft_rows(messages, TOK.token_string(TOK.eos_token_id))
+    assert [r["response"] for r in tool_demonstration_rows([row])] == [call_row["response"], answer_row["response"]]
+    continuity = ChatContinuity(TOK, [t.schema() for t in tools_from_module(TOOL_SPEC)])
+    first = continuity.prompt(messages[:1])
+    assert first == TOK.encode(call_row["prompt"])  # no BOS: SFT with data.chat_template=true encodes it so too
+    turn = TOK.encode(messages[1]["content"]) + [TOK.eos_token_id]
+    delta = continuity.continuation([messages[2]], turn[-1])
+    assert delta.bridged and TOK.decode(delta.token_ids) == row["ground_truth"]
+    assert TOK.encode(answer_row["prompt"]) == first + turn + delta.token_ids
+
+
+class TeacherEngine:
+    """A continuous engine that answers as the scripted teacher: the call, then (once a result follows) the
+    final answer; log-probs zero."""
+
+    def __init__(self):
+        self.pending, self.turns = [], {row["prompt"]: tool_demonstration(row) for row in ROWS}
+
+    def submit(self, request):
+        self.pending.append(request)
+
+    def abort(self, ids):
+        return 0
+
+    def has_unfinished(self):
+        return bool(self.pending)
+
+    def step(self):
+        outputs = []
+        for request in self.pending:
+            text = TOK.decode(request.prompt_ids)
+            prompt = next(p for p in self.turns if text.startswith(p))
+            messages = self.turns[prompt]
+            reply = messages[3 if "</tool_call>" in text else 1]["content"]
+            ids = torch.tensor(TOK.encode(reply) + [TOK.eos_token_id])
+            outputs.append(RequestOutput(request.request_id, list(request.prompt_ids), ids,
+                                         torch.zeros(len(ids)), torch.zeros(len(ids), dtype=torch.long), "stop"))
+        self.pending = []
+        return outputs
+
+
+def test_an_episode_on_the_tool_task_calls_the_tool_and_its_result_is_an_untrained_segment():
+    loop = AgentLoop(TeacherEngine(), TOK, tool_environment_factory(), AgentLimits(max_turns=2, max_total_tokens=256))
+    trajectories, records = loop.run(ROWS, SamplingParams(max_new_tokens=80, temperature=0.0,
+                                                          stop_token_ids=TOK.stop_token_ids))
+    for row, trajectory, record in zip(ROWS, trajectories, records):
+        assert [s.generated for s in trajectory.segments] == [True, False, True]
+        assert TOK.decode(trajectory.segments[1].token_ids) == row["ground_truth"]  # the tool's result
+        assert record.end == "done" and record.info["tool_calls"] == 1 and record.info["tool_errors"] == 0
+        assert tool_answer_reward(TOK.decode(trajectory.response_ids), row["ground_truth"]) == 1.0
