@@ -38,7 +38,8 @@ def test_precisions():
 
 
 def test_builtin_rewards():
-    assert set(config.BUILTIN_REWARDS) == {"auto", "none", *BUILTIN_REWARDS}  # none: a reward model alone
+    # none: a reward model alone; judge: a generative judge model (data.judge, scalerl/data/reward_judge.py)
+    assert set(config.BUILTIN_REWARDS) == {"auto", "none", "judge", *BUILTIN_REWARDS}
 
 
 def test_parameter_dtypes_are_torch_dtypes():
