@@ -11,7 +11,9 @@ With a task reward as well, the step's advantage is ``task_weight * A_task + A_d
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,3 +76,20 @@ def check_teacher_tokenizer(student: Any, teacher: Any, teacher_path: str,
         theirs, ours = teacher.encode(text), student.encode(text)
         if list(theirs) != list(ours):
             raise fix(f"{text!r} is {list(theirs)[:8]}... for the teacher, {list(ours)[:8]}... for the student")
+
+
+def load_teacher(cfg: Any, student_tokenizer: Any, device: torch.device) -> torch.nn.Module:
+    """On-policy distillation's teacher (``algorithm.distill.teacher``), frozen, checked to read the student's
+    token ids as the same text. Its tokenizer is its own directory's, else ``model.tokenizer``."""
+    # The loader's imports only where a teacher is loaded.
+    from scalerl.models.load import load_model_and_tokenizer
+
+    path = cfg.algorithm.distill.teacher
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"algorithm.distill.teacher={path!r} is not a model directory (no config.json there): give "
+                          "a directory a run exported (its final/ or sft/model/) or a Hugging Face model directory")
+    own_tokenizer = (Path(path) / "tokenizer.json").is_file()
+    teacher_cfg = dataclasses.replace(cfg.model, path=path, tokenizer=None if own_tokenizer else cfg.model.tokenizer)
+    teacher, tokenizer = load_model_and_tokenizer(teacher_cfg, None, device, cfg.trainer.seed)
+    check_teacher_tokenizer(student_tokenizer, tokenizer, path)
+    return teacher.requires_grad_(False)

@@ -15,18 +15,15 @@ pipeline stages.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from scalerl.algorithms.distillation import check_teacher_tokenizer
+from scalerl.algorithms.distillation import load_teacher
 from scalerl.algorithms.loss_registry import get_policy_loss
 from scalerl.core.algorithm_names import needs_critic
-from scalerl.core.config import Config, ConfigError
+from scalerl.core.config import Config
 from scalerl.core.device import compute_dtype, resolve_device
 from scalerl.data.prompts import check_prompts
 from scalerl.data.sources import (
@@ -36,15 +33,14 @@ from scalerl.data.sources import (
     split_origin,
 )
 from scalerl.models.decode_model import fused_decode_unsupported
-from scalerl.models.load import load_model_and_tokenizer
 from scalerl.models.routing_replay import enable_router_replay
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.perf.mfu import StepWork
 from scalerl.perf.timing import StepTimer
-from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.agent.source import AgentRollouts
+from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine_choice import decide_engine
 from scalerl.rollout.sources import ColocatedRollouts, StandaloneRollouts
@@ -64,7 +60,11 @@ from scalerl.trainer.rollout_rebalance import rebalance_batch
 from scalerl.trainer.run import TrainingRun, run_output_dir, start_run, step_work
 from scalerl.trainer.run_checks import check_rl_layout
 from scalerl.trainer.run_directory import CHECKPOINTS_DIR
-from scalerl.trainer.run_failures import StopSignals, last_good_checkpoint, run_reporting_failures
+from scalerl.trainer.run_failures import (
+    StopSignals,
+    last_good_checkpoint,
+    run_reporting_failures,
+)
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, UpdateRun, run_update
 
 # Config keys a resumed run must share with the checkpoint it resumes (others, e.g. total_steps, may change).
@@ -305,20 +305,6 @@ class RLTrainer(TrainingRun):
         self.rollouts.close()
         getattr(self.engine, "close", lambda: None)()  # a vLLM engine's child process
         super().close()
-
-
-def load_teacher(cfg: Config, student_tokenizer: Any, device: torch.device) -> nn.Module:
-    """On-policy distillation's teacher (``algorithm.distill.teacher``), frozen, checked to read the student's
-    token ids as the same text. Its tokenizer is its own directory's, else ``model.tokenizer``."""
-    path = cfg.algorithm.distill.teacher
-    if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"algorithm.distill.teacher={path!r} is not a model directory (no config.json there): give "
-                          "a directory a run exported (its final/ or sft/model/) or a Hugging Face model directory")
-    own_tokenizer = (Path(path) / "tokenizer.json").is_file()
-    teacher_cfg = dataclasses.replace(cfg.model, path=path, tokenizer=None if own_tokenizer else cfg.model.tokenizer)
-    teacher, tokenizer = load_model_and_tokenizer(teacher_cfg, None, device, cfg.trainer.seed)
-    check_teacher_tokenizer(student_tokenizer, tokenizer, path)
-    return teacher.requires_grad_(False)
 
 
 def train(cfg: Config) -> dict[str, Any]:
