@@ -383,6 +383,8 @@ class AgentSection(_Section):
                                        at_least=1)
     max_total_tokens: int = opt(0, "tokens per trajectory at most (prompt, turns and environment answers); 0 = "
                                    "data.max_prompt_length + max_turns x (rollout.max_new_tokens + 64)", at_least=0)
+    env_timeout_s: float = opt(300.0, "seconds one reset or step of the environment (its tools included) may take; "
+                                      "past it the episode ends as an environment error, the batch goes on", above=0)
 
     def problems(self) -> list[str]:
         p: list[str] = []

@@ -32,7 +32,7 @@ def agent_limits(cfg: Any) -> AgentLimits:
     a = cfg.rollout.agent
     budget = a.max_total_tokens or cfg.data.max_prompt_length + a.max_turns * (cfg.rollout.max_new_tokens
                                                                               + ENV_TOKENS_PER_TURN)
-    return AgentLimits(max_turns=a.max_turns, max_total_tokens=budget)
+    return AgentLimits(max_turns=a.max_turns, max_total_tokens=budget, env_timeout_s=a.env_timeout_s)
 
 
 def environment_factory(agent_cfg: Any) -> Callable[[], Any]:

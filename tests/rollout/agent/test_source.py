@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from scalerl.rollout.agent.source import AgentRollouts
@@ -101,3 +102,15 @@ def test_the_tool_environment_gets_a_sandboxed_python_tool_from_the_config(capsy
     step = asyncio.run(env.step({"role": "assistant", "content":
                                  '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'}))
     assert step.messages[0]["content"].strip() == "42"
+
+
+def test_the_agent_limits_come_from_the_config():
+    from scalerl.core.config import ConfigError, load_config
+    from scalerl.rollout.agent.source import agent_limits
+
+    cfg = load_config(None, ["rollout.agent.env=chat", "rollout.agent.max_turns=3", "rollout.agent.env_timeout_s=2.5",
+                             "data.max_prompt_length=40", "rollout.max_new_tokens=10"])
+    limits = agent_limits(cfg)
+    assert (limits.max_turns, limits.env_timeout_s, limits.max_total_tokens) == (3, 2.5, 40 + 3 * (10 + 64))
+    with pytest.raises(ConfigError, match="rollout.agent.env_timeout_s"):
+        load_config(None, ["rollout.agent.env_timeout_s=0"])
