@@ -22,6 +22,14 @@ TINY = [
 ]
 
 
+# A tiny MoE decoder's settings (with model_type and the architecture's own keys added by each test): 4 experts,
+# top-2, 3 layers.
+TINY_MOE_VOCAB = 80
+TINY_MOE = dict(vocab_size=TINY_MOE_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16, max_position_embeddings=128)
+
+
 def tiny_overrides(*changes: str) -> list[str]:
     """``TINY`` with each ``key=value`` of ``changes`` in place of that key's value (new keys appended),
     so every key appears once, as a reader of the command line expects."""

@@ -169,6 +169,15 @@ def _fits(s: PlanSetup, capacity: float, phase: str) -> bool:
     return phase not in parts or total(parts[phase]) <= capacity
 
 
+def _halvings(n: int) -> list[int]:
+    """n // 2, n // 4, ... down to 1: the smaller sizes a fix tries, largest first."""
+    sizes = []
+    while n > 1:
+        n //= 2
+        sizes.append(n)
+    return sizes
+
+
 def _powers_of_two_dividing(n: int) -> list[int]:
     return [d for d in (2**i for i in range(1, 12)) if d <= n and n % d == 0]
 
@@ -184,16 +193,12 @@ def find_fix(s: PlanSetup, capacity: float, phase: str) -> tuple[str, str] | Non
             candidates.append(("model.activation_checkpointing=true", s.replace(activation_checkpointing=True),
                                ("keeps one input per layer and recomputes each layer's activations in backward "
                                 "(about a third more update compute)")))
-        rows = s.micro_rows
-        while rows > 1:
-            rows //= 2
+        for rows in _halvings(s.micro_rows):
             candidates.append((f"actor.ppo_micro_batch_size={rows}", s.replace(micro_rows=rows),
                                (f"activations and logits scale with the micro-batch ({s.micro_rows} -> {rows} "
                                 "sequences; the same optimizer steps, more passes)")))
     if phase.startswith("generation") or phase == "evaluation":
-        rows = s.gen_rows
-        while rows > 1:
-            rows //= 2
+        for rows in _halvings(s.gen_rows):
             candidates.append((f"rollout.max_num_seqs={rows}", s.replace(max_num_seqs=rows),
                                (f"the KV cache scales with the rows decoding at once ({s.gen_rows} -> {rows}; "
                                 "continuous batching refills finished slots)")))

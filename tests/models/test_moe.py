@@ -33,12 +33,9 @@ from scalerl.perf.flops import decoder_param_count, matmul_param_count
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
 from tests.spawned_group import run_in_group
-from tests.tiny import tiny_overrides
+from tests.tiny import TINY_MOE, TINY_MOE_VOCAB, tiny_overrides
 
-VOCAB = 80
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-              max_position_embeddings=128)
+VOCAB, COMMON = TINY_MOE_VOCAB, TINY_MOE  # the tiny MoE both MoE test files build
 # (architecture, its own settings): Qwen2-MoE with a shared expert, unnormalised top-k and one dense layer;
 # Qwen3-MoE with q/k norms, normalised top-k and every second layer sparse; top-1 routing.
 CASES = {

@@ -27,12 +27,9 @@ from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import GenerationOutput, SamplingParams
 from scalerl.trainer.forward_passes import response_logprobs
 from tests.spawned_group import run_in_group
-from tests.tiny import tiny_model, tiny_overrides
+from tests.tiny import TINY_MOE, TINY_MOE_VOCAB, tiny_model, tiny_overrides
 
-VOCAB = 80
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-              max_position_embeddings=128)
+VOCAB, COMMON = TINY_MOE_VOCAB, TINY_MOE  # the tiny MoE both MoE test files build
 CASES = {  # Qwen2-MoE: shared expert, unnormalised top-k, a dense layer; Qwen3-MoE: normalised, every 2nd sparse
     "qwen2_moe": dict(model_type="qwen2_moe", shared_expert_intermediate_size=24, mlp_only_layers=[1],
                       norm_topk_prob=False),

@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -235,13 +235,18 @@ class AgentLoop:
             pump.release(previous)
             if record.end != "env_error" and callable(getattr(env, "episode_reward", None)):
                 await self._episode_reward(env, record)
-            close = getattr(env, "close", None)
-            if close is not None:
-                try:
-                    await call_env(env, "close")
-                except Exception as error:
-                    record.info.setdefault("error", f"{type(env).__name__}.close raised: {error}")
+            await self._close(env, record)
         return self._finished(prompt, segments, finish, row, record)
+
+    @staticmethod
+    async def _close(env: Any, record: EpisodeRecord) -> None:
+        """``env.close()`` where it has one; a raise is recorded in the episode's info, not the run's problem."""
+        if getattr(env, "close", None) is None:
+            return
+        try:
+            await call_env(env, "close")
+        except Exception as error:
+            record.info.setdefault("error", f"{type(env).__name__}.close raised: {error}")
 
     async def _episode_reward(self, env: Any, record: EpisodeRecord) -> None:
         """The environment's own score of the whole episode, read once it is over whatever ended it (TRL's
@@ -308,12 +313,7 @@ class AgentLoop:
             segments = []
         finally:
             pump.release(last[0])
-            close = getattr(env, "close", None)
-            if close is not None:
-                try:
-                    await call_env(env, "close")
-                except Exception as error:
-                    record.info.setdefault("error", f"{type(env).__name__}.close raised: {error}")
+            await self._close(env, record)
         return self._finished(prompt, segments, finish, row, record)
 
     def _finished(self, prompt: list[int], segments: list[TrajectorySegment], finish: str, row: dict,

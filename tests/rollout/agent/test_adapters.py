@@ -11,7 +11,6 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from scalerl.core.errors import UserError
 from scalerl.models.tokenizer import CharTokenizer
@@ -35,6 +34,7 @@ from scalerl.rollout.agent.tools import (
 )
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
+from tests.rollout.agent.conftest import ScriptedTurns
 from tests.tiny import tiny_model
 
 TOK = CharTokenizer()
@@ -73,21 +73,6 @@ class IncrementEnv:
 '''
 
 
-class Script:
-    """The engine's logits forced to a script: each episode's first turn (the first ``rows`` requests) says
-    ``first``, later turns ``then``; each ends with the end-of-sequence token."""
-
-    def __init__(self, rows: int, first: str, then: str = "ok"):
-        self.rows, self.texts = rows, [first, then]
-
-    def __call__(self, logits, request_ids, index):
-        forced = torch.full_like(logits, -1e9)
-        for row, (request, at) in enumerate(zip(request_ids.tolist(), index.tolist())):
-            ids = TOK.encode(self.texts[0 if request < self.rows else 1]) + [TOK.eos_token_id]
-            forced[row, ids[min(at, len(ids) - 1)]] = 0.0
-        return forced
-
-
 def _call(name: str, **arguments) -> str:
     import json
 
@@ -96,7 +81,7 @@ def _call(name: str, **arguments) -> str:
 
 def _run(make_env, rows, first, limits=LIMITS):
     engine = BuiltinEngine(tiny_model(vocab_size=128).eval(), TOK.pad_token_id,
-                           logits_processor=Script(len(rows), first)).continuous_engine(256, 96, 4)
+                           logits_processor=ScriptedTurns(len(rows), first)).continuous_engine(256, 96, 4)
     return AgentLoop(engine, TOK, make_env, limits).run(rows, SAMPLING)
 
 
@@ -448,7 +433,7 @@ def test_the_config_key_rollout_agent_tool_config_loads_the_yaml(verl_tools):
     path = verl_tools(ANSWER_CONFIG)
     cfg = load_config(None, ["rollout.agent.env=tools", f"rollout.agent.tool_config={path}"])
     env = environment_factory(cfg.rollout.agent)()
-    messages, schemas = env.reset({"prompt": "3+4=?"})
+    _, schemas = env.reset({"prompt": "3+4=?"})
     assert [s["function"]["name"] for s in schemas] == ["answer"]
     with pytest.raises(ConfigError, match=r"rollout.agent.tool_config=.* is read with rollout.agent.env=tools"):
         load_config(None, [f"rollout.agent.tool_config={path}"])

@@ -8,7 +8,6 @@ import asyncio
 import time
 
 import pytest
-import torch
 
 from scalerl.core.errors import UserError
 from scalerl.models.tokenizer import CharTokenizer
@@ -17,6 +16,7 @@ from scalerl.rollout.agent.loop import AgentLimits, AgentLoop, agent_metrics
 from scalerl.rollout.agent.tools import tool_from_function
 from scalerl.rollout.builtin_engine import BuiltinEngine
 from scalerl.rollout.engine import SamplingParams
+from tests.rollout.agent.conftest import ScriptedTurns
 from tests.tiny import tiny_model
 
 TOK = CharTokenizer()
@@ -104,25 +104,10 @@ def test_the_tool_environment_runs_calls_and_answers_errors_to_the_model():
     assert env.stats["tool_calls"] == 4 and env.stats["tool_errors"] >= 3
 
 
-class Script:
-    """The engine's logits forced to a script: the first turn of each episode (the first requests) calls the
-    tool, later turns answer; each ends with the end-of-sequence token."""
-
-    def __init__(self, rows: int):
-        self.rows = rows
-        self.texts = ['<tool_call>{"name": "op", "arguments": {"a": 3, "b": 4}}</tool_call>', "=1"]
-
-    def __call__(self, logits, request_ids, index):
-        forced = torch.full_like(logits, -1e9)
-        for row, (request, at) in enumerate(zip(request_ids.tolist(), index.tolist())):
-            ids = TOK.encode(self.texts[0 if request < self.rows else 1]) + [TOK.eos_token_id]
-            forced[row, ids[min(at, len(ids) - 1)]] = 0.0
-        return forced
-
-
 def test_a_tool_episode_end_to_end_keeps_the_tool_result_as_untrained_context():
     model = tiny_model(vocab_size=128).eval()
-    engine = BuiltinEngine(model, TOK.pad_token_id, logits_processor=Script(rows=2)).continuous_engine(256, 96, 4)
+    script = ScriptedTurns(2, '<tool_call>{"name": "op", "arguments": {"a": 3, "b": 4}}</tool_call>', "=1")
+    engine = BuiltinEngine(model, TOK.pad_token_id, logits_processor=script).continuous_engine(256, 96, 4)
     loop = AgentLoop(engine, TOK, lambda: ToolEnvironment([tool_from_function(op)]), AgentLimits(max_turns=4,
                                                                                                   max_total_tokens=256))
     sampling = SamplingParams(max_new_tokens=96, seed=0, stop_token_ids=TOK.stop_token_ids)
