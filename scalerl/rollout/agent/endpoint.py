@@ -350,6 +350,8 @@ class RolloutEndpoint:
         with self._lock:
             connections = dict(self._connections)
         for handler in connections:  # idle keep-alive readers wake up at EOF
+            if handler.in_flight is not None:  # its EOF would read as the client gone: it is answered 503 instead
+                continue
             try:
                 handler.connection.shutdown(socket.SHUT_RD)
             except OSError:
@@ -671,12 +673,12 @@ class RolloutEndpoint:
             except CancelledError:  # the pump stopped (the endpoint closing)
                 raise EndpointError(503, "the endpoint stopped while this call was generating",
                                     "server_error") from None
+            if self._closing or self._pump_error is not None:  # before the client: closing may end its reads
+                future.cancel()
+                raise EndpointError(503, "the endpoint stopped while this call was generating", "server_error")
             if h.client_gone():
                 future.cancel()  # the pump aborts its row
                 raise _ClientGone()
-            if self._closing or self._pump_error is not None:
-                future.cancel()
-                raise EndpointError(503, "the endpoint stopped while this call was generating", "server_error")
             if time.monotonic() > deadline:
                 future.cancel()
                 raise EndpointError(504, f"no answer from the engine within {self.request_timeout_s} s", "server_error")

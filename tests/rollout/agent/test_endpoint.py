@@ -291,6 +291,8 @@ def test_prefix_chains_make_trajectories_and_breaks_are_counted():
         assert third["choices"][0]["token_ids"] == TOK.encode("abcX") and third["choices"][0]["finish_reason"] == "stop"
         assert len(third["choices"][0]["logprobs"]["token_logprobs"]) == 4
         assert third["choices"][0]["logprobs"]["tokens"] == list("abcX")
+        # The server counts a call in flight until its handler returns, a moment after the client has the answer.
+        wait_until(lambda: endpoint.session_info(session)["in_flight"] == 0, 10, "the last call's handler to end")
         assert endpoint.session_info(session) | {"session_id": None} == {
             "session_id": None, "calls": 3, "in_flight": 0, "reward": None, "template_breaks": 0, "prefix_breaks": 1}
         trajectories, _ = endpoint.collect(session)
