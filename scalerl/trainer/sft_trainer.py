@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from scalerl.comm.gradients.setup import announce
 from scalerl.core.config import Config
 from scalerl.data.prompts import encode_demonstrations
 from scalerl.data.sources import PromptStream, reward_from_config, rows_from_config, split_origin
@@ -26,7 +25,7 @@ from scalerl.trainer.objectives import SFTObjective
 from scalerl.trainer.optim import build_optimizer
 from scalerl.trainer.run import TrainingRun, run_output_dir, start_run, step_work
 from scalerl.trainer.run_checks import check_sft_layout
-from scalerl.trainer.run_directory import CHECKPOINTS_DIR
+from scalerl.trainer.run_directory import CHECKPOINTS_DIR, say
 from scalerl.trainer.run_failures import run_reporting_failures
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update
 
@@ -41,7 +40,7 @@ def compression_warning(cfg: Config, dp_size: int) -> str | None:
     it ended 16-36 points of held-out accuracy below dense where PowerSGD and bf16 did not."""
     if cfg.comm.gradient_compression != "topk" or cfg.trainer.init_from is not None or dp_size <= 1:
         return None
-    return ("warning: top-k gradient compression on SFT from a freshly initialised model ended 16-36 points of "
+    return ("top-k gradient compression on SFT from a freshly initialised model ended 16-36 points of "
             "held-out accuracy below dense on the demo (docs/comm-compression.md); "
             "comm.gradient_compression=powersgd or bf16 kept dense's accuracy there")
 
@@ -58,7 +57,7 @@ class SFTTrainer(TrainingRun):
         model = self.load_model()
         warning = compression_warning(cfg, ctx.dp_size)
         if warning:
-            announce(warning)
+            say(ctx, warning, warning=True)
         self.policy = self.lay_out(model)
         self.trained = {"actor": self.policy}
         files = cfg.data.train_files
