@@ -3,7 +3,9 @@ by default), clipped value regression for the critic, token-mean cross-entropy f
 
 Each is called as ``loss(output, target)`` on one micro-batch, by a plain forward or by the last pipeline
 stage alike: ``output`` is the model's output whose last positions cover the response (logits, or values
-for the critic), ``target`` the per-token tensor `target(batch)` builds. Packed (``packed_outputs``, set by
+for the critic), ``target`` the per-token tensor `target(batch)` builds from the batch fields the objective
+names in ``inputs``; the loss reads them back by name (`named`). They travel as one float tensor
+``[rows, response, inputs]`` because the pipeline schedule splits its target into micro-batches as one tensor. Packed (``packed_outputs``, set by
 the update loop with ``actor.use_remove_padding``), ``output`` holds only the predictions of the response
 tokens the loss mask marks, ``[1, M, ...]``: log-softmax and entropy run on those M tokens, and only their
 per-token results go back to the ``[rows, response]`` layout the aggregation reads (`response_layout`).
@@ -31,7 +33,10 @@ class MicroBatchObjective:
     """Bookkeeping shared by the losses: the mini-batch's aggregation counts, metric parts per call."""
 
     metric_names: tuple[str, ...] = ()
-    mask_channel = 1  # where `target` keeps the response mask (the tokens a packed output predicts)
+    # The `RolloutBatch` fields the loss reads, in the order `target` stacks them; always with the response
+    # mask (the tokens a packed output predicts). ``defaults``: the value of a field the batch may lack.
+    inputs: tuple[str, ...] = ("response_mask",)
+    defaults: dict[str, float] = {}
     # Whether the update's forwards route by the batch's recorded experts (actor.router_replay: the policy's)
     replays_routes = False
 
@@ -69,6 +74,26 @@ class MicroBatchObjective:
         """This call's share of the mini-batch's tokens, times the DP size (ranks are averaged later)."""
         return mask.sum() / torch.as_tensor(self.agg["global_num_tokens"]).clamp(min=1) * self.agg["dp_size"]
 
+    def target(self, batch: RolloutBatch) -> torch.Tensor:
+        """``[rows, response, len(inputs)]`` float: the batch's ``inputs`` fields, stacked."""
+        columns = []
+        for name in self.inputs:
+            value = getattr(batch, name)
+            if value is None:
+                if name not in self.defaults:
+                    raise ValueError(f"{type(self).__name__} reads RolloutBatch.{name}, which this batch lacks")
+                value = torch.full(batch.response_mask.shape, self.defaults[name], dtype=torch.float32,
+                                   device=batch.response_mask.device)
+            columns.append(value.float())
+        return torch.stack(columns, dim=-1)
+
+    def named(self, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The loss inputs of ``target`` by field name (views; the ids as integers)."""
+        values = dict(zip(self.inputs, target.unbind(-1)))
+        if "response_ids" in values:
+            values["response_ids"] = values["response_ids"].long()
+        return values
+
     @staticmethod
     def keep(batch: RolloutBatch) -> int:
         """Output positions the loss reads: the one before each response token, plus the last."""
@@ -86,7 +111,7 @@ class MicroBatchObjective:
 
     def response_tokens(self, target: torch.Tensor) -> torch.Tensor:
         """``[B, R]`` bool: the response tokens a packed output predicts (the loss mask's)."""
-        return target[..., self.mask_channel] > 0
+        return target[..., self.inputs.index("response_mask")] > 0
 
     def per_token(self, values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Per-token results computed on `response_outputs` in the ``[B, R]`` layout (packed: put in place)."""
@@ -120,10 +145,14 @@ def policy_loss_options(actor_cfg: Any) -> PolicyLossOptions:
 class PolicyObjective(MicroBatchObjective):
     """A policy loss from `POLICY_LOSSES` (default dual-clip PPO) with an optional entropy bonus and KL penalty
     to a reference policy, aggregated by ``actor.loss_agg_mode`` over the whole mini-batch's counts.
-    ``target[..., :]`` = (response ids, mask, old log-prob, advantage, reference log-prob, importance weight).
+    Reads the response ids and mask, old log-probs, advantages, reference log-probs (zero without a reference)
+    and importance weights (one without a correction).
 
     ``options`` default to the dual clip's keys of ``actor_cfg``. ``generator`` draws the random token picks of
     clip_cov; the trainer reseeds it every step from (seed, step, DP rank), so a resumed run repeats them."""
+
+    inputs = ("response_ids", "response_mask", "old_logprobs", "advantages", "ref_logprobs", "is_weights")
+    defaults = {"ref_logprobs": 0.0, "is_weights": 1.0}
 
     def __init__(self, actor_cfg: Any, temperature: float, loss: PolicyLoss = POLICY_LOSSES["vanilla"],
                  options: PolicyLossOptions | None = None):
@@ -139,13 +168,6 @@ class PolicyObjective(MicroBatchObjective):
         self.metric_names = ("actor/pg_loss", "actor/entropy", "actor/kl_loss",
                              *(f"actor/{name}" for name in loss.metric_names))
 
-    @staticmethod
-    def target(batch: RolloutBatch) -> torch.Tensor:
-        ref = batch.ref_logprobs if batch.ref_logprobs is not None else torch.zeros_like(batch.old_logprobs)
-        weights = batch.is_weights if batch.is_weights is not None else torch.ones_like(batch.old_logprobs)
-        return torch.stack([batch.response_ids.float(), batch.response_mask, batch.old_logprobs,
-                            batch.advantages, ref, weights], dim=-1)
-
     def token_logprobs_and_entropy(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``[..., 2]``: the log-prob of each id and the entropy (a metric only, without gradient, unless
         ``actor.entropy_coeff`` makes it a loss term), at the sampling temperature."""
@@ -157,11 +179,13 @@ class PolicyObjective(MicroBatchObjective):
         return torch.stack([logp, entropy], dim=-1)
 
     def __call__(self, logits, target: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        ids, mask, old, adv, ref, weights = target[..., 0].long(), *target[..., 1:].unbind(-1)
-        logp, entropy = self.response_token_outputs(logits, ids, target, self.token_logprobs_and_entropy).unbind(-1)
-        pg_loss, pg_metrics = self.loss(old, logp, adv, mask, cfg.loss_agg_mode, self.options, **self.agg,
-                                        token_weights=weights, generator=self.generator)
+        cfg, x = self.cfg, self.named(target)
+        mask = x["response_mask"]
+        logp, entropy = self.response_token_outputs(logits, x["response_ids"], target,
+                                                    self.token_logprobs_and_entropy).unbind(-1)
+        pg_loss, pg_metrics = self.loss(x["old_logprobs"], logp, x["advantages"], mask, cfg.loss_agg_mode,
+                                        self.options, **self.agg, token_weights=x["is_weights"],
+                                        generator=self.generator)
         loss = pg_loss
         if cfg.entropy_coeff:
             loss = loss - cfg.entropy_coeff * aggregate_loss(entropy, mask, cfg.loss_agg_mode, **self.agg)
@@ -169,7 +193,8 @@ class PolicyObjective(MicroBatchObjective):
         parts = {"actor/pg_loss": pg_loss,
                  "actor/entropy": (entropy * mask).sum() / mask.sum().clamp(min=1) * weight}
         if cfg.use_kl_loss:
-            kl_loss = aggregate_loss(kl_penalty(logp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode, **self.agg)
+            kl_loss = aggregate_loss(kl_penalty(logp, x["ref_logprobs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode,
+                                     **self.agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
             parts["actor/kl_loss"] = kl_loss
         parts.update({f"actor/{k}": v * weight for k, v in pg_metrics.items()})
@@ -178,40 +203,34 @@ class PolicyObjective(MicroBatchObjective):
 
 
 class ValueObjective(MicroBatchObjective):
-    """Clipped value regression onto the returns; ``target[..., :]`` = (return, old value, mask)."""
+    """Clipped value regression onto the returns (reads the returns, the old values and the response mask)."""
 
     metric_names = ("critic/vf_loss", "critic/vf_clipfrac")
-    mask_channel = 2
+    inputs = ("returns", "values", "response_mask")
 
     def __init__(self, critic_cfg: Any, loss_agg_mode: str):
         super().__init__()
         self.cfg, self.loss_agg_mode = critic_cfg, loss_agg_mode
 
-    @staticmethod
-    def target(batch: RolloutBatch) -> torch.Tensor:
-        return torch.stack([batch.returns, batch.values, batch.response_mask], dim=-1)
-
     def __call__(self, values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        returns, old_values, mask = target.unbind(-1)
+        x = self.named(target)
+        mask = x["response_mask"]
         vpreds = self.per_token(self.response_outputs(values, target), target)
-        loss, metrics = value_loss(vpreds, returns, old_values, mask, self.cfg.cliprange_value,
+        loss, metrics = value_loss(vpreds, x["returns"], x["values"], mask, self.cfg.cliprange_value,
                                    agg=self.loss_agg_mode, **self.agg)
         self._record({"critic/vf_loss": loss, "critic/vf_clipfrac": metrics["vf_clipfrac"] * self._token_weight(mask)})
         return self.cfg.value_loss_coef * loss
 
 
 class SFTObjective(MicroBatchObjective):
-    """Token-mean cross-entropy of the response tokens; ``target[..., :]`` = (response ids, mask)."""
+    """Token-mean cross-entropy of the response tokens (reads the response ids and mask)."""
 
     metric_names = ("sft/loss",)
-
-    @staticmethod
-    def target(batch: RolloutBatch) -> torch.Tensor:
-        return torch.stack([batch.response_ids.float(), batch.response_mask], dim=-1)
+    inputs = ("response_ids", "response_mask")
 
     def __call__(self, logits, target: torch.Tensor) -> torch.Tensor:
-        ids, mask = target[..., 0].long(), target[..., 1]
-        logp = self.response_token_outputs(logits, ids, target, logprobs_from_logits)
-        loss = aggregate_loss(-logp, mask, "token-mean", **self.agg)
+        x = self.named(target)
+        logp = self.response_token_outputs(logits, x["response_ids"], target, logprobs_from_logits)
+        loss = aggregate_loss(-logp, x["response_mask"], "token-mean", **self.agg)
         self._record({"sft/loss": loss})
         return loss
