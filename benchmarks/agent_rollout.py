@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scalerl.models.tokenizer import CharTokenizer  # noqa: E402
 from scalerl.rollout.agent.environment import EnvStep  # noqa: E402
 from scalerl.rollout.agent.loop import AgentLimits, AgentLoop  # noqa: E402
-from scalerl.rollout.builtin_engine import BuiltinEngine  # noqa: E402
-from scalerl.rollout.engine import SamplingParams  # noqa: E402
+from scalerl.rollout.engines.builtin import BuiltinEngine  # noqa: E402
+from scalerl.rollout.engines.engine import SamplingParams  # noqa: E402
 from scalerl.rollout.trajectory import Trajectory, TrajectorySegment  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 

@@ -75,9 +75,9 @@ from scalerl.models.config import ModelConfig
 from scalerl.models.decode_model import DecodeModel
 from scalerl.models.decoder import build_model
 from scalerl.models.hf_checkpoint import save_pretrained
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.continuous_engine import GenerationRequest
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.continuous import GenerationRequest
+from scalerl.rollout.engines.engine import SamplingParams
 
 SIZES = {
     "tiny (2L, h64, V256)": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),

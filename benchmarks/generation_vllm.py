@@ -12,7 +12,7 @@ reported on its own, not in the tokens/s. ``ratio`` = vLLM tokens/s over the bui
 
 ``--grpo``: one GRPO run per engine on the 0.5B-shaped model (random weights, ``--grpo-layers`` of its 24
 layers), each cell ``ENGINE:PRECISION`` of ``--grpo-cells`` a fresh process running the demo's arithmetic
-task through scalerl's RL trainer with ``rollout.engine=ENGINE`` (``auto``: what `engine_choice` picks, and
+task through scalerl's RL trainer with ``rollout.engine=ENGINE`` (``auto``: what `scalerl.rollout.engines.choice` picks, and
 what it said) and ``trainer.precision=PRECISION`` (the update's; vLLM's weights in the same dtype,
 ``rollout.dtype``; the built-in engine decodes in the trainer's precision, on its fused bf16 path in bf16).
 Random weights almost never sample the stop token (1 in 151936), so every response runs to
@@ -46,8 +46,8 @@ from scalerl.bench.cost_model.model_shapes import model_shape  # noqa: E402
 from scalerl.models.config import ModelConfig  # noqa: E402
 from scalerl.models.decoder import build_model  # noqa: E402
 from scalerl.models.hf_checkpoint import save_pretrained  # noqa: E402
-from scalerl.rollout.builtin_engine import BuiltinEngine  # noqa: E402
-from scalerl.rollout.engine import SamplingParams  # noqa: E402
+from scalerl.rollout.engines.builtin import BuiltinEngine  # noqa: E402
+from scalerl.rollout.engines.engine import SamplingParams  # noqa: E402
 
 VLLM_SIZES = {
     "tiny": ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
@@ -99,7 +99,7 @@ class _ForcedStopAnyVocab(ForcedStop):
 
 def run_vllm_rows(sizes: list[str], dtypes: list[str], batches: list[int], lengths: str, fixed_tokens: int,
                   rl_tokens: int, repeats: int) -> list[dict]:
-    from scalerl.rollout.vllm_engine import VLLMEngine
+    from scalerl.rollout.engines.vllm import VLLMEngine
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -32,7 +32,7 @@ def _rank(rank: int, prompts: int, repeats: int, out: str) -> dict:
     from scalerl.bench.matrix import BENCH_BASE, BUILTIN_MODEL
     from scalerl.core.config import load_config
     from scalerl.parallel.distributed import init_distributed
-    from scalerl.rollout.builtin_engine import BuiltinEngine
+    from scalerl.rollout.engines.builtin import BuiltinEngine
     from scalerl.trainer.rl_trainer import RLTrainer
 
     rows = prompts * 4

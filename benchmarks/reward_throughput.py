@@ -8,7 +8,7 @@ external checker) and then `--cpu-ms` of busy Python (a loop until that much CPU
 parser or a symbolic check). Each mode scores a batch of `--samples` responses `--repeats` times after one
 warm-up batch (which starts the workers); it prints samples/s (the best repeat) and the ratio against
 serial. Modes: serial (`data.reward_workers=0`), pool with 2 and 4 workers (`data.reward_workers=N`),
-and the reference server (`python -m scalerl.data.reward_server`, run here in a thread on 127.0.0.1)
+and the reference server (`python -m scalerl.data.rewards.server`, run here in a thread on 127.0.0.1)
 scoring in-process and with its own 4 workers, the client sending requests of 64 samples. Sleeps
 overlap beyond the machine's cores; the CPU part does not.
 """
@@ -23,8 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from scalerl.data.reward_server import make_server
-from scalerl.data.rewards import RewardComputer
+from scalerl.data.rewards.computer import RewardComputer
+from scalerl.data.rewards.server import make_server
 
 SLOW_REWARD = textwrap.dedent("""
     import time

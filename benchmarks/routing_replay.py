@@ -33,8 +33,8 @@ from scalerl.models.decoder import build_model
 from scalerl.models.moe import moe_blocks
 from scalerl.models.routing_replay import enable_router_replay, forward_routes
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 from scalerl.trainer.forward_passes import response_logprobs
 
 CFG = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

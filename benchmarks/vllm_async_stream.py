@@ -28,10 +28,10 @@ import torch
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
 from scalerl.models.hf_checkpoint import save_pretrained
-from scalerl.rollout.continuous_engine import GenerationRequest
-from scalerl.rollout.engine import SamplingParams
-from scalerl.rollout.vllm_async_engine import VLLMAsyncEngine
-from scalerl.rollout.vllm_engine import VLLMEngine
+from scalerl.rollout.engines.continuous import GenerationRequest
+from scalerl.rollout.engines.engine import SamplingParams
+from scalerl.rollout.engines.vllm import VLLMEngine
+from scalerl.rollout.engines.vllm_async import VLLMAsyncEngine
 
 
 def model_of(hidden: int, layers: int, seed: int) -> torch.nn.Module:

@@ -12,7 +12,7 @@ layerwise reload). Printed: wall seconds per load (the first pays one-time costs
 
 ``--transport bytes`` sends each bucket as bytes through ``collective_rpc`` (the way before buckets were
 staged in /dev/shm; `VLLMEngine.load_stage_dir` = None). ``--checksum old`` swaps `bucket_checksum` for `bucket_checksum_reference` (the first implementation) in
-`scalerl.rollout.vllm_weight_loading` on both sides (both sides only with ``--in-process``; otherwise the
+`scalerl.rollout.engines.vllm_weight_loading` on both sides (both sides only with ``--in-process``; otherwise the
 engine's process keeps the new one). ``--in-process`` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the engine
 core runs in this process and ``--profile N`` (cProfile of one more load, the top N entries by cumulative and
 by own time) sees both sides; without it the profile shows the trainer's side and the wait for the engine's
@@ -51,8 +51,8 @@ def main() -> None:
     from scalerl.comm.weights import delta
     from scalerl.models.config import ModelConfig
     from scalerl.models.decoder import build_model
-    from scalerl.rollout import vllm_weight_loading
-    from scalerl.rollout.vllm_engine import VLLMEngine
+    from scalerl.rollout.engines import vllm_weight_loading
+    from scalerl.rollout.engines.vllm import VLLMEngine
 
     if args.checksum == "old":
         vllm_weight_loading.bucket_checksum = delta.bucket_checksum_reference

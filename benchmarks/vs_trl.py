@@ -83,7 +83,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from scalerl.data.arithmetic import make_arithmetic_rows
-from scalerl.data.rewards import RewardComputer
+from scalerl.data.rewards.computer import RewardComputer
 
 rows = make_arithmetic_rows("train", 9000, [1, 2], 0)
 dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])

@@ -87,8 +87,8 @@ def grpo_bytes(sft_dir: Path, out: Path, lr: float, args) -> list[dict]:
 
     from scalerl.core.config import load_config
     from scalerl.models.decoder import build_model
-    from scalerl.rollout.builtin_engine import BuiltinEngine
-    from scalerl.rollout.weight_loading import engine_weight_receiver
+    from scalerl.rollout.engines.builtin import BuiltinEngine
+    from scalerl.rollout.engines.weight_loading import engine_weight_receiver
     from scalerl.trainer.rl_trainer import RLTrainer
 
     cfg = load_config(DEMO, [f"actor.lr={lr}", f"actor.warmup_steps={args.warmup_steps}", "data.num_val=0",

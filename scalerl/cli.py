@@ -262,7 +262,7 @@ def cmd_version(args: argparse.Namespace) -> int:
     features = cpu_bf16_features()
     print(f"CPU bf16: {', '.join(features) if features else 'none'} (of {', '.join(CPU_BF16_FLAGS)} in /proc/cpuinfo)")
 
-    from scalerl.rollout.vllm_engine import vllm_build
+    from scalerl.rollout.engines.vllm import vllm_build
 
     build = vllm_build()
     print("vllm: " + ("not installed" if build is None else

@@ -119,8 +119,8 @@ def run_demo(cfg: Config) -> dict[str, Any]:
 # 3. GRPO trains with the tool environment (``rollout.agent.env=tools`` over ``op``), the exact final answer as
 #    reward.
 # Held-out accuracy is measured in episodes (`evaluate_episodes`: greedy, the tool environment, up to
-# ``rollout.agent.max_turns`` turns) after SFT and after GRPO: the trainer's own evaluation is single-turn, so
-# it is switched off for the GRPO run (``data.num_val=0`` there). ``use_tool=False`` runs the same pipeline
+# ``rollout.agent.max_turns`` turns) after SFT and after GRPO, one evaluator for both models (the SFT run has no
+# environment), so the GRPO run's own evaluation (also in episodes) is switched off (``data.num_val=0`` there). ``use_tool=False`` runs the same pipeline
 # without the tool (demonstrations answer directly, GRPO is single-turn, evaluation is one turn): the baseline
 # ``benchmarks/agent_task.py`` compares against. ``scalerl demo --agent`` runs `run_agent_demo` on
 # `AGENT_DEMO_CONFIG` under the command line's overrides.
@@ -158,8 +158,8 @@ def evaluate_episodes(model: Any, tokenizer: Any, rows: list[dict], *, use_tool:
     import torch
 
     from scalerl.rollout.agent.loop import AgentLimits, AgentLoop
-    from scalerl.rollout.builtin_engine import BuiltinEngine
-    from scalerl.rollout.engine import SamplingParams
+    from scalerl.rollout.engines.builtin import BuiltinEngine
+    from scalerl.rollout.engines.engine import SamplingParams
 
     model.eval()
     engine = BuiltinEngine(model, tokenizer.pad_token_id).continuous_engine(
@@ -241,7 +241,7 @@ def run_agent_demo(cfg: Any, use_tool: bool = True) -> dict[str, Any]:
     rl_cfg = copy.deepcopy(cfg)
     rl_cfg.trainer.init_from = sft["model_dir"]
     rl_cfg.trainer.output_dir = str(out / "grpo")
-    rl_cfg.data.num_val = 0  # the trainer evaluates single-turn: held-out accuracy is measured here, in episodes
+    rl_cfg.data.num_val = 0  # held-out accuracy is measured here, by the evaluator the SFT model had
     summary = train(rl_cfg)
     after = _evaluate_dir(cfg, summary["final_model"], held_out, use_tool)
     total = time.perf_counter() - start

@@ -72,6 +72,11 @@ COMPARED_METRICS = {
     "sft": ("sft/loss", "sft/grad_norm"),
 }
 TOLERANCE = 1e-4
+# The ranks fork from one server process that imported these once (multiprocessing's "forkserver"), rather
+# than each importing torch afresh (seconds per rank on a small machine).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.pipelining",
+           "torch.distributed.fsdp", "torch.distributed.checkpoint", "safetensors.torch",
+           "scalerl.trainer.rl_trainer", "scalerl.trainer.sft_trainer"]
 
 
 def response_length_reward(response: str, ground_truth: str) -> float:
@@ -148,8 +153,10 @@ def _metrics_file(kind: str, output_dir: Path) -> Path:
     return output_dir / ("sft" if kind == "sft" else "") / "metrics.jsonl"
 
 
-def _worker(rank: int, world: int, port: int, layouts: dict, overrides: list[str], out_dir: str, kinds,
-            layout_extra: dict[str, list[str]] | None = None) -> None:
+def _worker(rank: int, world: int, port: int, layouts: dict, overrides: list[str], out_dir: str,
+            kinds_of: dict[str, tuple[str, ...]], layout_extra: dict[str, list[str]], environ: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's, not the fork server's (which may be older)
+    os.environ.update(environ)
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
@@ -165,8 +172,8 @@ def _worker(rank: int, world: int, port: int, layouts: dict, overrides: list[str
         # One process group for every layout: each layout builds its own mesh (new subgroups) on it.
         for name, layout in layouts.items():
             layout_overrides = [f"parallel.{k}={v}" for k, v in {"dp_replicate": 1, **layout}.items()]
-            layout_overrides += (layout_extra or {}).get(name, [])
-            for kind in kinds:
+            layout_overrides += layout_extra.get(name, [])
+            for kind in kinds_of[name]:
                 if supported(kind, layout):
                     run_kind(kind, [*overrides, *layout_overrides], Path(out_dir) / f"world{world}-{name}" / kind)
     finally:
@@ -236,14 +243,32 @@ def _load_pair(reference_dir: Path, other_dir: Path):
 
 
 def run_verification(
-    out_dir: str | Path, worlds=(2, 4), steps: int = 3, kinds=KINDS, layouts: list[str] | None = None
+    out_dir: str | Path, worlds=(2, 4), steps: int = 3, kinds=KINDS, layouts: list[str] | None = None,
+    extra_kinds: dict[str, list[str]] | None = None,
 ) -> list[VerificationRow]:
+    """Rows of ``kinds`` under each layout of ``worlds`` (all, or those named in ``layouts``) against the
+    single-process runs. ``extra_kinds`` adds kinds for some layouts only ({"ppo": ["ddp", "tp"]}), run in the
+    same spawned group per world size (a group's start-up costs more than a tiny run)."""
     import torch.multiprocessing as mp
 
     out_dir = Path(out_dir)
     overrides = verification_overrides(steps)
-    dense = any(n in LAYOUTS[w] for w in worlds for n in (layouts or LAYOUTS[w]))
-    reference = {kind: run_kind(kind, overrides, out_dir / "single" / kind) for kind in kinds} if dense else {}
+
+    def kinds_of(name: str) -> tuple[str, ...]:
+        more = [k for k, names in (extra_kinds or {}).items() if name in names and k not in kinds]
+        return (*kinds, *more)
+
+    # Single-process references, one run per distinct (kind, overrides): the MoE rows without overrides of
+    # their own share one, whatever their world size.
+    references: dict[tuple[str, tuple[str, ...]], tuple[Path, Path]] = {}  # -> (its directory, its model)
+
+    def reference(kind: str, single_overrides: list[str], run_dir: Path) -> tuple[Path, Path]:
+        key = (kind, tuple(single_overrides))
+        if key not in references:
+            references[key] = run_dir, run_kind(kind, [*overrides, *single_overrides], run_dir)
+        return references[key]
+
+    model_dir = None
     rows = []
     for world in worlds:
         chosen = {n: l for n, l in LAYOUTS[world].items() if layouts is None or n in layouts}
@@ -251,39 +276,42 @@ def run_verification(
         if not chosen and not moe:
             continue
         extra: dict[str, list[str]] = {n: list(LAYOUT_OVERRIDES[n]) for n in chosen if n in LAYOUT_OVERRIDES}
-        references = {name: reference for name in chosen}  # layout -> kind -> the single-process model
+        singles: dict[str, dict[str, tuple[Path, Path]]] = {}  # layout -> kind -> its single-process run
+        for name, layout in chosen.items():
+            singles[name] = {kind: reference(kind, [], out_dir / "single" / kind)
+                             for kind in kinds_of(name) if supported(kind, layout)}
         if moe:
-            model_dir = moe_verification_model(out_dir / "moe-model")
+            model_dir = model_dir or moe_verification_model(out_dir / "moe-model")
             for name, (layout, moe_extra) in moe.items():
                 chosen[name] = layout
                 extra[name] = moe_overrides(model_dir, single=False, extra=moe_extra, ranks=world)
                 single = moe_overrides(model_dir, single=True, extra=moe_extra)
-                references[name] = {kind: run_kind(kind, [*overrides, *single], out_dir / f"single-{name}" / kind)
-                                    for kind in kinds if supported(kind, layout)}
+                singles[name] = {kind: reference(kind, single, out_dir / f"single-{name}" / kind)
+                                 for kind in kinds_of(name) if supported(kind, layout)}
+        mp.set_forkserver_preload(PRELOAD)  # before its server starts; no effect on one already running
         mp.start_processes(
-            _worker, args=(world, free_port(), chosen, overrides, str(out_dir), tuple(kinds), extra), nprocs=world,
-            start_method="spawn",
+            _worker, args=(world, free_port(), chosen, overrides, str(out_dir), {n: kinds_of(n) for n in chosen},
+                           extra, dict(os.environ)), nprocs=world, start_method="forkserver",
         )
         for name in chosen:
-            for kind in kinds:
+            for kind in kinds_of(name):
                 if not supported(kind, chosen[name]):
                     print(f"skipped: {kind} under {name} (the critic does not run with pipeline parallelism yet)")
                     continue
                 run_dir = out_dir / f"world{world}-{name}" / kind
-                single_model = references[name][kind]
-                single_dir = out_dir / ("single" if name not in moe else f"single-{name}") / kind
+                single_dir, single_model = singles[name][kind]
                 loss_diff = max_metric_diff(
                     _read_metrics(_metrics_file(kind, single_dir)), _read_metrics(_metrics_file(kind, run_dir)),
                     COMPARED_METRICS[kind],
                 )
-                model_dir = run_dir / ("sft/model" if kind == "sft" else "final")
+                run_model = run_dir / ("sft/model" if kind == "sft" else "final")
                 if kind == "ppo" and not _critic_trained(run_dir):
                     loss_diff = float("inf")  # a critic that never learned would make the check vacuous
                 if name in moe and moe[name][1] and not _dropped_tokens(_metrics_file(kind, run_dir)):
                     loss_diff = float("inf")  # a capacity factor that dropped nothing would check nothing new
                 rows.append(VerificationRow(
-                    kind, name, world, loss_diff, max_weight_diff(single_model, model_dir),
-                    max_abs_weight_diff(single_model, model_dir),
+                    kind, name, world, loss_diff, max_weight_diff(single_model, run_model),
+                    max_abs_weight_diff(single_model, run_model),
                 ))
     return rows
 

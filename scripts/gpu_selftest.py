@@ -180,8 +180,8 @@ def check_fsdp2_nccl_step() -> str:
 
 def check_engine_decode() -> str:
     device = _cuda()
-    from scalerl.rollout.builtin_engine import BuiltinEngine
-    from scalerl.rollout.engine import SamplingParams
+    from scalerl.rollout.engines.builtin import BuiltinEngine
+    from scalerl.rollout.engines.engine import SamplingParams
 
     model = _tiny_model(device).eval()
     engine = BuiltinEngine(model, pad_token_id=0)

@@ -1,8 +1,12 @@
 """One helper for tests that need a multi-process world: spawn ``world_size`` processes on this machine,
 join them into one gloo group on loopback, run a function in each, and hand back what each returned.
 
-Start-up dominates such tests (a spawned torch process costs seconds on 2 cores), so a test module
-spawns one group and does many checks inside it (e.g. through a module-scoped fixture).
+Start-up dominates such tests (a fresh process importing torch costs seconds on 2 cores), so a test module
+spawns one group and does many checks inside it (e.g. through a module-scoped fixture), and the ranks are
+forked from one server process that imported torch and the trainers once per test session (multiprocessing's
+"forkserver", `start_method`): a clean process each, as with "spawn", without the import. What a forked rank
+would otherwise take from that server rather than from the test, it is handed: the test's environment
+(monkeypatched variables included) and its stdout/stderr (so pytest captures the ranks' output).
 """
 
 from __future__ import annotations
@@ -22,6 +26,54 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from scalerl.core.net import free_port
+from scalerl.verify import PRELOAD
+
+
+def start_method() -> str:
+    """The start method for a group's ranks: "forkserver" with `scalerl.verify.PRELOAD` imported (set here before
+    its server starts, the one `scalerl verify` uses too; it lives until the test session ends). A name that
+    fails to import there is skipped (a rank then imports it itself)."""
+    mp.set_forkserver_preload(PRELOAD)
+    return "forkserver"
+
+
+class _ParentFd:
+    """One of this process's file descriptors, handed to a rank as it starts (pickled with its arguments)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _child_fd, (DupFd(self.fd),)
+
+
+def _child_fd(handle) -> int:
+    return handle.detach()
+
+
+def _parent_process_state() -> tuple[dict[str, str], _ParentFd, _ParentFd]:
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    return dict(os.environ), _ParentFd(1), _ParentFd(2)
+
+
+def _adopting(rank: int, fn: Callable, parent_state: tuple[dict[str, str], int, int], *args: Any) -> Any:
+    environ, stdout, stderr = parent_state
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, target in ((stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    return fn(rank, *args)
+
+
+def start_processes(fn: Callable[..., Any], args: tuple, nprocs: int, join: bool = True):
+    """`torch.multiprocessing.start_processes(fn, args, nprocs, join=join)` with each rank forked from the
+    preloaded server (`start_method`) and handed this process's environment and stdout/stderr first."""
+    return mp.start_processes(_adopting, args=(fn, _parent_process_state(), *args), nprocs=nprocs,
+                              start_method=start_method(), join=join)
 
 
 def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable, args: tuple, results,
@@ -77,10 +129,8 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
     manager = mp.Manager()
     try:
         results = manager.dict()
-        context = mp.start_processes(
-            _rank_main, args=(world_size, free_port(), timeout_s, fn, args, results, init_group),
-            nprocs=world_size, start_method="spawn", join=False,
-        )
+        context = start_processes(_rank_main, (world_size, free_port(), timeout_s, fn, args, results, init_group),
+                                  world_size, join=False)
         deadline = time.monotonic() + timeout_s
         while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
             if time.monotonic() > deadline:
@@ -96,7 +146,7 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
 def die_at_generate(call: int) -> None:
     """In a spawned rank: this process exits, as if killed, inside its ``call``-th generation with the built-in
     engine (after reading the request); a test then lists the rank in ``may_vanish``."""
-    from scalerl.rollout.builtin_engine import BuiltinEngine
+    from scalerl.rollout.engines.builtin import BuiltinEngine
 
     original, calls = BuiltinEngine.generate, [0]
 
@@ -113,7 +163,7 @@ def delay_later_rows(seconds: float) -> Callable[[], None]:
     """In a spawned rank: every generation with the built-in engine of rows that do not start at a batch's
     row 0 first sleeps ``seconds``, so a trainer gets the first rows' part before the others; returns the
     undo."""
-    from scalerl.rollout.builtin_engine import BuiltinEngine
+    from scalerl.rollout.engines.builtin import BuiltinEngine
 
     original = BuiltinEngine.generate
 

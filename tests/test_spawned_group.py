@@ -1,7 +1,12 @@
 """tests/spawned_group.py: a rank that crashes by a signal (here os.abort) reruns its group once, from empty
-output folders, the crashed try's kept beside them."""
+output folders, the crashed try's kept beside them; ranks forked from the long-lived fork server still see
+the starting test's environment and print into its capture."""
 import os
+
+import pytest
+
 from tests.spawned_group import run_in_group
+
 
 def _crash_once(rank, root):
     marker = os.path.join(root, "..", "crashed-once")
@@ -47,3 +52,23 @@ def test_a_case_needing_a_missing_cpu_feature_costs_that_case_not_the_group(tmp_
     with pytest.raises(ZeroDivisionError):  # any other failure still fails the group
         run_case(tmp_path / "other", lambda: 1 / 0)
     assert not (tmp_path / "other").exists()
+
+
+def _report_environment(rank, name):
+    print(f"rank {rank} says hello")
+    return os.environ.get(name)
+
+
+@pytest.fixture(scope="module")
+def server_started_before():
+    """A group run before the test below sets its variable and captures its output: the fork server the
+    ranks come from has neither (where no earlier test started it, this one does)."""
+    assert run_in_group(_report_environment, 2, "SPAWNED_GROUP_PROBE", timeout_s=120) == [None, None]
+
+
+def test_ranks_get_the_tests_environment_and_output_streams(server_started_before, monkeypatch, capfd):
+    # Each rank must see this test's variable and print into this test's capture, as a spawned process would.
+    monkeypatch.setenv("SPAWNED_GROUP_PROBE", "set-by-this-test")
+    assert run_in_group(_report_environment, 2, "SPAWNED_GROUP_PROBE", timeout_s=120) == ["set-by-this-test"] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out

@@ -68,8 +68,8 @@ def self_hosted(question: str, expected: str) -> None:
     from scalerl.models.decoder import build_model
     from scalerl.models.tokenizer import CharTokenizer
     from scalerl.rollout.agent.endpoint import RolloutEndpoint
-    from scalerl.rollout.builtin_engine import BuiltinEngine
-    from scalerl.rollout.engine import SamplingParams
+    from scalerl.rollout.engines.builtin import BuiltinEngine
+    from scalerl.rollout.engines.engine import SamplingParams
 
     tokenizer = CharTokenizer()
     model = build_model(ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,

@@ -45,7 +45,7 @@ def run(spec: dict[str, Any]) -> int:
     from scalerl.core.device import resolve_device
     from scalerl.core.threads import read_cpu_counters
     from scalerl.parallel.process_group import stop_heartbeat
-    from scalerl.rollout.worker import RolloutWorker
+    from scalerl.rollout.worker.worker import RolloutWorker
     from scalerl.trainer.rl_trainer import RLTrainer
     from scalerl.trainer.run import start_run
 

@@ -21,8 +21,8 @@ import torch
 
 from scalerl.perf.flops import device_peak_flops
 from scalerl.perf.precision import bf16_hardware
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 
 TRAIN_WIDTHS = (24, 96)
 GEN_ROWS = (4, 16)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scalerl.core.config_tree import ConfigError
+from scalerl.core.config.tree import ConfigError
 
 NO_DEFAULT = object()  # the key only counts when the command line gives it
 Verl = dict[str, Any]  # the verl run's values by dotted key: its defaults <- the command line
@@ -35,6 +35,7 @@ class VerlKey:
     inert: Any = NO_DEFAULT
     only_if: Callable[[Verl], bool] | None = None
     read_by: str | None = None  # the verl key whose translation reads this one (the table names its target)
+    also: tuple[tuple[str, Callable[[Any, Verl], Any]], ...] = ()  # further (scalerl key, transform) set with target
 
 
 A, R, OPT = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.actor.optim."
@@ -157,6 +158,41 @@ def _distill_estimator(value: Any, verl: Verl) -> str:
     return str(value)
 
 
+M, AG, AGENT = R + "multi_turn.", R + "agent.", "rollout.agent."
+
+
+def _agent_route(verl: Verl) -> bool:
+    """verl runs agent loops here: its own loops (agent_loop_config_path) or its tool loop over a tool config."""
+    return verl[AG + "agent_loop_config_path"] is not None or verl[M + "tool_config_path"] is not None
+
+
+def _agent_env(value: Any, verl: Verl) -> str:
+    if not _agent_route(verl):
+        raise ConfigError(f"--from-verl: {M}enable=true with neither {M}tool_config_path nor "
+                          f"{AG}agent_loop_config_path: give the tools (a tool config YAML) or the agent loops to run")
+    # the user's loops run as they are (env=verl); verl's ToolAgentLoop over a tool config is scalerl's tool
+    # environment over the same tools (env=tools), which needs no verl installed
+    return "verl" if verl[AG + "agent_loop_config_path"] is not None else "tools"
+
+
+def _response_length(verl: Verl) -> int:
+    return int(verl.get(R + "response_length", verl["data.max_response_length"]))
+
+
+def _trajectory_budget(value: Any, verl: Verl) -> int:
+    # verl's prompt_length + response_length: the response holds every turn and every tool answer
+    return int(verl.get(R + "prompt_length", verl["data.max_prompt_length"])) + _response_length(verl)
+
+
+def _max_turns(value: Any, verl: Verl) -> int:
+    # verl ends a turn loop at max_assistant_turns, or after max_user_turns tool/user answers (one more turn);
+    # with neither, only the response budget ends it (each turn is at least one token)
+    limits = [int(value)] if value else []
+    if verl[M + "max_user_turns"]:
+        limits.append(int(verl[M + "max_user_turns"]) + 1)
+    return min(limits) if limits else _response_length(verl)
+
+
 def _uses_kl_in_reward(verl: Verl) -> bool:
     return bool(verl["algorithm.use_kl_in_reward"])
 
@@ -246,7 +282,38 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey(R + "val_kwargs.do_sample", False, None, "read by val_kwargs.temperature", only_if=lambda verl: False,
             read_by=R + "val_kwargs.temperature"),
     VerlKey(R + "ignore_eos", False, None, inert=False),
-    VerlKey(R + "multi_turn.enable", False, None, inert=False),
+    # multi-turn: verl's agent loops (docs/agents.md#verl-agent-loops)
+    VerlKey(M + "enable", False, AGENT + "env", "tools: verl's tool loop over the tool config's tools; verl: the "
+            "agent loops of agent_loop_config_path, as they are", _agent_env,
+            only_if=lambda verl: _agent_route(verl) or bool(verl[M + "enable"]),
+            also=((AGENT + "max_total_tokens", _trajectory_budget),)),
+    VerlKey(M + "tool_config_path", None, AGENT + "tool_config", "verl's tool YAML, read as verl reads it",
+            only_if=lambda verl: verl[M + "tool_config_path"] is not None),
+    VerlKey(M + "max_assistant_turns", None, AGENT + "max_turns", "min(max_assistant_turns, max_user_turns + 1); "
+            "neither: the response budget", _max_turns, only_if=_agent_route),
+    VerlKey(M + "max_user_turns", None, None, "read by multi_turn.max_assistant_turns", only_if=lambda verl: False,
+            read_by=M + "max_assistant_turns"),
+    VerlKey(M + "max_parallel_calls", 1, AGENT + "max_tool_calls_per_turn", "verl drops the calls past it; scalerl "
+            "answers them with an error message", only_if=_agent_route),
+    VerlKey(M + "format", "hermes", AGENT + "tool_parser", only_if=_agent_route),
+    VerlKey(M + "max_tool_response_length", 256, None, "scalerl's tool environment keeps 2048 characters of a tool's "
+            "answer (the middle cut); a verl agent loop (agent_loop_config_path) reads 256", inert=256,
+            only_if=_agent_route),
+    VerlKey(M + "tool_response_truncate_side", "middle", None, "scalerl cuts a long tool answer in the middle",
+            inert="middle", only_if=_agent_route),
+    VerlKey(M + "interaction_config_path", None, None, "verl's BaseInteraction user simulators are not run here: "
+            "write the user turns as an environment (rollout.agent.env=module:Class, docs/agents.md)", inert=None),
+    VerlKey(M + "function_tool_path", None, None, "verl 0.9.1's @function_tool files: name the functions with "
+            "rollout.agent.tools=file.py:fn1,fn2 (type hints and docstrings are read the same way)", inert=None),
+    VerlKey(M + "use_inference_chat_template", False, None, "scalerl trains the token ids the engine sampled, as "
+            "verl does with false", inert=False),
+    VerlKey(M + "num_repeat_rollouts", None, None, inert=None),
+    VerlKey(AG + "agent_loop_config_path", None, AGENT + "verl_loop", "verl's agent loop YAML (- name, _target_): "
+            "each row's agent_name picks a loop", only_if=lambda verl: verl[AG + "agent_loop_config_path"] is not None),
+    VerlKey(AG + "default_agent_loop", "single_turn_agent", AGENT + "verl_default_loop", "the loop of rows "
+            "without agent_name", only_if=lambda verl: verl[AG + "agent_loop_config_path"] is not None),
+    VerlKey(AG + "custom_async_server.path", None, None, "scalerl's engine serves the loops", inert=None),
+    VerlKey(AG + "custom_async_server.name", None, None, "scalerl's engine serves the loops", inert=None),
     # critic: a copy of the policy trained by the actor's optimiser (one schedule)
     VerlKey("critic.optim.lr", 1e-5, "critic.lr"),
     VerlKey("critic.cliprange_value", 0.5, "critic.cliprange_value"),
@@ -359,7 +426,8 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     (R + "checkpoint_engine.*", "weight-sync buckets: weight_sync.bucket_mb"),
     (R + "calculate_log_probs", "scalerl keeps rollout log-probs"), (R + "*_parallel_size", "engine layout"),
     (R + "val_kwargs.*", "evaluation sampling (one sample per prompt here); training is unchanged"),
-    (R + "multi_turn.*", "multi-turn settings; multi_turn.enable is checked"),
+    (M + "tokenization_sanity_check_mode", "scalerl never re-tokenizes a conversation (the ids sampled are trained)"),
+    (AG + "num_workers", "agent loop workers: here every episode of a rank runs on one event loop"),
     ("*.use_remove_padding", "padding-free rows (speed): actor.use_remove_padding is scalerl's"),
     ("*.use_fused_kernels", "fused kernels (speed)"),
     ("*.fused_kernel_options.*", "fused kernels (speed)"), ("*.use_torch_compile", "compilation (speed)"),

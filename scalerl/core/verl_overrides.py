@@ -17,7 +17,12 @@ from typing import Any
 
 import yaml
 
-from scalerl.core.config_tree import ConfigError, _all_keys, apply_override, config_from_dict
+from scalerl.core.config.tree import (
+    ConfigError,
+    _all_keys,
+    apply_override,
+    config_from_dict,
+)
 from scalerl.core.verl_keys import NO_DEFAULT, NO_EFFECT, VERL_KEYS
 
 
@@ -105,6 +110,9 @@ def translate(args: list[str]) -> Translation:
         new = entry.transform(value, verl) if entry.transform else value
         values[entry.target] = new
         shown = entry.target if new == value else f"{entry.target}={_show(new)}"
+        for target, transform in entry.also:  # further keys the same verl key sets
+            values[target] = transform(value, verl)
+            shown += f", {target}={_show(values[target])}"
         rows.append((label, value, shown + (f"  ({entry.note})" if entry.note and from_line else "")))
     for key, value in given.items():
         if key not in by_key:
@@ -131,7 +139,9 @@ def _unknown_key_problem(key: str, scalerl_keys: set[str]) -> str:
 
 
 def _config_class() -> type:
-    from scalerl.core.config import Config  # same layer; imported late so config.py may import this module
+    from scalerl.core.config import (
+        Config,  # same layer; imported late so the config package may import this module
+    )
 
     return Config
 

@@ -1,6 +1,6 @@
 """Built-in arithmetic task, data files (GSM8K/MATH, verl's and TRL's formats, Hugging Face datasets; the row
-contract: `loaders`), answer extraction and reward functions (each call within `data.reward_timeout_s`:
-`reward_calls`)."""
+contract: `loaders`), answer extraction and reward functions (the `rewards` wing; each call within
+`data.reward_timeout_s`: `rewards.calls`)."""
 
 from scalerl.data.answers import (
     extract_boxed,
@@ -15,7 +15,7 @@ from scalerl.data.arithmetic import (
 from scalerl.data.errors import DataError
 from scalerl.data.formats import ColumnNames, reward_columns
 from scalerl.data.loaders import DEFAULT_PROMPT_TEMPLATE, load_rows
-from scalerl.data.rewards import (
+from scalerl.data.rewards.computer import (
     BUILTIN_REWARDS,
     RewardComputer,
     RewardFunctionError,

@@ -7,7 +7,7 @@ Row format (shared by the whole `scalerl.data` package)::
 - `prompt` is the text the model continues;
 - `response` is the supervised (SFT) target that follows the prompt: it starts with a space and ends
   with GSM8K's answer marker, `#### <number>`;
-- `ground_truth` is the exact answer string that `scalerl.data.rewards.gsm8k_reward` checks.
+- `ground_truth` is the exact answer string that `scalerl.data.rewards.specs.gsm8k_reward` checks.
 Rows may carry extra metadata keys (arithmetic rows add `"difficulty": int`); consumers ignore them.
 
 The texts are deliberately short because the built-in run trains a 2-layer character-level model on

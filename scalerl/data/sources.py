@@ -13,12 +13,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scalerl.data import rewards
 from scalerl.data.arithmetic import make_arithmetic_rows
 from scalerl.data.errors import DataError
 from scalerl.data.formats import ColumnNames
 from scalerl.data.loaders import empty_data_files, expand_paths, load_rows
-from scalerl.data.rewards import RewardComputer
+from scalerl.data.rewards import computer as rewards
+from scalerl.data.rewards.computer import RewardComputer
 from scalerl.data.streaming import StreamingPromptStream
 from scalerl.data.tool_arithmetic import REWARD_SPEC as TOOL_REWARD_SPEC
 from scalerl.data.tool_arithmetic import make_tool_arithmetic_rows
@@ -160,7 +160,7 @@ def _gathered_over_dp(ctx: DistContext, share: list[dict]) -> list[dict]:
 
 
 def reward_from_config(data_cfg: Any, device: Any = "cpu") -> RewardComputer:
-    """The reward the ``data`` section asks for (`scalerl.data.rewards.reward_from_config`: ``auto`` scores by
+    """The reward the ``data`` section asks for (`scalerl.data.rewards.computer.reward_from_config`: ``auto`` scores by
     each row's data_source, falling back to the task's built-in; a reward model runs on ``device``). A built-in
     task with a reward of its own (`TASK_REWARD_SPECS`: tool_arithmetic's final answer after the tool result)
     scores with it under ``auto``."""

@@ -69,6 +69,8 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
     profile.add_argument("--scratch-dir", default="outputs/doctor", metavar="DIR",
                          help="where the profiled run writes (never the config's own output_dir)")
     profile.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    profile.add_argument("--plan", metavar="PLAN.json",
+                         help="print planned vs measured per phase, from `scalerl plan CONFIG --json PLAN.json`")
     ray = parser.add_argument_group("Ray (run the ranks as Ray actors, like `scalerl launch ray`)")
     ray.add_argument("--ray", action="store_true", help="start one rank actor per GPU (or per node on CPU)")
     ray.add_argument("--num-nodes", type=int, default=1, metavar="N")
@@ -93,11 +95,18 @@ def options_from_args(args: argparse.Namespace) -> Any:
     if args.max_size is not None and args.max_size < args.min_size:
         raise ConfigError(f"--max-size ({args.max_size} B) is below --min-size ({args.min_size} B)")
     profile = args.performance_profiling is not None
+    if args.plan:
+        if not profile:
+            raise ConfigError("--plan compares a plan with a profile: add --performance-profiling CONFIG")
+        from scalerl.doctor.plan_comparison import read_plan
+
+        read_plan(args.plan)  # a bad file is said now, not after the profile ran
     return DoctorOptions(
         distributed_check=args.distributed_check or not profile, profile=profile, config_path=path,
         overrides=overrides, kind=args.kind, steps=args.steps, warmup=args.warmup, trace_dir=args.trace,
         min_size=args.min_size, max_size=args.max_size, iters=args.iters, join_timeout_s=args.join_timeout,
-        timeout_s=args.timeout, paths=args.path, scratch_dir=args.scratch_dir, device=args.device)
+        timeout_s=args.timeout, paths=args.path, scratch_dir=args.scratch_dir, device=args.device,
+        plan_path=args.plan)
 
 
 def run_doctor(args: argparse.Namespace) -> int:

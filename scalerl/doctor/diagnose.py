@@ -19,6 +19,7 @@ from scalerl.core.device import resolve_device
 from scalerl.core.rank_env import detect_rank_env
 from scalerl.doctor.bandwidth import MiB, measure_bandwidth, sweep_sizes
 from scalerl.doctor.facts import collect_rank_facts
+from scalerl.doctor.plan_comparison import compare_plan, read_plan
 from scalerl.doctor.profiling import checkpoint_context, mean_metrics, profile_rank
 from scalerl.doctor.report import DoctorReport
 from scalerl.doctor.storage import check_paths
@@ -55,6 +56,7 @@ class DoctorOptions:
     paths: list[str] = field(default_factory=list)
     scratch_dir: str = "outputs/doctor"
     device: str = "auto"
+    plan_path: str | None = None  # a `scalerl plan --json` file: planned vs measured per phase, when profiled
 
     def largest(self, device: torch.device) -> int:
         return self.max_size or (256 * MiB if device.type == "cuda" else 16 * MiB)
@@ -190,12 +192,15 @@ def _profile(world: DoctorWorld, cfg: Config, options: DoctorOptions,
         return [], {}
     context = dict(result["context"])
     context.update(checkpoint_context(cfg, records, len(nodes(world.facts)), context.get("dp_replicate", 1),
-                                      min(largest, 256 * MiB)))
+                                      min(largest, 256 * MiB), options.kind))
     metrics = mean_metrics(result["reduced"])
     # DDP's gradient buckets run below Python: comm accounting's exposed wait for them, added to the time
     # the doctor saw in collectives itself.
     context["comm_wait_s"] = sum(r["comm_s"] for r in records) / len(records) + metrics.get("timing_s/comm/grad", 0.0)
     view = StepView(metrics, records, context)
     findings = run_step_rules(view, reward_history=result["reduced"], mismatch_history=result["reduced"])
-    return findings, {"per_rank": records, "metrics": metrics, "context": context, "steps": options.steps,
-                      "warmup": options.warmup, "kind": options.kind, "trace_dir": options.trace_dir}
+    profile = {"per_rank": records, "metrics": metrics, "context": context, "steps": options.steps,
+               "warmup": options.warmup, "kind": options.kind, "trace_dir": options.trace_dir}
+    if options.plan_path:
+        profile["plan"] = compare_plan(read_plan(options.plan_path), records, options.plan_path)
+    return findings, profile

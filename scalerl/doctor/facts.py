@@ -79,7 +79,7 @@ def versions() -> dict[str, str | None]:
 
 def vllm_version() -> str | None:
     """The vLLM build and device, e.g. ``0.32.0 (cpu build)``, without importing it; None if not installed."""
-    from scalerl.rollout.vllm_engine import vllm_build
+    from scalerl.rollout.engines.vllm import vllm_build
 
     build = vllm_build()
     return None if build is None else f"{build['version']} ({build['device']} build)"

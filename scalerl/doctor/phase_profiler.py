@@ -1,6 +1,8 @@
 """The trainer's step timer, instrumented for `--performance-profiling`: per phase its wall time, the time
 spent waiting for peers and in collectives (`CollectiveWaits`), and its peak memory; each phase ends at a
-barrier, so a rank slow in one phase is charged there and not in the next collective of another phase."""
+barrier, so a rank slow in one phase is charged there and not in the next collective of another phase.
+Each top-level phase also records the memory held when it starts (``start_gb``): at a switch between
+training and generation, what the previous phase left behind, apart from what the phase adds itself."""
 
 from __future__ import annotations
 
@@ -8,15 +10,12 @@ import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from scalerl.doctor.collective_waits import CollectiveWaits
+from scalerl.doctor.host_memory import host_peak_gb, host_rss_gb, reset_host_peak
 from scalerl.perf.timing import StepTimer
-
-CLEAR_REFS = Path("/proc/self/clear_refs")
-STATUS = Path("/proc/self/status")
 
 
 @dataclass
@@ -25,6 +24,7 @@ class PhaseStats:
     peer_s: float = 0.0
     comm_s: float = 0.0
     peak_gb: float = 0.0
+    start_gb: float = 0.0  # the most memory held when a top-level run of the phase started
 
     @property
     def busy_s(self) -> float:
@@ -35,22 +35,20 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
-    try:
-        CLEAR_REFS.write_text("5")  # resets the process's peak resident set (VmHWM) to the current one
-    except OSError:
-        pass  # then the peak is the process's lifetime peak, an over-estimate
+    reset_host_peak()  # VmHWM back to the current resident set; refused: the lifetime peak, an over-estimate
 
 
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    try:
-        for line in STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20  # kB
-    except OSError:
-        pass
-    return 0.0
+    return host_peak_gb()
+
+
+def current_memory_gb(device: torch.device) -> float:
+    """Memory held now: the allocator's on a GPU, the resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30
+    return host_rss_gb()
 
 
 class PhaseProfiler(StepTimer):
@@ -70,8 +68,10 @@ class PhaseProfiler(StepTimer):
         outer, self.waits.phase = self.waits.phase, name
         top_level = not self._nested_time
         self._nested_time.append(0.0)
+        held = None
         if top_level:
             reset_peak_memory(self.device)
+            held = current_memory_gb(self.device)
         start = time.perf_counter()
         try:
             yield
@@ -88,6 +88,8 @@ class PhaseProfiler(StepTimer):
             stats = self.phases[name]
             stats.time_s += elapsed - nested
             stats.peak_gb = max(stats.peak_gb, peak_memory_gb(self.device))
+            if held is not None:
+                stats.start_gb = max(stats.start_gb, held)
             self.waits.phase = outer
 
     def take_step(self) -> dict[str, PhaseStats]:

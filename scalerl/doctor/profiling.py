@@ -3,6 +3,10 @@ trainer's step timer and collectives timed (`CollectiveWaits`), so each rank's t
 its own work, waiting for peers and communication, per phase. Optionally a `torch.profiler` Chrome trace
 per rank; on a GPU the profiler also gives host<->device copy time.
 
+Around the steps each rank also measures what the run does once or every few steps: its host RAM peak
+(VmHWM) while the model loads, while a checkpoint is saved and while the model is exported, and the
+seconds of that save, with the run's own `save` and `export` (the host-RAM and checkpoint-cost leaves).
+
 The run writes only under the doctor's scratch directory (trainer.output_dir is redirected there, with no
 metric sinks and no resume), so a profile never touches the run's own outputs or checkpoints.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 import copy
 import shutil
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +26,13 @@ from scalerl.core.config import Config, ConfigError
 from scalerl.core.device import compute_dtype
 from scalerl.doctor.bandwidth import MiB, all_reduce_sweep
 from scalerl.doctor.collective_waits import CollectiveWaits
-from scalerl.doctor.phase_profiler import PhaseProfiler, PhaseStats, TimedOptimizerStep
+from scalerl.doctor.host_memory import host_peak_gb, node_memory_gb, reset_host_peak
+from scalerl.doctor.phase_profiler import (
+    PhaseProfiler,
+    PhaseStats,
+    TimedOptimizerStep,
+    current_memory_gb,
+)
 from scalerl.doctor.storage import probe_dir, write_speed
 from scalerl.doctor.world import DoctorWorld
 from scalerl.parallel.metric_reduction import reduce_metrics
@@ -38,6 +49,7 @@ def profile_config(cfg: Config, scratch: Path, steps: int, warmup: int) -> Confi
     cfg.trainer.output_dir = str(scratch / "profile")
     cfg.sft.output_dir = str(scratch / "profile" / "sft")
     cfg.trainer.logger, cfg.trainer.resume, cfg.trainer.monitor_every = [], "never", 0
+    cfg.trainer.overwrite = True  # the scratch is the doctor's: the last profile's checkpoint and export go
     cfg.trainer.total_steps = max(cfg.trainer.total_steps, warmup + steps)
     cfg.sft.steps = max(cfg.sft.steps, warmup + steps)
     return cfg  # validated by the run's entry (`start_run`)
@@ -85,7 +97,10 @@ def profile_rank(world: DoctorWorld, user_cfg: Config, kind: str, steps: int, wa
     device = resolve_device(cfg.trainer.device)
     waits = CollectiveWaits()
     timer = PhaseProfiler(device, waits, distributed=ctx.world_size > 1)
-    trainer = trainer_class(cfg, ctx, timer=timer, wrap_optimizer_step=lambda step: TimedOptimizerStep(step, timer))
+    host_ram: dict[str, float] = {}
+    baseline_gb = current_memory_gb(device)  # the process before the model: interpreter, libraries
+    with _host_peak(host_ram, "load") as load:
+        trainer = trainer_class(cfg, ctx, timer=timer, wrap_optimizer_step=lambda step: TimedOptimizerStep(step, timer))
     link_busbw = None
     if ctx.world_size > 1:
         sweep = all_reduce_sweep(None, ctx.world_size, [link_size], 3, device)
@@ -110,16 +125,43 @@ def profile_rank(world: DoctorWorld, user_cfg: Config, kind: str, steps: int, wa
                 profiler.export_chrome_trace(str(Path(trace_dir) / f"rank{world.rank}.json"))
             if device.type == "cuda":
                 copy_s = _copy_seconds(profiler) / steps
+    # The run's own save and export, as its loop calls them (every rank takes part), into the scratch directory.
+    with _host_peak(host_ram, "checkpoint") as save:
+        trainer.save()
+    with _host_peak(host_ram, "export") as export:
+        trainer.export()
+    node = node_memory_gb()
+    local_ranks = int(world.facts[0].get("local_world_size", 1))
     record = _mean_record(per_step)
     record.update(rank=world.rank, host=next(f["hostname"] for f in world.facts if f["rank"] == world.rank),
-                  capacity_gb=memory_capacity_gb(device) / (int(world.facts[0].get("local_world_size", 1))
-                                                            if device.type == "cpu" else 1),
-                  state_bytes=_state_bytes(trainer))
+                  # A CPU's memory is the node's, shared by its ranks; a GPU's is its rank's own.
+                  capacity_gb=node["total_gb"] / local_ranks if device.type == "cpu" else memory_capacity_gb(device),
+                  state_bytes=_state_bytes(trainer), host_ram=host_ram, node_memory_gb=node["total_gb"],
+                  node_memory_source=node["source"], baseline_gb=baseline_gb, load_s=load["s"], save_s=save["s"],
+                  export_s=export["s"], host_peak_reset=load["reset"] and save["reset"] and export["reset"])
     if copy_s is not None:
         record["copy_s"] = copy_s
     context = _context(cfg, trainer, link_busbw)
     trainer.logger.close()
     return {"record": record, "reduced": reduced, "context": context}
+
+
+class _host_peak:
+    """Times a block and records this process's host RAM peak in it under ``peaks[name]`` (GiB); yields a
+    dict that gets ``s`` (seconds) and ``reset`` (whether the peak could be reset at its start)."""
+
+    def __init__(self, peaks: dict[str, float], name: str):
+        self.peaks, self.name, self.out = peaks, name, {}
+
+    def __enter__(self) -> dict[str, Any]:
+        self.out["reset"] = reset_host_peak()
+        self._start = time.perf_counter()
+        return self.out
+
+    def __exit__(self, *exc):
+        self.out["s"] = time.perf_counter() - self._start
+        self.peaks[self.name] = host_peak_gb()
+        return False
 
 
 class _nothing:
@@ -151,7 +193,7 @@ def _step_record(local: dict[str, float], phases: dict[str, PhaseStats]) -> dict
         "comm_s": sum(p.comm_s for p in phases.values()),
         "update_tokens": local.get("perf/update_tokens"),
         "phases": {k: {"time_s": p.time_s, "busy_s": p.busy_s, "wait_s": p.peer_s + p.comm_s, "peer_s": p.peer_s,
-                       "comm_s": p.comm_s, "peak_gb": p.peak_gb} for k, p in phases.items()},
+                       "comm_s": p.comm_s, "peak_gb": p.peak_gb, "start_gb": p.start_gb} for k, p in phases.items()},
     }
 
 
@@ -172,6 +214,7 @@ def _mean_record(steps: list[dict[str, Any]]) -> dict[str, Any]:
         rows = [s["phases"][name] for s in steps if name in s["phases"]]
         stats = {k: sum(r[k] for r in rows) / len(steps) for k in ("time_s", "busy_s", "wait_s", "peer_s", "comm_s")}
         stats["peak_gb"] = max(r["peak_gb"] for r in rows)
+        stats["start_gb"] = max(r["start_gb"] for r in rows)
         record["phases"][name] = stats
     return record
 
@@ -195,14 +238,19 @@ def _context(cfg: Config, trainer, link_busbw: float | None) -> dict[str, Any]:
 
 
 def checkpoint_context(user_cfg: Config, records: list[dict[str, Any]], nodes: int, dp_replicate: int,
-                       write_bytes: int) -> dict[str, Any]:
-    """The checkpoint rule's inputs, on the main rank: an estimate of the bytes each node writes (the
-    ranks' state divided by its replicas, spread over the nodes) and the write speed at the checkpoint path."""
+                       write_bytes: int, kind: str = "rl") -> dict[str, Any]:
+    """The checkpoint rules' inputs, on the main rank: an estimate of the bytes each node writes (the
+    ranks' state divided by its replicas, spread over the nodes), the write speed at the checkpoint path,
+    and the measured save (the slowest rank's seconds) with the steps it is spread over."""
     checkpoint_path = Path(user_cfg.trainer.output_dir) / "checkpoints"
     directory = probe_dir(str(checkpoint_path))
     per_node = sum(r["state_bytes"] for r in records) / max(1, dp_replicate) / max(1, nodes)
     context: dict[str, Any] = {"checkpoint_bytes": per_node, "save_every": user_cfg.trainer.save_every,
-                               "keep_last": user_cfg.trainer.keep_last, "checkpoint_path": str(checkpoint_path)}
+                               "keep_last": user_cfg.trainer.keep_last, "checkpoint_path": str(checkpoint_path),
+                               "total_steps": user_cfg.sft.steps if kind == "sft" else user_cfg.trainer.total_steps}
+    saves = [r["save_s"] for r in records if "save_s" in r]
+    if saves:  # the save ends when its slowest rank's part is written (a distributed save publishes after all)
+        context["save_s"] = max(saves)
     try:
         context["write_bytes_per_s"] = write_speed(directory, max(MiB, min(write_bytes, int(per_node))))
         context["free_bytes"] = shutil.disk_usage(directory).free

@@ -159,6 +159,28 @@ def _profile_table(profile: dict[str, Any]) -> Table | None:
     return table
 
 
+def _plan_table(profile: dict[str, Any]) -> Table | None:
+    plan = profile.get("plan")
+    if not plan:
+        return None
+    table = Table(title=f"planned vs measured per phase ({plan.get('source') or 'the plan'}; seconds per step, mean "
+                        "over ranks; peak GiB per rank, the largest): error = planned / measured - 1",
+                  title_justify="left", box=None, header_style="bold")
+    for column in ("phase", "planned s", "measured s", "error", "planned GiB", "measured GiB", "error"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+
+    def number(x, digits=3):
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    def error(x):
+        return "-" if x is None else f"{x:+.0%}"
+
+    for row in plan["rows"]:
+        table.add_row(row["phase"], number(row["planned_s"]), number(row["measured_s"]), error(row["time_error"]),
+                      number(row["planned_gb"]), number(row["measured_gb"]), error(row["memory_error"]))
+    return table
+
+
 def render(report: DoctorReport, stream: TextIO | None = None) -> None:
     stream = stream or sys.stdout
     console = Console(file=stream, width=160, highlight=False, soft_wrap=False,
@@ -170,7 +192,8 @@ def render(report: DoctorReport, stream: TextIO | None = None) -> None:
     console.print(build_tree(report))
     bandwidth = report.measurements.get("bandwidth", {})
     for table in (_nodes_table(report), _hardware_table(report), _sweep_table(bandwidth), _pairs_table(bandwidth),
-                  _profile_table(report.measurements.get("profile", {}))):
+                  _profile_table(report.measurements.get("profile", {})),
+                  _plan_table(report.measurements.get("profile", {}))):
         if table is not None:
             title, table.title = table.title, None  # on its own line: a title never wraps to a narrow table
             console.print()

@@ -33,6 +33,9 @@ UNMEASURED_WHY = {
     "training/non_finite": NEEDS_PROFILE,
     "training/reward_collapse": NEEDS_MONITOR,
     "training/logprob_mismatch": NEEDS_MONITOR,
+    "resources/host_ram": NEEDS_PROFILE,
+    "resources/checkpoint_cost": NEEDS_PROFILE,
+    "resources/phase_switch_memory": NEEDS_PROFILE,
 }
 
 

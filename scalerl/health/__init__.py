@@ -7,7 +7,9 @@ monitor and `scalerl doctor` share them and tests feed them recorded measurement
 - `step_rules`: rules on step metrics: communication share, achieved bandwidth, memory, host-device
   copies, data wait, checkpoint interval, non-finite values, reward collapse, and `run_step_rules`; compute
   load (stragglers, token imbalance, granularity) in `compute_rules`; MoE routing in `expert_rules`; the
-  rollout pipeline (trainer and worker idle time, the generation long tail) in `rollout_rules`;
+  rollout pipeline (trainer and worker idle time, the generation long tail) in `rollout_rules`; host RAM at
+  load / checkpoint / export, the measured checkpoint cost and memory at the training/generation switch in
+  `resource_rules`;
 - `cluster_rules`: rules on the distributed check's facts and measurements (communication), with
   `node_rules` (which ranks share a node and its name; devices, memory, copies, storage) and
   `hardware_rules` (the config's precisions against each rank's CPU instruction sets and GPU compute

@@ -6,7 +6,8 @@ are absent. Thresholds, reasons and fixes come from `scalerl.health.thresholds`.
 exposed share of the step, the bandwidth collectives achieved), resources (peak memory per phase,
 host-device copies, data loading, checkpoint writes), the training signal (non-finite values and skipped
 steps, reward collapse), and the list every step runs; compute load (stragglers, token imbalance,
-granularity) lives in `compute_rules`.
+granularity) lives in `compute_rules`; host RAM, checkpoint cost and memory at the training/generation
+switch in `resource_rules`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from scalerl.health.compute_rules import (
     unused_bf16,
 )
 from scalerl.health.expert_rules import expert_load
+from scalerl.health.resource_rules import RESOURCE_RULES
 from scalerl.health.rollout_rules import rollout_pipeline
 from scalerl.health.thresholds import RULES
 from scalerl.health.tree import (
@@ -322,6 +324,7 @@ __all__ = ["STEP_RULES", "StepView", "logprob_mismatch", "reward_collapse", "run
 STEP_RULES: tuple[Callable[[StepView], list[Finding]], ...] = (
     stragglers, token_imbalance, parallel_granularity, comm_share, achieved_bandwidth, memory_peak,
     host_device_share, data_wait, checkpoint_interval, non_finite, expert_load, rollout_pipeline, unused_bf16,
+    *RESOURCE_RULES,
 )
 
 

@@ -340,6 +340,43 @@ _RULES = (
          thresholds={"share": Threshold(
              0.1, 0.5, True, " of the interval",
              "saving blocks training: at a tenth of the interval the run loses a tenth of its time")}),
+    Rule("host_ram", "resources/host_ram",
+         "each rank's peak resident set (VmHWM, host RAM on GPU runs too) while the model loads, while a "
+         "checkpoint is saved and while the model is exported, summed over the node's ranks (they do each at "
+         "the same time), against the node's memory (MemTotal, or the container's cgroup limit when lower)",
+         "{fix}",
+         thresholds={"fraction": Threshold(
+             0.8, 0.95, True, " of the node's memory",
+             "host RAM is shared with the OS, the page cache and the run's other processes (data and reward "
+             "workers, Ray's object store), and training nodes rarely swap: past four fifths little is left for "
+             "them, past 95% the kernel's OOM killer ends a rank (verl's report: a Ray node at 250 of 251 GB)")}),
+    Rule("checkpoint_cost", "resources/checkpoint_cost",
+         "seconds of the run's own checkpoint save (its slowest rank, measured by --performance-profiling) "
+         "against the training time between two saves (trainer.save_every x the step time; the whole run "
+         "when trainer.save_every=0): the share of the run's time spent saving",
+         "{fix}",
+         thresholds={
+             "share": Threshold(0.1, 0.5, True, " of the training time",
+                                "saving blocks every rank (scalerl saves synchronously): at a tenth the run loses "
+                                "a tenth of its time; at half, as verl's 10,480 s saves did, it trains half the "
+                                "time it runs"),
+             "min_total_s": Threshold(60.0, None, True, " s over the run",
+                                      "the run's saves together (saves x seconds each) under a minute cost less "
+                                      "than a restart does: a short run's one save at the end is a large share "
+                                      "of little time, not worth a setting"),
+         }),
+    Rule("phase_switch_memory", "resources/phase_switch_memory",
+         "at each switch between training (log-prob, reference and update passes) and generation, in step "
+         "order: the peak memory of the phase switched to, split into what was held when it started (left "
+         "by the phase before) and what it added, against the device's capacity (GPU: its memory; CPU: the "
+         "node's RAM over its ranks)",
+         "{fix}",
+         thresholds={"fraction": Threshold(
+             0.75, 0.95, True, " of capacity",
+             "a profile measures a few steps' responses; RL responses grow longer as training goes on, and "
+             "generation's KV cache and the update's activations grow with them, on top of what the other "
+             "side still holds: a switch needs a quarter of headroom for that; at 95% the next longer batch "
+             "runs out of memory")}),
     # ------------------------------------------------------------------------------ training signal
     Rule("non_finite", "training/non_finite",
          "losses, gradient norms and scores in the step metrics; skipped optimizer steps",

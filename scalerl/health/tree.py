@@ -66,6 +66,14 @@ TREE: tuple[Branch, ...] = (
         Leaf("resources/storage_io", "storage I/O",
              "is there room and speed at the output and checkpoint paths, shared across nodes, and does "
              "data loading keep up?"),
+        Leaf("resources/host_ram", "host RAM",
+             "do a node's ranks fit in its RAM while the model loads, a checkpoint is saved and the model is "
+             "exported?"),
+        Leaf("resources/checkpoint_cost", "checkpoint cost",
+             "does saving a checkpoint take a small share of the training time between saves?"),
+        Leaf("resources/phase_switch_memory", "memory at the training/generation switch",
+             "at each switch between training and generation, do what the last phase left and what the next "
+             "one adds fit the device, with room for longer responses?"),
     )),
     Branch("training", "training signal", (
         Leaf("training/non_finite", "non-finite values", "are losses and gradient norms finite?"),

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from scalerl.core.config_tree import config_to_dict
+from scalerl.core.config.tree import config_to_dict
 from scalerl.launch.k8s import K8sError, K8sJob, check_job, trainer_ranks
 
 KUBECTL_TIMEOUT_S = 60.0

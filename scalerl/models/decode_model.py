@@ -7,7 +7,7 @@ makes seven, and in bf16 reads half the bytes of fp32 weights without casting th
 per-call cast of fp32 weights costs more than the bf16 kernel saves). A decode step is about 200 ops (242
 before): RoPE is applied to q, k and v in one three-op pass straight off the q/k/v product and the new keys
 and values go into the cache in one copy (`KVCache.update_kv`); sampling takes one pass over the
-vocabulary fewer (`scalerl.rollout.sampling`).
+vocabulary fewer (`scalerl.rollout.engines.sampling`).
 
 Numerics follow bf16 autocast of the training forward (`scalerl.models.decoder.CausalLM` under
 ``torch.autocast``): matmuls in the compute dtype; the residual stream, norms, RoPE and the logits' softmax

@@ -1,15 +1,17 @@
-"""Rollout: the engine interface, the built-in KV-cache engine and its continuous batching
-(`continuous_engine`: a request queue, freed slots refilled), the optional vLLM adapter, the rollout
-batch (prompts + responses + everything the update computes on them), where a step's rollouts come from
-(`sources`: colocated or standalone workers, `worker` and its `worker_protocol`), and weight sync's two
-ends on this side: the strategies the sources hold (`weight_sync`: shared weights, replica refresh, load
-into an engine, push to workers) and how an engine with its own weights takes the pushes (`weight_loading`)."""
+"""Rollout, in wings: `engines/` (the engine interface, the built-in KV-cache engine and its continuous
+batching, the optional vLLM adapters, `rollout.engine=auto` decided once, how an engine with its own weights
+takes the pushes), `worker/` (the standalone rollout worker, its protocol and tensor messages) and `agent/`
+(multi-turn rollouts). The trainer-facing modules are here at the top: the rollout batch (`batch`: prompts +
+responses + everything the update computes on them), a rollout as a trajectory (`trajectory`), where a step's
+rollouts come from (`sources`: colocated or standalone workers; `staleness`), the weight-sync strategies the
+sources hold (`weight_sync`: shared weights, replica refresh, load into an engine, push to workers), and
+`text` (`scalerl generate`)."""
 
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.continuous_engine import ContinuousEngine, GenerationRequest, RequestOutput
-from scalerl.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams
-from scalerl.rollout.weight_loading import (
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.continuous import ContinuousEngine, GenerationRequest, RequestOutput
+from scalerl.rollout.engines.engine import GenerationOutput, RolloutEngine, SamplingParams
+from scalerl.rollout.engines.weight_loading import (
            EngineWeightStore,
            WeightLoadingEngine,
            engine_weight_receiver,

@@ -7,11 +7,11 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from scalerl.rollout.engine import GenerationOutput, left_pad
+from scalerl.rollout.engines.engine import GenerationOutput, left_pad
 
 # Fields laid out like the response, [B, R]; input_ids and attention_mask are [B, P + R].
 PER_TOKEN_FIELDS = ("response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs",
-                    "teacher_logprobs", "values", "advantages", "returns", "is_weights")
+                    "teacher_logprobs", "teacher_topk", "values", "advantages", "returns", "is_weights")
 
 
 @dataclass
@@ -29,6 +29,9 @@ class RolloutBatch:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None  # [B, R] on-policy distillation's teacher (algorithm.distill)
+    # [B, R, 2k] the teacher's top-k ids (as floats) then their log-probs (algorithm.distill.top_k)
+    teacher_topk: torch.Tensor | None = None
+    distilled: torch.Tensor | None = None  # [B] bool: the rows with a teacher (algorithm.distill.teachers); None: all
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
@@ -123,7 +126,7 @@ class RolloutBatch:
         for name in PER_TOKEN_FIELDS:
             t = getattr(self, name)
             if t is not None:
-                updates[name] = F.pad(t, (0, extra_r))
+                updates[name] = F.pad(t, (0, 0) * (t.dim() - 2) + (0, extra_r))  # [B, R, ...]: pad R
         if self.routed_experts is not None:  # laid out like input_ids; -1: no recorded route
             updates["routed_experts"] = F.pad(self.routed_experts, (0, 0, 0, 0, extra_p, extra_r), value=-1)
         return replace(self, **updates)

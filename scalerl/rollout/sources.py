@@ -34,20 +34,20 @@ import torch.distributed as dist
 from scalerl.core.device import PRECISION_DTYPES
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import ModelParts
-from scalerl.rollout.engine import (
+from scalerl.rollout.engines.engine import (
     GenerationOutput,
     RolloutEngine,
     SamplingParams,
     left_pad,
 )
-from scalerl.rollout.messages import broadcast_tensors
 from scalerl.rollout.weight_sync import (
     BackgroundPush,
     PushToWorkers,
     WeightSync,
     colocated_weight_sync,
 )
-from scalerl.rollout.worker_protocol import WorkerDriver, broadcast_output
+from scalerl.rollout.worker.messages import broadcast_tensors
+from scalerl.rollout.worker.protocol import WorkerDriver, broadcast_output
 
 # Pipeline ranks split a generation only when each gets at least this many
 # rows: fewer, and the exchange and the lockstep finish votes cost more than the decode steps save

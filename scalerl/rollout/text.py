@@ -9,8 +9,8 @@ from scalerl.data.prompts import encode_prompts
 from scalerl.models.decoder import build_model
 from scalerl.models.load import builtin_model_config, load_model_and_tokenizer
 from scalerl.models.tokenizer import CharTokenizer
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 
 
 def generate_text(

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from scalerl.rollout.engine import GenerationOutput
+from scalerl.rollout.engines.engine import GenerationOutput
 
 
 @dataclass

@@ -18,7 +18,7 @@ reports ``comm/weight_sync_bytes``, the bytes that reached generating copies on 
   thread so the next step does not wait for it (`weight_sync.background`, with ``rollout.staleness >= 1``).
 
 With LoRA adapters the base never changes, so what moves is smaller: workers hold the same base and the same
-adapted modules (`scalerl.rollout.worker`), so a push carries the adapters alone (`synced_tensors`: a few MB
+adapted modules (`scalerl.rollout.worker.worker`), so a push carries the adapters alone (`synced_tensors`: a few MB
 where the whole model is GBs) through the same verified delta protocol; an engine with weights of its own
 (vLLM) gets the merged weights of the adapted modules only (`merged_adapted_weights`), never the frozen rest.
 
@@ -47,9 +47,9 @@ from scalerl.models.lora import (
 )
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import ModelParts, PipelineParts
-from scalerl.rollout.engine import RolloutEngine
-from scalerl.rollout.weight_loading import WeightLoadingEngine
-from scalerl.rollout.worker_protocol import WorkerDriver
+from scalerl.rollout.engines.engine import RolloutEngine
+from scalerl.rollout.engines.weight_loading import WeightLoadingEngine
+from scalerl.rollout.worker.protocol import WorkerDriver
 
 BYTES = "comm/weight_sync_bytes"
 EXPOSED = "timing_s/weight_sync_exposed"  # what the trainer's step spent on the sync

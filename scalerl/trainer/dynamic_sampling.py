@@ -24,7 +24,7 @@ import torch
 
 from scalerl.algorithms.dapo import groups_with_signal
 from scalerl.parallel.distributed import DistContext
-from scalerl.rollout.engine import GenerationOutput
+from scalerl.rollout.engines.engine import GenerationOutput
 
 
 @dataclass

@@ -1,5 +1,10 @@
 """Held-out accuracy: greedy (or low-temperature) completions of the evaluation rows, scored by the reward;
-and sampled evaluation: n completions per row, pass@n / mean@n / maj@n overall and per data source."""
+and sampled evaluation: n completions per row, pass@n / mean@n / maj@n overall and per data source.
+
+A completion is one answer of the engine, or, in a multi-turn run, a whole episode (`answers`: the source's
+``episodes``, the same environment, tools and limits the run trains with), scored as training scores it: the
+environment's own reward where it gives one, the run's reward on the trajectory's text elsewhere. So an agent
+run is evaluated as it is trained, never on a single turn behind its back."""
 
 from __future__ import annotations
 
@@ -11,13 +16,13 @@ import torch
 from scalerl.algorithms.pass_at_k import sampled_eval_metrics
 from scalerl.data.errors import DataError
 from scalerl.data.prompts import encode_prompts
-from scalerl.data.reward_functions import RewardFunctionError
-from scalerl.data.rewards import RewardComputer
-from scalerl.rollout.engine import RolloutEngine, SamplingParams
+from scalerl.data.rewards.computer import RewardComputer
+from scalerl.data.rewards.functions import RewardFunctionError
+from scalerl.rollout.engines.engine import RolloutEngine, SamplingParams
 
 
 def evaluate(
-    engine: RolloutEngine,
+    engine: RolloutEngine | Any,
     tokenizer: Any,
     rows: list[dict],
     reward: RewardComputer,
@@ -41,11 +46,10 @@ def evaluate(
             max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=tokenizer.stop_token_ids, seed=seed,
             row_offset=row_offset + start, total_rows=total_rows,
         )
-        out = engine.generate(encode_prompts(tokenizer, [r["prompt"] for r in chunk], chat_template), sampling)
-        texts = tokenizer.batch_decode(out.response_ids.tolist())
-        chunk_scores, _ = scored_validation(reward, texts, chunk)
+        texts, chunk_lengths, given = answers(engine, tokenizer, chunk, sampling, chat_template)
+        chunk_scores, _ = scored_validation(reward, texts, chunk, given)
         scores.extend(chunk_scores)
-        lengths.extend(out.response_lengths.tolist())
+        lengths.extend(chunk_lengths)
     t = torch.tensor(scores)
     return {
         "val/accuracy": float((t >= 1.0).float().mean()),
@@ -54,13 +58,34 @@ def evaluate(
     }
 
 
-def scored_validation(reward: RewardComputer, texts: list[str], rows: list[dict]) -> tuple[list[float], int]:
-    """`reward.compute` on validation rows; a reward that cannot take them says it was these rows (the line at
-    start says where they come from: data.val_files, held out from data.train_files, or the built-in task)."""
+def answers(engine: Any, tokenizer: Any, rows: list[dict], sampling: SamplingParams,
+            chat_template: bool) -> tuple[list[str], list[int], list[float | None]]:
+    """Each row's answer text, its length in tokens and the environment's reward (None: none given). ``engine``
+    is a `RolloutEngine` (one answer per row) or a multi-turn source with ``episodes(rows, sampling)``."""
+    episodes = getattr(engine, "episodes", None)
+    if episodes is not None:
+        return episodes(rows, sampling)
+    out = engine.generate(encode_prompts(tokenizer, [r["prompt"] for r in rows], chat_template), sampling)
+    return tokenizer.batch_decode(out.response_ids.tolist()), out.response_lengths.tolist(), [None] * len(rows)
+
+
+def scored_validation(reward: RewardComputer, texts: list[str], rows: list[dict],
+                      given: Sequence[float | None] | None = None) -> tuple[list[float], int]:
+    """`reward.compute` on validation rows (but those whose environment gave a reward: ``given``); a reward that
+    cannot take them says it was these rows (the line at start says where they come from: data.val_files,
+    held out from data.train_files, or the built-in task)."""
+    given = list(given) if given is not None else [None] * len(rows)
+    todo = [i for i, g in enumerate(given) if g is None]
+    scores = [0.0 if g is None else float(g) for g in given]
+    if not todo:
+        return scores, 0
     try:
-        return reward.compute(texts, rows)
+        computed, failures = reward.compute([texts[i] for i in todo], [rows[i] for i in todo])
     except (RewardFunctionError, DataError) as error:
         raise type(error)(f"scoring the validation rows: {error}") from None
+    for i, score in zip(todo, computed):
+        scores[i] = score
+    return scores, failures
 
 
 def data_source_of(row: dict, default: str) -> str:
@@ -69,7 +94,7 @@ def data_source_of(row: dict, default: str) -> str:
 
 
 def evaluate_sampled(
-    engine: RolloutEngine,
+    engine: RolloutEngine | Any,
     tokenizer: Any,
     rows: list[dict],
     reward: RewardComputer,
@@ -101,14 +126,12 @@ def evaluate_sampled(
     data_sources, prompt_ids, scores, predictions = [], [], [], []
     for start in range(0, len(rows), chunk_rows):
         chunk = rows[start : start + chunk_rows]
-        prompts = encode_prompts(tokenizer, [r["prompt"] for r in chunk], chat_template)
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                   stop_token_ids=tokenizer.stop_token_ids, seed=seed,
                                   row_offset=(row_offset + start) * n, total_rows=total_rows * n)
-        out = engine.generate([p for p in prompts for _ in range(n)], sampling)
-        texts = tokenizer.batch_decode(out.response_ids.tolist())
         sample_rows = [row for row in chunk for _ in range(n)]
-        chunk_scores, _ = scored_validation(reward, texts, sample_rows)
+        texts, _, given = answers(engine, tokenizer, sample_rows, sampling, chat_template)
+        chunk_scores, _ = scored_validation(reward, texts, sample_rows, given)
         scores.extend(chunk_scores)
         predictions.extend(text.strip() for text in texts)
         prompt_ids.extend(row_offset + start + i // n for i in range(len(sample_rows)))

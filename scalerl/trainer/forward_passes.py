@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from scalerl.algorithms.distillation import teacher_token_outputs
 from scalerl.algorithms.entropy import logprobs_from_logits
 from scalerl.models.decoder import CausalLM
 from scalerl.models.packing import choose_packed_kernel, packed_batch_or_none, response_layout
@@ -60,6 +61,22 @@ def response_logprobs(
 
 
 @torch.no_grad()
+def teacher_outputs(model: nn.Module, batch: RolloutBatch, temperature: float, micro_batch_size: int, top_k: int,
+                    autocast=None, packed_kernel: str | None = None) -> torch.Tensor:
+    """A distillation teacher's pass: ``[B, R]`` log-probs of the sampled tokens (`response_logprobs`), or with
+    ``top_k`` ``[B, R, 1 + 2k]``: those, then its k likeliest ids and their log-probs (`teacher_token_outputs`)."""
+    if not top_k:
+        return response_logprobs(model, batch, temperature, micro_batch_size, autocast, packed_kernel)
+    if splits_sequences(model):
+        raise ValueError("algorithm.distill.top_k > 0 does not apply with parallel.sp > 1 yet: use top_k=0")
+
+    def outputs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return teacher_token_outputs(logits / temperature if temperature not in (0.0, 1.0) else logits, labels, top_k)
+
+    return _per_response_token(model, batch, micro_batch_size, autocast, outputs, packed_kernel)
+
+
+@torch.no_grad()
 def response_values(critic: nn.Module, batch: RolloutBatch, micro_batch_size: int, autocast=None,
                     packed_kernel: str | None = None) -> torch.Tensor:
     """The critic's values ``[B, R]`` at the positions before each response token (zero on padding)."""
@@ -99,5 +116,6 @@ def _per_response_token(model: nn.Module, batch: RolloutBatch, micro_batch_size:
                     values = per_token(output[:, :-1].float(), micro.response_ids)
                 else:
                     values = response_layout(per_token(output[0].float(), micro.response_ids[marked]), marked)
-                out.append(F.pad(values * micro.response_mask, (0, right)))
+                mask = micro.response_mask.view(*micro.response_mask.shape, *(1,) * (values.dim() - 2))
+                out.append(F.pad(values * mask, (0, 0) * (values.dim() - 2) + (0, right)))  # [B, R, ...]: pad R
     return torch.cat(out)

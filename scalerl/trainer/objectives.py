@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from scalerl.algorithms.distillation import topk_forward_kl
 from scalerl.algorithms.entropy import entropy_from_logits, logprobs_from_logits
 from scalerl.algorithms.kl import kl_penalty
 from scalerl.algorithms.loss_registry import POLICY_LOSSES, PolicyLoss, PolicyLossOptions
@@ -155,8 +156,12 @@ class PolicyObjective(MicroBatchObjective):
     defaults = {"ref_logprobs": 0.0, "is_weights": 1.0}
 
     def __init__(self, actor_cfg: Any, temperature: float, loss: PolicyLoss = POLICY_LOSSES["vanilla"],
-                 options: PolicyLossOptions | None = None):
+                 options: PolicyLossOptions | None = None, distill: Any = None):
         super().__init__()
+        # algorithm.distill.top_k > 0 with a teacher: + coef x the teacher's top-k forward KL, read from the
+        # batch's teacher_topk columns appended to the target (`topk_forward_kl`)
+        on = distill is not None and distill.top_k > 0 and bool(distill.teacher or distill.teachers)
+        self.distill = distill if on else None
         self.cfg, self.temperature = actor_cfg, temperature or 1.0
         self.loss = loss
         self.options = options or PolicyLossOptions(clip_ratio_low=actor_cfg.clip_ratio_low,
@@ -166,7 +171,17 @@ class PolicyObjective(MicroBatchObjective):
         self.replays_routes = bool(getattr(actor_cfg, "router_replay", False))
         # verl's metric names: each loss logs its own (gpg none, kl_cov only ppo_kl)
         self.metric_names = ("actor/pg_loss", "actor/entropy", "actor/kl_loss",
-                             *(f"actor/{name}" for name in loss.metric_names))
+                             *(f"actor/{name}" for name in loss.metric_names),
+                             *(("actor/distill_topk_kl",) if self.distill is not None else ()))
+
+    def target(self, batch: RolloutBatch) -> torch.Tensor:
+        """The named inputs, then with top-k distillation the teacher's ``[.., 2k]`` top-k ids and log-probs."""
+        target = super().target(batch)
+        if self.distill is None:
+            return target
+        if batch.teacher_topk is None:
+            raise ValueError("algorithm.distill.top_k > 0 reads RolloutBatch.teacher_topk, which this batch lacks")
+        return torch.cat([target, batch.teacher_topk.float()], dim=-1)
 
     def token_logprobs_and_entropy(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``[..., 2]``: the log-prob of each id and the entropy (a metric only, without gradient, unless
@@ -197,6 +212,16 @@ class PolicyObjective(MicroBatchObjective):
                                      **self.agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
             parts["actor/kl_loss"] = kl_loss
+        if self.distill is not None:
+            if isinstance(logits, SequenceShards):
+                raise ValueError("algorithm.distill.top_k > 0 does not apply with parallel.sp > 1 yet: use top_k=0")
+            student = self.response_outputs(logits, target)
+            student = student / self.temperature if self.temperature != 1.0 else student
+            teacher = self.response_labels(target[..., len(self.inputs) :], target)
+            kl = self.per_token(topk_forward_kl(student, teacher, self.distill.max_clamp), target)
+            topk_loss = aggregate_loss(kl, mask, cfg.loss_agg_mode, **self.agg)
+            loss = loss + self.distill.coef * topk_loss
+            parts["actor/distill_topk_kl"] = topk_loss
         parts.update({f"actor/{k}": v * weight for k, v in pg_metrics.items()})
         self._record(parts)
         return loss

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from scalerl.algorithms.distillation import combine_advantages, distill_advantages
+from scalerl.algorithms.distillation import combine_advantages, distill_advantages, split_teacher_outputs
 from scalerl.algorithms.estimator_registry import (
     GROUP_LOCAL_ESTIMATORS,
     AdvantageInputs,
@@ -36,11 +36,11 @@ from scalerl.data.errors import DataError
 from scalerl.data.prompts import encode_prompts
 from scalerl.parallel.activation_checkpointing import set_activation_checkpointing
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.rollout.engine import GenerationOutput, SamplingParams
+from scalerl.rollout.engines.engine import GenerationOutput, SamplingParams
 from scalerl.rollout.sources import StepPrompts
 from scalerl.rollout.staleness import check_staleness
 from scalerl.trainer.dynamic_sampling import GeneratedRound, fill_with_signal
-from scalerl.trainer.forward_passes import response_logprobs, response_values
+from scalerl.trainer.forward_passes import response_logprobs, response_values, teacher_outputs
 from scalerl.trainer.streamed_step import StreamedStep
 from scalerl.trainer.update import UpdateRun
 
@@ -180,6 +180,9 @@ class RolloutPhase:
             return f"algorithm.adv_estimator={alg.adv_estimator} reads more than a row's own group"
         if alg.filter_groups.enable:
             return "dynamic sampling (algorithm.filter_groups) chooses the batch's groups first"
+        teacher = getattr(t, "teacher", None)
+        if teacher is not None and not teacher.single:
+            return "several teachers (algorithm.distill.teachers) score each row by its data source on the whole batch"
         if alg.use_kl_in_reward:
             return "the KL-in-reward controller updates once per step from the whole batch"
         if t.dist.dp_size > 1 and cfg.trainer.balance_batch:
@@ -214,7 +217,8 @@ class RolloutPhase:
         if needs_greedy_baseline(cfg.algorithm.adv_estimator):
             with t.timer("gen_max"):  # verl's name for ReMax's greedy generation
                 baselines = self._greedy_baselines(generated.rows, metrics)
-        batch = self.prepare(generated.out, 0, generated.scores, first.passes, step, metrics, baselines)
+        batch = self.prepare(generated.out, 0, generated.scores, first.passes, step, metrics, baselines,
+                             generated.rows)
         lengths = generated.out.response_lengths.float()
         finish = generated.out.finish_reasons
         metrics.update({  # per rank here; `reduce_metrics` combines them over ranks
@@ -318,13 +322,14 @@ class RolloutPhase:
     # ------------------------------------------------------------------------------------- one batch
     def prepare(self, out: GenerationOutput, first_group: int, scores: list[float], passes: dict[str, torch.Tensor],
                 step: int, metrics: dict[str, float] | None = None,
-                reward_baselines: torch.Tensor | None = None) -> RolloutBatch:
+                reward_baselines: torch.Tensor | None = None, rows: list[dict] | None = None) -> RolloutBatch:
         """Rows of whole groups (from ``first_group``, this share's numbering) made ready for the update:
         stale samples masked out, the overlong penalty added to the scores, old log-probs (the rollout's where
         they equal the training forward's: fp32, or bf16 on CPU with the built-in engine, or of the behaviour
         policy with rollout.stale_logprobs=behavior; else recomputed, decoupled PPO's proximal policy, and the
         rollout's own weigh the loss), reference log-probs, and advantages. ``passes`` holds what already ran
-        on these rows; the rest runs here. ``metrics`` (the whole batch only) takes what they report."""
+        on these rows; the rest runs here. ``metrics`` (the whole batch only) takes what they report. ``rows``
+        (the share's data rows, one per group) give each row's teacher with several (algorithm.distill.teachers)."""
         t, cfg = self.t, self.t.cfg
         n, temperature, micro = cfg.rollout.n, cfg.rollout.temperature or 1.0, cfg.actor.ppo_micro_batch_size
         groups = torch.arange(first_group, first_group + len(out.finish_reasons) // n).repeat_interleave(n)
@@ -348,8 +353,12 @@ class RolloutPhase:
                     t.reference.model, batch, temperature, micro, t.autocast, t.packed_kernel)
         if t.teacher is not None:
             with t.timer("teacher"):
-                batch.teacher_logprobs = passes["teacher"] if "teacher" in passes else response_logprobs(
-                    t.teacher.model, batch, temperature, micro, t.autocast, t.packed_kernel)
+                top_k, groups = t.teacher.top_k, len(batch) // n
+                sources = None if rows is None else t.teacher.sources(rows[first_group : first_group + groups], n)
+                values, batch.distilled = (passes["teacher"], None) if "teacher" in passes else t.teacher.score(
+                    batch, sources, lambda model, part: teacher_outputs(model, part, temperature, micro, top_k,
+                                                                        t.autocast, t.packed_kernel))
+                batch.teacher_logprobs, batch.teacher_topk = split_teacher_outputs(values, top_k)
         with t.timer("adv"):
             self._advantages(batch, reward_baselines, said)
         return batch
@@ -386,8 +395,10 @@ class RolloutPhase:
         if t.teacher is not None:  # on-policy distillation: the teacher's per-token advantage on the sampled tokens
             d = alg.distill
             distill, distill_metrics = distill_advantages(batch.teacher_logprobs, batch.old_logprobs, batch.response_mask,
-                                                          d.coef, inputs.all_reduce, d.estimator, d.max_clamp)
-            batch.advantages = combine_advantages(batch.advantages, distill, d.task_weight)
+                                                          d.coef, inputs.all_reduce, d.estimator, d.max_clamp,
+                                                          batch.distilled, batch.teacher_topk)
+            # top-k: the distillation is the loss's term (`PolicyObjective`), the advantage the task's alone
+            batch.advantages = combine_advantages(batch.advantages, distill * (d.top_k == 0), d.task_weight)
             metrics.update(distill_metrics)
 
     # ------------------------------------------------------------------------------------ the passes
@@ -397,10 +408,10 @@ class RolloutPhase:
         t = self.t
         temperature, micro = t.cfg.rollout.temperature or 1.0, t.cfg.actor.ppo_micro_batch_size
 
-        def timed(name: str, model) -> Callable[[RolloutBatch], torch.Tensor]:
+        def timed(name: str, model, top_k: int = 0) -> Callable[[RolloutBatch], torch.Tensor]:
             def run(batch: RolloutBatch) -> torch.Tensor:
                 with t.timer(name):
-                    return response_logprobs(model, batch, temperature, micro, t.autocast, t.packed_kernel)
+                    return teacher_outputs(model, batch, temperature, micro, top_k, t.autocast, t.packed_kernel)
             return run
 
         passes = {}
@@ -408,8 +419,8 @@ class RolloutPhase:
             passes["old"] = timed("old_log_prob", self.old_policy if self.old_policy is not None else t.policy.model)
         if t.reference is not None:
             passes["ref"] = timed("ref", t.reference.model)
-        if t.teacher is not None:
-            passes["teacher"] = timed("teacher", t.teacher.model)
+        if t.teacher is not None and t.teacher.single:  # several: each row's by its source, in `prepare`
+            passes["teacher"] = timed("teacher", t.teacher.model, t.teacher.top_k)
         return passes
 
     @torch.no_grad()

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from scalerl.algorithms.distillation import load_teacher
+from scalerl.algorithms.distillation import Teachers, load_teachers
 from scalerl.algorithms.loss_registry import get_policy_loss
 from scalerl.core.algorithm_names import needs_critic
 from scalerl.core.config import Config
@@ -41,10 +41,10 @@ from scalerl.perf.mfu import StepWork
 from scalerl.perf.timing import StepTimer
 from scalerl.rollout.agent.source import AgentRollouts
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine_choice import decide_engine
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.choice import decide_engine
 from scalerl.rollout.sources import ColocatedRollouts, StandaloneRollouts
-from scalerl.rollout.worker import RolloutWorker
+from scalerl.rollout.worker.worker import RolloutWorker
 from scalerl.tracking import plot_metrics
 from scalerl.trainer.evaluation import data_source_of, evaluate, evaluate_sampled
 from scalerl.trainer.forward_passes import packed_kernel_for
@@ -111,10 +111,11 @@ class RLTrainer(TrainingRun):
         self.reference = self.lay_out(reference, trainable=False) if reference is not None else None
         if self.reference is not None:
             self.reference.eval()
-        teacher = load_teacher(cfg, self.tokenizer, self.device) if cfg.algorithm.distill.teacher else None
-        self.teacher = self.lay_out(teacher, trainable=False) if teacher is not None else None  # frozen, like the reference
-        if self.teacher is not None:
-            self.teacher.eval()
+        # Frozen and laid out like the reference; one model per teacher directory, each row's by its data source.
+        teachers = {path: self.lay_out(m, trainable=False)
+                    for path, m in load_teachers(cfg, self.tokenizer, self.device, model).items()}
+        self.teacher = Teachers(teachers, cfg.algorithm.distill.teachers, cfg.data.task,
+                                cfg.algorithm.distill.top_k).eval() if teachers else None
         self.trained = {"actor": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
 
         self.reward = reward_from_config(cfg.data, self.device)
@@ -158,7 +159,7 @@ class RLTrainer(TrainingRun):
             total_steps=t.total_steps, schedule=a.lr_schedule, min_lr_ratio=a.min_lr_ratio,
         ), a.grad_clip, wrap_optimizer_step)
         self.policy_objective = PolicyObjective(a, r.temperature, get_policy_loss(a.policy_loss),
-                                                policy_loss_options(a))
+                                                policy_loss_options(a), cfg.algorithm.distill)
         self.value_objective = ValueObjective(cfg.critic, a.loss_agg_mode)
         self.update_plan = UpdatePlan(
             epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size // ctx.dp_size,
@@ -183,7 +184,7 @@ class RLTrainer(TrainingRun):
 
     def bf16_recompute_reason(self, model) -> str | None:
         """Where the built-in engine would not decode by the bf16 training forward's recipe
-        (`scalerl.rollout.builtin_engine.logprobs_match_forward`), so bf16 would add a log-prob pass."""
+        (`scalerl.rollout.engines.builtin.logprobs_match_forward`), so bf16 would add a log-prob pass."""
         r, dims = self.cfg.rollout, self.dist.dims
         if self.device.type != "cpu":
             return None  # CUDA: auto goes by the tensor cores (the recompute is cheap beside them)
@@ -207,7 +208,7 @@ class RLTrainer(TrainingRun):
             return BuiltinEngine(self.policy.model, self.tokenizer.pad_token_id, all_finished=self.dist.all_finished,
                                  max_num_seqs=r.max_num_seqs,
                                  dtype=compute_dtype(self.autocast.precision, getattr(torch, self.cfg.model.dtype)))
-        from scalerl.rollout.vllm_engine import vllm_engine_from_config
+        from scalerl.rollout.engines.vllm import vllm_engine_from_config
 
         return vllm_engine_from_config(self.policy.model, self.cfg, self.output_dir, self.tokenizer.pad_token_id)
 
@@ -253,10 +254,13 @@ class RLTrainer(TrainingRun):
 
     # -------------------------------------------------------------------------------- around the loop
     def engine_with_current_weights(self):
-        """The trainer's engine, its decode layout refreshed where no weight sync does it: standalone, the
-        workers get the pushes and the fused optimizer's in-place updates leave no trace a stale check could
-        see (fused AdamW does not move the parameters' ``_version`` counters), so evaluation would decode the
-        first step's weights."""
+        """What evaluation answers with: a multi-turn run's episodes (`AgentRollouts.episodes`: evaluated as it
+        trains), else the trainer's engine, its decode layout refreshed where no weight sync does it:
+        standalone, the workers get the pushes and the fused optimizer's in-place updates leave no trace a stale
+        check could see (fused AdamW does not move the parameters' ``_version`` counters), so evaluation would
+        decode the first step's weights."""
+        if isinstance(self.rollouts, AgentRollouts):
+            return self.rollouts
         if not isinstance(self.rollouts, ColocatedRollouts):
             getattr(self.engine, "refresh_weights", lambda: 0)()
         return self.engine
@@ -278,7 +282,7 @@ class RLTrainer(TrainingRun):
     def _evaluate_sampled(self) -> dict[str, float]:
         cfg, share = self.cfg, len(self.val_rows)
         return evaluate_sampled(
-            self.engine, self.tokenizer, self.val_rows, self.reward, cfg.rollout.max_new_tokens, cfg.trainer.val_n,
+            self.engine_with_current_weights(), self.tokenizer, self.val_rows, self.reward, cfg.rollout.max_new_tokens, cfg.trainer.val_n,
             cfg.rollout.val_temperature, self.val_sources, cfg.data.task, seed=cfg.trainer.seed,
             chat_template=cfg.data.chat_template, row_offset=self.dist.dp_rank * share,
             total_rows=share * self.dist.dp_size, all_reduce=self.dist.all_reduce if self.dist.dp_size > 1 else None,

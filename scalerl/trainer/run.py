@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from scalerl import checkpoint
-from scalerl.comm.gradients.reducer import merged_comm_metrics
 from scalerl.checkpoint.streamed_export import export_dtype
+from scalerl.comm.gradients.reducer import merged_comm_metrics
 from scalerl.core.config import Config, ConfigError, byte_size, config_to_dict
 from scalerl.core.device import Autocast, compute_dtype, grad_scaler, resolve_device
 from scalerl.core.rng_state import seed_everything
@@ -104,7 +104,7 @@ def check_engine_installed(cfg: Config) -> None:
     Standalone workers import it where they run, which may be another machine."""
     if cfg.rollout.engine != "vllm" or cfg.rollout.placement != "colocated":
         return
-    from scalerl.rollout.vllm_engine import import_vllm
+    from scalerl.rollout.engines.vllm import import_vllm
 
     import_vllm()  # VLLMNotAvailable says how to install (or repair) it; imported once, the engine's later
 

@@ -41,7 +41,7 @@ def check_run_inputs(cfg: Any, sft: bool | None = None, import_reward: bool = Tr
     resolve_init_from(cfg)
     specs = ",".join(s for s in cfg.data.reward.split(",") if s.strip() != "judge")  # the judge: data.judge.model
     if import_reward and specs and specs not in BUILTIN_REWARDS:
-        from scalerl.data.rewards import load_reward_fns
+        from scalerl.data.rewards.computer import load_reward_fns
 
         load_reward_fns(specs, cfg.data.task)  # runs the modules' imports, as the run would
     problems = model_directory_problems(cfg)

@@ -19,7 +19,7 @@ from scalerl.perf.memory import max_memory_gb
 from scalerl.perf.mfu import StepWork
 from scalerl.perf.timing import StepTimer
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.rollout.builtin_engine import BuiltinEngine
+from scalerl.rollout.engines.builtin import BuiltinEngine
 from scalerl.trainer.evaluation import evaluate
 from scalerl.trainer.objectives import SFTObjective
 from scalerl.trainer.optim import build_optimizer

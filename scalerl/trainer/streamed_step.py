@@ -23,9 +23,9 @@ from collections.abc import Callable
 import torch
 
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.rollout.engine import GenerationOutput
+from scalerl.rollout.engines.engine import GenerationOutput
 
-# A pass over one micro-batch: its per-token results [m, R_micro] (zero on padding).
+# A pass over one micro-batch: its per-token results [m, R_micro] or [m, R_micro, C] (zero on padding).
 MicroPass = Callable[[RolloutBatch], torch.Tensor]
 
 
@@ -77,7 +77,7 @@ class StreamedStep:
         out = {}
         for name, by_start in self.results.items():
             first = next(iter(by_start.values()))
-            full = torch.zeros(self.total_rows, response_width, dtype=first.dtype, device=first.device)
+            full = first.new_zeros(self.total_rows, response_width, *first.shape[2:])
             for start, values in by_start.items():
                 full[start : start + values.shape[0], : values.shape[1]] = values
             out[name] = full
@@ -101,7 +101,7 @@ class StreamedStep:
         width, results = out.response_ids.shape[1], {}
         for name, by_start in self.results.items():
             first = next(iter(by_start.values()))
-            part = torch.zeros(stop - start, width, dtype=first.dtype, device=first.device)
+            part = torch.zeros(stop - start, width, *first.shape[2:], dtype=first.dtype, device=first.device)
             for micro_start, values in by_start.items():
                 lo, hi = max(start, micro_start), min(stop, micro_start + values.shape[0])
                 if lo < hi:

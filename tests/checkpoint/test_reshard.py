@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from scalerl.checkpoint import CheckpointError
 from scalerl.core.net import free_port
+from tests.spawned_group import start_processes
 
 STEPS = 1
 LAYOUTS = {
@@ -101,7 +101,7 @@ def runs(tmp_path_factory):
     single.fit()
     _dump(single, out / "single.safetensors")
     for world in (4, 2):
-        mp.start_processes(_worker, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
+        start_processes(_worker, (world, free_port(), str(out)), world)
     for source in ("fsdp4", "dp2tp2"):
         _resume_and_dump(out, f"{source}-as-single", "single", source)
     return out

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from scalerl.core.net import free_port
+from tests.spawned_group import start_processes
 
 WORLD = 4
 
@@ -180,7 +181,7 @@ def _worker(rank: int, port: int, results) -> None:
 
 def test_hierarchical_and_compressed_reductions():
     results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(free_port(), results), nprocs=WORLD, start_method="spawn")
+    start_processes(_worker, (free_port(), results), WORLD)
     r = results[0]
     assert r["layout"] == (0, 0, 1, 1)
     assert all(ok for *_, ok in r["exact"]), [e for e in r["exact"] if not e[-1]]

@@ -127,7 +127,7 @@ from scalerl.comm.counting.counted_collectives import CountedCollectives
 from scalerl.comm.gradients.hierarchical import HierarchicalGroups, gather_node_layout, hierarchical_all_reduce
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.mesh import ParallelDims
-from scalerl.rollout.messages import recv_tensors, send_tensors
+from scalerl.rollout.worker.messages import recv_tensors, send_tensors
 
 dist.init_process_group("gloo", timeout=timedelta(seconds=120))
 rank, world = dist.get_rank(), dist.get_world_size()

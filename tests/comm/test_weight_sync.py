@@ -16,9 +16,9 @@ from scalerl.comm.weights.sender import WeightSender
 from scalerl.core.config import ConfigError, load_config
 from scalerl.models.decoder import build_model
 from scalerl.perf.metrics import reduction_of
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
-from scalerl.rollout.weight_loading import engine_weight_receiver
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
+from scalerl.rollout.engines.weight_loading import engine_weight_receiver
 from tests.tiny import tiny_model_config
 
 CONFIG = tiny_model_config()

@@ -231,7 +231,7 @@ def test_custom_reward_function_and_hydra_values():
 
 def test_every_table_target_is_a_scalerl_key_or_absent_on_purpose():
     from scalerl.core.config import Config
-    from scalerl.core.config_tree import _all_keys
+    from scalerl.core.config.tree import _all_keys
 
     keys = set(_all_keys(Config))
     # targets not in scalerl yet (use_kl_in_reward, kl_ctrl) are accepted only at their inert value

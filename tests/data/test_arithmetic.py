@@ -8,7 +8,7 @@ import pytest
 import scalerl.data.arithmetic as arithmetic
 from scalerl.data.arithmetic import count_arithmetic_problems, make_arithmetic_rows
 from scalerl.data.errors import DataError
-from scalerl.data.rewards import extract_hash_answer, gsm8k_reward
+from scalerl.data.rewards.computer import extract_hash_answer, gsm8k_reward
 
 
 def test_docstring_example():

@@ -36,7 +36,7 @@ def _profile(port: int, scratch: str, *overrides: str) -> dict:
 
 def _skewed_generate(rank: int):
     """Rank 0 never meets a stop token (responses run to max_new_tokens); the others stop at their first."""
-    from scalerl.rollout.builtin_engine import BuiltinEngine
+    from scalerl.rollout.engines.builtin import BuiltinEngine
 
     original = BuiltinEngine.generate
 
@@ -60,7 +60,7 @@ def _delayed(cls, name: str, seconds: float):
 
 def _scenarios(rank: int, ports: list[int], scratch: str) -> dict:
     from scalerl.data.sources import PromptStream
-    from scalerl.rollout.builtin_engine import BuiltinEngine
+    from scalerl.rollout.engines.builtin import BuiltinEngine
 
     out = {"healthy": _profile(ports[0], scratch)}
     with _delayed(BuiltinEngine, "generate", DELAY_S if rank == STRAGGLER_RANK else 0.0):

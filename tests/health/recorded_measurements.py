@@ -84,7 +84,9 @@ def rank_profile(rank: int, busy: float = 1.0, tokens: float = 1000.0, data: flo
     }
     return {"rank": rank, "host": "node0", "step_s": step, "busy_s": busy, "busy_by_step": [busy] * steps,
             "peer_s": peer, "comm_s": comm, "wait_s": peer + comm, "update_tokens": tokens, "phases": phases,
-            "capacity_gb": 16.0, "state_bytes": 10 * MiB}
+            "capacity_gb": 16.0, "state_bytes": 10 * MiB,
+            # host RAM peaks (GiB) around the steps, the node's memory, the run's own save (s)
+            "host_ram": {"load": 2.0, "checkpoint": 2.5, "export": 2.2}, "node_memory_gb": 64.0, "save_s": 3.0}
 
 
 def healthy_profile() -> tuple[dict, list[dict], dict]:
@@ -97,7 +99,7 @@ def healthy_profile() -> tuple[dict, list[dict], dict]:
                "microbatches": 4, "pp_schedule": "1f1b", "balance_batch": True, "hidden_size": 896,
                "dtype_bytes": 2, "layer_params": 14.9e6, "link_busbw": 5e9, "checkpoint_bytes": 2 * 2**30,
                "write_bytes_per_s": 500 * MiB, "save_every": 50, "keep_last": 2, "free_bytes": 400 * 2**30,
-               "checkpoint_path": "/shared/run/checkpoints",
+               "checkpoint_path": "/shared/run/checkpoints", "save_s": 3.0, "total_steps": 500,
                # dtype_bytes 2: the run computes in bf16 (on a CPU with AVX-512 BF16, probed 3.1x fp32)
                "precision": "bf16", "bf16_hardware": "avx512_bf16", "bf16_over_fp32": 3.1}
     return metrics, records, context

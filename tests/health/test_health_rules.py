@@ -249,7 +249,9 @@ def test_memory_near_capacity_names_the_phase():
     records[1]["phases"]["gen"]["peak_gb"] = 15.5
     f = the_finding(profile_findings(records=records), "resources/accelerator_memory")
     assert f.status == FAULT and f.ranks == (1,) and "in gen" in f.summary
-    assert alarms(profile_findings(records=records)) == {"resources/accelerator_memory": FAULT}
+    # gen follows the update (step to step): the same peak is the switch's, which names what each side holds
+    assert alarms(profile_findings(records=records)) == {"resources/accelerator_memory": FAULT,
+                                                         "resources/phase_switch_memory": FAULT}
 
 
 def test_a_slow_data_loader_is_a_data_wait_finding():

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from scalerl.core.config import load_config
-from scalerl.core.config_tree import config_to_dict
+from scalerl.core.config.tree import config_to_dict
 from scalerl.core.net import free_port
 from scalerl.core.rank_env import RankEnvError, detect_rank_env
 from scalerl.launch.k8s import (

@@ -17,8 +17,8 @@ from scalerl.models.hf_checkpoint import (
     save_pretrained,
 )
 from scalerl.perf.flops import decoder_layer_tensor_count, decoder_param_count
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 from tests.models.hf_reference import (
     hf_logits,
     max_diff_on_real_tokens,

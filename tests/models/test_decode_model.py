@@ -11,8 +11,8 @@ from scalerl.models.config import ModelConfig
 from scalerl.models.decode_model import DecodeModel, fused_decode_unsupported
 from scalerl.models.decoder import build_model
 from scalerl.models.lora import apply_lora
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 
 PAD = 0
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,

@@ -123,8 +123,8 @@ def test_peft_round_trip_both_ways_and_merge(tmp_path):
 def test_adapter_only_weight_sync_lands_and_counts_adapter_bytes():
     from scalerl.comm.weights.channel import InProcessChannel
     from scalerl.comm.weights.sender import WeightSender
-    from scalerl.rollout.builtin_engine import BuiltinEngine
-    from scalerl.rollout.weight_loading import engine_weight_receiver
+    from scalerl.rollout.engines.builtin import BuiltinEngine
+    from scalerl.rollout.engines.weight_loading import engine_weight_receiver
     from scalerl.rollout.weight_sync import synced_tensors
 
     trainer_model = tiny_model(hidden_size=64, intermediate_size=128)

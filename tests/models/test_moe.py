@@ -30,8 +30,8 @@ from scalerl.models.moe import (
 )
 from scalerl.parallel.mesh import LayoutError, ParallelDims
 from scalerl.perf.flops import decoder_param_count, matmul_param_count
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 from tests.spawned_group import run_in_group
 from tests.tiny import TINY_MOE, TINY_MOE_VOCAB, tiny_overrides
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from scalerl.core.config import BUILTIN_VOCAB_SIZE, load_config
-from scalerl.core.config_tree import ConfigError
+from scalerl.core.config.tree import ConfigError
 from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
 from scalerl.models.hf_checkpoint import save_pretrained
@@ -23,8 +23,8 @@ from scalerl.models.routing_replay import (
     replaying_routes,
 )
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import GenerationOutput, SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import GenerationOutput, SamplingParams
 from scalerl.trainer.forward_passes import response_logprobs
 from tests.spawned_group import run_in_group
 from tests.tiny import TINY_MOE, TINY_MOE_VOCAB, tiny_model, tiny_overrides

@@ -29,10 +29,10 @@ from scalerl.models.transformers_model import (
     transformers_layout_problems,
 )
 from scalerl.models.value_model import ValueModel
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
+from scalerl.rollout.engines.vllm import hf_weight_names
 from scalerl.rollout.text import generate_text
-from scalerl.rollout.vllm_engine import hf_weight_names
 from scalerl.trainer.run_checks import check_run_inputs
 from scalerl.verify import (
     TOLERANCE,

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from scalerl.core.net import free_port
+from tests.spawned_group import start_processes
 
 COLLECTIVE_TIMEOUT_S = 3.0
 
@@ -63,8 +63,7 @@ def test_lost_peer_ends_the_run_naming_collective_rank_and_checkpoint(scenario, 
     checkpoint = tmp_path / "checkpoints" / "step_00000004"
     checkpoint.mkdir(parents=True)
     (checkpoint / "meta.json").write_text(json.dumps({"format_version": 1, "step": 4, "files": {}}))
-    ranks = mp.start_processes(_rank_main, args=(free_port(), scenario, str(tmp_path)), nprocs=2,
-                               start_method="spawn", join=False)
+    ranks = start_processes(_rank_main, (free_port(), scenario, str(tmp_path)), 2, join=False)
     survivor = 1 if scenario == "master-freezes" else 0
     try:
         ranks.processes[survivor].join(120)

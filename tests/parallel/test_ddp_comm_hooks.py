@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from scalerl.core.net import free_port
+from tests.spawned_group import start_processes
 
 WORLD, STEPS, START = 4, 40, 5
 SETTINGS = [  # (name, comm overrides)
@@ -128,7 +129,7 @@ def _worker(rank: int, port: int, results) -> None:
 
 def test_ddp_hooks_train_like_dense_and_stay_in_sync():
     results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(free_port(), results), nprocs=WORLD, start_method="spawn")
+    start_processes(_worker, (free_port(), results), WORLD)
     r = results[0]
     dense = r["dense"]["loss"]
     initial_guess = torch.log(torch.tensor(32.0)).item()  # a model that learned nothing

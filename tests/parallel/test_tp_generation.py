@@ -18,8 +18,8 @@ def _generate_with_tp(rank):
     from scalerl.core.config import ParallelSection
     from scalerl.parallel.distributed import init_distributed
     from scalerl.parallel.parallelize import parallelize
-    from scalerl.rollout.builtin_engine import BuiltinEngine
-    from scalerl.rollout.engine import SamplingParams
+    from scalerl.rollout.engines.builtin import BuiltinEngine
+    from scalerl.rollout.engines.engine import SamplingParams
     from tests.tiny import tiny_model
 
     # 4 kv heads over tp=2: two local kv heads per rank, shared by four local query heads.

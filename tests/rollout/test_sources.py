@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scalerl.rollout.engine import GenerationOutput
+from scalerl.rollout.engines.engine import GenerationOutput
 from scalerl.rollout.sources import token_split
 from tests.spawned_group import die_at_generate, run_case, run_in_group, skip_if_unsupported
 from tests.tiny import tiny_overrides

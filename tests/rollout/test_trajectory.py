@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.rollout.engine import GenerationOutput
+from scalerl.rollout.engines.engine import GenerationOutput
 from scalerl.rollout.trajectory import Trajectory, TrajectorySegment, trajectories_to_output
-from scalerl.rollout.worker_protocol import decode_output, encode_output
+from scalerl.rollout.worker.protocol import decode_output, encode_output
 
 PAD = 0
 

@@ -17,7 +17,7 @@ from scalerl.comm.weights.receiver import TensorDictStore, WeightReceiver
 from scalerl.comm.weights.sender import SyncReport, WeightSender
 from scalerl.core.config import load_config
 from scalerl.parallel.parallelize import PipelineParts
-from scalerl.rollout.engine import GenerationOutput, SamplingParams
+from scalerl.rollout.engines.engine import GenerationOutput, SamplingParams
 from scalerl.rollout.sources import StandaloneRollouts, StepPrompts
 from scalerl.rollout.weight_sync import (
     BYTES,
@@ -31,7 +31,7 @@ from scalerl.rollout.weight_sync import (
     colocated_weight_sync,
     local_weight_sync,
 )
-from scalerl.rollout.worker_protocol import (
+from scalerl.rollout.worker.protocol import (
     OP_GENERATE,
     OP_PUSH_DIRECT,
     OP_WEIGHTS,
@@ -85,7 +85,7 @@ def test_colocated_placements_get_their_strategy():
 def test_the_builtin_engine_is_relaid_out_after_each_step():
     """Colocated, the built-in engine shares the parameters but decodes from a layout of its own
     (`scalerl.models.decode_model`): the sync rewrites it, so the next rollout sees the step's weights."""
-    from scalerl.rollout.builtin_engine import BuiltinEngine
+    from scalerl.rollout.engines.builtin import BuiltinEngine
     from tests.tiny import tiny_model
 
     model = tiny_model().eval()

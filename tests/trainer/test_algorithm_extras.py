@@ -200,7 +200,7 @@ class ScriptedEngine:
         return "9" * (1 + g % 3) + ("7" if g % 5 == 0 else "")
 
     def generate(self, prompts, sampling):
-        from scalerl.rollout.engine import GenerationOutput, left_pad
+        from scalerl.rollout.engines.engine import GenerationOutput, left_pad
 
         texts = [self.text(sampling.row_offset + i) for i in range(len(prompts))]
         ids = [self.tokenizer.encode(t) for t in texts]

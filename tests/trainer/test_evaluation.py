@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scalerl.data.reward_functions import RewardFunctionError
-from scalerl.data.rewards import RewardComputer
+from scalerl.data.rewards.computer import RewardComputer
+from scalerl.data.rewards.functions import RewardFunctionError
 from scalerl.trainer.evaluation import scored_validation
 
 

@@ -61,7 +61,7 @@ def _train_twice(rank: int, output_dir: str, slow_rank: int) -> dict[str, list[s
     """Two world-2 GRPO runs in one group, each checked once at its last step: healthy, then with
     ``slow_rank``'s reward delayed. Returns the health warnings this rank logged in each."""
     from scalerl.core.config import load_config
-    from scalerl.data.rewards import RewardComputer
+    from scalerl.data.rewards.computer import RewardComputer
     from tests.trainer.conftest import TINY
 
     messages: list[str] = []

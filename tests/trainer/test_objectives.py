@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scalerl.core.config import load_config
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.trainer.objectives import PolicyObjective, SFTObjective, ValueObjective
 
@@ -22,7 +23,7 @@ def _batch(**fields) -> RolloutBatch:
 def test_each_input_comes_back_under_its_name():
     old, adv, ref = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
     batch = _batch(old_logprobs=old, advantages=adv, ref_logprobs=ref)
-    objective = PolicyObjective.__new__(PolicyObjective)  # `target`/`named` read no config
+    objective = PolicyObjective(load_config(None, []).actor, temperature=1.0)
     x = objective.named(objective.target(batch))
     assert set(x) == set(PolicyObjective.inputs)
     assert torch.equal(x["response_ids"], batch.response_ids) and x["response_ids"].dtype == torch.long
@@ -33,13 +34,13 @@ def test_each_input_comes_back_under_its_name():
     assert torch.equal(objective.named(objective.target(_batch(old_logprobs=old, advantages=adv)))["ref_logprobs"],
                        torch.zeros(2, 3))
     # the packed path finds the mask by name, wherever an objective keeps it
-    values = ValueObjective.__new__(ValueObjective)
+    values = ValueObjective(load_config(None, []).critic, "token-mean")
     target = values.target(_batch(returns=torch.randn(2, 3), values=torch.randn(2, 3)))
     assert torch.equal(values.response_tokens(target), batch.response_mask > 0)
 
 
 def test_a_field_the_batch_lacks_without_a_default_is_named():
     with pytest.raises(ValueError, match="ValueObjective reads RolloutBatch.returns"):
-        ValueObjective.__new__(ValueObjective).target(_batch(values=torch.zeros(2, 3)))
+        ValueObjective(load_config(None, []).critic, "token-mean").target(_batch(values=torch.zeros(2, 3)))
     sft = SFTObjective()
     assert sft.target(_batch()).shape == (2, 3, 2)

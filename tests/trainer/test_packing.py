@@ -12,8 +12,8 @@ from scalerl.models.config import ModelConfig
 from scalerl.models.decoder import build_model
 from scalerl.models.packing import PackedBatch
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 from tests.spawned_group import run_in_group
 
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

@@ -207,8 +207,8 @@ def test_standalone_evaluation_decodes_the_weights_the_optimizer_wrote():
     step's weights before)."""
     from types import SimpleNamespace
 
-    from scalerl.rollout.builtin_engine import BuiltinEngine
-    from scalerl.rollout.engine import SamplingParams
+    from scalerl.rollout.engines.builtin import BuiltinEngine
+    from scalerl.rollout.engines.engine import SamplingParams
     from tests.tiny import tiny_model
 
     model = tiny_model(seed=0).eval()

@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 import torch
 
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 from scalerl.trainer.rl_trainer import RLTrainer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

@@ -15,8 +15,8 @@ from scalerl.core.config import ConfigError, load_config
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.mesh import ParallelDims
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import GenerationOutput, SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import GenerationOutput, SamplingParams
 from scalerl.trainer.forward_passes import response_logprobs
 from scalerl.trainer.rl_step import RolloutPhase
 from scalerl.trainer.run_checks import check_rl_layout

@@ -11,8 +11,8 @@ from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import single_process_context
 from scalerl.parallel.parallelize import parallelize
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 from scalerl.trainer.forward_passes import response_logprobs
 from scalerl.trainer.objectives import PolicyObjective, ValueObjective
 from scalerl.trainer.update import OptimizerStep, UpdatePlan, run_update

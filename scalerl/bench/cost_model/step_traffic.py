@@ -41,12 +41,12 @@ from scalerl.bench.cost_model.collective_cost import sent_bytes
 from scalerl.models.config import ModelConfig
 from scalerl.parallel.sequence_parallel import sequence_parallel_bytes
 from scalerl.perf.flops import decoder_layer_tensor_count, decoder_param_count
-from scalerl.rollout.builtin_engine import FINISH_CHECK_EVERY_CPU
-from scalerl.rollout.messages import header_bytes
+from scalerl.rollout.engines.builtin import FINISH_CHECK_EVERY_CPU
 from scalerl.rollout.sources import (
     MIN_ROWS_PER_PIPELINE_RANK,  # the behaviour modelled, defined by the code
 )
-from scalerl.rollout.worker_protocol import OUTPUT_TENSOR_DIMS
+from scalerl.rollout.worker.messages import header_bytes
+from scalerl.rollout.worker.protocol import OUTPUT_TENSOR_DIMS
 
 # Megatron's count, as scalerl/parallel/tensor_parallel.py lays TP out: a row-parallel output all-reduce per block
 # forward (attention, MLP), one input-gradient all-reduce per block backward.

@@ -43,8 +43,8 @@ from scalerl.rollout.agent.tools import (
     tool_from_function,
 )
 
-__all__ = ["TrlEnvironment", "VerlTool", "VerlToolSession", "is_trl_environment", "tools_from_verl_config",
-           "trl_environment_factory", "trl_reset_kwargs", "trl_tools"]
+__all__ = ["AttributeDict", "TrlEnvironment", "VerlTool", "VerlToolSession", "import_class", "is_trl_environment",
+           "tools_from_verl_config", "trl_environment_factory", "trl_reset_kwargs", "trl_tools"]
 
 
 async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -204,17 +204,17 @@ VERL_TOOL_CONFIG_SHAPE = ("tools:\n  - class_name: pkg.module.MyTool\n    config
                           "      type: function\n      function: {name: ..., description: ..., parameters: {...}}")
 
 
-class _SchemaView(dict):
-    """A tool schema as a dict that also reads as attributes (``schema.function.name``) and has
-    ``model_dump()``: what a tool written against verl's pydantic ``OpenAIFunctionToolSchema`` reads, where verl
-    itself is not installed."""
+class AttributeDict(dict):
+    """A dict that also reads as attributes (``schema.function.name``) and has ``model_dump()``, where verl itself
+    is not installed: a tool schema as a tool written against verl's pydantic ``OpenAIFunctionToolSchema`` reads
+    it, and verl's trainer config as an agent loop reads its OmegaConf ``DictConfig`` (`verl_loop`)."""
 
     def __getattr__(self, name: str) -> Any:
         try:
             value = self[name]
         except KeyError:
             raise AttributeError(name) from None
-        return _SchemaView(value) if isinstance(value, dict) else value
+        return AttributeDict(value) if isinstance(value, dict) else value
 
     def model_dump(self, **_: Any) -> dict:
         return _plain(self)
@@ -229,16 +229,16 @@ def _plain(value: Any) -> Any:
 
 
 def _schema_object(schema: dict) -> Any:
-    """What verl hands a tool's constructor: its pydantic schema where verl is installed, else a `_SchemaView`."""
+    """What verl hands a tool's constructor: its pydantic schema where verl is installed, else an `AttributeDict`."""
     try:
         from verl.tools.schemas import OpenAIFunctionToolSchema  # type: ignore[import-not-found]
     except ImportError:
-        return _SchemaView(schema)
+        return AttributeDict(schema)
     return OpenAIFunctionToolSchema.model_validate(schema)
 
 
 def _schema_dict(schema: Any) -> dict | None:
-    """A tool's schema as plain data, from a dict (a `_SchemaView` among them) or verl's pydantic model."""
+    """A tool's schema as plain data, from a dict (an `AttributeDict` among them) or verl's pydantic model."""
     if isinstance(schema, dict):
         return _plain(schema)
     if callable(getattr(schema, "model_dump", None)):
@@ -393,18 +393,20 @@ class VerlToolSession(Tool):
             await _call_tool_method(release, instance_id, **self._kwargs("release"))
 
 
-def _import_class(class_name: str, where: str, search: list[Path]) -> type:
+def import_class(class_name: str, where: str, search: list[Path], shape: str = VERL_TOOL_CONFIG_SHAPE,
+                 key: str = "class_name") -> type:
     """The class ``pkg.module.Class`` names (verl's form), or ``path/file.py:Class`` / ``module:Class``
     (scalerl's). A module not on ``sys.path`` is looked for in ``search`` too (the working directory and the
-    YAML's own), as the scalerl command does not put the working directory on the path."""
+    YAML's own), as the scalerl command does not put the working directory on the path. ``where`` names the
+    entry in errors, ``key`` the field that names the class, ``shape`` the entry's expected form."""
     if not isinstance(class_name, str) or not class_name.strip():
-        raise ToolDefinitionError(f"{where} has no class_name; {VERL_TOOL_CONFIG_SHAPE}")
+        raise ToolDefinitionError(f"{where} has no {key}; {shape}")
     if ":" in class_name:
         module_name, _, name = class_name.rpartition(":")
     else:
         module_name, _, name = class_name.rpartition(".")
     if not module_name or not name:
-        raise ToolDefinitionError(f"{where}: class_name {class_name!r} names no module; give it as "
+        raise ToolDefinitionError(f"{where}: {key} {class_name!r} names no module; give it as "
                                   "package.module.Class, as verl does")
     try:
         if module_name.endswith(".py") or "/" in module_name:
@@ -423,14 +425,19 @@ def _import_class(class_name: str, where: str, search: list[Path]) -> type:
                     for p in added:
                         sys.path.remove(p)
     except ToolDefinitionError as error:
-        raise ToolDefinitionError(f"{where}: class_name {class_name!r}: {error}") from error
+        raise ToolDefinitionError(f"{where}: {key} {class_name!r}: {error}") from error
     except Exception as error:
         raise ToolDefinitionError(
-            f"{where}: class_name {class_name!r}: importing {module_name} failed ({type(error).__name__}: {error}); "
+            f"{where}: {key} {class_name!r}: importing {module_name} failed ({type(error).__name__}: {error}); "
             "run from the directory that holds the package, or add it to PYTHONPATH") from error
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
-        raise ToolDefinitionError(f"{where}: class_name {class_name!r}: module {module_name} has no class {name}")
+        raise ToolDefinitionError(f"{where}: {key} {class_name!r}: module {module_name} has no class {name}")
+    return cls
+
+
+def _import_tool_class(class_name: str, where: str, search: list[Path]) -> type:
+    cls = import_class(class_name, where, search)
     if not callable(getattr(cls, "execute", None)):
         raise ToolDefinitionError(f"{where}: {class_name} has no execute method; a verl tool has async "
                                   "execute(instance_id, parameters, **kwargs) -> (ToolResponse, reward, metrics)")
@@ -465,7 +472,7 @@ def tools_from_verl_config(path: str | Path, timeout_s: float = 60.0, use_calc_r
         if kind != "native":
             raise ToolDefinitionError(f"{where}: config.type {kind!r} is not supported; scalerl runs verl's native "
                                       "tools (type: native), not MCP ones yet")
-        cls = _import_class(entry.get("class_name"), where, [Path.cwd(), source.resolve().parent])
+        cls = _import_tool_class(entry.get("class_name"), where, [Path.cwd(), source.resolve().parent])
         given = entry.get("tool_schema")
         if given is not None and not isinstance(given, dict):
             raise ToolDefinitionError(f"{where}: tool_schema must be a mapping, got {type(given).__name__}")

@@ -52,7 +52,7 @@ from typing import Any
 from scalerl.rollout.agent.chat_delta import ChatContinuity
 from scalerl.rollout.agent.loop import EnginePump
 from scalerl.rollout.agent.tool_calls import get_parser
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.engine import SamplingParams
 from scalerl.rollout.trajectory import Trajectory, TrajectorySegment
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
@@ -892,7 +892,7 @@ def serve_rollouts_main(argv: list[str] | None = None) -> int:
 
     from scalerl.core.config import load_config
     from scalerl.models.load import load_model_and_tokenizer
-    from scalerl.rollout.builtin_engine import BuiltinEngine
+    from scalerl.rollout.engines.builtin import BuiltinEngine
 
     overrides = [f"model.dtype={args.dtype}"]
     if args.model:

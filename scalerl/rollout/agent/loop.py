@@ -29,8 +29,8 @@ import torch
 
 from scalerl.rollout.agent.chat_delta import ChatContinuity
 from scalerl.rollout.agent.environment import EnvStep, as_env_step, call_env
-from scalerl.rollout.continuous_engine import GenerationRequest, RequestOutput
-from scalerl.rollout.engine import PromptTooLongError, SamplingParams
+from scalerl.rollout.engines.continuous import GenerationRequest, RequestOutput
+from scalerl.rollout.engines.engine import PromptTooLongError, SamplingParams
 from scalerl.rollout.trajectory import Trajectory, TrajectorySegment
 
 

@@ -20,7 +20,7 @@ from scalerl.rollout.agent.environment import (
     is_trl_environment,
 )
 from scalerl.rollout.agent.loop import AgentLimits, AgentLoop, agent_metrics
-from scalerl.rollout.engine import GenerationOutput
+from scalerl.rollout.engines.engine import GenerationOutput, SamplingParams
 from scalerl.rollout.sources import ColocatedRollouts, StepPrompts, dp_rows
 from scalerl.rollout.trajectory import trajectories_to_output
 
@@ -75,7 +75,13 @@ class AgentRollouts(ColocatedRollouts):
         limits = agent_limits(cfg)
         rows = cfg.trainer.batch_size * r.n // max(ctx.dp_size, 1)
         continuous = engine.continuous_engine(limits.max_total_tokens, r.max_new_tokens, r.max_num_seqs or rows)
-        self.loop = AgentLoop(continuous, tokenizer, environment_factory(r.agent), limits)
+        if r.agent.env == "verl":  # verl AgentLoopBase subclasses, as token-level environments
+            from scalerl.rollout.agent.verl_loop import verl_loop_factory
+
+            make_env = verl_loop_factory(cfg, tokenizer, limits)
+        else:
+            make_env = environment_factory(r.agent)
+        self.loop = AgentLoop(continuous, tokenizer, make_env, limits)
         self.n, self.pad_token_id = r.n, engine.pad_token_id
         self.metrics: dict[str, float] = {}
 
@@ -90,6 +96,16 @@ class AgentRollouts(ColocatedRollouts):
         trajectories, records = self.loop.run(rows, batch.sampling, row_offset=start, total_rows=len(batch.prompts))
         self.metrics = agent_metrics(records, trajectories, time.perf_counter() - began)
         return trajectories_to_output(trajectories, self.pad_token_id)
+
+    def episodes(self, rows: list[dict], sampling: SamplingParams) -> tuple[list[str], list[int], list[float | None]]:
+        """Evaluation's answers (`scalerl.trainer.evaluation.answers`): one episode per row in the environment the
+        run trains in, with ``sampling`` (greedy by default): each trajectory's response text (tool results and
+        user turns included, as training scores it), its length in tokens, and the environment's reward."""
+        trajectories, _ = self.loop.run(rows, sampling, row_offset=sampling.row_offset,
+                                        total_rows=sampling.total_rows or len(rows))
+        texts = self.loop.tokenizer.batch_decode([t.response_ids for t in trajectories])
+        given = [t.reward_inputs.get("env_reward") for t in trajectories]
+        return texts, [len(t.response_ids) for t in trajectories], given
 
     def step_metrics(self) -> dict[str, float]:
         metrics, self.metrics = self.metrics, {}

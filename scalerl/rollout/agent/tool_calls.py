@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from scalerl.core.config_tree import ConfigError
+from scalerl.core.config.tree import ConfigError
 from scalerl.rollout.agent.tools import json_type
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

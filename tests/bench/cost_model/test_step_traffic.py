@@ -106,9 +106,9 @@ def test_the_constants_it_mirrors_come_from_the_code():
     from scalerl.bench.cost_model.step_traffic import ROLLOUT_HEADER_BYTES
     from scalerl.models.decoder import build_model
     from scalerl.perf.flops import decoder_layer_tensor_count
-    from scalerl.rollout.engine import GenerationOutput
-    from scalerl.rollout.messages import _header
-    from scalerl.rollout.worker_protocol import encode_output
+    from scalerl.rollout.engines.engine import GenerationOutput
+    from scalerl.rollout.worker.messages import _header
+    from scalerl.rollout.worker.protocol import encode_output
 
     out = GenerationOutput(torch.zeros(3, 5, dtype=torch.long), torch.ones(3, 5, dtype=torch.long),
                            torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4), torch.zeros(3, 4),

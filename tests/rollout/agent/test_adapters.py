@@ -32,8 +32,8 @@ from scalerl.rollout.agent.tools import (
     call_tool,
     tools_from_module,
 )
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 from tests.rollout.agent.conftest import ScriptedTurns
 from tests.tiny import tiny_model
 

@@ -21,8 +21,8 @@ import torch
 
 from scalerl.models.tokenizer import CharTokenizer
 from scalerl.rollout.agent.endpoint import RecordedCall, RolloutEndpoint, stitch_calls
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 from scalerl.rollout.trajectory import trajectories_to_output
 from tests.emulated_network import wait_until
 from tests.rollout.agent.chat_templates import QWEN25, chat_tokenizer

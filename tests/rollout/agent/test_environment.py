@@ -14,8 +14,8 @@ from scalerl.models.tokenizer import CharTokenizer
 from scalerl.rollout.agent.environment import ToolEnvironment, environment_class
 from scalerl.rollout.agent.loop import AgentLimits, AgentLoop, agent_metrics
 from scalerl.rollout.agent.tools import tool_from_function
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 from tests.rollout.agent.conftest import ScriptedTurns
 from tests.tiny import tiny_model
 

@@ -13,8 +13,8 @@ from scalerl.models.tokenizer import CharTokenizer
 from scalerl.rollout.agent.environment import ChatEnvironment, EnvStep
 from scalerl.rollout.agent.loop import AgentLimits, AgentLoop, TokenEpisode, agent_metrics
 from scalerl.rollout.batch import RolloutBatch
-from scalerl.rollout.builtin_engine import BuiltinEngine
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.builtin import BuiltinEngine
+from scalerl.rollout.engines.engine import SamplingParams
 from scalerl.rollout.trajectory import TrajectorySegment, trajectories_to_output
 from scalerl.trainer.forward_passes import response_logprobs
 from tests.tiny import tiny_model

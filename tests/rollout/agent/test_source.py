@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from scalerl.rollout.agent.source import AgentRollouts
+from scalerl.rollout.engines.engine import SamplingParams
 from scalerl.trainer.rl_trainer import RLTrainer
 
 # Continuous batching on both sides (the agent loop runs on the continuous engine), the chat template on (the
@@ -79,6 +80,30 @@ def test_the_environments_own_reward_scores_its_episodes(tiny_config, length_rew
     from_fn = [(s, t) for s, t in zip(scores, texts) if s != 0.25]
     assert from_env and from_fn  # both kinds of rows in the batch
     assert all(abs(s - len(t) / 10) < 1e-6 for s, t in from_fn)  # the length reward where the env gave none
+
+
+def test_evaluation_runs_episodes_in_the_environment_the_run_trains_in(tiny_config, length_reward, tmp_path):
+    """val/accuracy of an agent run comes from whole episodes: here only a second turn earns the environment's
+    reward, so a single-turn evaluation (the run's length reward on one answer) would read otherwise."""
+    env = tmp_path / "two_turns.py"
+    env.write_text("class TwoTurns:\n"
+                   "    def reset(self, row):\n        self.turn = 0\n"
+                   "        return [{'role': 'user', 'content': row['prompt']}]\n"
+                   "    def step(self, message):\n        self.turn += 1\n"
+                   "        if self.turn == 1:\n            return [{'role': 'user', 'content': 'more'}], None, False, {}\n"
+                   "        return [], 1.0, True, {}\n")
+    trainer = RLTrainer.from_config(tiny_config(
+        "trainer.total_steps=1", f"rollout.agent.env={env}:TwoTurns", "rollout.agent.max_turns=2", "trainer.val_n=2",
+        "rollout.val_temperature=1.0", length_reward, f"trainer.output_dir={tmp_path}/eval"))
+    metrics = trainer.evaluate()
+    assert metrics["val/accuracy"] == 1.0 and metrics["val/score/mean"] == 1.0 and metrics["val/pass@2"] == 1.0
+    one_turn = RLTrainer.from_config(tiny_config(
+        "trainer.total_steps=1", f"rollout.agent.env={env}:TwoTurns", "rollout.agent.max_turns=1",
+        length_reward, f"trainer.output_dir={tmp_path}/one"))
+    texts, lengths, given = one_turn.rollouts.episodes(one_turn.val_rows[:4], SamplingParams(
+        max_new_tokens=4, temperature=0.0, stop_token_ids=one_turn.tokenizer.stop_token_ids))
+    assert given == [None] * 4 and lengths == [len(one_turn.tokenizer.encode(t)) for t in texts]
+    assert one_turn.evaluate()["val/accuracy"] == 0.0  # one turn: no environment reward, the length reward < 1
 
 
 def test_the_tool_environment_gets_a_sandboxed_python_tool_from_the_config(capsys):

@@ -22,8 +22,8 @@ from scalerl.rollout.agent.chat_delta import ChatContinuity
 from scalerl.rollout.agent.loop import AgentLimits, AgentLoop
 from scalerl.rollout.agent.tool_calls import get_parser
 from scalerl.rollout.agent.tools import call_tool, tool_from_function, tools_from_module
-from scalerl.rollout.continuous_engine import RequestOutput
-from scalerl.rollout.engine import SamplingParams
+from scalerl.rollout.engines.continuous import RequestOutput
+from scalerl.rollout.engines.engine import SamplingParams
 
 TOK = CharTokenizer()
 ROWS = make_tool_arithmetic_rows("test", 6, [1, 2, 3], seed=0)
