@@ -150,11 +150,23 @@ def _teacher_path(value: Any, verl: Verl) -> str:
     return str(value)
 
 
+def _topk_mode(verl: Verl) -> bool:
+    return _distills(verl) and verl[D + "distillation_loss.loss_mode"] == "forward_kl_topk"
+
+
 def _distill_estimator(value: Any, verl: Verl) -> str:
-    if value == "forward_kl_topk":
-        raise ConfigError("--from-verl: distillation.distillation_loss.loss_mode=forward_kl_topk (the forward KL over "
-                          "the teacher's top-k tokens) is not implemented here; the per-token estimators are: "
-                          "k1 (verl's recommendation with use_policy_gradient=true), k2, k3, abs")
+    if value == "forward_kl_topk":  # a loss term here (algorithm.distill.top_k); the estimator is unused
+        if verl[D + "distillation_loss.use_policy_gradient"]:
+            raise ConfigError("--from-verl: distillation.distillation_loss.loss_mode=forward_kl_topk with "
+                              "use_policy_gradient=true: verl then trains only the sampled token's log-prob; scalerl "
+                              "implements forward_kl_topk as the supervised loss verl recommends: set "
+                              "distillation.distillation_loss.use_policy_gradient=false")
+        return "k1"
+    if not verl[D + "distillation_loss.use_policy_gradient"]:
+        raise ConfigError(f"--from-verl: distillation.distillation_loss.loss_mode={value} with use_policy_gradient="
+                          "false (verl's default) backpropagates the KL estimate itself; scalerl trains the per-token "
+                          "estimators as a reward (use_policy_gradient=true) and the supervised form only for "
+                          "loss_mode=forward_kl_topk: set one of the two")
     return str(value)
 
 
@@ -375,9 +387,11 @@ VERL_KEYS: tuple[VerlKey, ...] = (
             inert=None, only_if=_distills),
     VerlKey(D + "teacher_key", "data_source", None, "one teacher for every data source here", inert="data_source",
             only_if=_distills),
-    VerlKey(D + "distillation_loss.use_policy_gradient", False, None, "scalerl trains distillation as a "
-            "per-token reward (Thinking Machines' form, use_policy_gradient=true); the supervised backprop of "
-            "the KL is not implemented", inert=True, only_if=_distills),
+    VerlKey(D + "distillation_loss.use_policy_gradient", False, None, "read by distillation.distillation_loss."
+            "loss_mode: true for the per-token estimators (a reward), false for forward_kl_topk (a loss term)",
+            only_if=lambda verl: False, read_by=D + "distillation_loss.loss_mode"),
+    VerlKey(D + "distillation_loss.topk", 32, "algorithm.distill.top_k", "with loss_mode=forward_kl_topk",
+            transform=lambda v, _: int(v), only_if=_topk_mode),
     VerlKey(D + "distillation_loss.loss_mode", "k3", "algorithm.distill.estimator", "the per-token estimate whose "
             "negative is the advantage (k1 is verl's recommendation with policy gradient)", transform=_distill_estimator,
             only_if=_distills),
@@ -465,7 +479,6 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     (D + "nnodes", "the teacher's resources: here it runs on the trainer's ranks"),
     (D + "teacher_models.teacher_model.num_replicas", "the teacher's serving"),
     (D + "teacher_models.teacher_model.inference.*", "the teacher's inference engine: here its forward pass"),
-    (D + "distillation_loss.topk", "read with loss_mode=forward_kl_topk, which scalerl does not implement"),
     (D + "distillation_loss.use_chunked_topk", "top-k memory"), (D + "distillation_loss.chunked_topk_chunk_size",
                                                                  "top-k memory"),
     (D + "distillation_loss.clip_ratio*", "the distillation term's own PPO clip: here the actor's (one loss)"),

@@ -176,16 +176,25 @@ def test_verls_on_policy_distillation_keys_set_algorithm_distill():
                        f"{D}distillation_loss.distillation_loss_coef=0.5"])
     assert alone.values["algorithm.distill.task_weight"] == 0.0
     assert alone.values["algorithm.distill.coef"] == 1.0  # verl applies the coefficient only with task rewards
-    with pytest.raises(ConfigError, match=r"use_policy_gradient=false changes the run .*supervised backprop"):
+    with pytest.raises(ConfigError, match=r"loss_mode=k3 with use_policy_gradient=false \(verl's default\)"):
         translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}teacher_models.teacher_model.model_path=t"])
     with pytest.raises(ConfigError, match=r"distillation.enabled=true needs the teacher's model directory"):
         translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}distillation_loss.use_policy_gradient=true"])
     with pytest.raises(ConfigError, match=r"teacher_models.teacher_model.key=openai/gsm8k changes the run"):
         translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}teacher_models.teacher_model.model_path=t",
                    f"{D}distillation_loss.use_policy_gradient=true", f"{D}teacher_models.teacher_model.key=openai/gsm8k"])
-    with pytest.raises(ConfigError, match=r"loss_mode=forward_kl_topk .* is not implemented here"):
+    # forward_kl_topk: the supervised form verl recommends for it is scalerl's top-k loss term, k from topk
+    # (verl's yaml: 32); with policy gradient verl would train the sampled token only, which is refused
+    with pytest.raises(ConfigError, match=r"forward_kl_topk with use_policy_gradient=true"):
         translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}teacher_models.teacher_model.model_path=t",
                    f"{D}distillation_loss.use_policy_gradient=true", f"{D}distillation_loss.loss_mode=forward_kl_topk"])
+    topk = translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}teacher_models.teacher_model.model_path=t",
+                      f"{D}distillation_loss.loss_mode=forward_kl_topk", f"{D}distillation_loss.topk=8"])
+    assert topk.values["algorithm.distill.top_k"] == 8 and topk.values["algorithm.distill.teacher"] == "t"
+    default_k = translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true",
+                           f"{D}teacher_models.teacher_model.model_path=t", f"{D}distillation_loss.loss_mode=forward_kl_topk"])
+    assert default_k.values["algorithm.distill.top_k"] == 32
+    assert "algorithm.distill.top_k" not in on.values  # k1: the sampled tokens' estimate, top_k stays 0
     off = translate(["actor_rollout_ref.model.path=m", f"{D}teacher_models.teacher_model.model_path=t"])
     assert "algorithm.distill.teacher" not in off.values
     assert _rows(off)[f"{D}teacher_models.teacher_model.model_path"].startswith("no effect here")
