@@ -157,6 +157,7 @@ def test_every_rank_stops_for_a_signal_any_rank_received():
 def test_a_forwarded_ctrl_c_is_the_same_request_a_later_one_stops_at_once():
     from scalerl.trainer.run_failures import StopSignals
 
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN in a job started in the background
     with StopSignals() as signals:
         os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C ...
         os.kill(os.getpid(), signal.SIGINT)  # ... and torchrun forwarding it, a moment later
@@ -164,4 +165,4 @@ def test_a_forwarded_ctrl_c_is_the_same_request_a_later_one_stops_at_once():
         signals.received_at -= StopSignals.REPEAT_S + 1  # the user presses again, later
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on leaving
+    assert signal.getsignal(signal.SIGINT) is before  # restored on leaving
