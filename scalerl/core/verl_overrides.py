@@ -23,7 +23,13 @@ from scalerl.core.config.tree import (
     apply_override,
     config_from_dict,
 )
-from scalerl.core.verl_keys import NO_DEFAULT, NO_EFFECT, VERL_KEYS
+from scalerl.core.verl_keys import (
+    NO_DEFAULT,
+    NO_EFFECT,
+    VERL_KEYS,
+    is_teacher_entry_key,
+    teacher_entries_translation,
+)
 
 
 @dataclass
@@ -78,7 +84,7 @@ def translate(args: list[str]) -> Translation:
     given = parse_overrides(args)
     by_key = {k.verl: k for k in VERL_KEYS}
     known_targets = set(_all_keys(_config_class()))
-    unknown = [k for k in given if k not in by_key and _no_effect_reason(k) is None]
+    unknown = [k for k in given if k not in by_key and _no_effect_reason(k) is None and not is_teacher_entry_key(k)]
     if unknown:
         problems = [_unknown_key_problem(k, known_targets) for k in unknown]
         raise ConfigError("--from-verl: " + (problems[0] if len(problems) == 1 else
@@ -114,8 +120,11 @@ def translate(args: list[str]) -> Translation:
             values[target] = transform(value, verl)
             shown += f", {target}={_show(values[target])}"
         rows.append((label, value, shown + (f"  ({entry.note})" if entry.note and from_line else "")))
+    teacher_rows, teacher_values = teacher_entries_translation(verl, given)  # distillation.teacher_models.<entry>.*
+    rows += teacher_rows
+    values.update(teacher_values)
     for key, value in given.items():
-        if key not in by_key:
+        if key not in by_key and not is_teacher_entry_key(key):
             rows.append((key, value, f"no effect here: {_no_effect_reason(key)}"))
     return Translation(rows, values)
 

@@ -20,7 +20,12 @@ from scalerl.core.rank_env import detect_rank_env
 from scalerl.doctor.bandwidth import MiB, measure_bandwidth, sweep_sizes
 from scalerl.doctor.facts import collect_rank_facts
 from scalerl.doctor.plan_comparison import compare_plan, read_plan
-from scalerl.doctor.profiling import checkpoint_context, mean_metrics, profile_rank
+from scalerl.doctor.profiling import (
+    checkpoint_context,
+    mean_metrics,
+    profile_rank,
+    profile_waterfall,
+)
 from scalerl.doctor.report import DoctorReport
 from scalerl.doctor.storage import check_paths
 from scalerl.doctor.transfer import measure_host_device_copy
@@ -201,6 +206,7 @@ def _profile(world: DoctorWorld, cfg: Config, options: DoctorOptions,
     findings = run_step_rules(view, reward_history=result["reduced"], mismatch_history=result["reduced"])
     profile = {"per_rank": records, "metrics": metrics, "context": context, "steps": options.steps,
                "warmup": options.warmup, "kind": options.kind, "trace_dir": options.trace_dir}
+    profile["mfu_waterfall"] = profile_waterfall(cfg, options.kind, records, metrics, context)
     if options.plan_path:
         profile["plan"] = compare_plan(read_plan(options.plan_path), records, options.plan_path)
     return findings, profile

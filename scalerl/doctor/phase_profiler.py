@@ -69,10 +69,12 @@ class PhaseProfiler(StepTimer):
         top_level = not self._nested_time
         self._nested_time.append(0.0)
         held = None
+        probe_start = time.perf_counter()
         if top_level:
             reset_peak_memory(self.device)
             held = current_memory_gb(self.device)
         start = time.perf_counter()
+        probe_s = start - probe_start
         try:
             yield
         finally:
@@ -91,6 +93,8 @@ class PhaseProfiler(StepTimer):
             if held is not None:
                 stats.start_gb = max(stats.start_gb, held)
             self.waits.phase = outer
+            if top_level:  # the memory probes' own time, outside every phase: the MFU waterfall takes it out
+                self.times["timing_s/profiler_probes"] += probe_s + time.perf_counter() - start - elapsed
 
     def take_step(self) -> dict[str, PhaseStats]:
         """This step's phases with their waits folded in; starts the next step afresh."""

@@ -38,6 +38,12 @@ from scalerl.doctor.world import DoctorWorld
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.perf.flops import device_peak_flops, matmul_param_count
 from scalerl.perf.memory import memory_capacity_gb
+from scalerl.perf.mfu_waterfall import (
+    HOST_PHASES,
+    UPDATE_PHASES,
+    CollectiveWaitSplit,
+    step_waterfall,
+)
 
 
 def profile_config(cfg: Config, scratch: Path, steps: int, warmup: int) -> Config:
@@ -125,6 +131,11 @@ def profile_rank(world: DoctorWorld, user_cfg: Config, kind: str, steps: int, wa
                 profiler.export_chrome_trace(str(Path(trace_dir) / f"rank{world.rank}.json"))
             if device.type == "cuda":
                 copy_s = _copy_seconds(profiler) / steps
+    eval_s = None
+    if getattr(trainer, "val_rows", None):  # one evaluation, as the run's loop calls it (the waterfall's slice)
+        start = time.perf_counter()
+        trainer.evaluate()
+        eval_s = time.perf_counter() - start
     # The run's own save and export, as its loop calls them (every rank takes part), into the scratch directory.
     with _host_peak(host_ram, "checkpoint") as save:
         trainer.save()
@@ -141,6 +152,8 @@ def profile_rank(world: DoctorWorld, user_cfg: Config, kind: str, steps: int, wa
                   export_s=export["s"], host_peak_reset=load["reset"] and save["reset"] and export["reset"])
     if copy_s is not None:
         record["copy_s"] = copy_s
+    if eval_s is not None:
+        record["eval_s"] = eval_s
     context = _context(cfg, trainer, link_busbw)
     trainer.logger.close()
     return {"record": record, "reduced": reduced, "context": context}
@@ -263,3 +276,68 @@ def mean_metrics(reduced: list[dict[str, float]]) -> dict[str, float]:
     keys = set().union(*reduced) if reduced else set()
     return {k: statistics.mean(r[k] for r in reduced if k in r) for k in keys}
 
+
+
+def measured_waits(records: list[dict[str, Any]], metrics: dict[str, float]) -> CollectiveWaitSplit:
+    """The ranks' time in collectives as the profile measured it (`CollectiveWaits`: a barrier before each
+    collective splits waiting for the slowest rank from the collective itself), mean over ranks, per step;
+    the weight sync's phase left to its own slice and the untimed remainder ("other", where the step's
+    metrics are reduced, outside the step) left out. DDP's gradient buckets run below Python: comm
+    accounting's ``timing_s/comm/grad`` (its least over ranks the transfer) is added for them."""
+    n = max(1, len(records))
+
+    def mean(names, key: str) -> float:
+        return sum(p[key] for r in records for name, p in r["phases"].items() if names(name)) / n
+
+    def timed(name: str) -> bool:
+        return name not in ("update_weights", "other")
+
+    def in_update(name: str) -> bool:
+        return name in (*UPDATE_PHASES, "optimizer")  # the optimizer step nests in an update
+
+    grad = metrics.get("timing_s/comm/grad", 0.0)
+    least = min(grad, metrics.get("timing_s/comm/grad/min", grad))
+    return CollectiveWaitSplit(
+        transfer_s=mean(timed, "comm_s") + least, peers_s=mean(timed, "peer_s") + grad - least,
+        update_s=mean(in_update, "comm_s") + mean(in_update, "peer_s") + grad,
+        gen_s=mean(lambda name: name == "gen", "comm_s") + mean(lambda name: name == "gen", "peer_s"),
+        # each phase ends at a barrier: a host phase's wait there is waiting for the slowest, not data or reward
+        host_s={phase: mean(lambda name: name == phase, "comm_s") + mean(lambda name: name == phase, "peer_s")  # noqa: B023
+                for phase in HOST_PHASES})
+
+
+def _per_run(every: int, total: int, extra: int = 0) -> int:
+    """How many times a run of ``total`` steps does something every ``every`` steps (0: only at the end), the
+    last step always included, plus ``extra``."""
+    if every <= 0:
+        return 1 + extra
+    return total // every + int(total % every != 0) + extra
+
+
+def profile_waterfall(user_cfg: Config, kind: str, records: list[dict[str, Any]], metrics: dict[str, float],
+                      context: dict[str, Any]) -> dict[str, Any]:
+    """The MFU waterfall of the profiled steps (`scalerl.perf.mfu_waterfall`): the step's timers and counters
+    (``metrics``, the mean over steps of the reduced metrics), the collective waits as measured here, and the
+    evaluation and checkpoint save timed once each (the slowest rank) and spread over the run's steps at the
+    config's intervals."""
+    total = user_cfg.sft.steps if kind == "sft" else user_cfg.trainer.total_steps
+    notes = []
+    saves = [r["save_s"] for r in records if "save_s" in r]
+    checkpoint_s = 0.0
+    if saves:
+        count = _per_run(user_cfg.trainer.save_every, total)
+        checkpoint_s = max(saves) * count / max(1, total)
+        notes.append(f"checkpointing: one save measured ({max(saves):.3f} s), {count} in a run of {total} steps "
+                     f"(trainer.save_every={user_cfg.trainer.save_every})")
+    evals = [r["eval_s"] for r in records if "eval_s" in r]
+    eval_s = 0.0
+    if evals:
+        count = _per_run(user_cfg.trainer.eval_every, total, extra=int(kind == "rl"))  # RL also evaluates at start
+        eval_s = max(evals) * count / max(1, total)
+        notes.append(f"evaluation: one measured ({max(evals):.3f} s), {count} in a run of {total} steps "
+                     f"(trainer.eval_every={user_cfg.trainer.eval_every})")
+    waterfall = step_waterfall(metrics, layout=context, waits=measured_waits(records, metrics), eval_s=eval_s,
+                               checkpoint_s=checkpoint_s)
+    waterfall.notes += notes
+    waterfall.steps = 0  # the mean of the profiled steps' metrics, not a count of records
+    return {**waterfall.to_json(), "problems": waterfall.check()}

@@ -159,6 +159,32 @@ def _profile_table(profile: dict[str, Any]) -> Table | None:
     return table
 
 
+def _waterfall_table(profile: dict[str, Any]) -> Table | None:
+    """The MFU waterfall of the profiled steps: from the peak, each slice lost, down to the achieved MFU."""
+    data = profile.get("mfu_waterfall")
+    if not data:
+        return None
+    from scalerl.perf.mfu_waterfall import MfuWaterfall
+
+    waterfall = MfuWaterfall.from_json(data)
+    table = Table(title=f"MFU waterfall: peak 100% -> achieved {100 * waterfall.achieved_mfu:.2f}% (seconds per step, "
+                        "mean over ranks; each slice from the step's timers and counters)",
+                  title_justify="left", box=None, header_style="bold")
+    for column in ("slice", "MFU points", "s/step", "left"):
+        table.add_column(column, justify="left" if column == "slice" else "right")
+    for row in waterfall.rows():
+        sign = "" if row["key"] in ("peak", "achieved") else "-"
+        table.add_row(row["label"], f"{sign}{100 * row['points']:.2f}", f"{row['seconds']:.4f}",
+                      f"{100 * row['level']:.2f}%")
+    lines = [f"the ideal and the measured slices cover {100 * waterfall.attributed_share:.1f}% of the step"]
+    if waterfall.compute_by_phase:
+        lines.append("of compute below peak: " + ", ".join(
+            f"{name} {seconds:.4f} s" for name, seconds in waterfall.compute_by_phase.items()))
+    lines += data.get("problems", []) + waterfall.notes
+    table.caption, table.caption_justify = "\n".join(lines), "left"
+    return table
+
+
 def _plan_table(profile: dict[str, Any]) -> Table | None:
     plan = profile.get("plan")
     if not plan:
@@ -193,6 +219,7 @@ def render(report: DoctorReport, stream: TextIO | None = None) -> None:
     bandwidth = report.measurements.get("bandwidth", {})
     for table in (_nodes_table(report), _hardware_table(report), _sweep_table(bandwidth), _pairs_table(bandwidth),
                   _profile_table(report.measurements.get("profile", {})),
+                  _waterfall_table(report.measurements.get("profile", {})),
                   _plan_table(report.measurements.get("profile", {}))):
         if table is not None:
             title, table.title = table.title, None  # on its own line: a title never wraps to a narrow table

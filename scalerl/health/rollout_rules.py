@@ -8,12 +8,20 @@ Each fix reads the other side: a trainer that waits while the workers idle too h
 ``rollout.workers``, more rows decoding at once); workers that idle while the trainer does not have more
 capacity than the update uses (fewer workers). The context gives ``rollout_placement``,
 ``rollout_staleness`` and ``rollout_workers`` (`scalerl.health.monitor`).
+
+The weight-sync watchdog's leaf reads the push's slowest step against its limit (``weight_sync/slowest_step_s``,
+``weight_sync/timeout_s``) and, when a step overran it, the watchdog's failure record (context
+``weight_sync_stall``: `scalerl.comm.weights.watchdog.stall_record`), which names the side, the bucket and the
+ranks behind; the fix depends on who is stuck (`stall_finding`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from scalerl.comm.weights.watchdog import stall_message
 from scalerl.health.thresholds import RULES
-from scalerl.health.tree import OK, Finding, StepView
+from scalerl.health.tree import FAULT, OK, Finding, StepView
 from scalerl.health.wording import finding
 
 TRAINER_IDLE, ROLLOUT_IDLE, STEP = "timing_s/trainer_idle", "timing_s/rollout_idle", "timing_s/step"
@@ -160,5 +168,73 @@ def prefix_breaks(view: StepView) -> list[Finding]:
                     "token for token", evidence, fix if status != OK else "")]
 
 
+SLOWEST_STEP, STEP_LIMIT, STALL_RECORD = "weight_sync/slowest_step_s", "weight_sync/timeout_s", "weight_sync_stall"
+
+
+def weight_sync_stall(view: StepView) -> list[Finding]:
+    record = view.context.get(STALL_RECORD)
+    if record:
+        return [stall_finding(record)]
+    m = view.metrics
+    if m.get(STEP_LIMIT, 0.0) <= 0:
+        return [finding("weight_sync_stall", OK, "no weight push to standalone workers this step: nothing to watch")]
+    slowest, limit = m.get(SLOWEST_STEP, 0.0), m[STEP_LIMIT]
+    share = slowest / limit
+    status = RULES["weight_sync_stall"].thresholds["share_of_limit"].status(share)
+    evidence = {"slowest_step_s": round(slowest, 4), "weight_sync.timeout_s": limit, "share_of_limit": round(share, 3),
+                "bucket_bytes_peak": m.get("weight_sync/peak_bucket_bytes")}
+    fix = (f"the push's slowest step took {slowest:.3g} s of its {limit:g} s limit: raise weight_sync.timeout_s to a "
+           "few times the slowest step, or shorten the step: a smaller weight_sync.bucket_mb (less to send and "
+           "apply per step), a faster link between the trainer and the workers (scalerl doctor --distributed-check "
+           "measures it)")
+    return [finding("weight_sync_stall", status, f"the slowest step of the weight push took {slowest:.3g} s, "
+                    f"{share:.0%} of weight_sync.timeout_s={limit:g} s", evidence, fix)]
+
+
+def stall_finding(record: dict[str, Any]) -> Finding:
+    """A push step that overran its limit, from the watchdog's failure record: who is stuck, and what to do."""
+    stuck = record.get("stuck", [])
+    trainer = record.get("trainer_rank", 0)
+    workers = [s["rank"] for s in stuck if s["rank"] != trainer]
+    named = ", ".join(f"rank {r}" for r in workers)
+    resume = "; then resume the run from its last checkpoint (trainer.resume=auto)"
+    if not record.get("peers_read", True):
+        fix = ("rank 0, which hosts the job's store, did not answer: it is frozen or gone (its log, `py-spy dump "
+               "--pid` on its host, the host's memory)")
+    elif record.get("kind") == "HELLO" and workers:
+        fix = (f"worker {named} did not join the push within {record['limit_key']}={record['limit_s']:g} s: it "
+               "answers the generation requests queued before the push first, so a generation longer than the limit "
+               "(rollout.staleness queues that many steps; long responses) needs a larger trainer.dist_timeout_s; "
+               "otherwise it is stuck or gone: its log, whether its process is alive")
+    elif workers:
+        fix = (f"worker {named} stopped receiving at bucket {record.get('bucket')}: look at its log (a warning "
+               "'the weight push ... failed', an exception or an out-of-memory in its engine's load_weights) and "
+               "whether its process is alive and not frozen (`py-spy dump --pid`); if it is only slow (a large "
+               "layer reloaded by vLLM, a slow link), raise weight_sync.timeout_s or lower weight_sync.bucket_mb")
+    elif any(s["rank"] == trainer for s in stuck):
+        fix = (f"the trainer (rank {trainer}) stopped sending: a trainer rank stuck in the gather of a sharded "
+               "parameter (FSDP / tensor parallel: every trainer rank joins it) or a slow conversion of a large "
+               "tensor; look at the trainer ranks' logs; raise weight_sync.timeout_s if preparing one bucket is "
+               "only slow (a smaller weight_sync.bucket_mb shortens it)")
+    else:
+        fix = ("every side had done its part: the link did not carry the step within the limit; lower "
+               "weight_sync.bucket_mb or raise weight_sync.timeout_s, and measure the link (scalerl doctor "
+               "--distributed-check)")
+    evidence = {k: record.get(k) for k in ("side", "rank", "sync", "kind", "bucket", "buckets", "bytes", "limit_s",
+                                           "limit_key", "waiting_for", "error")}
+    evidence["tensors"] = record.get("tensors", [])[:16]
+    evidence["stuck"] = stuck
+    ranks = tuple(s["rank"] for s in stuck) or (record.get("rank", 0),)
+    return Finding(RULES["weight_sync_stall"].leaf, "weight_sync_stall", FAULT, stall_message(record), evidence,
+                   fix + resume, ranks=tuple(sorted(set(ranks))))
+
+
+def stall_failure_text(record: dict[str, Any]) -> str:
+    """What a run stopped by the watchdog says: the leaf's finding and its fix."""
+    f = stall_finding(record)
+    return f"{f.summary}. Fix: {f.fix}"
+
+
 def rollout_pipeline(view: StepView) -> list[Finding]:
-    return trainer_idle(view) + rollout_idle(view) + generation_tail(view) + tool_latency(view) + prefix_breaks(view)
+    return (trainer_idle(view) + rollout_idle(view) + generation_tail(view) + tool_latency(view) + prefix_breaks(view)
+            + weight_sync_stall(view))

@@ -456,6 +456,16 @@ _RULES = (
              0, None, True, " turns",
              "at a break the trained context is the tokens the engine sampled, but the model served with this "
              "template sees earlier turns rendered otherwise: it is trained on text it will not be shown")}),
+    Rule("weight_sync_stall", "rollout/weight_sync_stall",
+         "weight_sync/slowest_step_s over weight_sync/timeout_s: the longest step of a push to standalone workers "
+         "(preparing a bucket, sending it, every worker's acknowledgement) against its limit; and the watchdog's "
+         "failure record when a step overran it (the side, the rank, the bucket and its tensors, the bytes moved, "
+         "the ranks behind)",
+         "{fix}",
+         thresholds={"share_of_limit": Threshold(
+             0.5, 1.0, True, " of weight_sync.timeout_s",
+             "a step that takes half its limit leaves no margin: a link that halves its rate or a worker busy "
+             "loading a layer trips the watchdog and stops the run; past the limit the push stalled")}),
 )
 RULES: dict[str, Rule] = {rule.id: rule for rule in _RULES}
 

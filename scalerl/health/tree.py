@@ -92,6 +92,9 @@ TREE: tuple[Branch, ...] = (
              "do multi-turn episodes spend their time generating, or waiting for their tools (which one)?"),
         Leaf("rollout/prefix_breaks", "chat-template prefix breaks",
              "does every turn's prompt extend the last one token for token, as the model will see it served?"),
+        Leaf("rollout/weight_sync_stall", "weight-sync watchdog",
+             "does every step of a weight push to the rollout workers finish within weight_sync.timeout_s, "
+             "and if one stalls, which side (the trainer sending, which worker receiving) and which bucket?"),
     )),
 )
 LEAVES: dict[str, Leaf] = {leaf.id: leaf for branch in TREE for leaf in branch.leaves}

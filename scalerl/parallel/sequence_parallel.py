@@ -215,10 +215,10 @@ class ShardLayout:
         return shard.index_select(1, self.local_positions)
 
     def labels(self, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token ``labels`` ``[B, keep]`` (the caller's layout) -> those of this rank's kept positions."""
+        """Per-token ``labels`` ``[B, keep, ...]`` (the caller's layout) -> those of this rank's kept positions."""
         if self.packed is None:
             return labels[:, self.label_cut]
-        return labels.flatten().index_select(0, self.local_slots).unsqueeze(0)
+        return labels.flatten(0, 1).index_select(0, self.local_slots).unsqueeze(0)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """Per-token results ``[B, m, ...]`` at this rank's kept positions -> ``[B, keep, ...]`` over every

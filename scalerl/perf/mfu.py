@@ -12,6 +12,7 @@ that headroom: 4x on an AVX-512 BF16 EPYC core).
 Reported per step: ``perf/mfu`` (all the step's FLOPs over the step's time), ``perf/mfu/gen`` (generation
 over generation time) and ``perf/mfu/update`` (forward + backward of the update over its time). FLOPs are
 useful work only: real tokens, not padding. A critic is counted as one more pass of the policy's size.
+Where the rest of the peak went, slice by slice, is `scalerl.perf.mfu_waterfall`.
 """
 
 from __future__ import annotations

@@ -5,20 +5,25 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
 
 class StepTimer:
     """``with timer("gen"):`` accumulates wall seconds under ``timing_s/gen``; CUDA work is synchronised at
-    the section's end so the time lands in the right section (one sync per section, not per kernel)."""
+    the section's end so the time lands in the right section (one sync per section, not per kernel).
+    With ``waited`` (comm accounting's seconds blocked in collectives so far), also the part of each section
+    spent blocked in collectives, ``timing_s/comm_in/<name>`` (the MFU waterfall places waits by it)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, waited: Callable[[], float] | None = None):
         self.device = device
+        self.waited = waited
         self.times: dict[str, float] = defaultdict(float)
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        waited = self.waited() if self.waited is not None else 0.0
         start = time.perf_counter()
         try:
             yield
@@ -26,6 +31,8 @@ class StepTimer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.times[f"timing_s/{name}"] += time.perf_counter() - start
+            if self.waited is not None:  # a reset inside the section (none in a step) would read negative
+                self.times[f"timing_s/comm_in/{name}"] += max(0.0, self.waited() - waited)
 
     def pop(self) -> dict[str, float]:
         times, self.times = dict(self.times), defaultdict(float)

@@ -27,6 +27,7 @@ from scalerl.plan.memory import (
     host_parts,
     phase_parts,
     policy_counts,
+    sync_buffer_bytes,
     total,
     worker_parts,
 )
@@ -77,15 +78,17 @@ def model_config(cfg: Any, model_name: str | None):
     return builtin_model_config(cfg.model, CharTokenizer())
 
 
-def _mean_prompt_len(cfg: Any, builtin_tokenizer: bool) -> tuple[float, str]:
+def _prompt_lengths(cfg: Any, builtin_tokenizer: bool) -> tuple[float, int, str]:
+    """(mean prompt tokens, longest prompt tokens or 0 when unknown, where they came from)."""
     if not cfg.data.train_files and builtin_tokenizer:
         from scalerl.data.sources import rows_from_config
 
         rows = rows_from_config(cfg.data, "train", cfg.trainer.seed)[:512]
         texts = [r["prompt"] for r in rows if isinstance(r.get("prompt"), str)]
         if texts:
-            return sum(len(t) + 1 for t in texts) / len(texts), "from the built-in task's prompts (chars + BOS)"
-    return cfg.data.max_prompt_length / 2, "assumed: half of data.max_prompt_length (give --prompt-len)"
+            lengths = [len(t) + 1 for t in texts]
+            return sum(lengths) / len(lengths), max(lengths), "from the built-in task's prompts (chars + BOS)"
+    return cfg.data.max_prompt_length / 2, 0, "assumed: half of data.max_prompt_length (give --prompt-len)"
 
 
 def setup_from_config(cfg: Any, cluster: Cluster, model_name: str | None = None, prompt_len: float | None = None,
@@ -123,9 +126,11 @@ def setup_from_config(cfg: Any, cluster: Cluster, model_name: str | None = None,
     exact = cfg.rollout.dtype == "fp32" and (not cfg.rollout.staleness or cfg.rollout.stale_logprobs == "behavior")
     recompute = precision != "fp32" or (standalone and not exact)  # as `scalerl.bench.run` models it
     lora = cfg.model.lora
+    longest = 0
     if prompt_len is None:
-        prompt_len, said = _mean_prompt_len(cfg, not cfg.model.path and not model_name)
-        notes.append(f"mean prompt length {prompt_len:.1f} tokens: {said}")
+        prompt_len, longest, said = _prompt_lengths(cfg, not cfg.model.path and not model_name)
+        notes.append(f"mean prompt length {prompt_len:.1f} tokens: {said}"
+                     + (f"; batches padded to the longest, {longest} (memory)" if longest else ""))
     if response_len is None:
         notes.append(f"every response taken to run to rollout.max_new_tokens={cfg.rollout.max_new_tokens} "
                      "(decode steps; give --response-len for a mean)")
@@ -145,7 +150,7 @@ def setup_from_config(cfg: Any, cluster: Cluster, model_name: str | None = None,
         bucket_bytes=int(cfg.weight_sync.bucket_mb * MIB), max_num_seqs=cfg.rollout.max_num_seqs,
         eval_rows=math.ceil(cfg.data.num_val * cfg.trainer.val_n / dp),
         export_bytes=param_bytes if cfg.trainer.export_dtype == "source" else DTYPE_BYTES[cfg.trainer.export_dtype],
-        device=cluster.device)
+        device=cluster.device, longest_prompt=longest, staleness=cfg.rollout.staleness if standalone else 0)
     return setup, notes
 
 
@@ -293,7 +298,7 @@ def recommendations(s: PlanSetup, cal: Any, capacity: float) -> list[tuple[str, 
     if s.standalone:
         link = cal.intra
         floor = 20 * link.alpha_s * link.bytes_per_s if math.isfinite(link.bytes_per_s) else 4 * MIB
-        headroom = capacity - total(phase_parts(s).get("weight_sync", {})) + 2 * s.bucket_bytes
+        headroom = capacity - total(phase_parts(s).get("weight_sync", {})) + sync_buffer_bytes(s)
         size = max(4 * MIB, min(2 ** math.ceil(math.log2(max(floor, 1))), headroom / 4))
         out.append((f"weight_sync.bucket_mb={size / MIB:.0f}",
                     (f"per-bucket latency {link.alpha_s * 1e6:.0f} us stays under 5% of its transfer at "
@@ -411,9 +416,9 @@ def render(plan: Plan, out=None) -> None:
     w(f"  calibration: {plan.calibration.source}\n")
     for note in plan.calibration.notes + plan.notes:
         w(f"    - {note}\n")
-    parts = ["parameters", "reference", "critic", "gradients", "optimizer", "ddp_buckets", "gathered_weights",
-             "activations", "logits", "kv_cache", "weight_sync_buckets", "delta_snapshot", "checkpoint_spike",
-             "runtime"]
+    parts = ["parameters", "reference", "critic", "gradients", "optimizer", "ddp_buckets", "generation_replica",
+             "decode_layout", "gathered_weights", "activations", "logits", "kv_cache", "weight_sync_buckets",
+             "delta_snapshot", "decode_layout_refresh", "checkpoint_spike", "runtime"]
     used = [p for p in parts if any(p in m for m in plan.memory.values())]
     header = ["phase", "time s", "peak GiB", *used]
     rows = []

@@ -50,7 +50,7 @@ class PlanSetup:
     model: ModelConfig
     layout: Layout  # the trainer ranks' mesh, rollout workers, ranks per node
     rows: int  # sequences each trainer DP rank generates and trains on per step
-    prompt_width: int  # padded prompt width (data.max_prompt_length: the worst case)
+    prompt_width: int  # data.max_prompt_length: the widest a prompt may be (pipeline stages pad to it)
     new_tokens: int  # rollout.max_new_tokens
     micro_rows: int
     mini_rows: int  # sequences per optimizer step on this rank
@@ -77,6 +77,8 @@ class PlanSetup:
     export_bytes: int = 4
     runtime_bytes: float = 0.0  # CPU: the process's own RSS before any model state
     device: str = "cpu"
+    longest_prompt: int = 0  # the longest prompt of the run's data, when known (0: prompt_width)
+    staleness: int = 0  # rollout.staleness with standalone workers: generation overlaps the trainer's work
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -96,8 +98,16 @@ class PlanSetup:
         return lay.tp * lay.pp * (lay.dp_shard * lay.sp if lay.dp_shard > 1 else 1)
 
     @property
+    def padded_prompt(self) -> int:
+        """The prompt width a batch is padded to: its longest prompt (bounded by the data's longest when the data
+        is known), except under pipeline parallelism, whose stages pad every batch to data.max_prompt_length."""
+        if self.longest_prompt and self.layout.pp == 1:
+            return min(self.prompt_width, self.longest_prompt)
+        return self.prompt_width
+
+    @property
     def train_width(self) -> int:
-        return self.prompt_width + self.new_tokens
+        return self.padded_prompt + self.new_tokens
 
     @property
     def micro_tokens(self) -> int:
@@ -194,6 +204,24 @@ def policy_counts(s: PlanSetup) -> tuple[int, int]:
     return base + adapters, (adapters if s.lora_rank > 0 else base)
 
 
+def decode_layout_bytes(s: PlanSetup) -> float:
+    """The built-in engine's decode layout on a colocated rank (`scalerl.models.decode_model.DecodeModel`):
+    each layer's q/k/v, o, gate/up and down matrices and the LM head copied once more in the compute dtype,
+    kept from the first generation on (0 where generation runs the model's own forward: sharded or
+    tensor-parallel parameters, MoE and Gemma-style layers, and standalone workers, which hold their own)."""
+    cfg, lay = s.model, s.layout
+    traits = getattr(cfg, "traits", None)
+    unfused = (cfg.num_experts or (traits is not None and (traits.gemma_norms or traits.scaled_embeddings))
+               or cfg.rope_local_theta is not None or cfg.attn_logit_softcapping is not None
+               or cfg.final_logit_softcapping is not None)
+    if s.standalone or s.fsdp or lay.tp > 1 or unfused:
+        return 0.0
+    hidden, q, kv, inter = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
+                            cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 2 * inter * hidden + inter * hidden
+    return (cfg.num_hidden_layers * per_layer + cfg.vocab_size * hidden) * s.compute_bytes
+
+
 def persistent_parts(s: PlanSetup) -> dict[str, float]:
     """Bytes every phase of a trainer rank holds."""
     total, trainable = policy_counts(s)
@@ -209,6 +237,10 @@ def persistent_parts(s: PlanSetup) -> dict[str, float]:
         parts["critic"] = 3 * base * s.param_bytes / s.shard
     if s.ddp:
         parts["ddp_buckets"] = trainable * trainable_bytes
+    if s.layout.pp > 1 and not s.standalone:  # every pipeline rank generates with a full replica of its own
+        parts["generation_replica"] = total * s.param_bytes
+    if decode_layout_bytes(s):
+        parts["decode_layout"] = decode_layout_bytes(s)
     if s.runtime_bytes:
         parts["runtime"] = s.runtime_bytes
     return parts
@@ -233,12 +265,12 @@ def kv_cache_bytes(cfg: ModelConfig, rows: int, length: int, kv_bytes: int, tp: 
 
 def _generation_parts(s: PlanSetup, rows: int, kv_bytes: int) -> dict[str, float]:
     cfg, lay = s.model, s.layout
-    length = s.prompt_width + s.new_tokens
+    length = s.padded_prompt + s.new_tokens
     parts = {"kv_cache": kv_cache_bytes(cfg, rows, length, kv_bytes, lay.tp)}
     if s.fsdp:
         parts["gathered_weights"] = policy_counts(s)[0] * s.compute_bytes / lay.tp
-    prefill = rows * s.prompt_width
-    parts["activations"] = (layer_activation_bytes(cfg, prefill, s.prompt_width, s.act_bytes) / lay.tp
+    prefill = rows * s.padded_prompt
+    parts["activations"] = (layer_activation_bytes(cfg, prefill, s.padded_prompt, s.act_bytes) / lay.tp
                             + 3 * rows * cfg.vocab_size * 4)  # the last position's logits, probabilities, sample
     return parts
 
@@ -278,12 +310,14 @@ def phase_parts(s: PlanSetup) -> dict[str, dict[str, float]]:
                      "activations": in_flight * (saved + root_activation_bytes(cfg, tokens, s.act_bytes)),
                      "logits": in_flight * _logit_bytes(s, tokens, 3)}
     if s.standalone:
-        sync = {"weight_sync_buckets": 2 * s.bucket_bytes}
+        sync = {"weight_sync_buckets": sync_buffer_bytes(s)}
         if s.weight_sync_mode == "delta":
             sync["delta_snapshot"] = total * s.rollout_bytes
         if s.fsdp:
             sync["gathered_weights"] = s.bucket_bytes * s.compute_bytes / s.rollout_bytes
         out["weight_sync"] = {**base, **sync}
+    if not s.standalone and decode_layout_bytes(s):  # the layout is built anew beside the old one, then swapped
+        out["weight_sync"] = {**base, "decode_layout_refresh": decode_layout_bytes(s)}
     out["checkpoint_save"] = {**base, "checkpoint_spike": total * s.param_bytes / s.shard}
     if s.eval_rows:
         rows = min(s.eval_rows, EVAL_CHUNK_ROWS)
@@ -291,17 +325,23 @@ def phase_parts(s: PlanSetup) -> dict[str, dict[str, float]]:
     return {name: out[name] for name in PHASES if name in out}
 
 
+def sync_buffer_bytes(s: PlanSetup) -> float:
+    """The weight sync's two buckets (one being filled, one in flight), each at most the whole model in
+    rollout.dtype: a model smaller than weight_sync.bucket_mb fills one bucket once."""
+    return 2 * min(s.bucket_bytes, policy_counts(s)[0] * s.rollout_bytes)
+
+
 def worker_parts(s: PlanSetup) -> dict[str, float]:
     """A standalone rollout worker's generation: its own copy in rollout.dtype, the KV cache, the receive
     bucket and (delta) its decode buffer."""
     cfg = s.model
     total = policy_counts(s)[0]
-    length = s.prompt_width + s.new_tokens
+    length = s.padded_prompt + s.new_tokens
     parts = {"parameters": total * s.rollout_bytes,
              "kv_cache": kv_cache_bytes(cfg, s.gen_rows, length, s.rollout_bytes),
-             "activations": layer_activation_bytes(cfg, s.gen_rows * s.prompt_width, s.prompt_width, s.rollout_bytes)
+             "activations": layer_activation_bytes(cfg, s.gen_rows * s.padded_prompt, s.padded_prompt, s.rollout_bytes)
              + 3 * s.gen_rows * cfg.vocab_size * 4,
-             "weight_sync_buckets": 2 * s.bucket_bytes}
+             "weight_sync_buckets": sync_buffer_bytes(s)}
     if s.runtime_bytes:
         parts["runtime"] = s.runtime_bytes
     return parts

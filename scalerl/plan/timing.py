@@ -8,8 +8,10 @@ Where the rates come from:
 - ``cpu``: measured on this machine. `scalerl.bench.compute_probe` times forward + backward at two widths,
   forward-only passes and generation at two batch sizes on the config's own model (layers capped so the
   probe stays short; the fixed cost per call scaled back by the layer count), split by
-  `scalerl.bench.calibration.probe_fit` into fixed and per-FLOP parts; a fused AdamW step is timed over a
-  tensor; the runtime's RSS is read in a fresh process that imports the trainer and builds the run's data;
+  `scalerl.bench.calibration.probe_fit` into fixed and per-FLOP parts (each size timed in turns with the
+  other, so a load change reads as neither); a fused AdamW step is timed over one large tensor (seconds per
+  parameter) and, with the gradient-norm clip, over the model's own tensors (the rest is a fixed cost per
+  step: a small model's step is its launches); the runtime's RSS is read in a fresh process that imports the trainer and builds the run's data;
   the disk's write speed as `scalerl doctor` measures it; with more than one rank, the loopback link by an
   all-reduce sweep between two gloo processes (`scalerl.bench.link_probe.timed_sweep`, fitted by
   `fit_link`), each rank with the threads it will have.
@@ -21,7 +23,6 @@ Where the rates come from:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import statistics
@@ -42,6 +43,7 @@ from scalerl.bench.cost_model.step_traffic import StepShape
 from scalerl.perf.flops import datasheet_peak_flops
 from scalerl.plan.memory import EVAL_CHUNK_ROWS, PlanSetup, policy_counts
 
+PROBE_REPEATS = 3  # timed turns per probe size: the plan's probe is a few seconds, not a benchmark
 PROBE_MAX_PARAMS = 120_000_000  # the compute probe builds the model: beyond this, fewer layers
 # Datasheet HBM bandwidth (bytes/s): NVIDIA H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80GB SXM 2.039 TB/s,
 # A100 40GB 1.555 TB/s, L40S 864 GB/s, AMD MI300X 5.3 TB/s.
@@ -65,9 +67,11 @@ class Calibration:
     threads_per_rank: int = 0
     source: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
+    optimizer_step_s: float = 0.0  # fixed seconds of one optimizer step (per-tensor launches, the norm's clip)
 
     def to_dict(self) -> dict:
         return {"rates": self.rates.to_dict(), "adam_s_per_param": self.adam_s_per_param,
+                "optimizer_step_s": self.optimizer_step_s,
                 "disk_bytes_per_s": self.disk_bytes_per_s, "intra": self.intra.to_dict(),
                 "inter": self.inter.to_dict(), "runtime_bytes": self.runtime_bytes,
                 "threads_per_rank": self.threads_per_rank, "source": self.source, "notes": list(self.notes)}
@@ -77,7 +81,7 @@ class Calibration:
         return cls(ComputeRates.from_dict(data["rates"]), data["adam_s_per_param"], data["disk_bytes_per_s"],
                    LinkCost.from_dict(data["intra"]), LinkCost.from_dict(data["inter"]),
                    data.get("runtime_bytes", 0.0), data.get("threads_per_rank", 0), data.get("source", ""),
-                   list(data.get("notes", [])))
+                   list(data.get("notes", [])), data.get("optimizer_step_s", 0.0))
 
 
 # ---------------------------------------------------------------- calibration: this CPU
@@ -95,8 +99,9 @@ def _probe_model_config(s: PlanSetup):
     return probe, (cfg.num_hidden_layers + 1) / (layers + 1)
 
 
-def probe_rates(s: PlanSetup) -> tuple[ComputeRates, str]:
-    """The compute probe on the config's model (built here, random weights), fitted into per-phase rates."""
+def probe_rates(s: PlanSetup) -> tuple[ComputeRates, float]:
+    """The compute probe on the config's model (built here, random weights), fitted into per-phase rates, and
+    the seconds of one optimizer step on that model (x the layer scale when a larger model is probed smaller)."""
     import torch
 
     from scalerl.bench.calibration import probe_fit
@@ -107,7 +112,8 @@ def probe_rates(s: PlanSetup) -> tuple[ComputeRates, str]:
     model = build_model(dataclasses.replace(cfg, torch_dtype="float32"), seed=0).float()
     new_tokens = max(2, min(s.new_tokens, 16))
     start = time.perf_counter()
-    probe = probe_compute(model, 0, max(1, s.micro_rows), new_tokens)
+    probe = probe_compute(model, 0, max(1, s.micro_rows), new_tokens, repeats=PROBE_REPEATS)
+    optimizer_s = time_optimizer_step(model) * scale
     del model
     fit = probe_fit(cfg, probe)
 
@@ -124,7 +130,40 @@ def probe_rates(s: PlanSetup) -> tuple[ComputeRates, str]:
                                 + (f" at {cfg.num_hidden_layers} layers (fixed costs x {scale:.2f})" if scale != 1 else "")
                                 + f", {torch.get_num_threads()} thread(s), micro-batch {s.micro_rows}, "
                                 f"{new_tokens} new tokens, {time.perf_counter() - start:.0f} s")
-    return rates, json.dumps({k: probe[k] for k in ("train", "forward", "gen")})
+    return rates, optimizer_s
+
+
+def time_optimizer_step(model) -> float:
+    """Median seconds of one optimizer step as the trainer takes it (`scalerl.trainer.optim`: fused AdamW,
+    foreach where fused is refused; the gradient norm clipped first) on the model's own parameters. With
+    `time_adamw`'s cost per parameter this splits a step into a fixed part (one launch per tensor: what a
+    small model's step is) and a part per parameter."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    try:
+        opt = torch.optim.AdamW(params, fused=True)
+        opt.step()
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW(params, foreach=True)
+        opt.step()
+    times = []
+    for _ in range(PROBE_REPEATS):
+        start = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        times.append(time.perf_counter() - start)
+    for p in params:
+        p.grad = None
+    return statistics.median(times)
+
+
+def optimizer_step_fixed_s(step_s: float, params: int, adam_s_per_param: float) -> float:
+    """The fixed part of an optimizer step of ``params`` parameters that took ``step_s``: what the cost per
+    parameter (timed over one large tensor) does not explain, never negative."""
+    return max(0.0, step_s - params * adam_s_per_param)
 
 
 def time_adamw(params: int, fused: bool = True) -> float:
@@ -149,26 +188,50 @@ def time_adamw(params: int, fused: bool = True) -> float:
 
 
 _RUNTIME_SCRIPT = """
-import resource, sys
+import resource, sys, time
 import scalerl.trainer.rl_trainer  # the trainer and everything it imports
 from scalerl.core.config import load_config
-from scalerl.data.sources import rows_from_config
+from scalerl.data.sources import reward_from_config, rows_from_config
 cfg = load_config(sys.argv[1] or None, sys.argv[2:])
-if not cfg.data.train_files:
-    rows_from_config(cfg.data, "train", cfg.trainer.seed)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+rows = [] if cfg.data.train_files else rows_from_config(cfg.data, "train", cfg.trainer.seed)
+# VmHWM is this process's own peak; ru_maxrss is not: Linux carries the parent's resident set at the fork
+# into it across exec, so a plan that had built a large probe model read that model as runtime.
+try:
+    hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+except (OSError, StopIteration):
+    hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(hwm)
+rows = rows[:32]
+if rows and not cfg.data.reward_model.path and "judge" not in cfg.data.reward:  # a scorer, not a model
+    reward = reward_from_config(cfg.data)
+    texts = [str(r.get("prompt", ""))[-24:] for r in rows]  # any text: the scorer's time per response
+    reward.compute(texts, rows)
+    start = time.perf_counter()
+    for _ in range(3):
+        reward.compute(texts, rows)
+    print((time.perf_counter() - start) / 3 / len(rows))
 """
 
 
-def measure_runtime_bytes(config_path: str | None, overrides: list[str]) -> float:
-    """Peak RSS of a fresh process that imports the trainer and builds the run's built-in data: what a CPU
-    rank holds before its model."""
+def measure_runtime(config_path: str | None, overrides: list[str]) -> tuple[float, float]:
+    """Peak RSS of a fresh process that imports the trainer and builds the run's built-in data (what a CPU
+    rank holds before its model), and the seconds the run's reward takes per response there (0 when the
+    reward is a model or the data is the user's)."""
     out = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT, config_path or "", *overrides],
                          capture_output=True, text=True, timeout=300, check=False,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     if out.returncode != 0:
         raise RuntimeError(f"runtime probe failed: {out.stderr[-2000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
+    lines = out.stdout.strip().splitlines()
+    numbers = []
+    for line in reversed(lines):  # the script's own lines are last; a library may print before them
+        try:
+            numbers.insert(0, float(line))
+        except ValueError:
+            break
+    if not numbers:
+        raise RuntimeError(f"runtime probe printed no RSS: {out.stdout[-500:]}")
+    return numbers[0], (numbers[1] if len(numbers) > 1 else 0.0)
 
 
 def _loopback_rank(rank: int, port: int, queue) -> None:
@@ -229,14 +292,20 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        rates, _ = probe_rates(s)
+        rates, optimizer_s = probe_rates(s)
         adam = time_adamw(policy_counts(s)[1])
+        optimizer_fixed = optimizer_step_fixed_s(optimizer_s, policy_counts(s)[1], adam)
     finally:
         torch.set_num_threads(before)
-    runtime = measure_runtime_bytes(config_path, overrides)
+    runtime, reward_s_per_row = measure_runtime(config_path, overrides)
+    rates = dataclasses.replace(rates, other_s_per_row=reward_s_per_row)
     disk = disk_write_speed(output_dir)
-    notes = [f"runtime RSS {runtime / 2**20:.0f} MiB (measured here: the trainer imported, the data built)",
-             f"AdamW step {adam * 1e9:.2f} ns per parameter (measured here, {threads} thread(s))",
+    notes = [(f"runtime RSS {runtime / 2**20:.0f} MiB (measured here: VmHWM of a fresh process that imported "
+              "the trainer and built the data)"),
+             (f"reward {reward_s_per_row * 1e3:.2f} ms per response (measured here on the run's data; the rest "
+              "of the host work per step, data and advantages, is not modelled)"),
+             (f"AdamW step {adam * 1e9:.2f} ns per parameter + {optimizer_fixed * 1e3:.1f} ms per step (norm clip, "
+              f"a launch per tensor) (measured here on the model, {threads} thread(s))"),
              f"disk write {disk / 1e6:.0f} MB/s (measured here, fsynced, under {output_dir})"]
     world = s.layout.world + s.layout.rollout_workers
     if world > 1:
@@ -246,7 +315,7 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
         intra = LinkCost(0.0, float("inf"), "one rank: no link")
     return Calibration(rates, adam, disk, intra, intra, runtime, threads,
                        source=f"this machine's CPU ({os.cpu_count()} cores), {threads} thread(s) per rank: "
-                              + rates.source, notes=notes)
+                              + rates.source, notes=notes, optimizer_step_s=optimizer_fixed)
 
 
 # ---------------------------------------------------------------- calibration: datasheets
@@ -314,7 +383,8 @@ def phase_seconds(s: PlanSetup, cal: Calibration, contention: float = 1.0) -> di
         out["old_log_prob"] = each * (int(s.old_pass) + int(s.critic))
         out["ref_log_prob"] = each * int(s.reference)
     trainable = policy_counts(s)[1]
-    out["update"] += step.optimizer_steps * trainable / s.shard * cal.adam_s_per_param * max(1.0, contention)
+    out["update"] += step.optimizer_steps * (trainable / s.shard * cal.adam_s_per_param + cal.optimizer_step_s) \
+        * max(1.0, contention)
     for kind, seconds in estimate.comm_s.items():
         phase = PHASE_OF_COMM.get(kind, "other")
         if kind == "param" and s.fsdp:  # FSDP gathers: once per generation, per forward pass, per micro-batch
@@ -325,6 +395,11 @@ def phase_seconds(s: PlanSetup, cal: Calibration, contention: float = 1.0) -> di
                 out[name] += seconds * n / whole
             continue
         out[phase] = out.get(phase, 0.0) + seconds
+    if s.standalone and s.staleness >= 1:
+        # Asynchronous: the workers generate the next batch while the trainer works on this one, so the trainer
+        # waits only for what generation takes beyond its own work (the step is the longer of the two).
+        trainer_work = sum(out[p] for p in ("old_log_prob", "ref_log_prob", "update", "weight_sync", "other"))
+        out["generation"] = max(0.0, out["generation"] - trainer_work)
     total_params = policy_counts(s)[0]
     state = total_params * s.param_bytes / s.shard + 2 * trainable * (4 if s.lora_rank else s.param_bytes) / s.shard
     writers = min(s.layout.ranks_per_node, s.layout.world)  # the node's ranks share its disk

@@ -11,7 +11,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from scalerl.bench.tables import measured_tables, projected_tables
-from scalerl.report.figures import TITLES, all_figures
+from scalerl.report.figures import TITLES, all_figures, waterfall_text
 from scalerl.report.findings import headlines, recommend
 
 FIRST_PAGE_TITLE = "scalerl performance analysis"
@@ -21,6 +21,8 @@ SECTION_TITLES = {
     "doctor": "scalerl doctor tree",
     "appendix": "Appendix: environment and cells",
 }
+# Only in reports whose cells carry a waterfall (bench reports written since it was added).
+WATERFALL_SECTION_TITLE = "MFU waterfall per cell (measured, seconds per step)"
 
 
 @dataclass
@@ -87,6 +89,9 @@ def build_document(report: dict[str, Any], projection: dict[str, Any] | None) ->
     doc.sections.append(TextSection("measured", SECTION_TITLES["measured"], measured_tables(report)))
     if projection:
         doc.sections.append(TextSection("projected", SECTION_TITLES["projected"], projected_tables(projection)))
+    waterfalls = waterfall_text(report)
+    if waterfalls:
+        doc.sections.append(TextSection("mfu_waterfall", WATERFALL_SECTION_TITLE, waterfalls))
     if report.get("doctor"):
         doc.sections.append(TextSection("doctor", SECTION_TITLES["doctor"], _doctor_text(report["doctor"])))
     doc.sections.append(TextSection("appendix", SECTION_TITLES["appendix"], _appendix(report)))

@@ -23,6 +23,7 @@ TITLES = {
     "validation": "Cost model: projected vs measured step and communication time",
     "projection": "Projected throughput vs nodes (cost model)",
     "baselines": "Baselines measured in the same run",
+    "mfu_waterfall": "MFU waterfall: from the peak to the achieved MFU (measured)",
 }
 PAGE = (11.0, 7.5)
 PHASES = ("gen", "old_log_prob", "ref", "teacher", "update_critic", "update_actor", "update_weights", "data", "reward",
@@ -243,10 +244,84 @@ def baselines_figure(report: dict[str, Any]) -> Figure | None:
     return fig
 
 
+WATERFALL_COLORS = {"peak": "tab:gray", "achieved": "tab:green", "eval": "tab:blue", "checkpoint": "tab:cyan",
+                    "data": "tab:olive", "reward": "tab:brown", "weight_sync": "tab:pink", "comm": "tab:red",
+                    "imbalance": "tab:purple", "bubble": "navy", "long_tail": "gold", "padding": "teal",
+                    "compute": "tab:orange", "unattributed": "lightgray"}
+
+
+def waterfall_cells(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Measured cells that carry an MFU waterfall (`scalerl.perf.mfu_waterfall`, from their steps)."""
+    return [c for c in _distinct(report) if c.get("mfu_waterfall")]
+
+
+def waterfall_cell(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The cell the waterfall page draws in full: the most devices, then the highest throughput."""
+    cells = waterfall_cells(report)
+    return max(cells, key=lambda c: (c["devices"], c["throughput"]["tokens_per_s"]["median"])) if cells else None
+
+
+def mfu_waterfall_figure(report: dict[str, Any]) -> Figure | None:
+    from scalerl.perf.mfu_waterfall import SLICES, MfuWaterfall
+
+    cells, chosen = waterfall_cells(report), waterfall_cell(report)
+    if chosen is None:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=PAGE, gridspec_kw={"width_ratios": [3, 2]})
+    fig.suptitle(TITLES["mfu_waterfall"], fontsize=15, fontweight="bold")
+    waterfall = MfuWaterfall.from_json(chosen["mfu_waterfall"])
+    rows = waterfall.rows()
+    colors = WATERFALL_COLORS
+    for x, row in enumerate(rows):
+        if row["key"] in ("peak", "achieved"):
+            bottom, height = 0.0, 100 * row["points"]
+        else:
+            bottom, height = 100 * row["level"], 100 * row["points"]
+        left.bar(x, height, bottom=bottom, color=colors[row["key"]])
+        left.annotate(f"{100 * row['points']:.1f}", (x, bottom + max(height, 0.0)), ha="center", va="bottom",
+                      fontsize=7)
+    left.set_xticks(range(len(rows)))
+    left.set_xticklabels([r["label"] for r in rows], rotation=35, ha="right", fontsize=6.5)
+    left.set_ylabel("% of the device's peak (MFU points)")
+    left.set_ylim(0, 108)
+    left.set_title(f"{chosen['id']}: achieved {100 * waterfall.achieved_mfu:.2f}% of peak; slices cover "
+                   f"{100 * waterfall.attributed_share:.1f}% of the step", fontsize=8)
+    y = range(len(cells))
+    start = [0.0] * len(cells)
+    falls = [MfuWaterfall.from_json(c["mfu_waterfall"]) for c in cells]
+    keyed = [("achieved", "achieved MFU")] + list(SLICES)
+    for key, label in keyed:
+        values = [100 * (w.achieved_mfu if key == "achieved" else w.points(key)) for w in falls]
+        if any(v > 0.05 for v in values):
+            right.barh(list(y), values, left=start, label=label, color=colors.get(key))
+            start = [a + b for a, b in zip(start, values)]
+    right.set_yticks(list(y))
+    right.set_yticklabels([c["id"].split("|")[0] + " " + c["id"].split("|")[1] for c in cells], fontsize=7)
+    right.set_xlabel("% of the peak (each bar sums to 100)")
+    right.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    return fig
+
+
+def waterfall_text(report: dict[str, Any]) -> str:
+    """Each cell's waterfall as text (the report's text section beside the figure)."""
+    from scalerl.perf.mfu_waterfall import MfuWaterfall
+
+    out = []
+    for cell in waterfall_cells(report):
+        waterfall = MfuWaterfall.from_json(cell["mfu_waterfall"])
+        out.append(f"{cell['id']}: achieved MFU {100 * waterfall.achieved_mfu:.2f}% of the peak over "
+                   f"{waterfall.whole_s:.4f} s per step")
+        out += waterfall.lines()
+        out += [f"  problem: {p}" for p in waterfall.check()] + [""]
+    return "\n".join(out)
+
+
 def all_figures(report: dict[str, Any], projection: dict[str, Any] | None) -> list[tuple[str, Figure]]:
     """Every figure the report can draw, in page order, with its key."""
     makers = (("throughput", throughput_figure), ("efficiency", efficiency_figure), ("latency", latency_figure),
-              ("bytes", bytes_figure), ("memory", memory_figure), ("baselines", baselines_figure),
+              ("bytes", bytes_figure), ("memory", memory_figure), ("mfu_waterfall", mfu_waterfall_figure),
+              ("baselines", baselines_figure),
               ("validation", validation_figure))
     out = [(key, fig) for key, make in makers if (fig := make(report)) is not None]
     fig = projection_figure(projection)

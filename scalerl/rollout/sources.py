@@ -12,7 +12,9 @@ and both hold the weight sync that brings the generating weights up to date afte
   and keeps its share; new weights are pushed to every worker. Parts are whole prompt groups
   (`token_split`), so with ``rollout.stream_groups`` the trainer takes each part as it arrives
   (`generate_parts`: rank 0 receives it and broadcasts it to the other trainer ranks) and works on it while
-  the other workers still generate. With ``rollout.staleness=K``
+  the other workers still generate. In an agent run (rollout.agent.env) each part's data rows go with its
+  prompts, the workers run the episodes, and their ``agent/*`` metrics come back with the replies. With
+  ``rollout.staleness=K``
   the prompts of up to K later steps are in flight while a step trains (`prefetch`); the workers answer in
   request order, and a step's outputs are collected when the trainer reaches it, so a request sent after
   the push of version v is generated with v, whatever the timing. `step_metrics` reports the trainer's wait for
@@ -34,6 +36,7 @@ import torch.distributed as dist
 from scalerl.core.device import PRECISION_DTYPES
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.parallelize import ModelParts
+from scalerl.perf.metrics import reduction_of
 from scalerl.rollout.engines.engine import (
     GenerationOutput,
     RolloutEngine,
@@ -47,7 +50,12 @@ from scalerl.rollout.weight_sync import (
     colocated_weight_sync,
 )
 from scalerl.rollout.worker.messages import broadcast_tensors
-from scalerl.rollout.worker.protocol import WorkerDriver, broadcast_output
+from scalerl.rollout.worker.protocol import (
+    WorkerDriver,
+    broadcast_output,
+    from_json_tensor,
+    json_tensor,
+)
 
 # Pipeline ranks split a generation only when each gets at least this many
 # rows: fewer, and the exchange and the lockstep finish votes cost more than the decode steps save
@@ -93,6 +101,14 @@ class ColocatedRollouts:
     def __init__(self, engine: RolloutEngine, policy: ModelParts, ctx: DistContext):
         self.engine, self.policy, self.ctx = engine, policy, ctx
         self.weight_sync: WeightSync = colocated_weight_sync(engine, policy)
+        # `cut_into`: this rank's rows generated in several parts of whole groups (a judge pool scores each
+        # while the next generates); 1 = the whole share in one generation.
+        self.split_parts, self.group_size = 1, 1
+
+    def cut_into(self, parts: int, group_size: int) -> None:
+        """Generate this rank's rows in ``parts`` parts of whole groups of ``group_size`` rows (each row's
+        sample depends only on its global row, so the samples are those of one generation)."""
+        self.split_parts, self.group_size = max(1, parts), max(1, group_size)
 
     @property
     def logprobs_match_training_forward(self) -> bool:
@@ -127,9 +143,21 @@ class ColocatedRollouts:
         return GenerationOutput.concat(parts, self.engine.pad_token_id)
 
     def parts(self, batch: StepPrompts) -> Iterator[tuple[int, GenerationOutput, bool]]:
-        """This DP rank's rows of ``batch`` as one part: ``(its first row in the step, output, last=True)``."""
-        start, _ = dp_rows(len(batch.prompts), self.ctx)
-        yield start, self.generate(batch), True
+        """This DP rank's rows of ``batch`` as one part: ``(its first row in the step, output, last=True)``, or
+        as `cut_into` parts (``last`` on the final one)."""
+        start, stop = dp_rows(len(batch.prompts), self.ctx)
+        groups = (stop - start) // self.group_size
+        parts = min(self.split_parts, groups)
+        if parts <= 1 or self.ctx.dims.pp > 1 or (stop - start) % self.group_size:
+            yield start, self.generate(batch), True
+            return
+        bounds = [start + self.group_size * (groups * i // parts) for i in range(parts + 1)]
+        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            sampling = replace(batch.sampling, row_offset=lo, total_rows=len(batch.prompts))
+            out = self.engine.generate(batch.prompts[lo:hi], sampling)
+            if i == parts - 1:
+                getattr(self.engine, "sleep", lambda: None)()  # vLLM on a GPU gives its memory to the update
+            yield lo, out, i == parts - 1
 
     def prefetch(self, batch: StepPrompts | None) -> None:
         """Colocated generation uses the latest weights: nothing runs ahead."""
@@ -165,6 +193,10 @@ class StandaloneRollouts:
         self.group_size = rollout_cfg.n  # a step's parts are whole groups of n samples (`token_split`)
         self.stream_groups = bool(getattr(rollout_cfg, "stream_groups", False))  # each reply a part of its own
         self.exact_engine = engine == "builtin"  # the workers' engine (`decide_engine`); vLLM's kernels differ
+        # rollout.agent.env: the workers run episodes, so each part's data rows go with its prompts, and the
+        # workers' ``agent/*`` metrics come back with their replies (rows, metrics) until `step_metrics`
+        self.agent = bool(getattr(getattr(rollout_cfg, "agent", None), "env", None))
+        self.agent_parts: list[tuple[int, dict[str, float]]] = []
         self.driver = WorkerDriver(ctx) if ctx.rank == 0 else None  # rank 0 talks to the workers
         push = PushToWorkers.from_config(policy, ctx, self.driver, rollout_cfg.dtype, weight_sync_cfg)
         # At staleness 0 the next step's generation needs the new weights: the push is on the critical path
@@ -183,6 +215,8 @@ class StandaloneRollouts:
         one recipe: `logprobs_match_forward`): of the latest weights, or, stale with
         rollout.stale_logprobs=behavior, of the behaviour policy PPO then takes its ratio against."""
         same = self.dtype == torch.float32 and self.compute_dtype == self.training_dtype
+        if self.agent:  # episodes decode on the continuous engine, whose log-probs match only in fp32
+            same = same and self.compute_dtype == torch.float32
         return self.exact_engine and same and (not self.staleness or self.behavior_logprobs)
 
     def generate(self, batch: StepPrompts) -> GenerationOutput:
@@ -228,6 +262,8 @@ class StandaloneRollouts:
             if self.driver is not None:
                 reply = self.driver.collect_first(batch.step, waiting)
                 waiting.discard(reply.row_start)
+                if reply.metrics:
+                    self.agent_parts.append((len(reply.out.finish_reasons), reply.metrics))
                 replies.append(reply)
                 out, last = reply.out, not waiting
                 header = torch.zeros(5, dtype=torch.float64)  # [first row, last, `_workers_record`'s three]
@@ -259,7 +295,24 @@ class StandaloneRollouts:
         metrics = {"timing_s/trainer_idle": self.trainer_idle, "timing_s/rollout_idle": self.rollout_idle,
                    "rollout/dead_workers": float(self.dead_workers), "rollout/last_dead_worker": float(self.last_dead)}
         self.trainer_idle = self.rollout_idle = 0.0
+        if self.agent:
+            metrics.update(self._agent_metrics())
         return metrics
+
+    def _agent_metrics(self) -> dict[str, float]:
+        """The workers' ``agent/*`` metrics of the steps collected since the last call, as every trainer rank
+        reports them: rank 0 joins the replies' (`join_agent_metrics`) and shares them; each rank reports a
+        count as its 1/dp share, so the sum over ranks (`scalerl.perf.metrics`) is the step's count."""
+        joined = join_agent_metrics(self.agent_parts)
+        self.agent_parts = []
+        if self.ctx.world_size > 1:
+            keys = sorted(joined)
+            names = json_tensor(keys, "agent metric names") if self.ctx.rank == 0 else None
+            values = torch.tensor([joined[k] for k in keys], dtype=torch.float64) if self.ctx.rank == 0 else None
+            names, values = broadcast_tensors([names, values] if self.ctx.rank == 0 else None, 0, self.ctx.group,
+                                              self.ctx.device)
+            joined = dict(zip(from_json_tensor(names), values.cpu().tolist()))
+        return {k: v / self.ctx.dp_size if reduction_of(k) == "sum" else v for k, v in joined.items()}
 
     def close(self) -> None:
         if isinstance(self.weight_sync, BackgroundPush):
@@ -277,8 +330,9 @@ class StandaloneRollouts:
                 worker = self.driver.least_loaded()
                 ids, mask = left_pad(batch.prompts[start:stop], self.pad_token_id)
                 sampling = replace(batch.sampling, row_offset=start, total_rows=len(batch.prompts))
+                rows = [batch.rows[i // self.group_size] for i in range(start, stop)] if self.agent else None
                 self.driver.request_generation(worker, batch.step, sampling, ids, mask.sum(-1),
-                                               tokens=sum(lengths[start:stop]))
+                                               tokens=sum(lengths[start:stop]), rows=rows)
                 parts.append((worker, start, stop))
         self.in_flight.append((batch, parts))
 
@@ -289,6 +343,7 @@ class StandaloneRollouts:
         out, idle = None, torch.tensor([0.0, 0.0, -1.0], dtype=torch.float64)  # `_workers_record`'s layout
         if self.driver is not None:
             replies = {start: self.driver.collect(batch.step, start) for _, start, _ in parts}
+            self.agent_parts += [(len(r.out.finish_reasons), r.metrics) for r in replies.values() if r.metrics]
             out = GenerationOutput.concat([replies[start].out for start in sorted(replies)], self.pad_token_id)
             idle = self._workers_record(sum(r.idle_s for r in replies.values()) / len(self.driver.workers))
         if self.ctx.world_size > 1:
@@ -306,6 +361,22 @@ class StandaloneRollouts:
     def _note_workers(self, record: torch.Tensor) -> None:
         self.rollout_idle += float(record[0])
         self.dead_workers, self.last_dead = int(record[1]), int(record[2])
+
+
+def join_agent_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """``agent/*`` metrics of several workers' replies (each ``(rows, metrics)``) as one step's: counts
+    summed, maxima the largest, means weighted by rows (as `scalerl.perf.metrics` declares each)."""
+    rows = sum(n for n, _ in parts)
+    out: dict[str, float] = {}
+    for key in sorted({k for _, m in parts for k in m}):
+        kind, have = reduction_of(key), [(n, m[key]) for n, m in parts if key in m]
+        if kind == "max":
+            out[key] = max(v for _, v in have)
+        elif kind == "sum":
+            out[key] = sum(v for _, v in have)
+        else:
+            out[key] = sum(n * v for n, v in have) / max(sum(n for n, _ in have), 1)
+    return out if rows else {}
 
 
 def dp_rows(total: int, ctx: DistContext) -> tuple[int, int]:

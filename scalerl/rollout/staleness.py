@@ -25,7 +25,7 @@ class StalenessCheck:
 
 def row_staleness(weight_versions: torch.Tensor, response_mask: torch.Tensor, trainer_version: int) -> torch.Tensor:
     """[B] versions each row lags the trainer by, at its oldest generated token (0 for an empty response)."""
-    valid = response_mask.bool()
+    valid = response_mask.bool() & (weight_versions >= 0)  # -1: a tool's or user's token, no policy's
     oldest = torch.where(valid, weight_versions.long(), torch.full_like(weight_versions.long(), trainer_version))
     return (trainer_version - oldest.min(dim=-1).values).clamp(min=0)
 
@@ -36,7 +36,7 @@ def check_staleness(weight_versions: torch.Tensor, response_mask: torch.Tensor, 
     ``rollout/staleness/mean`` and ``/max``, ``rollout/staleness/hist/<k>`` (the share of tokens k versions
     behind, k = 0..K; the same keys every step), ``rollout/dropped_stale`` (rows more than K behind),
     ``rollout/partial_fraction`` (the share of rows whose tokens span more than one version)."""
-    valid = response_mask.bool()
+    valid = response_mask.bool() & (weight_versions >= 0)
     lag = (trainer_version - weight_versions.long()).clamp(min=0)[valid]
     rows = row_staleness(weight_versions, response_mask, trainer_version)
     keep = rows <= max_staleness
@@ -53,7 +53,7 @@ def check_staleness(weight_versions: torch.Tensor, response_mask: torch.Tensor, 
 
 def spans_versions(weight_versions: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """[B] bool: rows whose generated tokens come from more than one policy version (a partial rollout)."""
-    valid = response_mask.bool()
+    valid = response_mask.bool() & (weight_versions >= 0)
     versions = weight_versions.long()
     lowest = torch.where(valid, versions, torch.iinfo(torch.int64).max).min(dim=-1).values
     highest = torch.where(valid, versions, torch.iinfo(torch.int64).min).max(dim=-1).values

@@ -4,7 +4,8 @@ tool's result, a user turn, the chat template's glue between turns: context only
 single-turn response is the one-segment case.
 
 `trajectories_to_output` lays trajectories out as the `GenerationOutput` every rollout source hands the
-trainer (left-padded prompts, right-padded responses), with ``loss_mask`` 1 on the engine's tokens: the
+trainer (left-padded prompts, right-padded responses), with ``loss_mask`` 1 on the engine's tokens (but those a
+segment's own ``loss_mask`` keeps out: sampled, kept with their log-probs, not trained): the
 trainer's passes run over every real token, and its losses, KL, entropy and metrics read only the trained
 ones (`RolloutBatch.response_mask`). The token ids are the ones the engine sampled and the environment
 gave, as they are: a multi-turn producer builds each turn's prompt as the last prompt + its completion + the
@@ -31,12 +32,24 @@ class TrajectorySegment:
     generated: bool
     logprobs: list[float] | None = None
     weight_version: int = -1
+    # Per token, only where a weight push landed while the segment decoded (a partial rollout on a streaming
+    # worker): the version of each token; ``weight_version`` is then the last token's.
+    weight_versions: list[int] | None = None
+    # Per token of a generated segment, only where some sampled tokens are kept out of the loss (a verl agent loop
+    # that masks part of a turn 0): 1 trained, 0 context (its ids and log-probs stay in the trajectory).
+    loss_mask: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.generated and (self.logprobs is None or len(self.logprobs) != len(self.token_ids)):
             have = "none" if self.logprobs is None else len(self.logprobs)
             raise ValueError(f"a generated segment of {len(self.token_ids)} tokens needs as many log-probs "
                              f"(got {have})")
+        if self.weight_versions is not None and len(self.weight_versions) != len(self.token_ids):
+            raise ValueError(f"a segment of {len(self.token_ids)} tokens has {len(self.weight_versions)} per-token "
+                             "weight versions; give one per token, or none")
+        if self.loss_mask is not None and (not self.generated or len(self.loss_mask) != len(self.token_ids)):
+            raise ValueError(f"a loss mask of {len(self.loss_mask)} values on a {'' if self.generated else 'non-'}"
+                             f"generated segment of {len(self.token_ids)} tokens; give one per sampled token")
 
 
 @dataclass
@@ -91,9 +104,10 @@ def trajectories_to_output(trajectories: Sequence[Trajectory], pad_token_id: int
             response_ids[i, at:stop] = torch.tensor(s.token_ids, dtype=torch.long)
             response_mask[i, at:stop] = 1
             if s.generated:
-                loss_mask[i, at:stop] = 1
+                loss_mask[i, at:stop] = 1 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.long)
                 logprobs[i, at:stop] = torch.tensor(s.logprobs, dtype=torch.float32)
-                versions[i, at:stop] = s.weight_version
+                versions[i, at:stop] = (s.weight_version if s.weight_versions is None
+                                        else torch.tensor(s.weight_versions, dtype=torch.int32))
             at = stop
     known = any(s.weight_version >= 0 for t in trajectories for s in t.segments if s.generated)
     return GenerationOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs,

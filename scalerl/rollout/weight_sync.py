@@ -13,7 +13,9 @@ reports ``comm/weight_sync_bytes``, the bytes that reached generating copies on 
   (`PipelineRunner.refresh_replica`, which counts its broadcasts and gathers as ``weight_sync``);
 - `LoadIntoEngine`: a colocated engine with a copy of its own (vLLM) loads the policy's tensors by name;
 - `PushToWorkers`: standalone rollout workers receive bucketed, verified deltas from the `WeightSender`
-  (`scalerl.comm.weights`), plus ``weight_sync/*`` metrics of the push;
+  (`scalerl.comm.weights`), plus ``weight_sync/*`` metrics of the push; each step of the push has the limit
+  ``weight_sync.timeout_s`` (the workers joining it, after the requests queued before it, has
+  ``trainer.dist_timeout_s``), and one that overruns raises `WeightSyncStalled` naming the side and the bucket;
 - `BackgroundPush`: the same push from a snapshot taken after the optimizer step, sent by a background
   thread so the next step does not wait for it (`weight_sync.background`, with ``rollout.staleness >= 1``).
 
@@ -39,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from scalerl.comm.weights.channel import BroadcastChannel
 from scalerl.comm.weights.sender import SyncReport, WeightSender
+from scalerl.comm.weights.watchdog import collective_limit_s
 from scalerl.models.lora import (
     adapter_parameters,
     has_lora,
@@ -118,8 +121,12 @@ class PushToWorkers:
     @classmethod
     def from_config(cls, policy: ModelParts, ctx: DistContext, driver: WorkerDriver | None, rollout_dtype: str,
                     weight_sync_cfg) -> PushToWorkers:
-        """Broadcasts from rank 0 over the rollout group (rank 0 + the workers), per ``weight_sync``."""
-        channel = BroadcastChannel(ctx.rollout_group, src=0, device=ctx.device) if driver is not None else None
+        """Broadcasts from rank 0 over the rollout group (rank 0 + the workers), per ``weight_sync``: each step
+        within ``weight_sync.timeout_s``, the workers' joining within the default group's limit
+        (``trainer.dist_timeout_s``: they first answer the requests queued before the push)."""
+        channel = (BroadcastChannel(ctx.rollout_group, src=0, device=ctx.device, timeout_s=weight_sync_cfg.timeout_s,
+                                    join_timeout_s=collective_limit_s(ctx.device))
+                   if driver is not None else None)
         sender = WeightSender.from_config(weight_sync_cfg, rollout_dtype, channel)
         return cls(policy, local_weight_sync(policy), sender, driver, ctx)
 
@@ -212,9 +219,9 @@ class BackgroundPush:
         return metrics
 
     def wait(self) -> dict[str, float] | None:
-        """Wait for the push in flight; its metrics (None when there was none). Bounded: every broadcast and
-        ack of the push has the process group's timeout (trainer.dist_timeout_s), after which the thread
-        ends with the error, raised here."""
+        """Wait for the push in flight; its metrics (None when there was none). Bounded: each step of the push
+        has weight_sync.timeout_s (the workers' joining it trainer.dist_timeout_s), after which the thread ends
+        with the error (`WeightSyncStalled`, naming the side and the bucket), raised here."""
         if self.thread is None:
             return None
         self.thread.join()

@@ -64,11 +64,11 @@ def response_logprobs(
 def teacher_outputs(model: nn.Module, batch: RolloutBatch, temperature: float, micro_batch_size: int, top_k: int,
                     autocast=None, packed_kernel: str | None = None) -> torch.Tensor:
     """A distillation teacher's pass: ``[B, R]`` log-probs of the sampled tokens (`response_logprobs`), or with
-    ``top_k`` ``[B, R, 1 + 2k]``: those, then its k likeliest ids and their log-probs (`teacher_token_outputs`)."""
+    ``top_k`` ``[B, R, 1 + 2k]``: those, then its k likeliest ids and their log-probs (`teacher_token_outputs`).
+    Under sequence parallelism each rank takes the top-k of its own positions (each holds the whole vocabulary
+    there) and only the ``[B, m, 1 + 2k]`` results are gathered (`SequenceShards.per_token`)."""
     if not top_k:
         return response_logprobs(model, batch, temperature, micro_batch_size, autocast, packed_kernel)
-    if splits_sequences(model):
-        raise ValueError("algorithm.distill.top_k > 0 does not apply with parallel.sp > 1 yet: use top_k=0")
 
     def outputs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return teacher_token_outputs(logits / temperature if temperature not in (0.0, 1.0) else logits, labels, top_k)

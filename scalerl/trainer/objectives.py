@@ -193,6 +193,22 @@ class PolicyObjective(MicroBatchObjective):
             entropy = entropy_from_logits(logits)
         return torch.stack([logp, entropy], dim=-1)
 
+    def distill_topk_kl(self, logits, target: torch.Tensor) -> torch.Tensor:
+        """``[B, R]``: the student's per-token top-k forward KL to the teacher's top-k in ``target``'s last ``2k``
+        columns (`topk_forward_kl`), at the sampling temperature. Under sequence parallelism each rank computes
+        it at its own positions, from its shard of the logits and the teacher's top-k there, and the per-token
+        values are gathered (as the log-probs are)."""
+        clamp, temperature = self.distill.max_clamp, self.temperature
+
+        def kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+            return topk_forward_kl(student / temperature if temperature != 1.0 else student, teacher, clamp)
+
+        teacher = target[..., len(self.inputs) :]
+        if isinstance(logits, SequenceShards):  # the last kept position predicts nothing: cut off, as for ids
+            return logits.per_token(kl, torch.nn.functional.pad(teacher, (0, 0, 0, 1)))[:, :-1]
+        return self.per_token(kl(self.response_outputs(logits, target), self.response_labels(teacher, target)),
+                              target)
+
     def __call__(self, logits, target: torch.Tensor) -> torch.Tensor:
         cfg, x = self.cfg, self.named(target)
         mask = x["response_mask"]
@@ -213,12 +229,7 @@ class PolicyObjective(MicroBatchObjective):
             loss = loss + cfg.kl_loss_coef * kl_loss
             parts["actor/kl_loss"] = kl_loss
         if self.distill is not None:
-            if isinstance(logits, SequenceShards):
-                raise ValueError("algorithm.distill.top_k > 0 does not apply with parallel.sp > 1 yet: use top_k=0")
-            student = self.response_outputs(logits, target)
-            student = student / self.temperature if self.temperature != 1.0 else student
-            teacher = self.response_labels(target[..., len(self.inputs) :], target)
-            kl = self.per_token(topk_forward_kl(student, teacher, self.distill.max_clamp), target)
+            kl = self.distill_topk_kl(logits, target)
             topk_loss = aggregate_loss(kl, mask, cfg.loss_agg_mode, **self.agg)
             loss = loss + self.distill.coef * topk_loss
             parts["actor/distill_topk_kl"] = topk_loss

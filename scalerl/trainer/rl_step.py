@@ -3,8 +3,11 @@
 batch prepared for the update.
 
 There is one path. The rollout source yields *parts* (`scalerl.rollout.sources`: colocated, this rank's rows as
-one part marked last; standalone, each worker's reply as it arrives with ``rollout.stream_groups``, the replies
-joined without it), and the whole batch is the one-part case. Where it is exact, a part's rows go through
+one part marked last, or ``data.judge.parts`` parts for a judge pool; standalone, each worker's reply as it
+arrives with ``rollout.stream_groups``, the replies joined without it), and the whole batch is the one-part
+case. A judge pool (``data.judge.workers``) gets each part's responses as the part arrives and its verdicts are
+taken once the round is in (or before a part's early mini-batches), so judging overlaps the later parts'
+generation and the part's passes. Where it is exact, a part's rows go through
 the per-token passes (old log-probs where they are recomputed, reference log-probs) on the whole batch's
 micro-batch grid as they arrive (`StreamedStep`), and the update's first-epoch mini-batches step as soon as
 their groups are in (`_why_updates_wait` names what stops that). Every batch, a mini-batch's groups or the
@@ -140,6 +143,11 @@ class RolloutPhase:
         self.reward_extra_names: set[str] = set()
         self.updates_wait_for = self._why_updates_wait() if r.stream_groups else "one part per step"
         self.early_updates = self.updates_wait_for is None
+        # A judge in its own pool of workers (data.judge.workers) judges each part while the next generates:
+        # colocated, the rank's generation is cut into data.judge.parts parts of whole groups for it.
+        cut_into = getattr(trainer.rollouts, "cut_into", None)
+        if trainer.reward.overlaps and cut_into is not None and not r.agent.env:
+            cut_into(cfg.data.judge.parts, r.n)
         # An early optimizer step changes the policy the old log-probs of later parts are recomputed with, so
         # where they are recomputed those passes run on a copy of the policy taken before the step's update
         # (refreshed each step, `_refresh_old_policy`): its weights are the trained ones, so the same numbers.
@@ -255,6 +263,7 @@ class RolloutPhase:
         streamed = StreamedStep(total, cfg.actor.ppo_micro_batch_size, self._part_passes() if stream_passes else {},
                                 t.tokenizer.pad_token_id, tuple(r * total for r in range(t.dist.dp_size)), own)
         scores, failures, extras = [0.0] * total, 0, []  # extras: (samples, the reward's metrics of a part)
+        judged: list[tuple[int, int, GenerationOutput, list[dict]]] = []  # parts handed to the judge pool
         update = t.actor_update(total) if self.early_updates else None
         if self.old_policy is not None:
             self._refresh_old_policy()
@@ -272,16 +281,23 @@ class RolloutPhase:
             began = time.perf_counter()
             lo, hi = max(start, own) - own, min(start + len(out.finish_reasons), own + total) - own  # this share's
             if lo < hi:
-                with t.timer("reward"):
-                    mine = out.rows(lo + own - start, hi + own - start)
-                    part_scores, part_failures = self._score(mine, [rows[(lo + i) // n] for i in range(hi - lo)])
-                scores[lo:hi], failures = part_scores, failures + part_failures
-                extras.append((hi - lo, dict(t.reward.last_metrics)))
+                mine = out.rows(lo + own - start, hi + own - start)
+                part_rows = [rows[(lo + i) // n] for i in range(hi - lo)]
+                if t.reward.overlaps:  # a judge pool: judged during the part's passes and the next parts
+                    self._start_score(mine, part_rows)
+                    judged.append((lo, hi, mine, part_rows))
+                else:
+                    with t.timer("reward"):
+                        part_scores, part_failures = self._score(mine, part_rows)
+                    scores[lo:hi], failures = part_scores, failures + part_failures
+                    extras.append((hi - lo, dict(t.reward.last_metrics)))
             streamed.add(start, out, last)
             if update is not None:
+                failures += self._take_scores(judged, scores, extras)  # the mini-batches need them now
                 self._early_mini_batches(update, streamed, scores, step)
             last_work_s = time.perf_counter() - began
             work_s += last_work_s
+        failures += self._take_scores(judged, scores, extras)
         t.reward.last_metrics = _weighted_means(extras)
         out = streamed.output()
         passes = streamed.pass_results(out.response_ids.shape[1])
@@ -302,6 +318,26 @@ class RolloutPhase:
             for i, score in zip(todo, computed):
                 scores[i] = score
         return scores, failures
+
+    def _take_scores(self, judged: list, scores: list[float], extras: list) -> int:
+        """The scores of the parts `_start_score` handed out (in order, emptying ``judged``), written into
+        ``scores`` and their metrics into ``extras``; how many failed."""
+        failures = 0
+        while judged:
+            lo, hi, mine, part_rows = judged.pop(0)
+            with self.t.timer("reward"):
+                scores[lo:hi], part_failures = self._score(mine, part_rows)
+            failures += part_failures
+            extras.append((hi - lo, dict(self.t.reward.last_metrics)))
+        return failures
+
+    def _start_score(self, out: GenerationOutput, rows: list[dict]) -> None:
+        """Hand the samples `_score` will send to the reward function to it now (`RewardComputer.start`)."""
+        given = [None if not r else r.get("env_reward") for r in (out.reward_inputs or [None] * len(rows))]
+        todo = [i for i, g in enumerate(given) if g is None]
+        if todo:
+            self.t.reward.start(self.t.tokenizer.batch_decode(out.response_ids[todo].tolist()),
+                                [rows[i] for i in todo])
 
     def _early_mini_batches(self, update: UpdateRun, streamed: StreamedStep, scores: list[float], step: int) -> None:
         """Every first-epoch mini-batch of ``update`` whose groups are in, in order (rows in row order:

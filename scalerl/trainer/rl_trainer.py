@@ -39,7 +39,7 @@ from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.perf.mfu import StepWork
 from scalerl.perf.timing import StepTimer
-from scalerl.rollout.agent.source import AgentRollouts
+from scalerl.rollout.agent.source import AgentRollouts, EvaluationEpisodes
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.engines.builtin import BuiltinEngine
 from scalerl.rollout.engines.choice import decide_engine
@@ -254,15 +254,17 @@ class RLTrainer(TrainingRun):
 
     # -------------------------------------------------------------------------------- around the loop
     def engine_with_current_weights(self):
-        """What evaluation answers with: a multi-turn run's episodes (`AgentRollouts.episodes`: evaluated as it
-        trains), else the trainer's engine, its decode layout refreshed where no weight sync does it:
-        standalone, the workers get the pushes and the fused optimizer's in-place updates leave no trace a stale
-        check could see (fused AdamW does not move the parameters' ``_version`` counters), so evaluation would
-        decode the first step's weights."""
+        """What evaluation answers with: a multi-turn run's episodes (`AgentRollouts.episodes`, or standalone
+        `EvaluationEpisodes` on the trainer's engine: evaluated as it trains), else the trainer's engine, its
+        decode layout refreshed where no weight sync does it: standalone, the workers get the pushes and the
+        fused optimizer's in-place updates leave no trace a stale check could see (fused AdamW does not move the
+        parameters' ``_version`` counters), so evaluation would decode the first step's weights."""
         if isinstance(self.rollouts, AgentRollouts):
             return self.rollouts
         if not isinstance(self.rollouts, ColocatedRollouts):
             getattr(self.engine, "refresh_weights", lambda: 0)()
+            if self.cfg.rollout.agent.env:  # the workers run the training episodes; evaluation runs its own
+                return EvaluationEpisodes(self.cfg, self.tokenizer, self.engine)
         return self.engine
 
     def evaluate(self) -> dict[str, float]:

@@ -161,7 +161,9 @@ class TrainingRun:
         self.checkpoint_root = self.output_dir / CHECKPOINTS_DIR
         self._resume_from = prepare_output_dir(self.output_dir, resume=t.resume, overwrite=t.overwrite,
                                                export_dir=self.output_dir / self.export_name, ctx=ctx)
-        self.timer = timer or StepTimer(self.device)
+        # multi-rank: each phase's collective waits too (timing_s/comm_in/<phase>, the MFU waterfall's)
+        self.timer = timer or StepTimer(self.device, ctx.comm.waited_s if ctx.world_size > 1 or ctx.rollout_ranks
+                                        else None)
         self.step = 0
         self.trained: dict[str, ModelParts] = {}  # checkpoint name -> trained parts (the policy is "actor")
         self.generators: dict[str, torch.Generator] = {}  # RNG streams a checkpoint carries
@@ -349,7 +351,8 @@ class TrainingRun:
                     self.logger.log(metrics, step=self.step)
                     self.skip_guard.after_step(self.step, self.optimizer_step.consecutive_skips)
                     if (save_every and self.step % save_every == 0) or last:
-                        saved = (self.step, self.save())
+                        with self.timer("save"):  # timing_s/save, in the next step's metrics (the MFU waterfall's)
+                            saved = (self.step, self.save())
                     summary["last"] = metrics
             summary.update(self.export())
         finally:

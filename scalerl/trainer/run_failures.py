@@ -1,11 +1,12 @@
 """How a run that cannot go on ends: one `RunFailure` naming the cause and the last good checkpoint; and how
 a run asked to stop ends (`StopSignals`, `RunStopped`: Ctrl-C, or SIGTERM from a scheduler).
 
-Two causes are recognised here, at the trainer's boundary: a collective that failed because a peer froze or
+Three causes are recognised here, at the trainer's boundary: a collective that failed because a peer froze or
 died (described by `scalerl.parallel.distributed.describe_failure`: the collective, its group, this rank and
-the ranks that went silent; under srun or mpirun nothing else would report it), and too many optimizer
-steps in a row skipped for a non-finite gradient norm (the weights stopped changing: training is over in
-all but name).
+the ranks that went silent; under srun or mpirun nothing else would report it), a weight push to rollout
+workers that stalled (`WeightSyncStalled`: the watchdog's record, worded by the doctor's leaf
+``rollout/weight_sync_stall`` with its fix), and too many optimizer steps in a row skipped for a non-finite
+gradient norm (the weights stopped changing: training is over in all but name).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import torch
 import torch.distributed as dist
 
 from scalerl.checkpoint import list_checkpoints
+from scalerl.comm.weights.channel import WeightSyncStalled
 from scalerl.core.errors import RunFailure, UserError
+from scalerl.health.rollout_rules import stall_failure_text
 from scalerl.parallel.process_group import describe_failure, stop_heartbeat
 
 if TYPE_CHECKING:
@@ -56,6 +59,9 @@ def run_reporting_failures(run: Callable[[], T], checkpoint_root: Path) -> T:
         return run()
     except (UserError, RunFailure):
         raise
+    except WeightSyncStalled as error:  # the side and the bucket that stalled, and what to check
+        raise RunFailure(f"{stall_failure_text(error.record)}. Last good checkpoint: "
+                         f"{last_good_checkpoint(checkpoint_root)}") from error
     except Exception as error:
         described = describe_failure(error)
         if described is None:

@@ -149,6 +149,9 @@ class UpdateRun:
         self.first_done = 0  # first-epoch mini-batches run
         self.norms: list[torch.Tensor] = []
         self.skipped: list[torch.Tensor] = []
+        # The forward's token slots (padding included, from shapes: no sync) and the real tokens among them,
+        # for the MFU waterfall's padding slice (`scalerl.perf.mfu_waterfall`).
+        self.token_slots, self.real_tokens = 0, torch.zeros((), device=device)
 
     def _order(self) -> torch.Tensor:
         if self.plan.shuffle:
@@ -174,6 +177,8 @@ class UpdateRun:
         # actor.router_replay: each micro-batch's forward routes by its rows' recorded experts
         routes = [] if objective.replays_routes and mini.routed_experts is not None else None
         micros = _forward_inputs(self.parts, mini, self.plan, objective, self.ctx, routes)
+        self.token_slots += sum(m.input_ids.numel() for m in micros)
+        self.real_tokens = self.real_tokens + mini.attention_mask.sum()
         with replaying_routes(self.parts.model, routes):
             calls = self.parts.forward_backward(micros, objective, self.autocast, step.grad_scaler)
         objective.end_mini_batch(calls)
@@ -198,6 +203,8 @@ class UpdateRun:
         flags = torch.stack(self.skipped).tolist()
         self.step.count_skips(flags)
         metrics[f"{prefix}/skipped_steps"] = float(sum(flags))
+        metrics[f"perf/token_slots/{prefix}"] = float(self.token_slots)
+        metrics[f"perf/real_tokens/{prefix}"] = float(self.real_tokens)  # after the flags' sync: no new wait
         router_aux = getattr(parts, "router_aux", None)
         if router_aux is not None:  # MoE: moe/aux_loss and moe/expert_load_imbalance over the step's DP ranks
             moe = router_aux.metrics(self.ctx.all_reduce)

@@ -48,6 +48,20 @@ def test_report_is_valid_and_complete(measured):
     assert report["links"]["loopback"]["intra"]["bytes_per_s"] > 0
 
 
+def test_each_measured_cell_carries_its_mfu_waterfall(measured):
+    """From the cell's own steps (`scalerl.perf.mfu_waterfall`): the timers cover the step within a few
+    percent, and over two ranks the collectives' waits appear as communication and waiting for the other."""
+    from scalerl.perf.mfu_waterfall import MfuWaterfall
+
+    cells = {c["id"]: c for c in load_report(measured[0])["cells"] if c["status"] == "ok"}
+    for cell in cells.values():
+        waterfall = MfuWaterfall.from_json(cell["mfu_waterfall"])
+        assert waterfall.check() == [], (cell["id"], waterfall.lines())
+        assert waterfall.steps == 2 and 0 < waterfall.achieved_mfu < 1
+    ddp = MfuWaterfall.from_json(cells["ddp|1x2|0M|none|default|colocated"]["mfu_waterfall"])
+    assert ddp.seconds["comm"] > 0 and ddp.seconds["imbalance"] >= 0
+
+
 def test_baselines_and_validation(measured):
     report = load_report(measured[0])
     base = report["baselines"]

@@ -27,3 +27,19 @@ def test_the_probe_reports_the_matmul_peaks_beside_its_timings(monkeypatch):
     out = compute_probe.probe_compute(tiny_model(), pad_token_id=0, micro_rows=2, new_tokens=2)
     assert out["matmul_peaks"] == {"peak_flops": {"float32": 1.0}}
     assert [p["width"] for p in out["train"]] == list(compute_probe.TRAIN_WIDTHS) and len(out["gen"]) == 2
+
+
+def test_the_sizes_of_a_phase_are_timed_in_turns(monkeypatch):
+    # a load that doubles every call's time halfway through the probe: timed in turns, both sizes see it
+    # alike, so their difference (what the fit reads as a cost per FLOP) stays the true one
+    clock = {"t": 0.0, "calls": 0}
+
+    def work(cost):
+        def run():
+            clock["calls"] += 1
+            clock["t"] += cost * (2.0 if clock["calls"] > 6 else 1.0)
+        return run
+
+    monkeypatch.setattr(compute_probe.time, "perf_counter", lambda: clock["t"])
+    small, large = compute_probe._interleaved_median_seconds([work(1.0), work(3.0)], repeats=4)
+    assert [small, large] == [1.5, 4.5]  # medians of (1, 1, 2, 2) and (3, 3, 6, 6): the ratio kept at 3

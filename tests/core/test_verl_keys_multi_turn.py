@@ -51,16 +51,34 @@ def test_a_single_turn_verl_run_sets_no_agent_key():
 
 
 @pytest.mark.parametrize("override, named", [
-    (f"{M}interaction_config_path=interaction.yaml", "verl's BaseInteraction user simulators are not run here"),
     (f"{M}max_tool_response_length=512", "scalerl's tool environment keeps 2048 characters"),
     (f"{M}tool_response_truncate_side=left", "scalerl cuts a long tool answer in the middle"),
-    (f"{M}function_tool_path=fns.py", "rollout.agent.tools=file.py:fn1,fn2"),
     (f"{AG}custom_async_server.path=server.py", "scalerl's engine serves the loops"),
 ])
 def test_multi_turn_settings_with_no_counterpart_are_errors_naming_them(override, named):
     with pytest.raises(ConfigError, match="changes the run and scalerl has no equivalent") as caught:
         translate([f"{M}tool_config_path=tools.yaml", override])
     assert override.split("=")[0] in str(caught.value) and named in str(caught.value)
+
+
+def test_function_tool_files_and_interactions_run_the_tool_environment():
+    """verl's @function_tool file and its interaction YAML (verl <= 0.7.1) set scalerl's keys of the same job; each
+    alone is something to run (verl's tool loop over them), beside a tool config or verl's own loops too."""
+    values = _agent_values(f"{M}enable=true", f"{M}function_tool_path=fns.py")
+    assert values["rollout.agent.env"] == "tools" and values["rollout.agent.function_tool_path"] == "fns.py"
+    values = _agent_values(f"{M}interaction_config_path=interaction.yaml", f"{M}max_assistant_turns=3")
+    assert values["rollout.agent.env"] == "tools" and values["rollout.agent.max_turns"] == 3
+    assert values["rollout.agent.interaction_config"] == "interaction.yaml"
+    cfg, translation = load_verl_config([f"{M}tool_config_path=tools.yaml", f"{M}function_tool_path=fns.py",
+                                         f"{M}interaction_config_path=interaction.yaml", "data.max_prompt_length=64",
+                                         "data.max_response_length=64"])
+    a = cfg.rollout.agent
+    assert (a.env, a.tool_config, a.function_tool_path, a.interaction_config) == (
+        "tools", "tools.yaml", "fns.py", "interaction.yaml")
+    rows = {k: t for k, _, t in translation.rows}
+    assert rows[f"{M}function_tool_path"].startswith("rollout.agent.function_tool_path")
+    assert rows[f"{M}interaction_config_path"].startswith("rollout.agent.interaction_config")
+    assert _agent_values("data.max_response_length=32") == {}  # neither given: nothing set
 
 
 def test_multi_turn_enabled_with_nothing_to_run_is_an_error():

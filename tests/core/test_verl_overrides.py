@@ -180,9 +180,13 @@ def test_verls_on_policy_distillation_keys_set_algorithm_distill():
         translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}teacher_models.teacher_model.model_path=t"])
     with pytest.raises(ConfigError, match=r"distillation.enabled=true needs the teacher's model directory"):
         translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}distillation_loss.use_policy_gradient=true"])
-    with pytest.raises(ConfigError, match=r"teacher_models.teacher_model.key=openai/gsm8k changes the run"):
-        translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}teacher_models.teacher_model.model_path=t",
-                   f"{D}distillation_loss.use_policy_gradient=true", f"{D}teacher_models.teacher_model.key=openai/gsm8k"])
+    # verl 0.9.1 routes every row to a single teacher whatever its key (it sets the key to "default")
+    keyed = translate(["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}teacher_models.teacher_model.model_path=t",
+                       f"{D}distillation_loss.use_policy_gradient=true", f"{D}teacher_models.teacher_model.key=openai/gsm8k",
+                       f"{D}teacher_key=task"])
+    assert keyed.values["algorithm.distill.teacher"] == "t" and "algorithm.distill.teachers" not in keyed.values
+    assert _rows(keyed)[f"{D}teacher_models.teacher_model.key"].startswith("no effect here")
+    assert _rows(keyed)[f"{D}teacher_key"].startswith("no effect here")
     # forward_kl_topk: the supervised form verl recommends for it is scalerl's top-k loss term, k from topk
     # (verl's yaml: 32); with policy gradient verl would train the sampled token only, which is refused
     with pytest.raises(ConfigError, match=r"forward_kl_topk with use_policy_gradient=true"):
@@ -202,6 +206,48 @@ def test_verls_on_policy_distillation_keys_set_algorithm_distill():
                                f"{D}teacher_models.teacher_model.model_path=t",
                                f"{D}distillation_loss.use_policy_gradient=true"])
     assert cfg.algorithm.distill.teacher == "t" and cfg.algorithm.distill.estimator == "k3"  # verl's default mode
+
+
+def test_verls_named_teacher_entries_map_to_a_teacher_per_data_source():
+    """verl 0.9.1's several teachers (`+distillation.teacher_models.<entry>.{key, model_path}`, routed by
+    `teacher_key=data_source`) are algorithm.distill.teachers; verl's own refusals (an entry without key or
+    model_path, two entries with one key) are errors here too, and so is the default entry given beside named ones
+    (verl drops it silently) and routing by another field than data_source."""
+    D = "distillation."
+    base = ["actor_rollout_ref.model.path=m", f"{D}enabled=true", f"{D}distillation_loss.use_policy_gradient=true",
+            f"{D}distillation_loss.loss_mode=k1"]
+    two = [f"+{D}teacher_models.math.key=openai/gsm8k", f"+{D}teacher_models.math.model_path=/t/math",
+           f"+{D}teacher_models.code.key=mbpp", f"+{D}teacher_models.code.model_path=/t/code",
+           f"+{D}teacher_models.code.num_replicas=2", f"+{D}teacher_models.code.inference.tensor_model_parallel_size=4"]
+    several = translate(base + two)
+    assert several.values["algorithm.distill.teachers"] == {"openai/gsm8k": "/t/math", "mbpp": "/t/code"}
+    assert "algorithm.distill.teacher" not in several.values
+    rows = _rows(several)
+    assert rows[f"{D}teacher_models.math.model_path"] == "algorithm.distill.teachers.openai/gsm8k"
+    assert rows[f"{D}teacher_models.code.num_replicas"].startswith("no effect here")
+    assert rows[f"{D}teacher_models.code.inference.tensor_model_parallel_size"].startswith("no effect here")
+    cfg, _ = load_verl_config(base + two)
+    assert cfg.algorithm.distill.teachers == {"openai/gsm8k": "/t/math", "mbpp": "/t/code"}
+    assert cfg.algorithm.distill.teacher is None and cfg.algorithm.distill.estimator == "k1"
+    topk, _ = load_verl_config(["actor_rollout_ref.model.path=m", f"{D}enabled=true", *two,
+                                f"{D}distillation_loss.loss_mode=forward_kl_topk", f"{D}distillation_loss.topk=4"])
+    assert topk.algorithm.distill.top_k == 4 and len(topk.algorithm.distill.teachers) == 2
+    # without distillation.enabled the entries change nothing
+    off = translate(["actor_rollout_ref.model.path=m", *two])
+    assert "algorithm.distill.teachers" not in off.values
+    assert _rows(off)[f"{D}teacher_models.math.key"] == "no effect here: distillation.enabled=false"
+    with pytest.raises(ConfigError, match=r"teacher_model.model_path is given beside named teachers \(code, math\)"):
+        translate(base + two + [f"{D}teacher_models.teacher_model.model_path=/t/dropped"])
+    with pytest.raises(ConfigError, match=r"teacher_models.code has no key: each teacher needs"):
+        translate(base + [f"+{D}teacher_models.code.model_path=/t/code"])
+    with pytest.raises(ConfigError, match=r"teacher_models.code has no key and model_path"):
+        translate(base + [f"+{D}teacher_models.code.num_replicas=1"])
+    with pytest.raises(ConfigError, match=r"two teacher entries have key 'mbpp'"):
+        translate(base + two + [f"+{D}teacher_models.other.key=mbpp", f"+{D}teacher_models.other.model_path=/t/o"])
+    with pytest.raises(ConfigError, match=r"teacher_key=task changes the run .* data_source column"):
+        translate(base + two + [f"{D}teacher_key=task"])
+    with pytest.raises(ConfigError, match=r"'distillation.teacher_models.code.temperature' is not a field"):
+        translate(base + two + [f"+{D}teacher_models.code.temperature=0.5"])
 
 
 def test_critic_optimiser_keys_must_match_the_actors_shared_optimiser():

@@ -89,3 +89,12 @@ def test_the_cli_refuses_a_plan_without_a_profile():
     add_doctor_arguments(parser)
     with pytest.raises(ConfigError, match="add --performance-profiling CONFIG"):
         options_from_args(parser.parse_args(["--plan", "plan.json"]))
+
+
+def test_the_steps_planned_peak_is_over_the_profiled_phases_not_evaluation():
+    # evaluation (0.3326) and checkpoint save run outside the profiled steps: the step's planned peak is the
+    # largest of generation (0.3343) and update (0.3333), even when evaluation's plan is the largest
+    plan = {**PLAN, "memory_gb": {**PLAN["memory_gb"], "evaluation": {"total": 9.0}}, "peak_memory_gb": 9.0}
+    step = next(r for r in compare_plan(plan, records(), "plan.json")["rows"] if r["phase"] == "step")
+    assert step["planned_gb"] == pytest.approx(0.3343)
+    assert step["memory_error"] == pytest.approx(0.3343 / 4.5 - 1)

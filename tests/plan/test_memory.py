@@ -93,3 +93,50 @@ def test_a_cap_below_the_weights_needs_fsdp():
     assert phase == "generation"
     override, _ = find_fix(setup, cap, phase)
     assert override.startswith("parallel.dp_shard=4") and cap < GIB
+
+
+def test_batches_are_padded_to_the_longest_prompt_of_the_data_but_pipeline_stages_to_the_cap():
+    cfg = tiny_model_config()
+    setup = _setup(prompt_width=64, longest_prompt=14, new_tokens=8, rows=6, micro_rows=2)
+    # the engine's cache is rows x (longest prompt + new tokens): 6 x 22 positions, not 6 x 72
+    assert phase_parts(setup)["generation"]["kv_cache"] == kv_cache_bytes(cfg, 6, 14 + 8, 4)
+    assert setup.train_width == 22 and setup.micro_tokens == 2 * 22
+    piped = _setup(prompt_width=64, longest_prompt=14, new_tokens=8, rows=6, micro_rows=2, layout=Layout(pp=2))
+    assert piped.train_width == 64 + 8  # the stages pad every batch to data.max_prompt_length + new tokens
+    assert _setup(prompt_width=10, longest_prompt=14).padded_prompt == 10  # never past the cap
+
+
+def test_the_weight_sync_buckets_hold_at_most_the_model():
+    from scalerl.plan.memory import MIB, policy_counts, sync_buffer_bytes, worker_parts
+
+    small = _setup(standalone=True, layout=Layout(rollout_workers=1), bucket_bytes=64 * MIB, rollout_bytes=4)
+    model_bytes = policy_counts(small)[0] * 4
+    assert model_bytes < 64 * MIB
+    # two buckets (one filling, one in flight), each the whole tiny model rather than 64 MiB
+    assert sync_buffer_bytes(small) == 2 * model_bytes
+    assert phase_parts(small)["weight_sync"]["weight_sync_buckets"] == 2 * model_bytes
+    assert worker_parts(small)["weight_sync_buckets"] == 2 * model_bytes
+    tight = small.replace(bucket_bytes=model_bytes // 4)
+    assert sync_buffer_bytes(tight) == 2 * (model_bytes // 4)
+
+
+def test_the_decode_layout_is_what_the_built_in_engine_copies():
+    from scalerl.models.decode_model import DecodeModel
+    from scalerl.plan.memory import decode_layout_bytes
+
+    model = tiny_model()
+    cfg = model.config
+    setup = _setup(model=cfg)
+    # per layer q/k/v, o, gate/up, down, and the LM head, once more in the compute dtype (float32 here)
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    by_hand = (cfg.num_hidden_layers * (cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+                                        + 3 * cfg.intermediate_size * cfg.hidden_size)
+               + cfg.vocab_size * cfg.hidden_size) * 4
+    assert decode_layout_bytes(setup) == by_hand == DecodeModel(model).weight_bytes
+    parts = phase_parts(setup)
+    assert parts["update"]["decode_layout"] == by_hand  # kept from the first generation on
+    assert parts["weight_sync"]["decode_layout_refresh"] == by_hand  # laid out anew beside the old one
+    # sharded or standalone: generation runs the model's own forward (workers hold their own copy)
+    assert decode_layout_bytes(_setup(model=cfg, layout=Layout(dp_shard=2))) == 0
+    assert decode_layout_bytes(_setup(model=cfg, layout=Layout(tp=2))) == 0
+    assert decode_layout_bytes(_setup(model=cfg, standalone=True, layout=Layout(rollout_workers=1))) == 0

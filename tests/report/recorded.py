@@ -1,14 +1,18 @@
 """The recorded benchmark report the report tests render (tests/report/recorded_report.json: `scalerl bench
 --strategies ddp,fsdp --nodes 1,2 --rate-mbit 200 --weight-sync colocated,full,delta --steps 5 --warmup 2`
 on the 2-core development machine), optionally with a doctor report embedded (recorded facts from
-tests/health/recorded_measurements.py), and a PNG blankness measure."""
+tests/health/recorded_measurements.py), a PNG blankness measure, and how the tests start headless Chromium."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 RECORDED = Path(__file__).with_name("recorded_report.json")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run"]
 PNG_MIN_STD = 3.0  # grey-level standard deviation: a blank page is ~0, a page with text or a plot is > 10
 
 

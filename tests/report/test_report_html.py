@@ -5,7 +5,6 @@ the install command, where Chromium is missing."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 
 import pytest
@@ -13,11 +12,13 @@ import pytest
 from scalerl.cli import main
 from scalerl.report.document import FIRST_PAGE_TITLE, SECTION_TITLES
 from scalerl.report.figures import TITLES
-from tests.report.recorded import PNG_MIN_STD, png_std, recorded_report_path
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run"]
+from tests.report.recorded import (
+    CHROMIUM,
+    FLAGS,
+    PNG_MIN_STD,
+    png_std,
+    recorded_report_path,
+)
 
 
 @pytest.fixture(scope="module")

@@ -73,3 +73,20 @@ def test_the_loss_mask_survives_rows_concat_and_the_worker_protocol():
 def test_a_generated_segment_needs_its_logprobs():
     with pytest.raises(ValueError, match="a generated segment of 2 tokens needs as many log-probs"):
         TrajectorySegment([1, 2], True, [-0.1])
+
+
+def test_sampled_tokens_a_segment_masks_stay_with_their_logprobs_out_of_the_loss():
+    """A generated segment's own loss mask (a verl loop's response_mask 0 on sampled tokens): the ids and the
+    engine's log-probs stay in place, the batch trains none of the masked tokens."""
+    masked = TrajectorySegment([11, 12, 13], True, [-0.1, -0.2, -0.3], 3, loss_mask=[1, 0, 0])
+    t = Trajectory([5], [masked, TrajectorySegment([40], False), TrajectorySegment([14], True, [-0.4], 4)])
+    out = trajectories_to_output([t], PAD)
+    assert out.loss_mask.tolist() == [[1, 0, 0, 0, 1]] and out.response_mask.tolist() == [[1] * 5]
+    assert torch.allclose(out.logprobs[0], torch.tensor([-0.1, -0.2, -0.3, 0, -0.4]))
+    assert out.weight_versions[0].tolist() == [3, 3, 3, -1, 4] and t.num_turns == 2
+    batch = RolloutBatch.from_generation(out, torch.zeros(1, dtype=torch.long), torch.ones(1))
+    assert batch.response_mask.tolist() == [[1.0, 0, 0, 0, 1]]
+    with pytest.raises(ValueError, match="a loss mask of 2 values on a generated segment of 3 tokens"):
+        TrajectorySegment([1, 2, 3], True, [-0.1] * 3, loss_mask=[1, 0])
+    with pytest.raises(ValueError, match="on a non-generated segment"):
+        TrajectorySegment([1], False, loss_mask=[0])

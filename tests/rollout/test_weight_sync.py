@@ -154,6 +154,24 @@ def test_push_to_workers_announces_then_pushes_and_counts_every_worker():
         assert torch.equal(r.store.tensors["bias"], policy.model.bias.detach())
 
 
+def test_the_push_to_workers_waits_each_step_weight_sync_timeout_s_and_the_join_the_groups_limit(monkeypatch):
+    import scalerl.rollout.weight_sync as weight_sync
+
+    built = {}
+
+    class Channel:
+        def __init__(self, group, src, device, timeout_s, join_timeout_s):
+            built.update(group=group, src=src, timeout_s=timeout_s, join_timeout_s=join_timeout_s)
+
+    monkeypatch.setattr(weight_sync, "BroadcastChannel", Channel)
+    cfg = load_config(None, ["weight_sync.timeout_s=7.5"])
+    ctx = SimpleNamespace(rollout_group="rollout", device=torch.device("cpu"), comm=CommCounter())
+    push = PushToWorkers.from_config(_policy(), ctx, object(), "fp32", cfg.weight_sync)
+    assert isinstance(push.sender.channel, Channel)
+    assert built == {"group": "rollout", "src": 0, "timeout_s": 7.5, "join_timeout_s": 600.0}  # no group here
+    assert weight_sync.collective_limit_s("cpu", default=42.0) == 42.0
+
+
 def test_push_on_a_rank_without_the_channel_joins_and_counts_nothing():
     policy, ctx = _policy(), SimpleNamespace(comm=CommCounter())
     events: list[str] = []

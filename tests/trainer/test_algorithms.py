@@ -1,8 +1,8 @@
 """Every advantage estimator and policy loss by name in the RL trainer: each runs two tiny steps in-process and
 really changes the update (the batch's advantages through the `on_batch` seam, the trained weights); vanilla
 is today's dual-clip objective bit for bit; clip_cov's random picks repeat on resume; and DP=2 runs with a
-non-default loss, an estimator that whitens over the global batch, remax and on-policy distillation equal the single
-process."""
+non-default loss, an estimator that whitens over the global batch, remax and on-policy distillation (sampled tokens and
+top-k, the top-k also under sequence parallelism) equal the single process."""
 
 import json
 
@@ -155,11 +155,22 @@ def test_estimators_without_groups_take_one_sample_per_prompt():
 # scores, a token mean of whitened returns), nothing to compare relatively.
 DP_METRICS = tuple(k for k in COMPARED_METRICS["grpo"] if k != "actor/pg_loss")
 # ... and on-policy distillation (its metrics all-reduced), with the task reward added, from a teacher saved in
-# the test's directory ({out}).
+# the test's directory ({out}): the sampled tokens' reverse KL, and the top-k forward KL (a loss term over the
+# teacher's stored top-k, aggregated over the global mini-batch's tokens).
 DP_RUNS = {"gspo": ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"],
            "rpp_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
            "remax": ["algorithm.adv_estimator=remax"],
-           "distill": ["algorithm.distill.teacher={out}/teacher", "algorithm.distill.task_weight=1.0"]}
+           "distill": ["algorithm.distill.teacher={out}/teacher", "algorithm.distill.task_weight=1.0"],
+           "distill_topk": ["algorithm.distill.teacher={out}/teacher", "algorithm.distill.task_weight=1.0",
+                            "algorithm.distill.top_k=4"]}
+DP_DISTILL_METRICS = {"distill": ("distill/reverse_kl",),
+                      "distill_topk": ("distill/reverse_kl", "distill/teacher_mass", "actor/distill_topk_kl")}
+# Top-k distillation under Ulysses sp=2 (world 2, one replica whose sequences are split over both ranks, padded and
+# packed rows): each rank takes the teacher's top-k and the student's KL at its own positions, only those
+# gathered; against the same single process as distill_topk (its name: the reference run).
+SP_RUNS = {"distill_topk_sp2": ("distill_topk", ["parallel.dp_replicate=1", "parallel.sp=2"]),
+           "distill_topk_sp2_packed": ("distill_topk", ["parallel.dp_replicate=1", "parallel.sp=2",
+                                                        "actor.use_remove_padding=true"])}
 
 
 def _dp_overrides(extra, out_dir):
@@ -170,6 +181,9 @@ def _dp_rank(rank, out_dir):
     for name, extra in DP_RUNS.items():
         run_kind("grpo", [*verification_overrides(2), *_dp_overrides(extra, out_dir), "parallel.dp_replicate=2"],
                  out_dir / "dp2" / name)
+    for name, (reference, layout) in SP_RUNS.items():
+        run_kind("grpo", [*verification_overrides(2), *_dp_overrides(DP_RUNS[reference], out_dir), *layout],
+                 out_dir / "dp2" / name)
 
 
 def test_data_parallel_runs_equal_the_single_process(tmp_path):
@@ -178,13 +192,18 @@ def test_data_parallel_runs_equal_the_single_process(tmp_path):
                               tmp_path / "single" / name)
                for name, extra in DP_RUNS.items()}
     run_in_group(_dp_rank, 2, tmp_path)
-    for name, single in singles.items():
-        rows = [[r for r in map(json.loads, (tmp_path / run / name / "metrics.jsonl").read_text().splitlines())
-                 if r["step"] > 0] for run in ("single", "dp2")]
+    pairs = [(name, name) for name in singles] + [(name, reference) for name, (reference, _) in SP_RUNS.items()]
+    for name, reference in pairs:
+        single = singles[reference]
+        rows = [[r for r in map(json.loads, (tmp_path / run / run_name / "metrics.jsonl").read_text().splitlines())
+                 if r["step"] > 0] for run, run_name in (("single", reference), ("dp2", name))]
         assert len(rows[1]) == 2
-        compared = DP_METRICS + (("distill/reverse_kl",) if name == "distill" else ())
-        if name == "distill":  # max_metric_diff skips a key the runs lack: both must have distilled
-            assert all("distill/reverse_kl" in r for run in rows for r in run)
+        distilled = DP_DISTILL_METRICS.get(reference, ())
+        compared = DP_METRICS + distilled
+        # max_metric_diff skips a key the runs lack: both must have distilled (and trained on the top-k term)
+        assert all(key in r for key in distilled for run in rows for r in run), name
+        if reference == "distill_topk":
+            assert all(r["actor/distill_topk_kl"] > 0 for run in rows for r in run)
         assert max_metric_diff(*rows, compared) <= TOLERANCE, name
         assert max_weight_diff(single, tmp_path / "dp2" / name / "final") <= TOLERANCE, name
 

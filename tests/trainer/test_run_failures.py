@@ -166,3 +166,26 @@ def test_a_forwarded_ctrl_c_is_the_same_request_a_later_one_stops_at_once():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before  # restored on leaving
+
+
+def test_a_stalled_weight_push_ends_the_run_with_the_leafs_words_and_the_checkpoint(tmp_path):
+    from scalerl.comm.weights.channel import WeightSyncStalled
+    from scalerl.trainer.run_failures import run_reporting_failures
+
+    _checkpoint(tmp_path, 4)
+    record = {"side": "trainer", "rank": 0, "sync": 5, "phase": "acks", "kind": "BUCKET", "bucket": 3, "buckets": 9,
+              "tensors": ["layers.1.mlp.up.weight"], "bytes": 1000, "done": 5, "last_bucket": 2, "limit_s": 120.0,
+              "limit_key": "weight_sync.timeout_s", "peers_read": True, "trainer_rank": 0, "error": "",
+              "waiting_for": "every worker's acknowledgement of bucket 3 of 9",
+              "stuck": [{"rank": 2, "state": "last completed bucket 2 of sync 5; now applying bucket 3 (for 130 s)"}]}
+
+    def stalls():
+        raise WeightSyncStalled(record)
+
+    with pytest.raises(RunFailure) as failure:
+        run_reporting_failures(stalls, tmp_path)
+    text = str(failure.value)
+    assert text.startswith("weight sync stalled (trainer rank 0 sending, sync 5): every worker's acknowledgement of "
+                           "bucket 3 of 9 (tensors layers.1.mlp.up.weight)")
+    assert "worker rank 2: last completed bucket 2" in text and "Fix: worker rank 2 stopped receiving at bucket 3" in text
+    assert f"Last good checkpoint: {tmp_path / 'step_00000004'}" in text

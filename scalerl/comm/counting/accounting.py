@@ -153,6 +153,11 @@ class CommCounter:
             return sum(v for (k, o, d), v in self._bytes.items()
                        if (kind is None or k == kind) and (op is None or o == op) and (dim is None or d == dim))
 
+    def waited_s(self) -> float:
+        """Seconds blocked in timed collectives since the last reset (the step timer reads it per phase)."""
+        with self._lock:
+            return sum(self._wait.values())
+
     def calls(self) -> dict[tuple[str, str, str | None], int]:
         with self._lock:
             return dict(self._calls)

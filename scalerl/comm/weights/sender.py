@@ -21,10 +21,14 @@ rollout dtype and sends it:
   deltas win on slow links, dense buckets where encoding costs more than the bytes it saves (a worker on the
   trainer's host, fp32 weights that change everywhere). Every `AUTO_PROBE_EVERY`-th sync tries the other way.
   Both ways are lossless and verified alike.
+- **watched**: each step of the push (a message, every worker's acknowledgement) has the channel's limit
+  (``weight_sync.timeout_s``); one that overruns raises `WeightSyncStalled` naming the bucket, its tensors, the
+  bytes sent so far and the workers behind (`watchdog`), instead of waiting on the collective's own timeout.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -40,6 +44,8 @@ from scalerl.comm.weights.channel import (
     SenderChannel,
     Status,
     WeightSyncError,
+    WeightSyncStalled,
+    is_timeout,
 )
 from scalerl.comm.weights.delta import (
     bucket_checksum,
@@ -48,12 +54,24 @@ from scalerl.comm.weights.delta import (
     int_view_dtype,
 )
 from scalerl.comm.weights.plan import TensorEntry, WeightPlan
+from scalerl.comm.weights.watchdog import (
+    TRAINER,
+    ProgressBoard,
+    SyncProgress,
+    collective_limit_s,
+    job_board,
+    own_rank,
+    stall_record,
+)
 from scalerl.core.device import PRECISION_DTYPES
 
 MODES = ("full", "delta", "auto")
 # mode "auto": every this many syncs, the way not currently preferred is tried again, so its cost stays current
 AUTO_PROBE_EVERY = 8
 MiB = 1 << 20
+# Sync numbers, unique in this process whatever sender runs the sync, so the watchdog never mistakes a place in
+# an earlier sync for one in this sync.
+SYNC_NUMBERS = itertools.count(1)
 
 
 @dataclass
@@ -76,6 +94,8 @@ class SyncReport:
     buckets: int = 0
     encodings: dict[str, int] = field(default_factory=dict)  # bucket encoding name -> count
     seconds: float = 0.0  # the whole sync on the source
+    slowest_step_s: float = 0.0  # the longest step after HELLO: preparing a message, sending it, every ack
+    limit_s: float = 0.0  # the channel's limit of one such step (weight_sync.timeout_s); 0: none known
     prepare_seconds: float = 0.0  # of which gathering, converting, comparing and encoding (not the channel)
 
     @property
@@ -96,6 +116,8 @@ class SyncReport:
             "weight_sync/max_deviation": self.max_deviation,
             "weight_sync/max_staleness": float(self.max_staleness),
             "weight_sync/dense_by_choice": float(self.dense_by_choice),
+            "weight_sync/slowest_step_s": self.slowest_step_s,
+            "weight_sync/timeout_s": self.limit_s,
         }
 
 
@@ -130,6 +152,10 @@ class WeightSender:
         self.version = 0  # 0 = nothing confirmed yet
         self.cost_per_element: dict[str, float | None] = {"dense": None, "delta": None}  # mode auto, seconds
         self._auto_syncs = 0
+        self._syncs = 0  # the number of the sync in progress or last run (every message carries it)
+        self.progress: SyncProgress | None = None  # the source's place, for the watchdog
+        self.board: ProgressBoard | None = None
+        self._step_start = 0.0
 
     @classmethod
     def from_config(cls, weight_sync, rollout_dtype: str, channel: SenderChannel | None) -> WeightSender:
@@ -159,12 +185,73 @@ class WeightSender:
         return report
 
     def _exchange(self, message: Message, report: SyncReport):
+        message.sync = self._syncs
+        limit = getattr(self.channel, "limit", None)
+        if message.kind == Kind.HELLO and limit is not None:
+            message.limit_ms = int(limit(Kind.BUCKET)[0] * 1000)  # the receivers wait as long
         report.bytes += message.nbytes
-        return self.channel.exchange(message)
+        what = f"bucket {message.bucket}" if message.kind == Kind.BUCKET else message.kind.name
+        self._moved(f"sending {what} and waiting for every worker's acknowledgement")
+        try:
+            acks = self.channel.exchange(message)
+        except RuntimeError as err:
+            if isinstance(err, WeightSyncStalled) or not is_timeout(err):
+                raise
+            raise self._stalled(message, err) from err
+        now = time.perf_counter()
+        if message.kind != Kind.HELLO:
+            report.slowest_step_s = max(report.slowest_step_s, now - self._step_start)
+        self._step_start = now
+        self.progress.completed(message.kind.name, message.bucket, message.nbytes)
+        self._moved(f"{what} acknowledged")
+        return acks
+
+    # ------------------------------------------------------------------------------------- the watchdog
+    def _moved(self, stage: str) -> None:
+        self.progress.stage = stage
+        if self.board is not None:
+            self.board.post(self.progress)
+
+    def _stalled(self, message: Message, err: RuntimeError) -> WeightSyncStalled:
+        """The step of the sync that overran, named (`watchdog.stall_record`); the next sync is a full push."""
+        self.version = 0  # the receivers hold an unverified mix
+        limit = getattr(self.channel, "limit", None)
+        limit_s, key = (limit(message.kind) if limit is not None  # else the process group's own (point to point)
+                        else (collective_limit_s(getattr(self.channel, "device", "cpu")), "trainer.dist_timeout_s"))
+        limit_s = getattr(err, "limit_s", limit_s)
+        phase = getattr(err, "phase", "acks")  # a point-to-point channel's receive of the acks
+        plan = self.plan
+        if message.kind == Kind.BUCKET:
+            what = f"bucket {message.bucket} of {plan.num_buckets}"
+            tensors = [seg.entry.name for seg in plan.segments(message.bucket)]
+        else:
+            what, tensors = f"the {message.kind.name} message", []
+        waiting_for = (f"every worker's acknowledgement of {what}" if phase == "acks"
+                       else f"the workers taking {what}")
+        if message.kind == Kind.HELLO:
+            waiting_for = f"every worker joining sync {self._syncs} (its HELLO)"
+        self._moved(f"stalled: {waiting_for} did not complete")
+        peers = None
+        ranks = _receiver_ranks(self.channel)
+        if self.board is not None and ranks:
+            self.board.post_now(self.progress)
+            peers = self.board.read([own_rank(), *ranks])
+        record = stall_record(self.progress, waiting_for, phase, {"kind": message.kind.name, "bucket": message.bucket,
+                              "index": self.progress.done, "tensors": tensors}, limit_s, key, peers, own_rank(),
+                              str(err))
+        return WeightSyncStalled(record)
 
     def _sync_source(self, tensors: list[tuple[str, torch.Tensor]]) -> SyncReport:
         plan, h = self.plan, self.plan.hash64()
         report = SyncReport(full_bytes=plan.full_bytes, total_elements=plan.total_elems, buckets=plan.num_buckets)
+        limit = getattr(self.channel, "limit", None)
+        report.limit_s = limit(Kind.BUCKET)[0] if limit is not None else 0.0
+        if self.progress is None:
+            self.progress = SyncProgress(TRAINER, own_rank())
+            self.board = job_board() if _receiver_ranks(self.channel) else None
+        self._syncs = next(SYNC_NUMBERS)
+        self.progress.begin(self._syncs, plan.num_buckets)
+        self._step_start = time.perf_counter()
         acks = self._exchange(Message(Kind.HELLO, version=self.version, plan_hash=h), report)
         stale = [i for i, a in enumerate(acks) if self.version == 0 or a.version != self.version or a.plan_hash != h]
         full = self.mode == "full" or self.snapshot is None or bool(stale)
@@ -187,6 +274,7 @@ class WeightSender:
         dynamic: set[str] = set()
         for b in range(plan.num_buckets):
             lo, hi = plan.bucket_range(b)
+            self._moved(f"preparing bucket {b} of {plan.num_buckets} (gathering, converting, encoding it)")
             prepare_start = time.perf_counter()
             new = walker.bucket(b)
             old = self.snapshot[lo:hi]
@@ -218,6 +306,7 @@ class WeightSender:
             self.version = 0
             raise WeightSyncError(f"weight sync: receivers did not confirm version {version}: {acks}")
         self.version, self._snapshot_valid = version, True
+        self._moved(f"idle (sync {self._syncs} done)")
         report.dynamic_tensors = len(dynamic)
         report.static_tensors = len(plan.entries) - len(dynamic)
         report.deferred_tensors, report.max_deviation = walker.deferred, walker.max_deviation
@@ -317,3 +406,11 @@ class _TensorWalker:
             return held.clone()
         s.staleness[entry.name] = 0
         return bits
+
+
+def _receiver_ranks(channel) -> list[int]:
+    """The global ranks a channel sends to (a broadcast group's, the point-to-point workers); [] in process."""
+    ranks = getattr(channel, "receiver_ranks", None)
+    if ranks is None:
+        ranks = getattr(channel, "workers", None)
+    return list(ranks or [])

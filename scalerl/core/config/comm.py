@@ -73,6 +73,12 @@ class WeightSyncSection(Section):
                                  "trainer takes a snapshot of the weights and a background thread pushes it, so "
                                  "the next step does not wait "
                                  "for the push (false: the push runs in the step)")
+    timeout_s: float = opt(120.0, "standalone workers: the longest one step of a weight push may take (the trainer "
+                                  "preparing a bucket, sending it and every worker acknowledging it); a push that "
+                                  "overruns it stops the run naming the side and the bucket that is stuck (the "
+                                  "trainer sending, or which worker receiving) instead of waiting on the "
+                                  "collective's own limit; the workers joining the push (after the requests "
+                                  "queued before it) have trainer.dist_timeout_s", above=0)
 
     def problems(self) -> list[str]:
         p: list[str] = []

@@ -11,6 +11,7 @@ from scalerl.core.config.model import DTYPES
 from scalerl.core.config.tree import Section, _check, _check_choice, opt
 
 JUDGE_SLOTS = ("prompt", "response", "ground_truth")  # data.judge.template's slots (scalerl/data/rewards/judge.py)
+JUDGE_ENGINES = ("builtin", "vllm")  # data.judge.engine
 PAIRWISE_JUDGE_SLOTS = ("prompt", "response_a", "response_b", "ground_truth")  # with data.judge.verdict=pairwise
 JUDGE_VERDICTS = ("number", "label", "pairwise")
 DEFAULT_JUDGE_TEMPLATE = ("Question: {prompt}\nReference answer: {ground_truth}\nResponse: {response}\n"
@@ -102,9 +103,18 @@ class JudgeSection(Section):
     batch_size: int = opt(16, "judge prompts per generation batch", at_least=1)
     chat_template: bool = opt(False, "send the judge prompt through its tokenizer's chat template (instruct judges)")
     dtype: str = opt("float32", "the judge's parameter dtype: " + " | ".join(DTYPES))
+    engine: str = opt("builtin", "what the judge generates with: builtin (its model loaded by scalerl) | vllm (vLLM "
+                                 "over data.judge.model; the vllm extra)")
+    workers: int = opt(0, "judge worker processes, each loading the judge once; the rows of each part of a step's "
+                          "generation go to them as the part arrives, so judging overlaps the rest of the "
+                          "generation (0: the judge runs in the trainer's process, after each part)", at_least=0)
+    parts: int = opt(2, "with data.judge.workers > 0 and colocated rollouts: the step's generation on each rank is "
+                        "cut into this many parts of whole groups, each judged while the next generates (1: one "
+                        "part, judged after it); standalone workers' replies are the parts there", at_least=1)
 
     def problems(self) -> list[str]:
         p: list[str] = judge_template_problems(self.template, verdict=self.verdict)
+        _check_choice(p, "data.judge.engine", self.engine, JUDGE_ENGINES)
         _check_choice(p, "data.judge.verdict", self.verdict, JUDGE_VERDICTS)
         _check_choice(p, "data.judge.dtype", self.dtype, DTYPES)
         if self.verdict == "label":

@@ -26,14 +26,24 @@ class AgentSection(Section):
     name = "rollout.agent"
     env: str | None = opt(None, "the environment: tools (the built-in tool environment over rollout.agent.tools) | "
                                 "chat (scripted user turns, the row's 'turns') | module:Class | path/file.py:Class | "
-                                "verl (verl AgentLoopBase subclasses, rollout.agent.verl_loop); null = single-turn "
-                                "rollouts")
+                                "verl (verl AgentLoopBase subclasses, rollout.agent.verl_loop) | program (your agent "
+                                "program on the in-run OpenAI-compatible endpoint, rollout.agent.program) | verifiers (a "
+                                "verifiers environment, rollout.agent.verifiers_env); null = single-turn rollouts")
     tools: str | None = opt(None, "with env=tools (or beside a TRL environment's methods): plain Python functions as "
                                   "tools, module:fn1,fn2 or path/file.py:fn1,fn2 (the JSON schema from each "
                                   "signature and docstring; TRL's tools=[...] functions as they are)")
     tool_config: str | None = opt(None, "with env=tools: verl's tool config YAML (tools: - class_name, config, "
                                         "tool_schema; verl's multi_turn.tool_config_path), its BaseTool classes as "
                                         "tools, one instance per trajectory (docs/agents.md)")
+    function_tool_path: str | None = opt(None, "with env=tools or env=verl: a Python file of functions decorated "
+                                               "with verl's @function_tool (verl's multi_turn.function_tool_path), "
+                                               "each a tool; verl need not be installed (docs/agents.md)")
+    interaction_config: str | None = opt(None, "with env=tools: verl's interaction YAML (interaction: - name, "
+                                               "class_name, config; verl's multi_turn.interaction_config_path): the "
+                                               "row's extra_info.interaction_kwargs.name picks the BaseInteraction "
+                                               "that answers each turn without a tool call as the user, its score the "
+                                               "reward; with env=verl, what a verl <= 0.7.1 loop reads as "
+                                               "multi_turn.interaction_config_path (docs/agents.md)")
     tool_parser: str = opt("hermes", "the model's tool-call format (hermes: Qwen2.5/Qwen3 <tool_call>{json}</tool_call>)")
     sandbox: str | None = opt(None, "with env=tools: add a python tool whose code runs in this sandbox: process (the "
                                     "built-in: own process group, rlimits, no network, as an unprivileged uid) | "
@@ -52,18 +62,50 @@ class AgentSection(Section):
                                       "_target_); each row's agent_name picks one (docs/agents.md)")
     verl_default_loop: str | None = opt(None, "with env=verl: the loop rows without agent_name run (verl's "
                                               "agent.default_agent_loop); null = the one class verl_loop names")
+    program: str | None = opt(None, "with env=program: the agent program's command line, run once per episode (no "
+                                    "shell; a first word ending in .py runs with this Python); it finds its session in "
+                                    "OPENAI_BASE_URL / OPENAI_API_KEY, the row in SCALERL_ROW (JSON), and may POST "
+                                    "{\"reward\": x} to SCALERL_REWARD_URL (docs/agent-endpoint.md)")
+    verifiers_env: str | None = opt(None, "with env=verifiers: the function that builds the environment, "
+                                          "module:load_environment | path/file.py:load_environment; its rollout runs "
+                                          "on an AsyncOpenAI client of the in-run endpoint, its rubric scores "
+                                          "(docs/agents.md)")
+    verifiers_env_args: str | None = opt(None, "with env=verifiers: load_environment's keyword arguments as a JSON "
+                                               "object (vf-eval's --env-args); null = none")
+    episode_timeout_s: float = opt(600.0, "with env=program|verifiers: seconds one episode (the program's whole run, "
+                                          "or the environment's rollout and scoring) may take; past it the step "
+                                          "stops with an error naming the program and the row", above=0)
+    max_concurrent_episodes: int = opt(0, "with env=program|verifiers: episodes running at once (processes, for "
+                                          "env=program); 0 = all of the rank's batch", at_least=0)
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        if self.env == "tools" and not (self.tools or self.sandbox or self.tool_config):
+        if self.env == "tools" and not (self.tools or self.sandbox or self.tool_config or self.function_tool_path
+                                        or self.interaction_config):
             p.append("rollout.agent.env=tools needs rollout.agent.tools (module:fn1,fn2 or path/file.py:fn1,fn2), "
-                     "rollout.agent.tool_config (verl's tool YAML) or rollout.agent.sandbox=process (a python tool)")
+                     "rollout.agent.tool_config (verl's tool YAML), rollout.agent.function_tool_path (verl's "
+                     "@function_tool file), rollout.agent.interaction_config (verl's interactions) or "
+                     "rollout.agent.sandbox=process (a python tool)")
+        if self.function_tool_path is not None and self.env not in ("tools", "verl"):
+            p.append(f"rollout.agent.function_tool_path={self.function_tool_path!r} is read with rollout.agent.env="
+                     f"tools or env=verl (got env={self.env}): set rollout.agent.env=tools")
+        if self.interaction_config is not None and self.env not in ("tools", "verl"):
+            p.append(f"rollout.agent.interaction_config={self.interaction_config!r} is read with rollout.agent.env="
+                     f"tools (got env={self.env}): set rollout.agent.env=tools")
         if self.tool_config is not None and self.env not in ("tools", "verl"):
             p.append(f"rollout.agent.tool_config={self.tool_config!r} is read with rollout.agent.env=tools (got env="
                      f"{self.env}): set rollout.agent.env=tools")
         if (self.env == "verl") != (self.verl_loop is not None):
             p.append("rollout.agent.env=verl and rollout.agent.verl_loop go together (got env="
                      f"{self.env}, verl_loop={self.verl_loop}): set both to run verl agent loops")
+        if (self.env == "program") != (self.program is not None):
+            p.append("rollout.agent.env=program and rollout.agent.program go together (got env="
+                     f"{self.env}, program={self.program}): set both to train an agent program")
+        if self.verifiers_env_args is not None and self.env != "verifiers":
+            p.append(f"rollout.agent.verifiers_env_args is read with rollout.agent.env=verifiers (got env={self.env})")
+        if (self.env == "verifiers") != (self.verifiers_env is not None):
+            p.append("rollout.agent.env=verifiers and rollout.agent.verifiers_env go together (got env="
+                     f"{self.env}, verifiers_env={self.verifiers_env}): set both to train a verifiers environment")
         return p
 
 
@@ -164,10 +206,10 @@ class RolloutSection(Section):
                      "worker's finished groups with the others' generation, and colocated or with one worker the "
                      "whole batch arrives at once; set rollout.stream_groups=false or add rollout workers")
         p += self.agent.all_problems()
-        if self.agent.env and (self.placement != "colocated" or self.engine != "builtin"):
-            p.append(f"rollout.agent.env={self.agent.env} runs colocated on the built-in engine for now (got "
-                     f"placement={self.placement}, engine={self.engine}); set rollout.placement=colocated and "
-                     "rollout.engine=builtin")
+        if self.agent.env in ("program", "verifiers") and (self.placement != "colocated" or self.engine == "vllm"):
+            p.append(f"rollout.agent.env={self.agent.env} serves its endpoint on the trainer's ranks, from the built-in "
+                     f"engine for now (got placement={self.placement}, engine={self.engine}); set "
+                     "rollout.placement=colocated and rollout.engine=builtin")
         if self.placement == "colocated" and (self.staleness or (self.dtype != "fp32" and self.engine == "builtin")):
             p.append("rollout.staleness and rollout.dtype apply to rollout.placement=standalone only (dtype also "
                      "to rollout.engine=vllm) "

@@ -69,6 +69,18 @@ class Config(Section):
         if self.parallel.ep > 1 and (self.model.path is None and self.trainer.init_from is None):
             p.append(f"parallel.ep={self.parallel.ep} shards a MoE model's experts; the built-in model is dense: set "
                      "model.path to a qwen2_moe / qwen3_moe directory or parallel.ep=1")
+        if self.rollout.agent.env and self.rollout.placement == "colocated" and (
+                self.parallel.dp_shard > 1 or self.parallel.tp > 1):
+            p.append(f"rollout.agent.env={self.rollout.agent.env} decodes its episodes by continuous batching, which "
+                     f"needs whole weights: with parallel.dp_shard={self.parallel.dp_shard}, parallel.tp="
+                     f"{self.parallel.tp} set rollout.placement=standalone (the workers hold whole copies; the "
+                     "trainer keeps its layout) or parallel.dp_shard=1 and parallel.tp=1")
+        if self.rollout.agent.env and self.rollout.placement == "standalone" and self.data.num_val > 0 and (
+                self.parallel.dp_shard > 1 or self.parallel.tp > 1):
+            p.append(f"rollout.agent.env={self.rollout.agent.env} evaluates in episodes on the trainer's engine, which "
+                     f"needs whole weights; with parallel.dp_shard={self.parallel.dp_shard}, parallel.tp="
+                     f"{self.parallel.tp} the trainer's are sharded: set data.num_val=0 (no evaluation during the "
+                     "run; evaluate the saved model afterwards) or parallel.dp_shard=1 and parallel.tp=1")
         if self.parallel.ep > 1 and self.rollout.placement == "standalone":
             p.append(f"parallel.ep={self.parallel.ep} with rollout.placement=standalone: weight pushes to rollout "
                      "workers do not gather the sharded experts yet; use rollout.placement=colocated")

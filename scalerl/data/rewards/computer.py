@@ -9,7 +9,9 @@ signatures (`scalerl.data.rewards.functions`: scalerl's `fn(response, ground_tru
 
 With `workers` (`data.reward_workers`) the functions run in a pool of processes (`scalerl.data.rewards.pool`);
 a spec that is a URL is a reward server (`scalerl.data.rewards.http`: the schema, batching and retries);
-`close()` ends the pool.
+`close()` ends the pool. A generative judge with ``data.judge.workers`` runs in a pool of its own
+(`scalerl.data.rewards.judge_pool`): `start(responses, rows)` hands it a part's responses as soon as they
+are generated, and `compute` with the same arguments takes its verdicts.
 
 `RewardComputer.compute(responses, rows)` returns `(rewards, num_failures)`. A call that raises, calls
 `sys.exit`, runs longer than its limit (`data.reward_timeout_s`; `scalerl.data.rewards.calls` overlaps the
@@ -121,7 +123,8 @@ class RewardComputer:
         # many requests in flight (`reward_http`); the pool lives until `close()`.
         self._servers = {i: ServerCalls(f.url, timeout_s, server_retries, server_batch_size, max(1, workers))
                          for i, f in enumerate(self.functions) if f.style == "http"}
-        pooled = [i for i in range(len(self.functions)) if i not in self._servers] if workers else []
+        pooled = [i for i in range(len(self.functions)) if i not in self._servers  # a judge has its own process(es)
+                  and not getattr(self.functions[i].fn, "keeps_own_process", False)] if workers else []
         self._pool_index = {i: position for position, i in enumerate(pooled)}
         self.pool = RewardPool([_pool_spec(self.functions[i]) for i in pooled], task, workers, timeout_s) \
             if pooled else None
@@ -164,6 +167,26 @@ class RewardComputer:
             raise RewardFailureLimit(self._never_returned_message(timeouts))
         return rewards, failures
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether a function starts work ahead of `compute` (`start`): a judge in its own pool of workers."""
+        return any(hasattr(f.fn, "prefetch") for f in self.functions)
+
+    def start(self, responses: Sequence[str], rows: Sequence[dict],
+              completion_ids: Sequence[Sequence[int]] | None = None) -> None:
+        """Start scoring ``responses`` where a function can work ahead (`overlaps`: the judge pool of
+        `scalerl.data.rewards.judge_pool` judges them while the trainer generates more); `compute` with the
+        same arguments later takes the scores. A function that cannot start fails there, counted, not here."""
+        for f in self.functions:
+            prefetch = getattr(f.fn, "prefetch", None)
+            if prefetch is None or f.per_sample:
+                continue
+            try:
+                args, kwargs = f.batch_call(responses, rows, completion_ids)
+                prefetch(*args, **kwargs)
+            except Exception:  # the same call in `compute` meets it again and counts it
+                logger.debug("reward %s could not start ahead", f.name, exc_info=True)
+
     def sample_scores(self, responses: Sequence[str], rows: Sequence[dict],
                       completion_ids: Sequence[Sequence[int]] | None = None) -> list[list[Score]]:
         """Each function's `Score` of each sample (what `compute` adds up), failures logged, not counted."""
@@ -190,6 +213,9 @@ class RewardComputer:
         """Stop the worker processes, if any (the run's end); in-process scoring needs no closing."""
         if self.pool is not None:
             self.pool.close()
+        for f in self.functions:  # a judge's own pool of workers
+            if hasattr(f.fn, "prefetch"):
+                getattr(f.fn, "close", lambda: None)()
 
     def _check_rows(self, rows: Sequence[dict]) -> None:
         for f in self.functions:
@@ -316,9 +342,14 @@ def reward_from_config(data_cfg: Any, device: Any = "cpu") -> RewardComputer:
     reward: Any = data_cfg.reward
     specs = [spec.strip() for spec in reward.split(",")]
     if "judge" in specs:  # a generative judge (data.judge): a model, built here, among the other functions
-        from scalerl.data.rewards.judge import judge_from_config
+        if getattr(data_cfg.judge, "workers", 0):  # its own worker processes, judging while generation goes on
+            from scalerl.data.rewards.judge_pool import pooled_judge_from_config
 
-        judge = judge_from_config(data_cfg, device)
+            judge: Any = pooled_judge_from_config(data_cfg, device)
+        else:
+            from scalerl.data.rewards.judge import judge_from_config
+
+            judge = judge_from_config(data_cfg, device)
         reward = [judge if spec == "judge" else spec for spec in specs]
     return RewardComputer(reward, timeout_s=data_cfg.reward_timeout_s,
                           weights=list(data_cfg.reward_weights) or None,

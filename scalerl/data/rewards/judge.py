@@ -6,7 +6,11 @@ is ``data.judge.template`` with ``{prompt}``, ``{response}`` and ``{ground_truth
 required: a judge that never sees the response scores nothing), encoded as prompts are (`encode_prompts`:
 through the judge tokenizer's chat template with ``data.judge.chat_template``). It generates greedily
 (temperature 0: the same response gets the same verdict, every run) at most ``data.judge.max_new_tokens``
-tokens, in batches of ``data.judge.batch_size``, on the built-in engine, on the trainer's device.
+tokens, in batches of ``data.judge.batch_size``, on ``data.judge.engine``: the built-in engine over the model
+loaded on the trainer's device, or vLLM over the model directory (imported only then). With
+``data.judge.workers=0`` it runs in the trainer's process, after each part of the step's generation; with N
+workers it runs in a pool of its own processes that judge each part while the next generates
+(`scalerl.data.rewards.judge_pool`), with the same verdicts.
 
 Verdicts (``data.judge.verdict``):
     number   the first number in the judge's text, divided by ``data.judge.max_score`` (so "Score: 7" of 10
@@ -70,6 +74,7 @@ class GenerativeJudge:
     score per completion, or the judge's raw text where it gave no verdict (a counted failure)."""
 
     __name__ = "judge"
+    keeps_own_process = True  # its model is loaded here: data.reward_workers cannot import it by name
 
     def __init__(self, engine: Any, tokenizer: Any, template: str = DEFAULT_JUDGE_TEMPLATE,
                  parse: VerdictParser = VerdictParser(), max_new_tokens: int = 16, batch_size: int = 16,
@@ -153,18 +158,37 @@ class GenerativeJudge:
 
 
 def judge_from_config(data_cfg: Any, device: Any) -> GenerativeJudge:
-    """The judge ``data.judge`` describes, its model loaded on ``device`` in eval mode."""
-    import torch
+    """The judge ``data.judge`` describes, its model loaded on ``device`` in eval mode (in this process)."""
+    return judge_from_section(data_cfg.judge, device)
 
-    from scalerl.core.config import ModelSection
-    from scalerl.models.load import load_model_and_tokenizer
-    from scalerl.rollout.engines.builtin import BuiltinEngine
 
-    j = data_cfg.judge
-    model_cfg = ModelSection(path=j.model, tokenizer=j.tokenizer, dtype=j.dtype)
-    model, tokenizer = load_model_and_tokenizer(model_cfg, None, torch.device(device), 0)
-    model.eval().requires_grad_(False)
+def judge_from_section(j: Any, device: Any) -> GenerativeJudge:
+    """The judge of a ``data.judge`` section (or an object with its fields: a pool worker gets a copy), on the
+    engine ``data.judge.engine`` names: the built-in one over the model loaded on ``device``, or vLLM over the
+    model directory (its own weights and KV cache; imported only here, so a run without it never needs it)."""
     labels = tuple(parse_judge_labels(j.labels).items()) if j.verdict == "label" else ()
-    return GenerativeJudge(BuiltinEngine(model, tokenizer.pad_token_id), tokenizer, j.template,
-                           VerdictParser(j.verdict, j.max_score, labels), j.max_new_tokens, j.batch_size,
-                           j.chat_template)
+    parse = VerdictParser(j.verdict, j.max_score, labels)
+    if getattr(j, "engine", "builtin") == "vllm":
+        from scalerl.models.load import tokenizer_source
+        from scalerl.models.tokenizer import load_tokenizer
+        from scalerl.rollout.engines.vllm import VLLMEngine
+
+        tokenizer = load_tokenizer(tokenizer_source(j, j.model, "data.judge.model"))
+        engine: Any = VLLMEngine(j.model, tokenizer.pad_token_id, dtype=VLLM_JUDGE_DTYPES[j.dtype],
+                                 kv_cache_gib=getattr(j, "vllm_kv_cache_gib", 1.0))
+    else:
+        import torch
+
+        from scalerl.core.config import ModelSection
+        from scalerl.models.load import load_model_and_tokenizer
+        from scalerl.rollout.engines.builtin import BuiltinEngine
+
+        model_cfg = ModelSection(path=j.model, tokenizer=j.tokenizer, dtype=j.dtype)
+        model, tokenizer = load_model_and_tokenizer(model_cfg, None, torch.device(device), 0)
+        model.eval().requires_grad_(False)
+        engine = BuiltinEngine(model, tokenizer.pad_token_id)
+    return GenerativeJudge(engine, tokenizer, j.template, parse, j.max_new_tokens, j.batch_size, j.chat_template)
+
+
+# data.judge.dtype (a torch dtype's name) -> the vLLM engine's precision names
+VLLM_JUDGE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -17,17 +17,25 @@ episode opens its own instance of it (`VerlToolSession`: created at the first ca
 the episode ends, ``release`` always, errors included), as verl's SGLang rollout kept one per request. verl
 itself is not needed: a tool that subclasses verl's ``BaseTool`` imports verl, one written to its interface
 does not.
+
+verl's ``@function_tool`` files (``multi_turn.function_tool_path``): `load_function_tools` runs the file as verl's
+loader does (verl's own where it is installed, else against a stand-in ``verl.tools.function_tool`` present only
+while the file runs, `stand_in_modules`) and returns verl's ``FunctionTool`` entries (what a verl loop gets);
+`function_tools_as_tools` makes them scalerl tools, the return rendered as verl renders it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
+import importlib.util
 import inspect
+import json
 import numbers
 import sys
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,7 +51,8 @@ from scalerl.rollout.agent.tools import (
     tool_from_function,
 )
 
-__all__ = ["AttributeDict", "TrlEnvironment", "VerlTool", "VerlToolSession", "import_class", "is_trl_environment",
+__all__ = ["AttributeDict", "FunctionTool", "TrlEnvironment", "VerlTool", "VerlToolSession", "check_tool_names",
+           "function_tools_as_tools", "import_class", "is_trl_environment", "load_function_tools", "stand_in_modules",
            "tools_from_verl_config", "trl_environment_factory", "trl_reset_kwargs", "trl_tools"]
 
 
@@ -496,3 +505,201 @@ def tools_from_verl_config(path: str | Path, timeout_s: float = 60.0, use_calc_r
         tools.append(VerlTool(name, str(function.get("description") or ""), parameters, None, timeout_s,
                               base_tool=base, scores=scores))
     return tools
+
+
+# ---- verl: @function_tool files -------------------------------------------------------------------------------
+
+FUNCTION_TOOL_MODULE = "verl.tools.function_tool"  # where verl's @function_tool decorator lives (v0.9, 0.9.1)
+FUNCTION_TOOL_SHAPE = ("from verl.tools.function_tool import function_tool\n\n@function_tool\ndef web_search(query: "
+                       "str) -> str:\n    \"\"\"Search the web.\n\n    Args:\n        query: what to look for\n    "
+                       "\"\"\"")
+
+
+@dataclass
+class FunctionTool:
+    """verl's ``FunctionTool`` (verl/tools/function_tool.py), where verl is not installed: what its registry
+    holds for each ``@function_tool`` function and what verl 0.9.1's agent loops receive among their tools."""
+
+    name: str
+    fn: Callable[..., Any]
+    tool_schema: Any
+    is_async: bool = False
+
+    async def call(self, parameters: dict[str, Any]) -> Any:
+        if self.is_async:
+            return await self.fn(**parameters)
+        return await asyncio.to_thread(self.fn, **parameters)
+
+
+def _function_tool_schema(fn: Callable[..., Any], name: str) -> dict:
+    """The OpenAI schema verl infers (``transformers.utils.get_json_schema``, whose shape `tool_from_function`
+    writes) under the decorator's name; verl's refusal of ``*args`` / ``**kwargs``."""
+    variadic = [n for n, p in inspect.signature(fn).parameters.items() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if variadic:
+        raise ValueError(f"@function_tool '{name}' ({fn.__module__}.{fn.__qualname__}) takes *args / **kwargs "
+                         f"({', '.join(variadic)}), which an OpenAI tool schema cannot describe: give it named "
+                         "parameters")
+    return tool_from_function(fn, name).schema()
+
+
+def _function_tool_shim() -> Any:
+    """A module standing in for ``verl.tools.function_tool``: verl's ``function_tool`` decorator (bare,
+    ``@function_tool("name")``, ``schema=``), its registry and ``FunctionTool``; a fresh registry per file."""
+    import types
+
+    module = types.ModuleType(FUNCTION_TOOL_MODULE)
+    registry: dict[str, FunctionTool] = {}
+
+    def function_tool(name: str | Callable[..., Any] | None = None, *, schema: Any = None) -> Any:
+        def make(override: str | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+            def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+                tool_name = override or fn.__name__
+                built = _schema_dict(schema) if schema is not None else _function_tool_schema(fn, tool_name)
+                existing = registry.get(tool_name)
+                if existing is not None and existing.fn is not fn:
+                    raise ValueError(f"Function tool '{tool_name}' is already registered to {existing.fn.__module__}."
+                                     f"{existing.fn.__qualname__}; refusing to overwrite with {fn.__module__}."
+                                     f"{fn.__qualname__}.")
+                registry[tool_name] = FunctionTool(tool_name, fn, _schema_object(built),
+                                                   inspect.iscoroutinefunction(fn))
+                return fn
+
+            return decorator
+
+        if callable(name) and schema is None:
+            return make(None)(name)
+        return make(name)
+
+    module.function_tool, module.FunctionTool, module.FUNCTION_TOOL_REGISTRY = function_tool, FunctionTool, registry
+    return module
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package is missing
+        return False
+
+
+@contextlib.contextmanager
+def stand_in_modules(modules: dict[str, Any]) -> Iterator[None]:
+    """``modules`` (name -> module) in ``sys.modules`` while the block runs, each with empty parent packages
+    where those are missing, so a user's file importing verl's names (``from verl.tools.function_tool import
+    function_tool``) runs where verl is not installed; all gone again after (what was loaded keeps its
+    references)."""
+    import types
+
+    added: dict[str, Any] = {}
+    for name, module in modules.items():
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if parent not in sys.modules and parent not in added and not _importable(parent):
+                added[parent] = types.ModuleType(parent)
+                added[parent].__path__ = []  # a package with nothing else in it
+        added[name] = module
+    for name, module in added.items():  # the fake parents name their children, as an import would
+        parent, _, child = name.rpartition(".")
+        if parent in added:
+            setattr(added[parent], child, module)
+    previous = {name: sys.modules.get(name) for name in added}
+    sys.modules.update(added)
+    try:
+        yield
+    finally:
+        for name, module in previous.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def _exec_function_tool_file(path: Path) -> None:
+    import importlib.util
+
+    name = "_verl_function_tools_" + str(path).replace("/", "_").replace("\\", "_").replace(".", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as verl: the file may import its siblings through sys.modules
+    spec.loader.exec_module(module)
+
+
+def load_function_tools(path: str | Path) -> list[Any]:
+    """The ``@function_tool`` functions of the Python file at ``path`` (verl's
+    ``actor_rollout_ref.rollout.multi_turn.function_tool_path``), as verl's ``load_function_tools_from_path``
+    returns them: verl's own loader where verl is installed, else the file runs against a stand-in
+    ``verl.tools.function_tool`` (put in ``sys.modules`` while it runs, with ``verl`` and ``verl.tools`` where
+    those are missing): the same decorator, the schema from the signature and the Google-style docstring."""
+    source = Path(path).expanduser().resolve()
+    where = f"function tool file {path}"
+    if not source.is_file():
+        raise ToolDefinitionError(f"{where}: no such file")
+    try:
+        verl_module = importlib.import_module(FUNCTION_TOOL_MODULE)
+    except Exception:  # noqa: BLE001 - verl not installed (or without its dependencies): the stand-in
+        verl_module = None
+    if verl_module is not None and callable(getattr(verl_module, "load_function_tools_from_path", None)):
+        try:
+            found = list(verl_module.load_function_tools_from_path(str(source)))
+        except Exception as error:
+            raise ToolDefinitionError(f"{where}: loading it raised {type(error).__name__}: {error}") from error
+    else:
+        shim = _function_tool_shim()
+        try:
+            with stand_in_modules({FUNCTION_TOOL_MODULE: shim}):
+                _exec_function_tool_file(source)
+        except ToolDefinitionError as error:
+            raise ToolDefinitionError(f"{where}: {error}") from error
+        except Exception as error:
+            raise ToolDefinitionError(f"{where}: running it raised {type(error).__name__}: {error}") from error
+        found = [shim.FUNCTION_TOOL_REGISTRY[name] for name in sorted(shim.FUNCTION_TOOL_REGISTRY)]  # verl's order
+    if not found:
+        raise ToolDefinitionError(f"{where}: it registers no tool; decorate each tool function with verl's "
+                                  f"@function_tool, as in\n{FUNCTION_TOOL_SHAPE}")
+    return found
+
+
+def _function_tool_text(value: Any, tool: str) -> str:
+    """A function tool's return as the tool message's text, as verl's ``normalize_function_tool_return`` reads
+    it: a ``ToolResponse`` its text, a string itself, a dict as JSON, ``(response[, reward[, metrics]])`` its
+    response (the step reward goes, as in verl, to no score), anything else ``str``."""
+    if isinstance(value, tuple):
+        if not 1 <= len(value) <= 3:
+            raise TypeError(f"@function_tool return tuple must have length 1, 2, or 3 (got length {len(value)}). "
+                            "Use (response,), (response, reward), or (response, reward, metrics).")
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    if hasattr(value, "text") and type(value).__name__ == "ToolResponse":
+        return _response_text(value, tool)
+    return str(value)
+
+
+def function_tools_as_tools(path: str | Path, timeout_s: float = 60.0) -> list[Tool]:
+    """The ``@function_tool`` functions of ``path`` as scalerl tools: the schema verl built, called with the
+    model's arguments (stateless: ``fn(**arguments)``, as verl calls them), the return as verl renders it."""
+    tools = []
+    for entry in load_function_tools(path):
+        schema = _schema_dict(entry.tool_schema) or {}
+        function = schema.get("function") or {}
+
+        async def call(_entry: Any = entry, **arguments: Any) -> str:
+            return _function_tool_text(await _entry.call(arguments), _entry.name)
+
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        tools.append(Tool(entry.name, str(function.get("description") or ""), parameters, call, timeout_s))
+    return tools
+
+
+def check_tool_names(groups: dict[str, list[Any]]) -> None:
+    """verl's rule for its tools (``load_all_tools``): a name used by two tools, across ``tool_config_path`` and
+    ``function_tool_path`` (and scalerl's own tools here), is an error naming both sources."""
+    seen: dict[str, str] = {}
+    for source, tools in groups.items():
+        for tool in tools:
+            if tool.name in seen:
+                raise ToolDefinitionError(f"tool name {tool.name!r} is declared by {seen[tool.name]} and by {source}; "
+                                          "each tool name must be unique: rename one")
+            seen[tool.name] = source

@@ -6,7 +6,10 @@ The agent program changes two things: ``base_url`` (one per episode, the *sessio
 ``POST /v1/chat/completions`` or ``POST /v1/completions`` (non-streaming) and ``GET /v1/models`` under that
 base URL as it would OpenAI's or vLLM's. Each answer is OpenAI's JSON plus what vLLM returns with
 ``return_token_ids``: the prompt's ids (``prompt_token_ids``, at the root and on the choice), the sampled
-ids (``choices[0].token_ids``) and their log-probs (``choices[0].logprobs``, OpenAI's shape).
+ids (``choices[0].token_ids``) and their log-probs (``choices[0].logprobs``, OpenAI's shape). Token-level
+clients (verifiers' train client) use vLLM's token-in route, ``POST /inference/v1/generate`` beside ``/v1``.
+Inside a training run the endpoint is a rollout source: `endpoint_source` (``rollout.agent.env=program`` /
+``verifiers``).
 
 Token continuity: a chat call whose messages are an earlier call's messages, then the assistant message that
 call returned (content and tool calls as returned), then new messages (tool results, a user turn) is not
@@ -86,7 +89,7 @@ class RecordedCall:
     logprobs: list[float]
     weight_version: int
     finish_reason: str
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completion" | "generate" (the token-in route)
 
 
 @dataclass
@@ -439,10 +442,13 @@ class RolloutEndpoint:
                 self._lock.wait(left)
             del self._sessions[session_id]
         trajectories, counts, breaks = stitch_calls(session.calls)
+        last = session.calls[-1] if session.calls else None
         for i, (t, n) in enumerate(zip(trajectories, counts)):
+            ends_with_last = last is not None and t.prompt_ids + t.response_ids == last.prompt_ids + last.token_ids
             t.reward_inputs = {"row": session.row, "env_reward": session.reward, "info": {
                 "session_id": session.id, "trajectory": i, "trajectories": len(trajectories), "calls": n,
-                "prefix_breaks": breaks, "template_breaks": session.template_breaks}}
+                "prefix_breaks": breaks, "template_breaks": session.template_breaks,
+                "holds_last_call": ends_with_last}}
         return trajectories, session.reward
 
     def _session(self, session_id: str, create: bool = False) -> _Session:
@@ -555,6 +561,9 @@ class RolloutEndpoint:
         if rest in ("/v1/completions", "/completions"):
             self._only(method, "POST")
             return self._completion(h, session_id, body)
+        if rest == "/inference/v1/generate":
+            self._only(method, "POST")
+            return self._token_generate(h, session_id, body)
         raise EndpointError(404, f"no route {method} {path}", "not_found_error")
 
     @staticmethod
@@ -848,6 +857,31 @@ class RolloutEndpoint:
         return 200, {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
                      "model": body.get("model") or self.model_name, "choices": [choice],
                      "weight_version": call.weight_version, "usage": self._usage(call)}, undo
+
+    def _token_generate(self, h: _Handler, session_id: str, body: dict) -> tuple[int, dict, Callable[[], None]]:
+        """vLLM's token-in route, ``POST /inference/v1/generate`` (what verifiers' train client calls through
+        ``renderers.client.generate``: it renders the chat itself and sends ``token_ids`` with
+        ``sampling_params``); answered as vLLM does: ``prompt_token_ids``, and a choice with ``token_ids`` and
+        ``logprobs.content[i] = {"token": "token_id:<id>", "logprob"}``."""
+        ids = body.get("token_ids")
+        if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise EndpointError(400, "token_ids must be a non-empty list of token ids", param="token_ids")
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
+        if bad:
+            raise EndpointError(400, f"token ids outside the vocabulary (size {vocab}): {bad[:5]}", param="token_ids")
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise EndpointError(400, "sampling_params must be an object", param="sampling_params")
+        self._refuse_unsupported(params)
+        call, _, text = self._run_call(h, session_id, params, list(ids), "token_ids", "generate")
+        undo = self._commit(h, session_id, call, None)
+        choice = {"index": 0, "text": text, "token_ids": call.token_ids, "finish_reason": call.finish_reason,
+                  "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": lp}
+                                           for i, lp in zip(call.token_ids, call.logprobs)]}}
+        return 200, {"request_id": f"gen-{secrets.token_hex(12)}", "model": body.get("model") or self.model_name,
+                     "prompt_token_ids": call.prompt_ids, "choices": [choice], "weight_version": call.weight_version,
+                     "usage": self._usage(call)}, undo
 
     @staticmethod
     def _usage(call: RecordedCall) -> dict:

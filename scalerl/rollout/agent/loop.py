@@ -60,6 +60,14 @@ def turn_seed(seed: int | None, turn: int) -> int | None:
     return (seed * 1_000_003 + turn) % 2**63
 
 
+def generated_segment(ids: list[int], out: RequestOutput) -> TrajectorySegment:
+    """A turn's engine tokens as a trained segment: its log-probs and the policy version that sampled it (per
+    token where a weight push landed mid-turn, a streaming worker's partial rollout)."""
+    versions = out.weight_versions.tolist()
+    return TrajectorySegment(ids, True, out.logprobs.tolist(), int(versions[-1]) if ids else -1,
+                             versions if len(set(versions)) > 1 else None)
+
+
 class EnginePump:
     """Feeds one continuous engine from many coroutines: ``await generate(prompt, sampling)`` queues a request;
     the pump submits what is queued between decode steps and runs each ``step()`` in a worker thread."""
@@ -70,6 +78,8 @@ class EnginePump:
         self.waiting: dict[int, asyncio.Future] = {}
         self.next_id = 0
         self.released: list[int] = []  # kept prefixes to drop at the next step
+        # The engine's steps run in a thread of their own, never queued behind environments' blocked calls.
+        self.stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scalerl-agent-engine")
         self.wake = asyncio.Event()
         self.closed = False
 
@@ -121,7 +131,7 @@ class EnginePump:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            for out in await asyncio.to_thread(self.engine.step):
+            for out in await asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step):
                 future = self.waiting.pop(out.request_id, None)
                 if future is not None and not future.done():  # done: cancelled during the step
                     future.set_result(out)
@@ -129,6 +139,7 @@ class EnginePump:
     def close(self) -> None:
         self.closed = True
         self.wake.set()
+        self.stepper.shutdown(wait=False)
 
 
 class AgentLoop:
@@ -148,7 +159,10 @@ class AgentLoop:
         # Not asyncio.run: at exit it waits for every worker thread, and a plain tool past its timeout still
         # holds one (a thread cannot be killed); that thread is abandoned here instead of stalling the step.
         loop = asyncio.new_event_loop()
-        executor = ThreadPoolExecutor(thread_name_prefix="scalerl-agent")
+        # Threads for the environments' plain calls, at least two per trajectory (a step, and a tool of it):
+        # the default pool (cpu count + 4) let a few environments blocked in slow steps hold every thread and
+        # the others wait for one. (The engine's steps have a thread of their own: `EnginePump`.)
+        executor = ThreadPoolExecutor(max_workers=max(2 * len(rows), 32), thread_name_prefix="scalerl-agent")
         loop.set_default_executor(executor)
         try:
             return loop.run_until_complete(self._run(rows, sampling, row_offset, total_rows or len(rows)))
@@ -202,8 +216,7 @@ class AgentLoop:
                     break
                 previous = out.request_id
                 ids = out.token_ids.tolist()
-                segments.append(TrajectorySegment(ids, True, out.logprobs.tolist(),
-                                                  int(out.weight_versions[-1]) if len(ids) else -1))
+                segments.append(generated_segment(ids, out))
                 context += ids
                 finish, turn = out.finish_reason, turn + 1
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -268,7 +281,9 @@ class AgentLoop:
         finishes: dict[int, str] = {}  # id(segment) -> the engine's finish reason
         last: list[int | None] = [None]  # the last call's request id
 
-        async def generate(prompt_ids: list[int], max_new_tokens: int | None = None) -> TrajectorySegment:
+        async def generate(prompt_ids: list[int], max_new_tokens: int | None = None,
+                           stop_token_ids: tuple[int, ...] = ()) -> TrajectorySegment:
+            """``stop_token_ids``: stops of this turn besides the run's (a verl tool parser's end of a call)."""
             if len(calls) >= self.limits.max_turns:
                 raise EpisodeLimit(f"generate called {len(calls) + 1} times; rollout.agent.max_turns is "
                                    f"{self.limits.max_turns}")
@@ -279,11 +294,12 @@ class AgentLoop:
             wanted = min(sampling.max_new_tokens, left, max_new_tokens or sampling.max_new_tokens)
             out = await pump.generate(list(prompt_ids), replace(
                 sampling, max_new_tokens=wanted, seed=turn_seed(sampling.seed, len(calls)),
-                row_offset=row_offset + index, total_rows=total_rows), keep_kv=True, reuse_from=last[0])
+                row_offset=row_offset + index, total_rows=total_rows,
+                stop_token_ids=tuple(dict.fromkeys([*sampling.stop_token_ids, *stop_token_ids]))),
+                keep_kv=True, reuse_from=last[0])
             last[0] = out.request_id  # a prompt that extends this call's reuses its keys and values
             ids = out.token_ids.tolist()
-            segment = TrajectorySegment(ids, True, out.logprobs.tolist(),
-                                        int(out.weight_versions[-1]) if ids else -1)
+            segment = generated_segment(ids, out)
             calls.append((list(prompt_ids), segment))
             finishes[id(segment)] = out.finish_reason
             return segment

@@ -1,9 +1,12 @@
 """Multi-turn rollouts as a rollout source: the trainer asks it for a step's rows as it asks any source, and gets
 trajectories laid out with their loss mask; it never learns that an agent produced them.
 
-Colocated on the built-in engine for now: each DP rank runs its share's episodes (every prompt ``rollout.n``
-times) through `AgentLoop` on a continuous-batching engine over the policy's own weights (so the weight sync
-is free, as for single-turn colocated rollouts), and reports ``agent/*`` metrics with the step's.
+Colocated, each DP rank runs its share's episodes (every prompt ``rollout.n`` times) through `AgentLoop` on a
+continuous-batching engine over the policy's weights (the built-in engine's own, so the weight sync is free as
+for single-turn colocated rollouts; with rollout.engine=vllm vLLM's scheduler, its prefix cache reusing each
+conversation's earlier turns), and reports ``agent/*`` metrics with the step's. Standalone
+(rollout.placement=standalone), the rollout workers build the same loop (`agent_loop`) on their own engines and
+the trainer gets the trajectories through `scalerl.rollout.sources.StandaloneRollouts`.
 """
 
 from __future__ import annotations
@@ -50,11 +53,22 @@ def environment_factory(agent_cfg: Any) -> Callable[[], Any]:
             from scalerl.rollout.agent.adapters import tools_from_verl_config
 
             tools += tools_from_verl_config(agent_cfg.tool_config)
+        if agent_cfg.function_tool_path:  # verl's @function_tool file: its functions, stateless
+            from scalerl.rollout.agent.adapters import check_tool_names, function_tools_as_tools
+
+            function_tools = function_tools_as_tools(agent_cfg.function_tool_path)
+            check_tool_names({"rollout.agent.tools / tool_config": tools,
+                              f"rollout.agent.function_tool_path={agent_cfg.function_tool_path}": function_tools})
+            tools += function_tools
         if agent_cfg.sandbox:
             sandbox = sandbox_from_spec(agent_cfg.sandbox)
             print(f"rollout.agent.sandbox={agent_cfg.sandbox}: {getattr(sandbox, 'network_note', 'a sandbox of yours')}",
                   flush=True)
             tools.append(python_tool(sandbox))
+        if agent_cfg.interaction_config:  # verl's interactions answer the turns without a tool call, as the user
+            from scalerl.rollout.agent.verl_interactions import interaction_environment_factory
+
+            return interaction_environment_factory(agent_cfg, tools)
         return lambda: ToolEnvironment(tools, agent_cfg.tool_parser, agent_cfg.system, agent_cfg.max_tool_calls_per_turn)
     cls = environment_class(agent_cfg.env)
     if is_trl_environment(cls):  # TRL's environment_factory class, as it is: its methods are the tools
@@ -64,6 +78,19 @@ def environment_factory(agent_cfg: Any) -> Callable[[], Any]:
         return trl_environment_factory(cls, tools_from_module(agent_cfg.tools) if agent_cfg.tools else [],
                                        agent_cfg.tool_parser, agent_cfg.system, agent_cfg.max_tool_calls_per_turn)
     return cls
+
+
+def agent_loop(cfg: Any, tokenizer: Any, engine: Any) -> Any:
+    """The run's episode runner on ``engine`` (a continuous engine), its environments and limits from
+    ``rollout.agent``: what a standalone rollout worker runs (`scalerl.rollout.worker.worker`), built as
+    `AgentRollouts` builds its own."""
+    r = cfg.rollout
+    limits = agent_limits(cfg)
+    if r.agent.env == "verl":  # verl AgentLoopBase subclasses, as token-level environments
+        from scalerl.rollout.agent.verl_loop import verl_loop_factory
+
+        return AgentLoop(engine, tokenizer, verl_loop_factory(cfg, tokenizer, limits), limits)
+    return AgentLoop(engine, tokenizer, environment_factory(r.agent), limits)
 
 
 class AgentRollouts(ColocatedRollouts):
@@ -79,9 +106,14 @@ class AgentRollouts(ColocatedRollouts):
             from scalerl.rollout.agent.verl_loop import verl_loop_factory
 
             make_env = verl_loop_factory(cfg, tokenizer, limits)
-        else:
+        elif r.agent.env not in ("program", "verifiers"):
             make_env = environment_factory(r.agent)
-        self.loop = AgentLoop(continuous, tokenizer, make_env, limits)
+        if r.agent.env in ("program", "verifiers"):  # the user's own agent code, on the in-run OpenAI endpoint
+            from scalerl.rollout.agent.endpoint_source import endpoint_episodes
+
+            self.loop = endpoint_episodes(continuous, tokenizer, r.agent)
+        else:
+            self.loop = AgentLoop(continuous, tokenizer, make_env, limits)
         self.n, self.pad_token_id = r.n, engine.pad_token_id
         self.metrics: dict[str, float] = {}
 
@@ -95,18 +127,40 @@ class AgentRollouts(ColocatedRollouts):
         began = time.perf_counter()
         trajectories, records = self.loop.run(rows, batch.sampling, row_offset=start, total_rows=len(batch.prompts))
         self.metrics = agent_metrics(records, trajectories, time.perf_counter() - began)
+        getattr(self.engine, "sleep", lambda: None)()  # vLLM on a GPU gives its memory to the update
         return trajectories_to_output(trajectories, self.pad_token_id)
 
     def episodes(self, rows: list[dict], sampling: SamplingParams) -> tuple[list[str], list[int], list[float | None]]:
         """Evaluation's answers (`scalerl.trainer.evaluation.answers`): one episode per row in the environment the
-        run trains in, with ``sampling`` (greedy by default): each trajectory's response text (tool results and
-        user turns included, as training scores it), its length in tokens, and the environment's reward."""
-        trajectories, _ = self.loop.run(rows, sampling, row_offset=sampling.row_offset,
-                                        total_rows=sampling.total_rows or len(rows))
-        texts = self.loop.tokenizer.batch_decode([t.response_ids for t in trajectories])
-        given = [t.reward_inputs.get("env_reward") for t in trajectories]
-        return texts, [len(t.response_ids) for t in trajectories], given
+        run trains in (`evaluation_episodes`)."""
+        return evaluation_episodes(self.loop, rows, sampling)
 
     def step_metrics(self) -> dict[str, float]:
         metrics, self.metrics = self.metrics, {}
         return metrics
+
+
+class EvaluationEpisodes:
+    """A standalone run's evaluation as episodes: the workers generate the training episodes, the trainer
+    evaluates on an engine of its own (refreshed to the current weights by the caller), so it runs its own
+    loop over a continuous engine of that engine, with the run's environments and limits (`agent_loop`)."""
+
+    def __init__(self, cfg: Any, tokenizer: Any, engine: Any):
+        self.cfg, self.tokenizer, self.engine = cfg, tokenizer, engine
+
+    def episodes(self, rows: list[dict], sampling: SamplingParams) -> tuple[list[str], list[int], list[float | None]]:
+        r = self.cfg.rollout
+        continuous = self.engine.continuous_engine(agent_limits(self.cfg).max_total_tokens, r.max_new_tokens,
+                                                   r.max_num_seqs or len(rows))
+        return evaluation_episodes(agent_loop(self.cfg, self.tokenizer, continuous), rows, sampling)
+
+
+def evaluation_episodes(loop: Any, rows: list[dict],
+                        sampling: SamplingParams) -> tuple[list[str], list[int], list[float | None]]:
+    """One episode per row with ``sampling`` (greedy by default): each trajectory's response text (tool results
+    and user turns included, as training scores it), its length in tokens, and the environment's reward."""
+    trajectories, _ = loop.run(rows, sampling, row_offset=sampling.row_offset,
+                               total_rows=sampling.total_rows or len(rows))
+    texts = loop.tokenizer.batch_decode([t.response_ids for t in trajectories])
+    given = [t.reward_inputs.get("env_reward") for t in trajectories]
+    return texts, [len(t.response_ids) for t in trajectories], given

@@ -5,8 +5,9 @@ processor=..., dataset_cls=..., dataset_config=..., **entry_kwargs)``, and await
 ``run(sampling_params, **row_fields) -> AgentLoopOutput``; the loop asks the server manager for each turn
 (``await server_manager.generate(request_id, prompt_ids=..., sampling_params=...)`` -> ``TokenOutput``:
 ``token_ids``, ``log_probs``) and returns the prompt and the response with its mask (1 on the engine's tokens,
-0 on tool results and user turns). Here that loop is a token-level environment (`loop.TokenEpisode`'s
-``run(generate, row)``, the agent loop's escape hatch): `VerlServerManager` answers ``generate`` from the
+0 on tool results and user turns, and on sampled tokens the loop keeps out of the loss: they stay in the
+trajectory with their log-probs, untrained; a turn's own ``stop_token_ids`` reach the engine). Here that loop is
+a token-level environment (`loop.TokenEpisode`'s ``run(generate, row)``, the agent loop's escape hatch): `VerlServerManager` answers ``generate`` from the
 continuous engine through the episode's ``generate``, and `episode_from_output` maps the loop's output back to
 the segments ``generate`` returned, so `loop.check_token_episode` holds it to what the engine saw and sampled.
 
@@ -42,7 +43,9 @@ from scalerl.rollout.agent.adapters import (
     AttributeDict,
     _accepted,
     _tools_kwargs,
+    check_tool_names,
     import_class,
+    load_function_tools,
     tools_from_verl_config,
 )
 from scalerl.rollout.agent.loop import AgentLimits, EpisodeLimit, TokenEpisode
@@ -58,7 +61,8 @@ OUTPUT_FIELDS = ("prompt_ids", "response_ids", "response_mask")  # what an Agent
 # Sampling keys a loop may pass to generate: the ones the step's sampling already fixes (checked equal), the ones
 # scalerl's engine has no use for, and the turn's token limit.
 FIXED_SAMPLING = ("temperature", "top_p", "top_k")
-IGNORED_SAMPLING = {"logprobs": None, "repetition_penalty": 1.0, "n": 1, "detokenize": None, "stop_token_ids": None}
+IGNORED_SAMPLING = {"logprobs": None, "repetition_penalty": 1.0, "n": 1, "detokenize": None, "stop_token_ids": None,
+                    "stop": None}  # the stops: handed to the engine (ids) or refused (strings) by _extra_stops
 LIMIT_SAMPLING = ("max_tokens", "max_new_tokens")
 
 
@@ -152,20 +156,30 @@ class VerlServerManager:
             raise VerlLoopError(f"verl agent loop {self.loop} asked generate for {', '.join(unknown + changed)}, "
                                 "which scalerl's engine does not apply (it samples with temperature, top_p, top_k "
                                 "and a token limit, max_tokens); leave them out")
-        extra_stops = sorted(set(sampling_params.get("stop_token_ids") or ()) - self.stop_token_ids)
-        if extra_stops:  # verl 0.9.1's tool parsers add their own (Gemma 4's tool-call end, not hermes)
-            raise VerlLoopError(f"verl agent loop {self.loop} asked generate to stop at token ids {extra_stops}; "
-                                "scalerl's engine stops at the tokenizer's stop tokens "
-                                f"{sorted(self.stop_token_ids)} only")
         limits = [int(sampling_params[k]) for k in LIMIT_SAMPLING if sampling_params.get(k) is not None]
         return min(limits) if limits else None
+
+    def _extra_stops(self, sampling_params: dict[str, Any]) -> tuple[int, ...]:
+        """The turn's stop token ids besides the run's (verl 0.9.1's tool parsers add their own, Gemma 4's
+        tool-call end), handed to the engine for this turn. Stop strings are refused: the engine matches ids."""
+        if sampling_params.get("stop"):
+            raise VerlLoopError(f"verl agent loop {self.loop} asked generate to stop at the strings "
+                                f"{sampling_params['stop']!r}; scalerl's engine stops at token ids only: pass "
+                                "stop_token_ids (tokenizer.convert_tokens_to_ids of a single-token stop) instead")
+        given = sampling_params.get("stop_token_ids") or ()
+        given = given.tolist() if hasattr(given, "tolist") else list(given)
+        if not all(isinstance(t, numbers.Integral) and int(t) >= 0 for t in given):
+            raise VerlLoopError(f"verl agent loop {self.loop} asked generate for stop_token_ids={given!r}; give "
+                                "token ids (non-negative integers)")
+        return tuple(dict.fromkeys(int(t) for t in given if int(t) not in self.stop_token_ids))
 
     async def generate(self, request_id: Any, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        image_data: Any = None, video_data: Any = None, audio_data: Any = None, **_: Any) -> Any:
         if image_data or video_data or audio_data:
             raise VerlLoopError(f"verl agent loop {self.loop} passed images, video or audio to generate; scalerl's agent "
                                 "loop is text-only")
-        wanted = self._turn_limit(dict(sampling_params or {}))
+        params = dict(sampling_params or {})
+        wanted, stops = self._turn_limit(params), self._extra_stops(params)
         prompt = [int(t) for t in (prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids)]
         first = self.calls[0][0] if self.calls else prompt
         used = len(prompt) - len(first) if prompt[: len(first)] == first else 0
@@ -173,7 +187,8 @@ class VerlServerManager:
         if left <= 0:
             raise EpisodeLimit(f"verl agent loop {self.loop}: the response already holds {used} tokens of "
                                f"actor_rollout_ref.rollout.response_length={self.response_length}")
-        segment = await self._generate(prompt, max_new_tokens=min(left, wanted or left))
+        segment = await self._generate(prompt, max_new_tokens=min(left, wanted or left),
+                                       **({"stop_token_ids": stops} if stops else {}))
         self.calls.append((prompt, segment))
         return _token_output(token_ids=list(segment.token_ids), log_probs=list(segment.logprobs or []),
                              stop_reason="completed")
@@ -200,11 +215,14 @@ def _plain(value: Any) -> Any:
 
 
 def episode_from_output(loop: str, output: Any, calls: list[tuple[list[int], TrajectorySegment]]) -> TokenEpisode:
-    """A verl loop's ``AgentLoopOutput`` as the episode's prompt and segments: each run of ``response_mask`` 1 is
-    made of the turns the server manager returned (the very segments, in order: `check_token_episode` then
-    holds each to the prompt it was sampled on), each run of 0 is context. ``reward_score`` is the episode's
-    reward (None: the run's reward function scores it); ``num_turns``, ``extra_fields`` and ``metrics`` go to
-    its info. The engine's log-probs are trained; the loop's ``response_logprobs`` are only checked for length."""
+    """A verl loop's ``AgentLoopOutput`` as the episode's prompt and segments: each turn the server manager
+    returned is found where it was sampled (its prompt is ``prompt_ids`` + the response before it) and kept as
+    that very segment (`check_token_episode` then holds each to the prompt it was sampled on); what lies between
+    turns is context and must be masked 0. ``response_mask`` may be 0 on a sampled token too, as verl lets a loop
+    keep a turn (or part of one) out of the loss: the token stays in the trajectory with its log-prob, untrained
+    (the segment's ``loss_mask``). ``reward_score`` is the episode's reward (None: the run's reward function
+    scores it); ``num_turns``, ``extra_fields`` and ``metrics`` go to its info. The engine's log-probs are
+    trained; the loop's ``response_logprobs`` are only checked for length."""
     prompt = [int(t) for t in _field(output, "prompt_ids", loop)]
     response = [int(t) for t in _field(output, "response_ids", loop)]
     mask = [int(m) for m in _field(output, "response_mask", loop)]
@@ -216,37 +234,51 @@ def episode_from_output(loop: str, output: Any, calls: list[tuple[list[int], Tra
     if any(m not in (0, 1) for m in mask):
         raise VerlLoopError(f"verl agent loop {loop}: response_mask holds {sorted(set(mask) - {0, 1})}; it is 1 on "
                             "the engine's tokens and 0 on tool results and user turns")
+
+    def context(start: int, stop: int, before: str) -> None:
+        sampled = next((q for q in range(start, stop) if mask[q] == 1), None)
+        if sampled is not None:
+            raise VerlLoopError(f"verl agent loop {loop}: response_mask marks response token {sampled} as sampled, "
+                                f"but {before}; mask 0 what the engine did not sample")
+        if stop > start:
+            segments.append(response[start:stop])
+
     segments: list[Any] = []
-    p, k = 0, 0
-    while p < len(response) or (k < len(calls) and not calls[k][1].token_ids):
-        if k < len(calls) and not calls[k][1].token_ids:  # a turn of no tokens sits where it was sampled
-            segments.append(calls[k][1])
-            k += 1
-            continue
-        if mask[p] == 0:
-            q = p
-            while q < len(response) and mask[q] == 0:
-                q += 1
-            segments.append(response[p:q])
-            p = q
-            continue
-        if k == len(calls):
-            raise VerlLoopError(f"verl agent loop {loop}: response_mask marks response token {p} as sampled, but the "
-                                f"{len(calls)} turn(s) generate returned come before it; mask 0 what the engine did "
-                                "not sample")
-        segment = calls[k][1]
-        n = len(segment.token_ids)
-        if response[p:p + n] != segment.token_ids or any(m != 1 for m in mask[p:p + n]):
+    masks: list[list[int] | None] = []
+    p = 0
+    for k, (sampled_on, segment) in enumerate(calls):
+        at, n = len(sampled_on) - len(prompt), len(segment.token_ids)
+        if at >= len(response) and n and sampled_on[: len(prompt)] == prompt:  # the turn is not in the response
             raise VerlLoopError(
-                f"verl agent loop {loop}: response tokens {p}..{p + n - 1} are not the {n} tokens generate returned "
-                f"for turn {k + 1}, all masked 1; put each turn's token_ids in response_ids as they came (not cut, "
-                "not re-tokenized), masked 1")
+                f"verl agent loop {loop}: generate returned {len(calls)} turns and response_ids holds {k} of them; "
+                "scalerl keeps every turn the engine sampled: keep each in the response (response_mask 0 keeps one "
+                "out of the loss)")
+        if k and at < p:  # sampled again on an earlier prompt: the turn before it was dropped
+            raise VerlLoopError(
+                f"verl agent loop {loop}: turn {k + 1} was sampled on a prompt that ends before turn {k} does (token "
+                f"{at} of the response, turn {k} ends at {p}); scalerl keeps every turn the engine sampled: keep each "
+                "in the conversation (response_mask 0 keeps one out of the loss)")
+        expected = prompt + response[:max(at, 0)]
+        if sampled_on != expected:
+            differ = next((i for i, (a, b) in enumerate(zip(sampled_on, expected)) if a != b),
+                          min(len(sampled_on), len(expected)))
+            raise VerlLoopError(
+                f"verl agent loop {loop}: turn {k + 1} was sampled on a prompt of {len(sampled_on)} tokens that is not "
+                f"prompt_ids + the response before it (they differ at token {differ}); prompt each turn with "
+                "prompt_ids + response_ids so far, as they were sampled (not re-rendered)")
+        context(p, at, f"it comes before turn {k + 1}, which starts at {at}")
+        if response[at:at + n] != segment.token_ids:
+            raise VerlLoopError(
+                f"verl agent loop {loop}: response tokens {at}..{at + n - 1} are not the {n} tokens generate returned "
+                f"for turn {k + 1}; put each turn's token_ids in response_ids as they came (not cut, not "
+                "re-tokenized)")
+        turn_mask = mask[at:at + n]
+        masks.append(turn_mask if 0 in turn_mask else None)
         segments.append(segment)
-        p, k = p + n, k + 1
-    if k < len(calls):
-        raise VerlLoopError(
-            f"verl agent loop {loop}: generate returned {len(calls)} turns and response_ids holds {k} of them "
-            "(masked 1); scalerl trains every turn the engine sampled: keep each in the response, masked 1")
+        p = at + n
+    context(p, len(response), f"the {len(calls)} turn(s) generate returned come before it")
+    for (_, segment), turn_mask in zip(calls, masks):  # set once the whole output holds
+        segment.loss_mask = turn_mask
     reward = _field(output, "reward_score", loop, required=False)
     if reward is not None and not isinstance(reward, numbers.Real):
         raise VerlLoopError(f"verl agent loop {loop}: reward_score is {type(reward).__name__}; give a float or None")
@@ -400,8 +432,8 @@ def verl_trainer_config(cfg: Any, limits: AgentLimits) -> dict[str, Any]:
         "multi_turn": {"enable": True, "max_assistant_turns": limits.max_turns, "max_user_turns": None,
                        "max_parallel_calls": a.max_tool_calls_per_turn, "max_tool_response_length": 256,
                        "tool_response_truncate_side": "middle", "tool_config_path": a.tool_config,
-                       "function_tool_path": None,
-                       "interaction_config_path": None, "use_inference_chat_template": False,
+                       "function_tool_path": a.function_tool_path,
+                       "interaction_config_path": a.interaction_config, "use_inference_chat_template": False,
                        "tokenization_sanity_check_mode": "disable", "format": a.tool_parser,
                        "num_repeat_rollouts": None},
         "agent": {"num_workers": 1, "default_agent_loop": a.verl_default_loop,
@@ -462,9 +494,15 @@ def verl_loop_factory(cfg: Any, tokenizer: Any, limits: AgentLimits) -> Callable
     r = cfg.rollout
     sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k or -1}
     response_length = tree["actor_rollout_ref"]["rollout"]["response_length"]
-    # verl's tools from rollout.agent.tool_config, built once as verl 0.9.1's worker builds them (loops of earlier
-    # releases read multi_turn.tool_config_path and build their own)
-    tools = [t.base_tool for t in tools_from_verl_config(a.tool_config)] if a.tool_config else []
+    # verl's tools from rollout.agent.tool_config and function_tool_path, built once as verl 0.9.1's worker builds
+    # them (load_all_tools; loops of earlier releases read multi_turn.tool_config_path and build their own)
+    configured = tools_from_verl_config(a.tool_config) if a.tool_config else []
+    tools = [t.base_tool for t in configured]
+    if a.function_tool_path:
+        function_tools = load_function_tools(a.function_tool_path)
+        check_tool_names({f"rollout.agent.tool_config={a.tool_config}": configured,
+                          f"rollout.agent.function_tool_path={a.function_tool_path}": function_tools})
+        tools += function_tools
     return lambda: VerlLoopEnvironment(loops, config, view, sampling, response_length, tools,
                                        _hf_model_type(cfg.model.path))
 

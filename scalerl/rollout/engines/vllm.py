@@ -21,7 +21,13 @@ import torch
 from scalerl.core.device import PRECISION_DTYPES
 from scalerl.core.errors import UserError
 from scalerl.models.hf_checkpoint import save_pretrained
-from scalerl.rollout.engines.engine import GenerationOutput, SamplingParams, left_pad
+from scalerl.rollout.engines.continuous import GenerationRequest, RequestOutput
+from scalerl.rollout.engines.engine import (
+    GenerationOutput,
+    PromptTooLongError,
+    SamplingParams,
+    left_pad,
+)
 from scalerl.rollout.engines.vllm_weight_loading import (
     STAGE_DIR,
     layer_groups,
@@ -279,6 +285,12 @@ class VLLMEngine:
         keeps a shadow copy instead."""
         return None
 
+    def continuous_engine(self, max_prompt_len: int, max_new_tokens: int,
+                          max_num_seqs: int | None = None) -> VLLMContinuousEngine:
+        """This engine as a continuous one (`VLLMContinuousEngine`, the agent loop's): requests stream into
+        vLLM's scheduler, over the weights `load_weights` loads here. (``max_num_seqs``: vLLM's own, set at start.)"""
+        return VLLMContinuousEngine(self, max_prompt_len, max_new_tokens)
+
     def layer_groups(self, names: Iterable[str]) -> list[list[str]]:
         """Trainer names grouped by the vLLM layer they load into (what a delta load must send together)."""
         return vllm_layer_groups(names)
@@ -305,6 +317,97 @@ class VLLMEngine:
             shutdown()
 
 
+class VLLMContinuousEngine:
+    """`scalerl.rollout.engines.continuous.ContinuousEngine`'s interface (``submit``, ``step``,
+    ``has_unfinished``, ``abort``, ``weight_version``) over a `VLLMEngine`'s own ``LLMEngine``: the agent loop's
+    per-turn requests go into vLLM's scheduler as they come (token-id prompts, the sampled ids and their
+    log-probs back), and each ``step()`` runs one scheduler iteration and returns the requests that finished.
+
+    Prefix reuse is vLLM's prefix cache (``enable_prefix_caching``, on for agent runs: `vllm_engine_from_config`):
+    a turn's prompt extends the conversation before it, so its prefill finds that conversation's full KV blocks
+    cached; the ``keep_kv`` / ``reuse_from`` hints of `GenerationRequest` are the built-in engine's and are not
+    needed here. ``prompt_tokens`` / ``cached_prompt_tokens`` count the prompt tokens submitted and those vLLM
+    reports served from its cache (``RequestOutput.num_cached_tokens``). Weights load through the `VLLMEngine`
+    between steps (its prefix cache is reset then); ``weight_version`` labels the tokens of the requests that
+    finish from then on."""
+
+    logprobs_match_training_forward = False  # vLLM's kernels differ from the trainer's: recompute old log-probs
+
+    def __init__(self, engine: VLLMEngine, max_prompt_len: int, max_new_tokens: int):
+        from vllm.sampling_params import RequestOutputKind
+
+        self.vllm_engine, self.llm_engine = engine, engine.llm.llm_engine
+        self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
+        self._final_only = RequestOutputKind.FINAL_ONLY
+        self.weight_version = 0
+        self._in_flight: dict[str, GenerationRequest] = {}  # vLLM's request id -> ours
+        self._ids: dict[int, str] = {}  # our request id -> vLLM's
+        self._serial = 0
+        self.prompt_tokens = self.cached_prompt_tokens = 0
+
+    def submit(self, request: GenerationRequest) -> None:
+        s, n = request.sampling, len(request.prompt_ids)
+        if n == 0:
+            raise ValueError(f"request {request.request_id}: empty prompt")
+        if n > self.max_prompt_len or s.max_new_tokens > self.max_new_tokens:
+            raise PromptTooLongError(
+                f"request {request.request_id}: prompt {n} / max_new_tokens {s.max_new_tokens} exceed the engine's "
+                f"max_prompt_len {self.max_prompt_len} / max_new_tokens {self.max_new_tokens}")
+        if request.uniforms is not None:
+            raise ValueError(f"request {request.request_id}: pre-drawn uniforms cannot be given to vLLM (it samples "
+                             "with its own per-request generator, seeded from sampling.seed + row_offset)")
+        self.vllm_engine._wake()
+        params = self.vllm_engine._vllm.SamplingParams(**vllm_sampling_kwargs(s, 1)[0], output_kind=self._final_only)
+        vllm_id = f"{request.request_id}-{self._serial}"
+        self._serial += 1
+        self.llm_engine.add_request(vllm_id, {"prompt_token_ids": list(request.prompt_ids)}, params)
+        self._in_flight[vllm_id], self._ids[request.request_id] = request, vllm_id
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration of vLLM's engine; the requests that finished in it."""
+        finished = []
+        for out in self.llm_engine.step():
+            request = self._in_flight.pop(out.request_id, None) if out.finished else None
+            if request is None:  # not finished yet, or aborted meanwhile
+                continue
+            del self._ids[request.request_id]
+            self.prompt_tokens += len(request.prompt_ids)
+            self.cached_prompt_tokens += int(getattr(out, "num_cached_tokens", 0) or 0)
+            finished.append(to_request_output(request, out.outputs[0], self.weight_version))
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return bool(self._in_flight)
+
+    def abort(self, request_ids: Iterable[int]) -> int:
+        """Drop these requests, waiting or in flight; how many were dropped."""
+        vllm_ids = [self._ids.pop(i) for i in set(request_ids) if i in self._ids]
+        for vllm_id in vllm_ids:
+            del self._in_flight[vllm_id]
+        if vllm_ids:
+            self.llm_engine.abort_request(vllm_ids)
+        return len(vllm_ids)
+
+
+def to_request_output(request: GenerationRequest, completion: Any, fallback_version: int) -> RequestOutput:
+    """A finished vLLM ``CompletionOutput`` as our `RequestOutput`: its tokens, the sampled token's log-prob
+    at each, and the weight version of each token from vLLM's spans (``fallback_version`` for the tokens
+    where vLLM reported no label, or its unlabelled ``"default"``)."""
+    token_ids = list(completion.token_ids)
+    n = len(token_ids)
+    logprobs = torch.zeros(n, dtype=torch.float32)
+    if completion.logprobs is not None:
+        # One dict per position, {token_id: Logprob}; the sampled token is always among the entries.
+        logprobs = torch.tensor([step[tok].logprob for step, tok in zip(completion.logprobs, token_ids)],
+                                dtype=torch.float32)
+    versions = torch.full((n,), fallback_version, dtype=torch.long)
+    for span in completion.weight_versions or ():
+        if str(span.version).lstrip("-").isdigit():  # vLLM's "default": an engine nobody labelled (ours is then)
+            versions[span.start : span.end] = int(span.version)
+    return RequestOutput(request.request_id, list(request.prompt_ids), torch.tensor(token_ids, dtype=torch.long),
+                         logprobs, versions, "stop" if completion.finish_reason == "stop" else "length")
+
+
 def model_head_dim(model_path: str | Path) -> int | None:
     """The attention head size in a model directory's ``config.json`` (None if it does not say)."""
     try:
@@ -325,9 +428,25 @@ def vllm_engine_from_config(model: torch.nn.Module, cfg: Any, scratch_dir: Path,
     ``model``'s weights saved under ``scratch_dir``; weight sync then loads every update into it."""
     with vllm_start_weights(model, cfg, scratch_dir) as source:
         return VLLMEngine(source, pad_token_id, dtype=cfg.rollout.dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
-                          seed=cfg.trainer.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+                          seed=cfg.trainer.seed, max_model_len=sequence_budget(cfg),
                           sleep_between_generations=cfg.rollout.placement == "colocated",
-                          tensor_parallel_size=cfg.rollout.vllm_tensor_parallel_size)
+                          tensor_parallel_size=cfg.rollout.vllm_tensor_parallel_size, **agent_engine_kwargs(cfg))
+
+
+def sequence_budget(cfg: Any) -> int:
+    """The longest sequence the run's vLLM engine holds: a prompt and its response, or with rollout.agent.env a
+    whole trajectory (prompt, turns and environment answers: `scalerl.rollout.agent.source.agent_limits`)."""
+    if getattr(cfg.rollout.agent, "env", None):
+        from scalerl.rollout.agent.source import agent_limits
+
+        return agent_limits(cfg).max_total_tokens
+    return cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+
+
+def agent_engine_kwargs(cfg: Any) -> dict[str, Any]:
+    """vLLM settings of an agent run: the prefix cache on (each turn's prompt extends the conversation so far,
+    whose KV blocks it then reuses instead of prefilling them again)."""
+    return {"enable_prefix_caching": True} if getattr(cfg.rollout.agent, "env", None) else {}
 
 
 @contextlib.contextmanager

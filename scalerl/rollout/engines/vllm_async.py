@@ -33,8 +33,11 @@ from scalerl.rollout.engines.continuous import GenerationRequest, RequestOutput
 from scalerl.rollout.engines.engine import PromptTooLongError
 from scalerl.rollout.engines.vllm import (
     LOAD_BUCKET_BYTES,
+    agent_engine_kwargs,
     import_vllm,
     load_in_checked_buckets,
+    sequence_budget,
+    to_request_output,
     vllm_engine_args,
     vllm_layer_groups,
     vllm_sampling_kwargs,
@@ -102,6 +105,7 @@ class VLLMAsyncEngine:
         self._loaded_in_pause = False
         self.loads = 0
         self.closed = False
+        self.prompt_tokens = self.cached_prompt_tokens = 0  # prompt tokens finished, those from vLLM's prefix cache
 
     # ------------------------------------------------------------------------------- ContinuousEngine's
     def submit(self, request: GenerationRequest) -> None:
@@ -242,6 +246,8 @@ class VLLMAsyncEngine:
             completion = final.outputs[0]
             if completion.finish_reason not in ("stop", "length"):  # aborted: nobody waits for it
                 return
+            self.prompt_tokens += len(request.prompt_ids)  # on the loop thread only
+            self.cached_prompt_tokens += int(getattr(final, "num_cached_tokens", 0) or 0)
             self._finished.put(_Finished(request.request_id, vllm_id, to_request_output(
                 request, completion, self._version)))
         except asyncio.CancelledError:
@@ -318,29 +324,13 @@ class _Finished:
         self.request_id, self.vllm_id, self.output = request_id, vllm_id, output
 
 
-def to_request_output(request: GenerationRequest, completion: Any, fallback_version: int) -> RequestOutput:
-    """A finished vLLM ``CompletionOutput`` as our `RequestOutput`: its tokens, the sampled token's log-prob
-    at each, and the weight version of each token from vLLM's spans (``fallback_version`` for all tokens
-    where vLLM reported no label)."""
-    token_ids = list(completion.token_ids)
-    n = len(token_ids)
-    logprobs = torch.zeros(n, dtype=torch.float32)
-    if completion.logprobs is not None:
-        # One dict per position, {token_id: Logprob}; the sampled token is always among the entries.
-        logprobs = torch.tensor([step[tok].logprob for step, tok in zip(completion.logprobs, token_ids)],
-                                dtype=torch.float32)
-    versions = torch.full((n,), fallback_version, dtype=torch.long)
-    for span in completion.weight_versions or ():
-        versions[span.start : span.end] = int(span.version)
-    return RequestOutput(request.request_id, list(request.prompt_ids), torch.tensor(token_ids, dtype=torch.long),
-                         logprobs, versions, "stop" if completion.finish_reason == "stop" else "length")
-
-
 def streaming_vllm_engine(cfg: Any, model_dir: str, pad_token_id: int) -> VLLMAsyncEngine:
     """The engine of the asynchronous pipeline with ``rollout.engine=vllm``: vLLM's ``AsyncLLM`` on
     ``model_dir`` (a Hugging Face directory, e.g. the worker's initial weights), sized from the config:
     prompts up to ``data.max_prompt_length``, ``rollout.max_new_tokens``, ``rollout.max_num_seqs`` rows at
     once (0: vLLM's default), ``rollout.dtype``, ``rollout.vllm_kv_cache_gib``, seeded by ``trainer.seed``."""
+    agent = bool(getattr(cfg.rollout.agent, "env", None))  # a turn's prompt may hold the whole trajectory so far
     return VLLMAsyncEngine(str(model_dir), pad_token_id, max_num_seqs=cfg.rollout.max_num_seqs or None,
-                           max_prompt_len=cfg.data.max_prompt_length, max_new_tokens=cfg.rollout.max_new_tokens,
-                           dtype=cfg.rollout.dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib, seed=cfg.trainer.seed)
+                           max_prompt_len=sequence_budget(cfg) if agent else cfg.data.max_prompt_length,
+                           max_new_tokens=cfg.rollout.max_new_tokens, dtype=cfg.rollout.dtype,
+                           kv_cache_gib=cfg.rollout.vllm_kv_cache_gib, seed=cfg.trainer.seed, **agent_engine_kwargs(cfg))

@@ -5,7 +5,9 @@ The trainer's rank 0 drives every worker with tensor messages (`scalerl.rollout.
 
     GENERATE  -> (step, sampling, prompts)  reply: the generation output of those rows, every token's policy
                                             version, the step and row range it answers, and the worker's idle
-                                            time before it (`WorkerReply`)
+                                            time before it (`WorkerReply`); in an agent run (rollout.agent.env)
+                                            the request adds the rows' data (JSON), the reply the trajectories'
+                                            loss mask, environment rewards and the worker's agent/* metrics
     WEIGHTS   -> (version) a weight sync    the worker then receives it (`scalerl.comm.weights`: buckets
                                             broadcast over the trainer's rank 0 + workers group, verified,
                                             deltas after the first) and generates with ``version`` from then on
@@ -30,10 +32,12 @@ encoding (`broadcast_output`).
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -56,17 +60,42 @@ OP_GENERATE, OP_WEIGHTS, OP_STOP, OP_PUSH_DIRECT = 1, 2, 3, 4
 PUSH_TAG = 1  # weight-push messages sent point to point: a stream apart from requests and replies (tag 0)
 
 
-def encode_request(step: int, sampling: SamplingParams, prompt_ids: torch.Tensor, prompt_lengths: torch.Tensor):
-    """A GENERATE request: the command, sampling parameters, stop tokens and left-padded prompts."""
+def encode_request(step: int, sampling: SamplingParams, prompt_ids: torch.Tensor, prompt_lengths: torch.Tensor,
+                   rows: list[dict] | None = None):
+    """A GENERATE request: the command, sampling parameters, stop tokens and left-padded prompts; for an agent
+    run (rollout.agent.env) also the data rows its episodes start from, one per prompt row, as JSON."""
     params = torch.tensor([sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
                            -1 if sampling.seed is None else sampling.seed, sampling.row_offset,
                            sampling.total_rows or 0], dtype=torch.float64)
     stop = torch.tensor(list(sampling.stop_token_ids) or [-1], dtype=torch.int64)
-    return [torch.tensor([OP_GENERATE, step]), params, stop, prompt_ids, prompt_lengths]
+    message = [torch.tensor([OP_GENERATE, step]), params, stop, prompt_ids, prompt_lengths]
+    return message if rows is None else [*message, json_tensor(rows, "the data rows of an agent run's episodes")]
+
+
+def request_rows(message: list[torch.Tensor]) -> list[dict] | None:
+    """A GENERATE's data rows (one per prompt row), or None where it carries none (a single-turn run)."""
+    return from_json_tensor(message[5]) if len(message) > 5 else None
+
+
+def json_tensor(value, what: str) -> torch.Tensor:
+    """``value`` as the UTF-8 bytes of its JSON (a uint8 tensor): data rows and metrics travel so, never
+    pickled. A value JSON cannot hold is refused, naming ``what`` it was."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{what} must be JSON (strings, numbers, lists, dicts) to reach the standalone rollout "
+                        f"workers: {e}; convert the dataset's columns to plain values, or run "
+                        "rollout.placement=colocated") from e
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
+def from_json_tensor(tensor: torch.Tensor):
+    """The value `json_tensor` sent."""
+    return json.loads(tensor.cpu().numpy().tobytes().decode())
 
 
 def decode_request(message: list[torch.Tensor]) -> tuple[SamplingParams, list[list[int]]]:
-    _, params, stop, prompt_ids, lengths = message
+    _, params, stop, prompt_ids, lengths = message[:5]
     max_new, temperature, top_p, top_k, seed, row_offset, total_rows = params.tolist()
     sampling = SamplingParams(
         max_new_tokens=int(max_new), temperature=temperature, top_p=top_p, top_k=int(top_k),
@@ -83,20 +112,32 @@ OUTPUT_TENSOR_DIMS = (2, 2, 2, 2, 2, 1, 2)
 
 
 def encode_output(out: GenerationOutput) -> list[torch.Tensor]:
-    """The output's tensors; tokens whose version is unknown (no ``weight_versions``) carry -1."""
+    """The output's tensors; tokens whose version is unknown (no ``weight_versions``) carry -1. Multi-turn
+    trajectories add their loss mask and each row's environment reward (NaN: the environment gave none, the
+    run's reward function scores the row)."""
     stopped = torch.tensor([r == "stop" for r in out.finish_reasons], dtype=torch.bool)
     versions = out.weight_versions if out.weight_versions is not None else torch.full(
         out.response_ids.shape, -1, dtype=torch.int32)
     message = [out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, out.logprobs, stopped,
                versions.to(torch.int32)]
-    return message if out.loss_mask is None else [*message, out.loss_mask]  # a multi-turn trajectory's mask
+    if out.loss_mask is None and out.reward_inputs is None:
+        return message
+    loss_mask = out.response_mask if out.loss_mask is None else out.loss_mask  # a multi-turn trajectory's mask
+    if out.reward_inputs is None:
+        return [*message, loss_mask]
+    given = [(r or {}).get("env_reward") for r in out.reward_inputs]
+    rewards = torch.tensor([math.nan if g is None else float(g) for g in given], dtype=torch.float64)
+    return [*message, loss_mask, rewards]
 
 
 def decode_output(message: list[torch.Tensor]) -> GenerationOutput:
-    prompt_ids, prompt_mask, response_ids, response_mask, logprobs, stopped, versions, *loss_mask = message
+    prompt_ids, prompt_mask, response_ids, response_mask, logprobs, stopped, versions, *extra = message
+    reward_inputs = None
+    if len(extra) > 1:
+        reward_inputs = [{} if math.isnan(v) else {"env_reward": v} for v in extra[1].tolist()]
     return GenerationOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs,
                             ["stop" if s else "length" for s in stopped.tolist()], versions,
-                            loss_mask[0] if loss_mask else None)
+                            extra[0] if extra else None, reward_inputs)
 
 
 def token_versions(response_mask: torch.Tensor, version: int) -> torch.Tensor:
@@ -115,14 +156,23 @@ class WorkerReply:
     idle_s: float
     gen_s: float
     row_start: int  # the step's rows it answers: row_start .. row_start + len(out) (the request's row_offset)
+    metrics: dict[str, float] = field(default_factory=dict)  # an agent worker's ``agent/*`` of these rows
 
 
-def encode_reply(out: GenerationOutput, step: int, idle_s: float, gen_s: float, row_start: int) -> list[torch.Tensor]:
-    return [*encode_output(out), torch.tensor([step, idle_s, gen_s, row_start], dtype=torch.float64)]
+def encode_reply(out: GenerationOutput, step: int, idle_s: float, gen_s: float, row_start: int,
+                 metrics: dict[str, float] | None = None) -> list[torch.Tensor]:
+    """The output, then (where given) the metrics as JSON, then ``[step, idle_s, gen_s, row_start, has
+    metrics]``."""
+    trailer = torch.tensor([step, idle_s, gen_s, row_start, float(metrics is not None)], dtype=torch.float64)
+    extra = [] if metrics is None else [json_tensor(metrics, "the agent metrics")]
+    return [*encode_output(out), *extra, trailer]
 
 
 def decode_reply(message: list[torch.Tensor]) -> WorkerReply:
-    step, idle_s, gen_s, row_start = message[-1].tolist()
+    step, idle_s, gen_s, row_start, has_metrics = message[-1].tolist()
+    if has_metrics:
+        return WorkerReply(decode_output(message[:-2]), int(step), idle_s, gen_s, int(row_start),
+                           from_json_tensor(message[-2]))
     return WorkerReply(decode_output(message[:-1]), int(step), idle_s, gen_s, int(row_start))
 
 
@@ -165,9 +215,10 @@ class WorkerDriver:
         return min(self.workers, key=lambda w: (self.tokens_in_flight(w), w))
 
     def request_generation(self, worker: int, step: int, sampling: SamplingParams, prompt_ids: torch.Tensor,
-                           prompt_lengths: torch.Tensor, tokens: int = 0) -> None:
-        """Rows ``sampling.row_offset`` on of ``step`` to ``worker`` (one part per step and first row)."""
-        message = encode_request(step, sampling, prompt_ids, prompt_lengths)
+                           prompt_lengths: torch.Tensor, tokens: int = 0, rows: list[dict] | None = None) -> None:
+        """Rows ``sampling.row_offset`` on of ``step`` to ``worker`` (one part per step and first row); ``rows``:
+        an agent run's data rows, one per prompt row."""
+        message = encode_request(step, sampling, prompt_ids, prompt_lengths, rows)
         self.owed[worker][(step, sampling.row_offset)] = (tokens, message)  # first: re-issued if the send fails
         self._send("rollout", message, worker)
 

@@ -20,6 +20,12 @@ Two ways to serve:
   is answered as soon as all its rows finished, so replies may overtake each other; each says which step and
   rows it answers.
 
+With ``rollout.agent.env`` a GENERATE's rows are agent episodes: the worker builds the environment from the
+config and runs `scalerl.rollout.agent.loop.AgentLoop` on a continuous engine over its weights (in order: one
+request's episodes at a time, weights loaded between requests; streaming: before each engine step of the
+episodes the trainer's messages are read, so a push lands while trajectories are in flight and their later turns
+carry the new version), and answers with the trajectories (`_serve_agent_streaming`).
+
 Every generated token is tagged with the policy version of the weights that sampled it (the version of the
 last WEIGHTS loaded), so one streamed response may mix versions. Answers go without waiting for the trainer
 to read them, and each reports how long the worker sat idle before it.
@@ -66,6 +72,7 @@ from scalerl.rollout.worker.protocol import (
     decode_request,
     encode_reply,
     request_op,
+    request_rows,
     serve_point_to_point,
     token_versions,
 )
@@ -151,6 +158,25 @@ def streaming_engine(cfg: Any, model: torch.nn.Module, pad_token_id: int, scratc
                                   rows)
 
 
+class _StopServing(Exception):
+    """A STOP read while an agent worker's episodes ran: they end, and the worker returns."""
+
+
+class _PollingEngine:
+    """An agent worker's continuous engine with ``between_steps()`` called before each ``step()`` (in the
+    episodes' engine thread, between two steps: a weight load there changes nothing mid-step)."""
+
+    def __init__(self, engine: Any, between_steps):
+        self.engine, self.between_steps = engine, between_steps
+
+    def step(self) -> list[RequestOutput]:
+        self.between_steps()
+        return self.engine.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
 class _ReceivingView:
     """The weight receiver's interface over a streaming engine: in place where it exposes its tensors."""
 
@@ -231,7 +257,8 @@ class RolloutWorker:
         self.engine_choice = decide_engine(cfg, model, dist.get_world_size() if dist.is_initialized() else 1)
         self.scratch = None
         self.partial = bool(getattr(cfg.rollout, "partial", False))
-        if self.partial:
+        agent = bool(getattr(cfg.rollout.agent, "env", None))
+        if self.partial and not (agent and self.engine_choice.name == "builtin"):
             self.scratch = tempfile.TemporaryDirectory(prefix="scalerl_stream_worker_")
             self.engine = streaming_engine(cfg, self.model, tokenizer.pad_token_id, Path(self.scratch.name),
                                            self.engine_choice.name)
@@ -254,9 +281,49 @@ class RolloutWorker:
         self.stats = WorkerStats()
         self.version = 0  # the policy version of the weights it holds (the trainer's, from WEIGHTS)
         self.push_direct = False  # whether pushes come point to point (after another worker died)
+        # rollout.agent.env: each GENERATE's rows are episodes (`AgentLoop`) on a continuous engine over this
+        # worker's weights (a streaming vLLM engine is one already; the others make one, sized for a whole
+        # trajectory), answered as trajectories with their loss mask, per-segment versions and env rewards.
+        self.agent, self.agent_engine = None, None
+        if agent:
+            from scalerl.rollout.agent.source import agent_limits, agent_loop
+
+            r = cfg.rollout
+            make = getattr(self.engine, "continuous_engine", None)
+            self.agent_engine = self.engine if make is None else make(
+                agent_limits(cfg).max_total_tokens, r.max_new_tokens, r.max_num_seqs or cfg.trainer.batch_size * r.n)
+            self.agent = agent_loop(cfg, tokenizer, self.agent_engine)
 
     def serve(self) -> WorkerStats:
+        if self.agent is not None and self.partial:
+            return self._serve_agent_streaming()
         return self._serve_streaming() if self.partial else self._serve_in_order()
+
+    def _generate(self, message: list[torch.Tensor], between_steps=None
+                  ) -> tuple[GenerationOutput, SamplingParams, dict[str, float] | None]:
+        """A GENERATE's output: the engine's responses, or an agent run's episodes (then with their
+        ``agent/*`` metrics); ``between_steps`` is called before each engine step of the episodes."""
+        sampling, prompts = decode_request(message)
+        if self.agent is None:
+            out = self.engine.generate(prompts, sampling)
+            if out.weight_versions is None:
+                out.weight_versions = token_versions(out.response_mask, self.version)
+            return out, sampling, None
+        from scalerl.rollout.agent.loop import agent_metrics
+        from scalerl.rollout.trajectory import trajectories_to_output
+
+        rows = request_rows(message)
+        if rows is None or len(rows) != len(prompts):
+            raise RuntimeError(f"rollout worker: an agent run's GENERATE needs one data row per prompt row (got "
+                               f"{0 if rows is None else len(rows)} for {len(prompts)}): a trainer of another "
+                               "rollout.agent setting?")
+        self.agent.engine = self.agent_engine if between_steps is None else _PollingEngine(self.agent_engine,
+                                                                                         between_steps)
+        began = time.perf_counter()
+        trajectories, records = self.agent.run(rows, sampling, row_offset=sampling.row_offset,
+                                               total_rows=sampling.total_rows or sampling.row_offset + len(rows))
+        metrics = agent_metrics(records, trajectories, time.perf_counter() - began)
+        return trajectories_to_output(trajectories, self.pad_token_id), sampling, metrics
 
     def _serve_in_order(self) -> WorkerStats:
         replies: deque[PendingSend] = deque()
@@ -267,12 +334,10 @@ class RolloutWorker:
             idle += time.perf_counter() - start
             op = request_op(message)
             if op == OP_GENERATE:
-                sampling, prompts = decode_request(message)
                 start = time.perf_counter()
-                out = self.engine.generate(prompts, sampling)
-                if out.weight_versions is None:
-                    out.weight_versions = token_versions(out.response_mask, self.version)
-                reply = encode_reply(out, int(message[0][1]), idle, time.perf_counter() - start, sampling.row_offset)
+                out, sampling, metrics = self._generate(message)
+                reply = encode_reply(out, int(message[0][1]), idle, time.perf_counter() - start, sampling.row_offset,
+                                     metrics)
                 self._answer(replies, reply)
                 self.stats.idle_s += idle
                 idle = 0.0
@@ -335,6 +400,62 @@ class RolloutWorker:
             if weights is not None:
                 idle += self._load_weights(int(weights[0][1]))
 
+    def _serve_agent_streaming(self) -> WorkerStats:
+        """An agent worker with rollout.partial=true: each GENERATE's episodes run together (one at a time),
+        and before every engine step the messages that came are read (`MessageInbox`): a WEIGHTS is loaded
+        there, the trajectories in flight going on with the new weights (each turn's tokens keep the version
+        that sampled them: a trajectory spanning a push keeps its per-segment versions), a GENERATE waits for
+        the episodes before it, a STOP ends them."""
+        inbox = MessageInbox(self.driver, self.device)
+        replies: deque[PendingSend] = deque()
+        later: deque[list[torch.Tensor]] = deque()  # GENERATEs read while episodes ran, in order
+
+        def between_steps() -> None:
+            while (message := inbox.get(0.0)) is not None:
+                op = request_op(message)
+                if op == OP_WEIGHTS:
+                    self._load_weights(int(message[0][1]))
+                elif op == OP_PUSH_DIRECT:
+                    self.push_direct = True
+                elif op == OP_STOP:
+                    raise _StopServing()
+                elif op == OP_GENERATE:
+                    later.append(message)
+                else:
+                    raise RuntimeError(f"rollout worker: unknown request {op} from rank {self.driver}")
+
+        idle = 0.0
+        while True:
+            if later:
+                message = later.popleft()
+            else:
+                start = time.perf_counter()
+                message = inbox.get(self.timeout_s)
+                idle += time.perf_counter() - start
+                if message is None:
+                    raise RuntimeError(f"rollout worker: no request from the trainer (rank {self.driver}) within "
+                                       f"{self.timeout_s:.0f} s (trainer.dist_timeout_s)")
+            op = request_op(message)
+            if op == OP_GENERATE:
+                start = time.perf_counter()
+                try:
+                    out, sampling, metrics = self._generate(message, between_steps)
+                except _StopServing:  # what the trainer no longer needs (a run's last steps ahead)
+                    return self._stop(replies)
+                reply = encode_reply(out, int(message[0][1]), idle, time.perf_counter() - start, sampling.row_offset,
+                                     metrics)
+                self._answer(replies, reply)
+                self.stats.idle_s += idle
+                idle = 0.0
+            elif op == OP_WEIGHTS:
+                idle += self._load_weights(int(message[0][1]))
+            elif op == OP_PUSH_DIRECT:
+                self.push_direct = True
+            elif op == OP_STOP:
+                return self._stop(replies)
+            else:
+                raise RuntimeError(f"rollout worker: unknown request {op} from rank {self.driver}")
+
     def _submit(self, message: list[torch.Tensor], first_id: int) -> _OpenRequest:
         """A GENERATE's rows into the engine's queue, row ``i`` with the draws of the step's row
         ``row_offset + i`` (as the fixed batch's), so a row's sample never depends on what shares the batch."""
@@ -364,7 +485,10 @@ class RolloutWorker:
         if hasattr(self.engine, "refresh_weights"):  # the built-in decode layout of the new weights;
             self.engine.refresh_weights()  # vLLM's loads already went into its own layout
         self.version = version
-        if self.partial:
+        if self.agent_engine is not None:  # its tokens from now on record the new version
+            getattr(self.agent_engine, "refresh_weights", lambda: None)()
+            self.agent_engine.weight_version = version
+        elif self.partial:
             self.engine.weight_version = version
         self.stats.weight_loads += 1
         return time.perf_counter() - start

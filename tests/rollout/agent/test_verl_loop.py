@@ -1,8 +1,9 @@
 """verl agent loops run as their authors wrote them: an ``AgentLoopBase`` subclass (written against verl's
 modules: the stand-in in verl_stand_in.py where verl is not installed, verl itself where it is) with its tools
 from a verl tool config YAML, picked per row by ``agent_name``, its turns sampled by scalerl's engine through
-the server-manager shim, its output held token for token to what the engine sampled; it trains from the config
-line. Bad loops and specs are refused naming the loop and the fix."""
+the server-manager shim, its output held token for token to what the engine sampled (sampled tokens it masks 0
+kept with their log-probs, out of the loss; its own stop tokens reaching the engine; verl's function tools handed
+in); it trains from the config line. Bad loops and specs are refused naming the loop and the fix."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from scalerl.core.config import ConfigError, load_config
 from scalerl.models.tokenizer import CharTokenizer
 from scalerl.rollout.agent.loop import AgentLimits, AgentLoop
+from scalerl.rollout.agent.tools import ToolDefinitionError
 from scalerl.rollout.agent.verl_loop import (
     VerlLoopError,
     VerlLoops,
@@ -25,8 +27,7 @@ from scalerl.rollout.agent.verl_loop import (
 from scalerl.rollout.engines.builtin import BuiltinEngine
 from scalerl.rollout.engines.engine import SamplingParams
 from scalerl.rollout.trajectory import TrajectorySegment
-from tests.rollout.agent import verl_stand_in
-from tests.rollout.agent.conftest import ScriptedTurns
+from tests.rollout.agent.conftest import ScriptedTurns, forget_modules
 from tests.tiny import tiny_model
 
 TOK = CharTokenizer()
@@ -190,6 +191,72 @@ class HotSampler(AgentLoopBase):
 '''
 
 
+# Loops that use the rest of verl's interface: a sampled draft kept in the conversation but masked out of the loss
+# (response_mask 0 on tokens the engine sampled), a turn with a stop token of its own (stop_token_ids, as verl
+# 0.9.1's tool parsers add theirs), stop strings (refused), and verl 0.9.1's function tools handed in (tools=).
+MASK_AND_STOP_LOOPS = '''
+
+@register("masked_draft")
+class MaskedDraftLoop(AgentLoopBase):
+    async def run(self, sampling_params, **kwargs):
+        prompt_ids = await self.apply_chat_template(list(kwargs["raw_prompt"]))
+        ids, mask, logprobs = list(prompt_ids), [], []
+        draft = await self.server_manager.generate("r", prompt_ids=ids, sampling_params=sampling_params)
+        ids, mask, logprobs = ids + draft.token_ids, [0] * len(draft.token_ids), list(draft.log_probs)
+        nudge = await self.apply_chat_template([{"role": "user", "content": "again"}], remove_system_prompt=True)
+        ids, mask, logprobs = ids + nudge, mask + [0] * len(nudge), logprobs + [0.0] * len(nudge)
+        final = await self.server_manager.generate("r", prompt_ids=ids, sampling_params=sampling_params)
+        ids, mask, logprobs = ids + final.token_ids, mask + [1] * len(final.token_ids), logprobs + final.log_probs
+        output = AgentLoopOutput(prompt_ids=prompt_ids, response_ids=ids[len(prompt_ids):], response_mask=mask,
+                                 response_logprobs=logprobs, num_turns=3, metrics=AgentLoopMetrics())
+        TRACE.append(([draft, final], output))
+        return output
+
+
+@register("stop_at_bang")
+class StopAtBang(AgentLoopBase):
+    async def run(self, sampling_params, **kwargs):
+        prompt_ids = await self.apply_chat_template(list(kwargs["raw_prompt"]))
+        stops = {**sampling_params, "stop_token_ids": self.tokenizer.encode("!")}
+        out = await self.server_manager.generate("r", prompt_ids=prompt_ids, sampling_params=stops)
+        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids),
+                               response_logprobs=out.log_probs, metrics=AgentLoopMetrics())
+
+
+@register("stop_strings")
+class StopStrings(AgentLoopBase):
+    async def run(self, sampling_params, **kwargs):
+        prompt_ids = await self.apply_chat_template(list(kwargs["raw_prompt"]))
+        await self.server_manager.generate("r", prompt_ids=prompt_ids, sampling_params={**sampling_params,
+                                                                                         "stop": ["</answer>"]})
+
+
+@register("function_tool_agent")
+class FunctionToolLoop(AgentLoopBase):
+    def __init__(self, *args, tools=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tools = {tool.name: tool for tool in (tools.tools if tools else [])}
+
+    async def run(self, sampling_params, **kwargs):
+        from verl.tools.function_tool import FunctionTool, normalize_function_tool_return
+
+        tool = self.tools["add"]
+        assert isinstance(tool, FunctionTool), type(tool)  # verl 0.9.1's loop dispatches on the type
+        prompt_ids = await self.apply_chat_template(list(kwargs["raw_prompt"]), tools=[
+            t.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for t in self.tools.values()])
+        first = await self.server_manager.generate("r", prompt_ids=prompt_ids, sampling_params=sampling_params)
+        response, _, _ = normalize_function_tool_return(await tool.call({"a": 2, "b": 3}))
+        result = await self.apply_chat_template([{"role": "tool", "content": response.text}],
+                                                remove_system_prompt=True)
+        ids = prompt_ids + first.token_ids + result
+        second = await self.server_manager.generate("r", prompt_ids=ids, sampling_params=sampling_params)
+        ids += second.token_ids
+        mask = [1] * len(first.token_ids) + [0] * len(result) + [1] * len(second.token_ids)
+        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=ids[len(prompt_ids):], response_mask=mask,
+                               metrics=AgentLoopMetrics())
+'''
+
+
 def _call(name: str, **arguments) -> str:
     return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
 
@@ -205,24 +272,16 @@ def _real_verl_importable() -> bool:
 REAL_VERL = _real_verl_importable()
 
 
-def _forget(*packages: str) -> None:
-    for name in [m for m in sys.modules if m.split(".")[0] in packages]:
-        del sys.modules[name]
-
-
 @pytest.fixture
-def verl_files(tmp_path, monkeypatch):
+def verl_files(tmp_path, monkeypatch, stand_in_verl):
     """The stand-in verl (v0.9's interface, the user's files are written to; also where verl 0.9.1 is installed),
     the user's tools and loops, and their tool config YAML; every module they load is forgotten after the test."""
-    _forget("verl")
-    verl_stand_in.install(tmp_path / "stand_in")
-    monkeypatch.syspath_prepend(str(tmp_path / "stand_in"))
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "user_verl_tools.py").write_text(USER_TOOLS)
-    (tmp_path / "user_verl_loops.py").write_text(USER_LOOPS)
+    (tmp_path / "user_verl_loops.py").write_text(USER_LOOPS + MASK_AND_STOP_LOOPS)
     (tmp_path / "tool_config.yaml").write_text(TOOL_CONFIG)
     yield tmp_path
-    _forget("verl", "user_verl_tools", "user_verl_loops")
+    forget_modules("verl", "user_verl_tools", "user_verl_loops")
 
 
 def _cfg(tmp_path, *overrides: str):
@@ -320,7 +379,7 @@ def test_the_output_must_be_the_turns_the_engine_returned():
     assert episode.segments == [turn1, [9], turn2] and episode.segments[0] is turn1 and episode.reward is None
     for change, message in [
         ({"response_ids": [5, 8, 9, 7]}, "response tokens 0..1 are not the 2 tokens generate returned for turn 1"),
-        ({"response_mask": [1, 0, 0, 1]}, "response tokens 0..1 are not the 2 tokens generate returned for turn 1"),
+        ({"response_mask": [1, 1, 1, 1]}, "marks response token 2 as sampled, but it comes before turn 2"),
         ({"response_ids": [5, 6, 9], "response_mask": [1, 1, 0]}, "generate returned 2 turns and response_ids holds 1"),
         ({"response_ids": [5, 6, 9, 7, 4], "response_mask": [1, 1, 0, 1, 1]}, "marks response token 4 as sampled"),
         ({"response_mask": [1, 1, 2, 1]}, "response_mask holds [2]"),
@@ -331,6 +390,20 @@ def test_the_output_must_be_the_turns_the_engine_returned():
         with pytest.raises(VerlLoopError, match="verl agent loop L") as caught:
             episode_from_output("L", {**good, **change}, calls)
         assert message in str(caught.value)
+
+
+def test_each_turn_must_sit_where_it_was_sampled():
+    turn1, turn2 = TrajectorySegment([5, 6], True, [-0.1, -0.2]), TrajectorySegment([7], True, [-0.3])
+    good = {"prompt_ids": [1, 2], "response_ids": [5, 6, 9, 7], "response_mask": [1, 1, 0, 1]}
+    with pytest.raises(VerlLoopError, match=r"turn 2 was sampled on a prompt of 5 tokens that is not prompt_ids \+ "
+                                            r"the response before it \(they differ at token 4\)"):
+        episode_from_output("L", good, [([1, 2], turn1), ([1, 2, 5, 6, 8], turn2)])  # a re-rendered tool answer
+    redrawn = {"prompt_ids": [1, 2], "response_ids": [5, 6, 7], "response_mask": [1, 1, 1]}
+    with pytest.raises(VerlLoopError, match="turn 2 was sampled on a prompt that ends before turn 1 does"):
+        episode_from_output("L", redrawn, [([1, 2], turn1), ([1, 2], turn2)])  # turn 1 dropped and drawn again
+    kept = {"prompt_ids": [1, 2], "response_ids": [5, 6, 9, 7], "response_mask": [0, 0, 0, 1]}
+    episode = episode_from_output("L", kept, [([1, 2], turn1), ([1, 2, 5, 6, 9], turn2)])  # kept, masked 0
+    assert episode.segments == [turn1, [9], turn2] and turn1.loss_mask == [0, 0] and turn2.loss_mask is None
 
 
 def test_a_verl_row_reaches_run_as_verls_dataset_gives_it():
@@ -411,7 +484,7 @@ def test_a_verl_agent_loop_trains_from_the_config_line(tiny_config, length_rewar
 def test_verls_own_tool_agent_loop_runs_on_scalerls_engine(tmp_path, monkeypatch):
     """verl's ToolAgentLoop itself (0.9.1: the tools handed in, the Continuous Token builder), with a tool
     subclassing verl's own BaseTool, from verl's tool config."""
-    _forget("verl")
+    forget_modules("verl")
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "user_verl_tools.py").write_text(USER_TOOLS)
     (tmp_path / "tool_config.yaml").write_text(TOOL_CONFIG)
@@ -451,3 +524,129 @@ def test_the_verl_agent_loop_example_runs_as_its_docs_say(verl_files):
     for t in trajectories:
         call, result, answer = t.segments
         assert call.generated and answer.generated and result.token_ids == TOK.encode("received 19")
+
+
+def test_a_sampled_turn_the_loop_masks_stays_with_its_logprobs_out_of_the_loss(verl_files):
+    """response_mask 0 on tokens the engine sampled (a draft kept in the conversation): the turn is the engine's
+    segment, ids and log-probs as sampled, with a loss mask of 0; laid out, the batch trains none of it."""
+    from scalerl.rollout.trajectory import trajectories_to_output
+
+    make_env = verl_loop_factory(_cfg(verl_files, "rollout.agent.verl_loop=user_verl_loops:MaskedDraftLoop"), TOK,
+                                 LIMITS)
+    trajectories, records = _run(make_env, [_verl_row("6+1=", None)], "12")
+    assert records[0].end == "done" and "error" not in records[0].info, records[0].info
+    (draft, final), output = sys.modules["user_verl_loops"].TRACE[-1]
+    first, nudge, second = trajectories[0].segments
+    assert first.generated and first.token_ids == draft.token_ids and first.logprobs == draft.log_probs
+    assert first.loss_mask == [0] * len(draft.token_ids) and second.loss_mask is None  # all trained: no mask
+    assert not nudge.generated and second.token_ids == final.token_ids
+    out = trajectories_to_output(trajectories, TOK.pad_token_id)
+    n = len(output.response_ids)
+    assert out.loss_mask[0, :n].tolist() == output.response_mask  # the loop's mask, as it gave it
+    assert out.logprobs[0, : len(draft.token_ids)].tolist() == pytest.approx(draft.log_probs)  # kept in place
+    calls = [([1, 2], TrajectorySegment([5, 6], True, [-0.1, -0.2]))]
+    episode = episode_from_output("L", {"prompt_ids": [1, 2], "response_ids": [5, 6], "response_mask": [1, 0]}, calls)
+    assert episode.segments[0] is calls[0][1] and calls[0][1].loss_mask == [1, 0]  # part of a turn, per token
+
+
+def test_a_loops_own_stop_tokens_reach_the_engine_and_stop_strings_are_refused(verl_files):
+    make_env = verl_loop_factory(_cfg(verl_files, "rollout.agent.verl_loop=user_verl_loops:StopAtBang"), TOK, LIMITS)
+    trajectories, records = _run(make_env, [_verl_row("6+1=", None)], "ab!cd")
+    assert records[0].end == "done" and "error" not in records[0].info, records[0].info
+    (turn,) = trajectories[0].segments
+    assert TOK.decode(turn.token_ids) == "ab!" and trajectories[0].finish_reason == "stop"  # the stop token kept
+    plain = verl_loop_factory(_cfg(verl_files, "rollout.agent.verl_loop=user_verl_loops:MaskedDraftLoop"), TOK,
+                              LIMITS)
+    trajectories, _ = _run(plain, [_verl_row("6+1=", None)], "ab!cd")
+    assert TOK.decode(trajectories[0].segments[0].token_ids, skip_special_tokens=True) == "ab!cd"  # no stop of its own
+    refused = verl_loop_factory(_cfg(verl_files, "rollout.agent.verl_loop=user_verl_loops:StopStrings"), TOK, LIMITS)
+    _, records = _run(refused, [_verl_row("6+1=", None)], "12")
+    assert ("verl agent loop StopStrings (agent_name 'stop_strings') asked generate to stop at the strings "
+            "['</answer>']; scalerl's engine stops at token ids only") in records[0].info["error"]
+
+
+def test_function_tools_reach_a_verl_loop_as_verls_function_tools(verl_files):
+    """rollout.agent.function_tool_path with env=verl: the file loads through verl's loader (the stand-in's here)
+    and the loop gets its FunctionTool objects among its tools, as verl 0.9.1's worker hands them over."""
+    from tests.rollout.agent.test_adapters import FUNCTION_TOOLS_FILE
+
+    (verl_files / "fns.py").write_text(FUNCTION_TOOLS_FILE)
+    cfg = _cfg(verl_files, "rollout.agent.verl_loop=user_verl_loops:FunctionToolLoop",
+               f"rollout.agent.function_tool_path={verl_files}/fns.py")
+    make_env = verl_loop_factory(cfg, TOK, LIMITS)
+    trajectories, records = _run(make_env, [_verl_row("2+3=", None)], "12")
+    assert records[0].end == "done" and "error" not in records[0].info, records[0].info
+    first, result, second = trajectories[0].segments
+    assert first.generated and second.generated and TOK.decode(result.token_ids) == '{"sum": 5}'
+    clash = verl_files / "clash.py"
+    clash.write_text('from verl.tools.function_tool import function_tool\n\n@function_tool\n'
+                     'def submit_answer(answer: str) -> str:\n    """Submit.\n\n    Args:\n        answer: it\n    """\n'
+                     '    return answer\n')
+    with pytest.raises(ToolDefinitionError, match="tool name 'submit_answer' is declared by rollout.agent.tool_config="):
+        verl_loop_factory(_cfg(verl_files, "rollout.agent.verl_loop=user_verl_loops:FunctionToolLoop",
+                               f"rollout.agent.function_tool_path={clash}"), TOK, LIMITS)
+
+
+def test_a_loop_masking_sampled_turns_trains_from_the_config_line(tiny_config, length_reward, tmp_path, verl_files):
+    """A few steps of the draft-masking loop: each row holds both sampled turns with the engine's log-probs, and the
+    batch's loss mask (what the loss, KL, entropy and metrics read) is 0 on the draft and 1 on the final turn."""
+    from scalerl.trainer.rl_trainer import RLTrainer
+
+    data = tmp_path / "verl_rows.jsonl"
+    data.write_text("".join(json.dumps({
+        "data_source": "test", "prompt": [{"role": "user", "content": f"{a}+{a}="}], "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(2 * a)}, "agent_name": "masked_draft",
+        "extra_info": {"index": a}}) + "\n" for a in range(1, 21)))
+    trainer = RLTrainer.from_config(tiny_config(
+        "trainer.total_steps=3", "rollout.agent.env=verl", "rollout.agent.verl_loop=user_verl_loops:MaskedDraftLoop",
+        "data.format=verl", f"data.train_files=[{data}]", f"data.val_files=[{data}]", length_reward,
+        f"trainer.output_dir={tmp_path}/m"))
+    batches = []
+    trainer.on_batch = batches.append
+    trainer.fit()
+    trace = sys.modules["user_verl_loops"].TRACE
+    assert len(batches) == 3
+    for batch in batches:
+        for i in range(len(batch)):
+            length = int(batch.response_attention[i].sum())
+            response = batch.response_ids[i, :length].tolist()
+            (draft, final), output = next((o, out) for o, out in trace if out.response_ids == response)
+            d, f = len(draft.token_ids), len(final.token_ids)
+            assert response[:d] == draft.token_ids and response[length - f:] == final.token_ids
+            assert batch.response_mask[i, :length].tolist() == [0] * (length - f) + [1] * f == output.response_mask
+            sampled = draft.log_probs + [0.0] * (length - d - f) + final.log_probs
+            assert batch.rollout_logprobs[i, :length].tolist() == pytest.approx(sampled, abs=1e-6)
+    rows = [json.loads(x) for x in (trainer.output_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "agent/turns/max" in r]
+    assert len(steps) == 3 and all(r["agent/env_errors"] == 0 and r["agent/turns/max"] == 2 for r in steps)
+
+
+def test_a_verl_loop_with_function_tools_trains_from_the_config_line(tiny_config, length_reward, tmp_path,
+                                                                     verl_files):
+    """Two steps of the loop that calls the @function_tool file's add after its first turn: every row holds the
+    function's answer between the two sampled turns, untrained."""
+    from scalerl.trainer.rl_trainer import RLTrainer
+    from tests.rollout.agent.test_adapters import FUNCTION_TOOLS_FILE
+
+    (verl_files / "fns.py").write_text(FUNCTION_TOOLS_FILE)
+    data = tmp_path / "verl_rows.jsonl"
+    data.write_text("".join(json.dumps({
+        "data_source": "test", "prompt": [{"role": "user", "content": f"{a}+{a}="}], "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(2 * a)}, "agent_name": "function_tool_agent",
+        "extra_info": {"index": a}}) + "\n" for a in range(1, 21)))
+    trainer = RLTrainer.from_config(tiny_config(
+        "trainer.total_steps=2", "rollout.agent.env=verl", "rollout.agent.verl_loop=user_verl_loops:FunctionToolLoop",
+        f"rollout.agent.function_tool_path={verl_files}/fns.py", "data.format=verl", f"data.train_files=[{data}]",
+        f"data.val_files=[{data}]", length_reward, f"trainer.output_dir={tmp_path}/f"))
+    batches = []
+    trainer.on_batch = batches.append
+    trainer.fit()
+    assert len(batches) == 2
+    for batch in batches:
+        for i in range(len(batch)):
+            length = int(batch.response_attention[i].sum())
+            mask = batch.response_mask[i, :length].tolist()
+            ids = batch.response_ids[i, :length].tolist()
+            start, stop = mask.index(0), length - mask[::-1].index(0)  # the function's answer: the untrained run
+            assert mask == [1] * start + [0] * (stop - start) + [1] * (length - stop)
+            assert TOK.decode(ids[start:stop]) == '{"sum": 5}'

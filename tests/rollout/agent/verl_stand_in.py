@@ -1,8 +1,10 @@
 """The parts of verl (v0.9.1) an agent loop and its tools import, transcribed from its repository
 (verl/experimental/agent_loop/agent_loop.py, tool_parser.py, verl/tools/base_tool.py, schemas.py,
-utils/tool_registry.py, verl/utils/chat_template.py) for tests where verl is not installed: verl itself needs
+function_tool.py, utils/tool_registry.py, verl/utils/chat_template.py) for tests where verl is not installed: verl itself needs
 Ray, tensordict, hydra and more to import. Only what a loop touches is kept: the processor (images), tracing,
-MCP tools and the Ray worker are left out. `install(directory)` writes it as a ``verl`` package there."""
+MCP tools and the Ray worker are left out. `install(directory)` writes it as a ``verl`` package there (the
+``stand_in_verl`` fixture of conftest.py puts it on the path for a test). Its ``BaseTool`` and ``ToolResponse`` are
+what the tests' verl-format tools subclass and return, in test_adapters.py and test_verl_loop.py alike."""
 
 from __future__ import annotations
 
@@ -206,6 +208,107 @@ class BaseTool:
 
     async def release(self, instance_id, **kwargs):
         pass
+''',
+    "verl/tools/function_tool.py": '''
+import asyncio
+import importlib.util
+import inspect
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from transformers.utils import get_json_schema
+
+from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+FUNCTION_TOOL_REGISTRY = {}
+_LOADED_FUNCTION_TOOL_PATHS = {}
+
+
+@dataclass
+class FunctionTool:
+    name: str
+    fn: Callable[..., Any]
+    tool_schema: OpenAIFunctionToolSchema
+    is_async: bool = False
+
+    async def call(self, parameters):
+        if self.is_async:
+            return await self.fn(**parameters)
+        return await asyncio.to_thread(self.fn, **parameters)
+
+
+def function_tool(name=None, *, schema=None):
+    def _make_decorator(tool_name_override):
+        def decorator(fn):
+            tool_name = tool_name_override or fn.__name__
+            if isinstance(schema, OpenAIFunctionToolSchema):
+                built_schema = schema
+            elif isinstance(schema, dict):
+                built_schema = OpenAIFunctionToolSchema.model_validate(schema)
+            else:
+                built_schema = _build_schema_from_fn(fn, tool_name)
+            entry = FunctionTool(name=tool_name, fn=fn, tool_schema=built_schema,
+                                 is_async=inspect.iscoroutinefunction(fn))
+            existing = FUNCTION_TOOL_REGISTRY.get(tool_name)
+            if existing is not None and existing.fn is not fn:
+                raise ValueError(f"Function tool '{tool_name}' is already registered")
+            FUNCTION_TOOL_REGISTRY[tool_name] = entry
+            return fn
+
+        return decorator
+
+    if callable(name) and schema is None:
+        return _make_decorator(None)(name)
+    return _make_decorator(name)
+
+
+def load_function_tools_from_path(path):
+    abs_path = os.path.abspath(path)
+    if not os.path.isfile(abs_path):
+        raise FileNotFoundError(f"function_tool_path does not exist: {path}")
+    if abs_path in _LOADED_FUNCTION_TOOL_PATHS:
+        return _LOADED_FUNCTION_TOOL_PATHS[abs_path]
+    before = set(FUNCTION_TOOL_REGISTRY)
+    module_name = "_verl_function_tools_" + abs_path.replace(os.sep, "_").replace(".", "_")
+    spec = importlib.util.spec_from_file_location(module_name, abs_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    tools = [FUNCTION_TOOL_REGISTRY[name] for name in sorted(set(FUNCTION_TOOL_REGISTRY) - before)]
+    _LOADED_FUNCTION_TOOL_PATHS[abs_path] = tools
+    return tools
+
+
+def _build_schema_from_fn(fn, tool_name):
+    sig = inspect.signature(fn)
+    variadic = [n for n, p in sig.parameters.items()
+                if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if variadic:
+        raise ValueError(f"@function_tool '{tool_name}' declares variadic parameter(s) {variadic}")
+    raw = get_json_schema(fn)
+    raw["function"]["name"] = tool_name
+    return OpenAIFunctionToolSchema.model_validate(raw)
+
+
+def normalize_function_tool_return(ret):
+    if isinstance(ret, ToolResponse):
+        return ret, 0.0, {}
+    if isinstance(ret, str):
+        return ToolResponse(text=ret), 0.0, {}
+    if isinstance(ret, dict):
+        return ToolResponse(text=json.dumps(ret, ensure_ascii=False)), 0.0, {}
+    if isinstance(ret, tuple):
+        if not 1 <= len(ret) <= 3:
+            raise TypeError(f"@function_tool return tuple must have length 1, 2, or 3 (got length {len(ret)})")
+        response = ret[0] if isinstance(ret[0], ToolResponse) else ToolResponse(
+            text=ret[0] if isinstance(ret[0], str) else json.dumps(ret[0]) if isinstance(ret[0], dict) else str(ret[0]))
+        reward = 0.0 if len(ret) < 2 or ret[1] is None else float(ret[1])
+        metrics = {} if len(ret) < 3 or ret[2] is None else dict(ret[2])
+        return response, reward, metrics
+    return ToolResponse(text=str(ret)), 0.0, {}
 ''',
     "verl/tools/utils/__init__.py": "",
     "verl/tools/utils/tool_registry.py": '''

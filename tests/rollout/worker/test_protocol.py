@@ -89,3 +89,31 @@ def test_a_worker_that_goes_away_is_named_over_gloo():
     assert message.startswith("rollout workers [1] all stopped answering (the last, rank 1, owed the rollouts of "
                               "steps [5])")
     assert "trainer.resume=auto" in message
+
+
+def test_an_agent_request_carries_its_rows_and_the_reply_its_rewards_and_metrics():
+    """An agent run's GENERATE brings its data rows (JSON bytes); the answer brings the trajectories' loss mask,
+    each row's environment reward (none: the run's reward function scores it) and the worker's agent metrics."""
+    import pytest
+
+    from scalerl.core.errors import UserError
+    from scalerl.rollout.worker.protocol import decode_reply, encode_reply, request_rows
+
+    ids, mask = left_pad([[5, 6], [7]], pad_token_id=0)
+    rows = [{"prompt": "1+1=", "ground_truth": "2", "turns": ["again"]}, {"prompt": "ü", "info": {"k": [1, None]}}]
+    message = encode_request(3, SamplingParams(max_new_tokens=4), ids, mask.sum(-1), rows)
+    assert request_rows(message) == rows and decode_request(message)[1] == [[5, 6], [7]]
+    assert request_rows(encode_request(3, SamplingParams(max_new_tokens=4), ids, mask.sum(-1))) is None
+    with pytest.raises(UserError, match="JSON"):
+        encode_request(3, SamplingParams(max_new_tokens=4), ids, mask.sum(-1), [{"prompt": object()}, {}])
+
+    out = GenerationOutput(ids, mask, torch.tensor([[1, 2, 3], [4, 0, 0]]), torch.tensor([[1, 1, 1], [1, 0, 0]]),
+                           torch.tensor([[-0.5, 0.0, -0.25], [-1.0, 0.0, 0.0]]), ["stop", "length"],
+                           torch.tensor([[4, -1, 5], [4, -1, -1]], dtype=torch.int32),
+                           torch.tensor([[1, 0, 1], [1, 0, 0]]), [{"env_reward": 0.25, "row": rows[0]}, {"env_reward": None}])
+    reply = decode_reply(encode_reply(out, 3, 0.5, 1.5, 8, {"agent/turns/max": 2.0}))
+    assert (reply.step, reply.row_start, reply.metrics) == (3, 8, {"agent/turns/max": 2.0})
+    assert torch.equal(reply.out.loss_mask, out.loss_mask) and torch.equal(reply.out.weight_versions, out.weight_versions)
+    assert reply.out.reward_inputs == [{"env_reward": 0.25}, {}]
+    plain = decode_reply(encode_reply(out, 3, 0.5, 1.5, 8))
+    assert plain.metrics == {} and plain.out.reward_inputs == [{"env_reward": 0.25}, {}]

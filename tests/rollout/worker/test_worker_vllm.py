@@ -38,3 +38,30 @@ def test_vllm_worker_gets_every_update(tmp_path):
         assert r["comm/weight_sync_bytes"] > 0 and r["weight_sync/resyncs"] == 0
         assert r["rollout/logprob_diff/max"] < 1e-3, r  # generated with the weights just trained
     assert rows[0]["weight_sync/changed_fraction"] > 0.5  # an update changes most elements
+
+
+def _standalone_vllm_agent(rank: int, out: str, run: str) -> None:
+    from scalerl.core.config import load_config
+    from scalerl.trainer.rl_trainer import train
+
+    agent = [f"rollout.agent.env={out}/turns_env.py:Turns", "rollout.agent.max_turns=3", "trainer.total_steps=2"]
+    streaming = ["rollout.staleness=1", "rollout.partial=true"] if run == "streaming" else []
+    train(load_config(None, [*BASE, *agent, *streaming, f"trainer.output_dir={out}/{run}"]))
+
+
+def test_vllm_workers_run_agent_episodes(tmp_path):
+    """rollout.agent.env on standalone vLLM workers, in order (`VLLMEngine.continuous_engine`) and streaming
+    (`VLLMAsyncEngine`, rollout.partial=true): the episodes' turns and rewards reach the trainer, trained with
+    the log-probs of the weights just pushed."""
+    from tests.rollout.worker.test_agent_worker import ENV
+
+    (tmp_path / "turns_env.py").write_text(ENV)
+    for run in ("in_order", "streaming"):  # a group each (in one group the second run's start lost the vLLM worker)
+        run_in_group(_standalone_vllm_agent, 2, str(tmp_path), run, timeout_s=900)
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if r["step"] > 0]
+        assert len(rows) == 2, run
+        for r in rows:
+            assert r["agent/turns/max"] == 3 and r["agent/environment_tokens"] > 0, (run, r)
+            assert r["comm/weight_sync_bytes"] > 0
+        assert rows[0]["rollout/logprob_diff/max"] < 1e-3, (run, rows[0])  # generated with the weights pushed
