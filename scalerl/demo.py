@@ -22,6 +22,7 @@ from scalerl.data.arithmetic import make_arithmetic_rows
 from scalerl.data.tool_arithmetic import (
     OPERATOR_TEXT,
     TOOL_SPEC,
+    chat_tool_demonstration_rows,
     direct_demonstration_rows,
     make_tool_arithmetic_rows,
     tool_answer_reward,
@@ -115,7 +116,9 @@ def run_demo(cfg: Config) -> dict[str, Any]:
 #    the final answer (`tool_demonstration_rows`: one SFT row per assistant turn, so the loss covers the
 #    model's turns and never the prompt or the tool's result).
 # 2. SFT warm-starts the built-in tiny model on them (``data.chat_template=true``: prompts are laid out as the
-#    agent loop lays them out, without a BOS).
+#    agent loop lays them out, without a BOS). A model with a chat template of its own (``model.path``) gets the
+#    rows rendered through it as the loop lays the episode out (`chat_tool_demonstration_rows`), trained with
+#    ``data.chat_template=false`` so they are not templated twice.
 # 3. GRPO trains with the tool environment (``rollout.agent.env=tools`` over ``op``), the exact final answer as
 #    reward.
 # Held-out accuracy is measured in episodes (`evaluate_episodes`: greedy, the tool environment, up to
@@ -192,19 +195,71 @@ def _evaluate_dir(cfg: Any, model_dir: str, rows: list[dict], use_tool: bool) ->
                              seed=cfg.trainer.seed)
 
 
-def write_demonstrations(cfg: Any, path: Path, use_tool: bool) -> Path:
-    """The scripted teacher's demonstrations for ``cfg``'s training problems, as JSON lines at ``path``."""
+def environment_resets(cfg: Any, rows: list[dict]) -> dict[str, tuple[list[dict], list[dict]]]:
+    """What the run's tool environment (``rollout.agent``) opens each row's episode with: its first messages
+    (a system prompt included) and the tools' schemas, by prompt; each environment closed after."""
+    import asyncio
+    import inspect
+
+    from scalerl.rollout.agent.source import environment_factory
+
+    make_env = environment_factory(cfg.rollout.agent)
+
+    async def reset_all() -> dict[str, tuple[list[dict], list[dict]]]:
+        opened = {}
+        for row in rows:
+            env = make_env()
+            reset = env.reset(row)
+            reset = await reset if inspect.isawaitable(reset) else reset
+            opened[row["prompt"]] = reset if isinstance(reset, tuple) else (reset, None)
+            closing = env.close() if callable(getattr(env, "close", None)) else None
+            if inspect.isawaitable(closing):
+                await closing
+        return opened
+
+    return asyncio.run(reset_all())
+
+
+def write_demonstrations(cfg: Any, path: Path, use_tool: bool, chat_tokenizer: Any = None) -> Path:
+    """The scripted teacher's demonstrations for ``cfg``'s training problems, as JSON lines at ``path``. With
+    ``chat_tokenizer`` (a model with a real chat template) the tool-use rows are rendered through its template as
+    the agent loop lays the episode out (`chat_tool_demonstration_rows`; SFT them with
+    ``data.chat_template=false``)."""
     rows = make_tool_arithmetic_rows("train", cfg.data.num_train, list(cfg.data.difficulty), cfg.trainer.seed)
-    demos = tool_demonstration_rows(rows) if use_tool else direct_demonstration_rows(rows)
+    if use_tool and chat_tokenizer is not None:
+        opened = environment_resets(cfg, rows)
+        demos = chat_tool_demonstration_rows(rows, chat_tokenizer, lambda row: opened[row["prompt"]])
+    else:
+        demos = tool_demonstration_rows(rows) if use_tool else direct_demonstration_rows(rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in demos))
     return path
+
+
+def _check_episode_budget(cfg: Any, tokenizer: Any, teacher_file: Path) -> None:
+    """A chat template's system block (the tools' schemas) makes the episodes longer than the built-in
+    template's: the teacher's longest episode must fit the agent loop's token budget, or every episode would
+    end at the budget before its answer."""
+    from scalerl.core.config import ConfigError
+    from scalerl.rollout.agent.source import ENV_TOKENS_PER_TURN, agent_limits
+
+    budget = agent_limits(cfg).max_total_tokens
+    longest = max(len(tokenizer.encode(r["prompt"])) + len(tokenizer.encode(r["response"])) + 1
+                  for r in map(json.loads, teacher_file.read_text().splitlines()))
+    if longest > budget:
+        raise ConfigError(f"the teacher's longest episode through the chat template of {tokenizer.name_or_path} is "
+                          f"{longest} tokens, more than the agent loop's budget of {budget} (rollout.agent."
+                          "max_total_tokens, or when 0 data.max_prompt_length + rollout.agent.max_turns x "
+                          f"(rollout.max_new_tokens + {ENV_TOKENS_PER_TURN})): raise data.max_prompt_length or "
+                          "rollout.agent.max_total_tokens")
 
 
 def run_agent_demo(cfg: Any, use_tool: bool = True) -> dict[str, Any]:
     """SFT on the scripted teacher's demonstrations, then GRPO, on the tool task; held-out accuracy in
     episodes after each (`evaluate_episodes`, ``data.num_val`` unseen problems). ``use_tool=False``: the same
     without the tool (the baseline)."""
+    from scalerl.models.load import tokenizer_source
+    from scalerl.models.tokenizer import CharTokenizer, load_tokenizer
     from scalerl.trainer.rl_trainer import train
     from scalerl.trainer.run_checks import check_run_inputs
     from scalerl.trainer.sft_trainer import train_sft
@@ -218,18 +273,28 @@ def run_agent_demo(cfg: Any, use_tool: bool = True) -> dict[str, Any]:
         cfg.rollout.agent.env = cfg.rollout.agent.tools = None
     cfg.data.chat_template = True  # the agent loop renders prompts through the template: no BOS, as in SFT here
     check_run_inputs(cfg)
+    # A model with a chat template of its own (model.path, e.g. a Qwen2.5-style instruct model): the tool-use
+    # rows are rendered through it as the agent loop lays the episode out, so SFT must not template them again.
+    tokenizer = load_tokenizer(tokenizer_source(cfg.model, cfg.trainer.init_from or cfg.model.path,
+                                                "trainer.init_from" if cfg.trainer.init_from else "model.path"))
+    rendered = use_tool and not isinstance(tokenizer, CharTokenizer)
     start = time.perf_counter()
     out, seed = Path(cfg.trainer.output_dir), cfg.trainer.seed
     arm = "with the tool" if use_tool else "without the tool (baseline)"
     _say(f"scalerl demo --agent -> {out}/  ({OPERATOR_TEXT}, levels {list(cfg.data.difficulty)}, {arm})")
     _say(f"[1/3] scripted teacher: {cfg.data.num_train} problems, "
          + ("each a call to the tool op, its result and the answer" if use_tool else "each answered directly"))
-    teacher_file = write_demonstrations(cfg, out / "data" / "teacher_demonstrations.jsonl", use_tool)
+    teacher_file = write_demonstrations(cfg, out / "data" / "teacher_demonstrations.jsonl", use_tool,
+                                        tokenizer if rendered else None)
+    if rendered:
+        _say(f"      rendered through the chat template of {tokenizer.name_or_path} as the agent loop lays them out")
+        _check_episode_budget(cfg, tokenizer, teacher_file)
     held_out = make_tool_arithmetic_rows("test", cfg.data.num_val, list(cfg.data.difficulty), seed)
 
     _say(f"[2/3] SFT warm start: {cfg.sft.steps} steps of {cfg.sft.batch_size} demonstration turns")
     sft_cfg = copy.deepcopy(cfg)
     sft_cfg.data.train_files, sft_cfg.data.val_fraction = [str(teacher_file)], 0.0
+    sft_cfg.data.chat_template = not rendered  # rendered rows hold their template's tokens already
     sft_cfg.sft.output_dir = str(out / "sft")
     sft = train_sft(sft_cfg)
     sft_time = time.perf_counter() - start

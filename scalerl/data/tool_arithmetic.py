@@ -29,6 +29,9 @@ import json
 import random
 import zlib
 from collections import Counter
+from collections.abc import Callable
+from itertools import pairwise
+from typing import Any
 
 from scalerl.data.answers import extract_hash_answer, same_number
 from scalerl.data.arithmetic import _share_out
@@ -180,6 +183,50 @@ def demonstration_sft_rows(messages: list[dict], end_of_turn: str) -> list[dict]
     return rows
 
 
+def chat_demonstration_sft_rows(messages: list[dict], tokenizer: Any, tools: list[dict] | None = None) -> list[dict]:
+    """One SFT row per assistant turn of a conversation, laid out token for token as the agent loop lays out
+    its tokens through ``tokenizer``'s chat template (`ChatContinuity`, as for a Qwen2.5-style instruct model):
+    the messages before the first assistant turn rendered whole with ``tools`` and the generation prompt; each
+    assistant turn its content's tokens + the eos the engine stops at; the messages after it (the tool's
+    result) as the loop's delta (the template's glue after the eos, the new messages, the next generation
+    prompt), never a re-render. A row's prompt is that layout's text before its turn, its response the turn's
+    content (SFT appends the eos), so the loss covers the assistant's turns only.
+
+    The rows are rendered already: train on them with ``data.chat_template=false`` (the trainer then adds only
+    the tokenizer's BOS, which a prompt that the template began with a BOS leaves out here). Every row is
+    encoded as the SFT trainer encodes it and compared with the loop's tokens; a tokenizer that re-encodes the
+    text differently (a merge across a turn boundary) is a `DataError` naming the turn."""
+    from scalerl.data.prompts import encode_demonstration
+    from scalerl.rollout.agent.chat_delta import ChatContinuity
+
+    roles = [m["role"] for m in messages]
+    turns = [i for i, role in enumerate(roles) if role == "assistant"]
+    if not turns or turns[0] == 0:
+        raise DataError(f"a demonstration needs messages before its first assistant turn, got roles {roles}")
+    for earlier, later in pairwise(turns):
+        if later == earlier + 1:
+            raise DataError(f"assistant turn {later} of the demonstration follows another assistant turn directly; "
+                            "the agent loop ends an episode at an assistant turn that gets no reply")
+    continuity, bos = ChatContinuity(tokenizer, tools), tokenizer.bos_token_id
+    context = continuity.prompt(messages[:turns[0]])
+    rows = []
+    for turn_index, reply_end in zip(turns, turns[1:] + [None]):
+        prompt_ids = context[1:] if bos is not None and context[:1] == [bos] else context
+        content = messages[turn_index]["content"]
+        turn = tokenizer.encode(content) + [tokenizer.eos_token_id]
+        row = {"prompt": tokenizer.decode(prompt_ids, skip_special_tokens=False), "response": content}
+        if encode_demonstration(tokenizer, row, chat_template=False) != (context, turn):
+            raise DataError(f"assistant turn {turn_index} of the demonstration: tokenizer "
+                            f"{getattr(tokenizer, 'name_or_path', tokenizer)!r} does not encode the rendered text "
+                            "as the agent loop lays out its tokens (a merge across a turn boundary, or a BOS the "
+                            "template does not render), so SFT would train on tokens the loop never produces")
+        rows.append(row)
+        context = context + turn
+        if reply_end is not None:  # the messages up to the next assistant turn, as the loop's delta
+            context = context + continuity.continuation(messages[turn_index + 1:reply_end], turn[-1]).token_ids
+    return rows
+
+
 def tool_demonstration_rows(rows: list[dict], end_of_turn: str = "<eos>") -> list[dict]:
     """`tool_demonstration` for each row as SFT rows (two per problem: the call, then the answer after the
     result), each keeping its problem's ``ground_truth`` and the whole conversation (``messages``)."""
@@ -187,6 +234,22 @@ def tool_demonstration_rows(rows: list[dict], end_of_turn: str = "<eos>") -> lis
     for row in rows:
         messages = tool_demonstration(row)
         for turn in demonstration_sft_rows(messages, end_of_turn):
+            out.append({**turn, "ground_truth": row["ground_truth"], "messages": messages})
+    return out
+
+
+def chat_tool_demonstration_rows(rows: list[dict], tokenizer: Any,
+                                 reset: Callable[[dict], tuple[list[dict], list[dict]]]) -> list[dict]:
+    """`tool_demonstration` for each row as SFT rows rendered through ``tokenizer``'s chat template
+    (`chat_demonstration_sft_rows`; train with ``data.chat_template=false``): the first messages and the tool
+    schemas are what ``reset(row)`` gives (the tool environment's own ``reset``, so a system prompt and the
+    tools match the RL run's), the teacher's turns follow. Each row keeps its ``ground_truth`` and the whole
+    conversation (``messages``)."""
+    out = []
+    for row in rows:
+        first, tools = reset(row)
+        messages = list(first) + tool_demonstration(row)[1:]
+        for turn in chat_demonstration_sft_rows(messages, tokenizer, tools):
             out.append({**turn, "ground_truth": row["ground_truth"], "messages": messages})
     return out
 

@@ -5,16 +5,22 @@ import pytest
 
 from scalerl.core.config import load_config
 from scalerl.data.errors import DataError
+from scalerl.data.prompts import encode_demonstration
 from scalerl.data.sources import reward_from_config, rows_from_config
 from scalerl.data.tool_arithmetic import (
     LEVEL_RANGES,
+    chat_demonstration_sft_rows,
     count_tool_arithmetic_problems,
     final_answer,
     make_tool_arithmetic_rows,
     operator,
     tool_answer_reward,
+    tool_arithmetic_row,
     tool_call_text,
+    tool_demonstration,
 )
+from scalerl.models.tokenizer import HFTokenizer
+from tests.rollout.agent.chat_templates import LLAMA3, QWEN25, chat_tokenizer
 
 
 def test_rows_are_deterministic_by_seed_and_differ_between_seeds():
@@ -71,3 +77,33 @@ def test_the_final_answer_is_the_one_after_the_last_tool_call():
     # a "####" before (or inside) the last call is not the final answer
     assert final_answer('#### 11<tool_call>{"name":"op","arguments":{"a":"#### 11"}}</tool_call>11') is None
     assert tool_answer_reward("#### 11<tool_call>{}</tool_call>", "11") == 0.0
+
+
+# ---- SFT rows through a chat template (their layout against the agent loop's: tests/rollout/agent/test_tool_task.py)
+
+def _with_bos(tokenizer: HFTokenizer, bos: str) -> HFTokenizer:
+    return HFTokenizer(tokenizer.backend, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=tokenizer.backend.token_to_id(bos), chat_template=tokenizer.chat_template)
+
+
+def test_chat_rows_leave_out_the_bos_the_sft_trainer_adds_and_reject_one_the_template_never_renders():
+    messages = tool_demonstration(tool_arithmetic_row(47, 38))
+    llama = _with_bos(chat_tokenizer(LLAMA3), "<|begin_of_text|>")  # the template begins with the BOS
+    rows = chat_demonstration_sft_rows(messages, llama)
+    assert [r["response"] for r in rows] == [messages[1]["content"], messages[3]["content"]]
+    assert not rows[0]["prompt"].startswith("<|begin_of_text|>")  # the trainer's BOS stands in for it
+    prompt, _ = encode_demonstration(llama, rows[0], chat_template=False)
+    assert prompt == llama.encode(llama.apply_chat_template(messages[:1], add_generation_prompt=True))
+    qwen = _with_bos(chat_tokenizer(QWEN25), "<bos>")  # a BOS the template never renders: SFT would add one
+    with pytest.raises(DataError, match="does not encode the rendered text as the agent loop lays out"):
+        chat_demonstration_sft_rows(messages, qwen)
+
+
+def test_chat_rows_name_a_conversation_the_agent_loop_cannot_lay_out():
+    tok = chat_tokenizer(QWEN25)
+    user, call, result, answer = tool_demonstration(tool_arithmetic_row(4, 7))
+    with pytest.raises(DataError, match="follows another assistant turn"):
+        chat_demonstration_sft_rows([user, call, answer], tok)
+    with pytest.raises(DataError, match="before its first assistant turn"):
+        chat_demonstration_sft_rows([call, result, answer], tok)
+    assert len(chat_demonstration_sft_rows([user, call, result, answer, result], tok)) == 2  # a trailing result
