@@ -11,9 +11,19 @@ import torch
 
 
 def max_memory_gb(device: torch.device) -> float:
-    """Peak accelerator memory allocated, or the process's peak resident set size on the CPU."""
+    """Peak accelerator memory allocated, or the process's peak resident set size on the CPU: its own high-water
+    mark (VmHWM) on Linux, since it started or since the doctor's phase profiler last reset it. Not
+    ``ru_maxrss``: Linux carries the parent's resident set at the fork into it across exec, so a run started by a
+    large process (a test session, a launcher) read that process's peak as its own."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1024**3
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024**2  # kB
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (1024**3 if sys.platform == "darwin" else 1024**2)
 

@@ -227,6 +227,7 @@ def test_standalone_evaluation_decodes_the_weights_the_optimizer_wrote():
     expected = fresh.generate([[3, 4, 5]], greedy).response_ids
     assert not torch.equal(before, expected)  # the change is visible in greedy tokens
     assert torch.equal(engine.generate([[3, 4, 5]], greedy).response_ids, before)  # stale without a refresh
-    trainer = SimpleNamespace(rollouts=object(), engine=engine)  # standalone: not ColocatedRollouts
+    single_turn = SimpleNamespace(rollout=SimpleNamespace(agent=SimpleNamespace(env=None)))
+    trainer = SimpleNamespace(rollouts=object(), engine=engine, cfg=single_turn)  # standalone: not ColocatedRollouts
     got = RLTrainer.engine_with_current_weights(trainer).generate([[3, 4, 5]], greedy).response_ids
     assert torch.equal(got, expected)
