@@ -36,6 +36,7 @@ from scalerl.rollout.engines.engine import SamplingParams
 from scalerl.rollout.trajectory import Trajectory
 
 STDERR_TAIL_CHARS = 2000  # of a failed program's stderr, in the error
+REAP_LIMIT_S = 10.0  # waiting for a killed program to exit
 
 
 class EndpointEpisodes:
@@ -166,7 +167,10 @@ class ProgramRunner:
             if process.returncode is None:  # cancelled (a timeout, another episode's failure): the whole group goes
                 kill_group(process.pid)
                 close_transport(process)  # before any await, so that a second cancel cannot skip it
-                await process.wait()
+                try:  # SIGKILL ends it at once; only a process stuck in the kernel outlives the limit
+                    await asyncio.wait_for(process.wait(), REAP_LIMIT_S)
+                except asyncio.TimeoutError:
+                    pass  # reaped by asyncio's child watcher whenever it does end
             close_transport(process)
         if process.returncode != 0:
             tail = stderr.decode("utf-8", "replace")[-STDERR_TAIL_CHARS:].strip()

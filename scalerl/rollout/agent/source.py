@@ -82,8 +82,8 @@ def environment_factory(agent_cfg: Any) -> Callable[[], Any]:
 
 def agent_loop(cfg: Any, tokenizer: Any, engine: Any) -> Any:
     """The run's episode runner on ``engine`` (a continuous engine), its environments and limits from
-    ``rollout.agent``: what a standalone rollout worker runs (`scalerl.rollout.worker.worker`), built as
-    `AgentRollouts` builds its own."""
+    ``rollout.agent``: what `AgentRollouts`, a standalone rollout worker (`scalerl.rollout.worker.worker`) and
+    a standalone run's evaluation (`EvaluationEpisodes`) run."""
     r = cfg.rollout
     limits = agent_limits(cfg)
     if r.agent.env == "verl":  # verl AgentLoopBase subclasses, as token-level environments
@@ -102,18 +102,12 @@ class AgentRollouts(ColocatedRollouts):
         limits = agent_limits(cfg)
         rows = cfg.trainer.batch_size * r.n // max(ctx.dp_size, 1)
         continuous = engine.continuous_engine(limits.max_total_tokens, r.max_new_tokens, r.max_num_seqs or rows)
-        if r.agent.env == "verl":  # verl AgentLoopBase subclasses, as token-level environments
-            from scalerl.rollout.agent.verl_loop import verl_loop_factory
-
-            make_env = verl_loop_factory(cfg, tokenizer, limits)
-        elif r.agent.env not in ("program", "verifiers"):
-            make_env = environment_factory(r.agent)
         if r.agent.env in ("program", "verifiers"):  # the user's own agent code, on the in-run OpenAI endpoint
             from scalerl.rollout.agent.endpoint_source import endpoint_episodes
 
             self.loop = endpoint_episodes(continuous, tokenizer, r.agent)
         else:
-            self.loop = AgentLoop(continuous, tokenizer, make_env, limits)
+            self.loop = agent_loop(cfg, tokenizer, continuous)
         self.n, self.pad_token_id = r.n, engine.pad_token_id
         self.metrics: dict[str, float] = {}
 
