@@ -49,6 +49,10 @@ def wait_for(name):
         assert time.monotonic() < deadline, f"rank {rank}: no {name} within 120 s"
         time.sleep(0.01)
 
+def retransmitted():  # this node's TCP segments sent again so far (the namespace's own counters)
+    lines = [l.split() for l in Path("/proc/net/snmp").read_text().splitlines() if l.startswith("Tcp:")]
+    return int(lines[1][lines[0].index("RetransSegs")])
+
 report = {}
 counter = process_counter()  # one per process: both trainers count into it
 pop = counter.pop
@@ -66,9 +70,15 @@ for name, layout in layouts.items():
     counter.pop = keep_own
     trainer.train_step()
     dist.barrier()
-    (sync / f"ready_{name}_{rank}").touch(); wait_for(f"go_{name}")
-    trainer.train_step()
-    (sync / f"done_{name}_{rank}").touch(); wait_for(f"next_{name}")
+    for attempt in range(10):  # a window with a TCP retransmission carries bytes twice: the test asks again
+        (sync / f"ready_{name}_{attempt}_{rank}").touch(); wait_for(f"go_{name}_{attempt}")
+        resent = retransmitted()
+        trainer.train_step()
+        (sync / "partial").with_suffix(f".{rank}").write_text(str(retransmitted() - resent))
+        (sync / "partial").with_suffix(f".{rank}").rename(sync / f"done_{name}_{attempt}_{rank}")  # whole or absent
+        wait_for(f"verdict_{name}_{attempt}")
+        if (sync / f"verdict_{name}_{attempt}").read_text() == "next":
+            break
 print("REPORT " + json.dumps(report), flush=True)
 dist.barrier()  # both ranks done before either tears its connections down (a teardown abort was seen here)
 dist.destroy_process_group()
@@ -83,17 +93,25 @@ def test_counted_bytes_match_the_link_counters(netns_ok, tmp_path):
     with EmulatedCluster(nodes=2, rate_mbit=1000) as cluster:
         group = cluster.start_ranks([sys.executable, str(script), str(tmp_path), json.dumps(LAYOUTS)], env=env)
         for name in LAYOUTS:
-            ready = lambda: all((tmp_path / f"ready_{name}_{r}").exists() for r in range(2))  # noqa: E731
-            try:
-                wait_until(ready, 240, f"both ranks ready for {name}")
-            except AssertionError:
-                group.kill()
-                raise AssertionError([r.output for r in group.wait(10)])
-            before = [cluster.link_counters(k)["tx_bytes"] for k in range(2)]
-            (tmp_path / f"go_{name}").touch()
-            wait_until(lambda: all((tmp_path / f"done_{name}_{r}").exists() for r in range(2)), 240, f"{name} step")
-            link[name] = [cluster.link_counters(k)["tx_bytes"] - b for k, b in zip(range(2), before)]
-            (tmp_path / f"next_{name}").touch()
+            for attempt in range(10):
+                mark = f"{name}_{attempt}"
+                ready = lambda: all((tmp_path / f"ready_{mark}_{r}").exists() for r in range(2))  # noqa: E731
+                try:
+                    wait_until(ready, 240, f"both ranks ready for {name}")
+                except AssertionError:
+                    group.kill()
+                    raise AssertionError([r.output for r in group.wait(10)])
+                before = [cluster.link_counters(k)["tx_bytes"] for k in range(2)]
+                (tmp_path / f"go_{mark}").touch()
+                done = [tmp_path / f"done_{mark}_{r}" for r in range(2)]
+                wait_until(lambda: all(d.exists() for d in done), 240, f"{name} step")
+                link[name] = [cluster.link_counters(k)["tx_bytes"] - b for k, b in zip(range(2), before)]
+                resent = sum(int(d.read_text()) for d in done)
+                (tmp_path / "verdict").write_text("again" if resent and attempt < 9 else "next")
+                (tmp_path / "verdict").rename(tmp_path / f"verdict_{mark}")  # the ranks see it whole or not at all
+                if not resent:
+                    break
+                print(f"{name}: {resent} TCP segments retransmitted in the window; measuring another step")
         results = group.wait(timeout_s=120)
     reports = rank_reports(results)
     for name in LAYOUTS:
@@ -106,7 +124,9 @@ def test_counted_bytes_match_the_link_counters(netns_ok, tmp_path):
                   f"{sent / counted:.4f}, extra per collective {(sent - counted) / calls:.0f} B, by kind {kinds}")
             # The counter counts payload; the link also carries TCP/IP headers and ACKs (~0.25% of large
             # payloads), gloo's own protocol messages (this test prints 0.4-1.9 KB per collective beyond
-            # that) and this step's metric gather (counted in the next step's metrics).
+            # that) and this step's metric gather (counted in the next step's metrics). A window in which TCP
+            # resent segments (a queue overflowed on busy cores: CI once saw 7.4 KB per collective on one
+            # rank only) is measured again.
             assert 1.0 <= sent / counted < 1.03, (name, rank, sent, counted, kinds)
             assert sent - counted < 0.003 * counted + 2048 * calls, (name, rank, sent, counted, calls)
 
