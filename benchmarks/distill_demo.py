@@ -1,32 +1,42 @@
 """On-policy distillation against GRPO alone on the demo's arithmetic task (docs/algorithms.md, On-policy
 distillation: the demo).
 
-1. Teacher: a larger built-in model trained as `scalerl demo` trains its model (SFT warm start on the weak
-   teacher's demonstrations, 60% of them off by one, then GRPO on the exact-answer reward), exported.
-2. Student: the smaller built-in model, SFT warm start on the same demonstrations (once: every arm and seed
-   starts from this one checkpoint).
+1. Teacher: a larger built-in model (``--teacher HIDDEN LAYERS``) trained as `scalerl demo` trains its model: SFT
+   warm start (``--teacher-sft-steps``, default ``--sft-steps``) on demonstrations of which ``--teacher-error-rate``
+   (default ``--error-rate``, 60%) are off by one, then GRPO on the exact-answer reward (``--teacher-steps``; 0:
+   the teacher is its SFT model), exported.
+2. Student: the smaller built-in model (``--student``), SFT warm start (``--sft-steps``) on demonstrations of
+   which ``--error-rate`` are off by one (once: every arm and seed starts from this one checkpoint).
 3. For each seed, from that SFT start: GRPO alone, and GRPO with the teacher's per-token reverse KL added
    (``algorithm.distill.teacher`` + ``task_weight=1``; ``--top-k``: the teacher's top-k forward KL instead,
    ``--task-weight``, ``--coef``), the same steps, batch and learning rate (``--lr`` sets both arms'); held-out
    accuracy (greedy, ``data.num_val`` unseen problems) every ``--eval-every`` steps.
 
+The task is the demo's (``scalerl/configs/demo.yaml``: levels 1-2 of the built-in arithmetic) unless
+``--difficulty`` (``data.difficulty``; levels 3-4 write a scratchpad and need ``--max-new-tokens 20``),
+``--num-train`` or ``--num-val`` change it; every stage trains and evaluates on that task.
+
 Printed side by side: per seed and arm, the first evaluated step whose held-out accuracy reaches the target and
 the training wall time to it (the sum of ``timing_s/step`` up to that step: generation, reward, the teacher's
 pass where there is one, update; evaluation excluded, the same for both), with the ratio GRPO / distillation.
 The target defaults to the lowest final accuracy GRPO alone reaches over the seeds (so GRPO alone reaches it in
-every seed by its last step); ``--target`` fixes it.
+every seed by its last step); ``--target`` fixes it. The teacher's held-out accuracy is printed (measured on the
+same problems as the arms').
 
     OMP_NUM_THREADS=1 python benchmarks/distill_demo.py [--seeds 0 1 2] [--steps 40] [--out outputs/distill_demo]
 
 The teacher and the student's SFT are independent: ``--only teacher`` and ``--only student`` run one each (two
-processes at once), and a later run with ``--reuse`` keeps every stage whose model is already under ``--out``
-(an arm's run directory names its settings that differ from the defaults, so runs of other settings are not taken).
+processes at once), ``--arm grpo`` needs no teacher (it can run beside ``--only teacher``), and a later run with
+``--reuse`` keeps every stage whose model is already under ``--out`` (an arm's run directory names its settings
+that differ from the defaults, so runs of other settings are not taken; ``--out``'s ``settings.json`` records
+the task, sizes, steps and error rates, and ``--reuse`` refuses an ``--out`` made with others).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -36,7 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 from scalerl.cli import DEMO_CONFIG
 from scalerl.core.config import load_config
-from scalerl.demo import TEACHER_ERROR_RATE, write_teacher_demonstrations
+from scalerl.data.arithmetic import make_arithmetic_rows
+from scalerl.demo import TEACHER_ERROR_RATE, weak_teacher_rows
 
 ARMS = ("grpo", "grpo+distill")
 
@@ -47,6 +58,54 @@ def model_overrides(hidden: int, layers: int) -> list[str]:
     heads = max(hidden // 32, 2)
     return [f"model.hidden_size={hidden}", f"model.num_hidden_layers={layers}", f"model.num_attention_heads={heads}",
             f"model.num_key_value_heads={max(heads // 2, 1)}", f"model.intermediate_size={int(hidden * 2.75)}"]
+
+
+def task_overrides(args: argparse.Namespace) -> list[str]:
+    """The task's overrides of the demo's config, shared by every stage (teacher, student, arms)."""
+    overrides = ["trainer.logger=[jsonl]"]
+    if args.difficulty is not None:
+        overrides.append(f"data.difficulty=[{','.join(str(level) for level in args.difficulty)}]")
+    if args.num_train is not None:
+        overrides.append(f"data.num_train={args.num_train}")
+    if args.num_val is not None:
+        overrides.append(f"data.num_val={args.num_val}")
+    if args.max_new_tokens is not None:
+        overrides.append(f"rollout.max_new_tokens={args.max_new_tokens}")
+    return overrides
+
+
+def write_demonstrations(cfg, path: Path, error_rate: float, seed: int) -> Path:
+    """``cfg``'s training problems (``data.num_train`` of ``data.difficulty``) as SFT demonstrations whose final
+    answer is off by one with probability ``error_rate`` (`scalerl.demo.weak_teacher_rows`; 0: all correct)."""
+    rows = weak_teacher_rows(make_arithmetic_rows("train", cfg.data.num_train, list(cfg.data.difficulty), seed),
+                             error_rate, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")  # then renamed: a reader never sees half a file
+    partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    partial.replace(path)
+    return path
+
+
+def held_out_accuracy(cfg, model_dir: Path, cache: Path) -> float:
+    """``model_dir``'s held-out accuracy on ``cfg``'s task as the arms measure theirs (greedy, the built-in task's
+    ``data.num_val`` test problems, `scalerl.trainer.evaluation.evaluate`), kept in ``cache``."""
+    if cache.is_file() and json.loads(cache.read_text()).get("model_dir") == str(model_dir):
+        return json.loads(cache.read_text())["val/accuracy"]
+    import torch
+
+    from scalerl.data.sources import reward_from_config, rows_from_config
+    from scalerl.models.load import load_model_and_tokenizer
+    from scalerl.rollout.engines.builtin import BuiltinEngine
+    from scalerl.trainer.evaluation import evaluate
+
+    model, tokenizer = load_model_and_tokenizer(cfg.model, str(model_dir), torch.device("cpu"), cfg.trainer.seed)
+    model.eval()
+    with torch.no_grad():
+        metrics = evaluate(BuiltinEngine(model, tokenizer.pad_token_id), tokenizer,
+                           rows_from_config(cfg.data, "test", cfg.trainer.seed), reward_from_config(cfg.data),
+                           cfg.rollout.max_new_tokens, seed=cfg.trainer.seed)
+    cache.write_text(json.dumps({"model_dir": str(model_dir), "val/accuracy": metrics["val/accuracy"]}) + "\n")
+    return metrics["val/accuracy"]
 
 
 def curve(metrics: Path) -> tuple[list[tuple[int, float, float]], float]:
@@ -93,14 +152,48 @@ def run_tag(args: argparse.Namespace, arm: str) -> str:
     return tag
 
 
+def settings(args: argparse.Namespace) -> dict:
+    """What the teacher and the student's SFT are made with: a later ``--reuse`` under the same ``--out`` must
+    have the same (the arms' own settings are in their run directories' names)."""
+    return {"difficulty": args.difficulty, "num_train": args.num_train, "num_val": args.num_val,
+            "max_new_tokens": args.max_new_tokens, "teacher": list(args.teacher), "student": list(args.student),
+            "teacher_steps": args.teacher_steps, "teacher_sft_steps": args.teacher_sft_steps,
+            "sft_steps": args.sft_steps, "error_rate": args.error_rate, "teacher_error_rate": args.teacher_error_rate}
+
+
+def check_settings(args: argparse.Namespace) -> None:
+    """Record the settings under ``--out``; with ``--reuse``, refuse an ``--out`` made with other settings."""
+    path = args.out / "settings.json"
+    if args.reuse and path.is_file():
+        before = json.loads(path.read_text())
+        differ = {key: (before.get(key), value) for key, value in settings(args).items() if before.get(key) != value}
+        if differ:
+            sys.exit(f"--reuse: {args.out} was made with other settings ({', '.join(f'{k}: {a} there, {b} now' for k, (a, b) in differ.items())}); "
+                     "give another --out, or the same settings")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings(args), indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("outputs/distill_demo"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--teacher", type=int, nargs=2, default=[256, 2], metavar=("HIDDEN", "LAYERS"))
     parser.add_argument("--student", type=int, nargs=2, default=[128, 2], metavar=("HIDDEN", "LAYERS"))
-    parser.add_argument("--teacher-steps", type=int, default=22, help="the teacher's GRPO steps")
-    parser.add_argument("--sft-steps", type=int, default=1000)
+    parser.add_argument("--teacher-steps", type=int, default=22,
+                        help="the teacher's GRPO steps after its SFT (0: the teacher is its SFT model)")
+    parser.add_argument("--sft-steps", type=int, default=1000, help="the student's SFT steps")
+    parser.add_argument("--teacher-sft-steps", type=int, default=None, help="the teacher's SFT steps (--sft-steps)")
+    parser.add_argument("--error-rate", type=float, default=TEACHER_ERROR_RATE,
+                        help="share of the student's SFT demonstrations whose answer is off by one")
+    parser.add_argument("--teacher-error-rate", type=float, default=None,
+                        help="the same for the teacher's SFT demonstrations (default: --error-rate; 0: all correct)")
+    parser.add_argument("--difficulty", type=int, nargs="+", default=None,
+                        help="data.difficulty, the arithmetic levels (default: the demo's, 1 2)")
+    parser.add_argument("--num-train", type=int, default=None, help="data.num_train (default: the demo's, 9000)")
+    parser.add_argument("--num-val", type=int, default=None, help="data.num_val (default: the demo's, 500)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="rollout.max_new_tokens (default: the demo's, 16; levels 3-4 need 20)")
     parser.add_argument("--steps", type=int, default=40, help="each student arm's GRPO steps")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--coef", type=float, default=1.0, help="algorithm.distill.coef")
@@ -118,41 +211,76 @@ def main() -> None:
     parser.add_argument("--arm", choices=ARMS, default=None,
                         help="train only this arm (with --reuse, a later run without --arm prints the table)")
     args = parser.parse_args()
+    if args.teacher_sft_steps is None:
+        args.teacher_sft_steps = args.sft_steps
+    if args.teacher_error_rate is None:
+        args.teacher_error_rate = args.error_rate
+    for name in ("error_rate", "teacher_error_rate"):
+        if not 0 <= getattr(args, name) <= 1:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
 
     from scalerl.trainer.rl_trainer import train
     from scalerl.trainer.sft_trainer import train_sft
 
     out = args.out
-    base = load_config(DEMO_CONFIG, ["trainer.logger=[jsonl]", f"sft.steps={args.sft_steps}"])
-    demos = out / "data" / "demonstrations.jsonl"
-    if not (args.reuse and demos.is_file()):
-        write_teacher_demonstrations(base, demos, base.trainer.seed)
+    check_settings(args)
+    task = task_overrides(args)
+    base = load_config(DEMO_CONFIG, task)
 
-    def sft(name: str, size: list[int]) -> str:
+    def demonstrations(error_rate: float) -> Path:
+        """The demonstrations file of ``error_rate`` (the demo's rate: data/demonstrations.jsonl)."""
+        name = "demonstrations" + ("" if error_rate == TEACHER_ERROR_RATE else f"_err{error_rate:g}")
+        path = out / "data" / f"{name}.jsonl"
+        if not (args.reuse and path.is_file()):
+            write_demonstrations(base, path, error_rate, base.trainer.seed)
+        return path
+
+    def sft(name: str, size: list[int], steps: int, error_rate: float) -> str:
         if args.reuse and (out / name / "sft" / "model" / "config.json").is_file():
             return str(out / name / "sft" / "model")
-        cfg = load_config(DEMO_CONFIG, ["trainer.logger=[jsonl]", f"sft.steps={args.sft_steps}",
-                                        *model_overrides(*size)])
-        cfg.data.train_files, cfg.sft.output_dir = [str(demos)], str(out / name / "sft")
+        cfg = load_config(DEMO_CONFIG, [*task, f"sft.steps={steps}", *model_overrides(*size)])
+        cfg.data.train_files, cfg.sft.output_dir = [str(demonstrations(error_rate))], str(out / name / "sft")
         return train_sft(cfg)["model_dir"]
 
-    teacher_dir = out / "teacher" / "grpo" / "final"
+    def student_sft() -> str:
+        print(f"[student] {args.student[0]} wide x {args.student[1]} layers: SFT {args.sft_steps} steps on "
+              f"demonstrations {args.error_rate:.0%} off by one", flush=True)
+        return sft("student", args.student, args.sft_steps, args.error_rate)
+
     if args.only == "student":
-        sft("student", args.student)
+        student_sft()
         return
-    if not (args.reuse and (teacher_dir / "config.json").is_file()):
-        print(f"[teacher] {args.teacher[0]} wide x {args.teacher[1]} layers: SFT {args.sft_steps} steps on "
-              f"demonstrations {TEACHER_ERROR_RATE:.0%} off by one, then GRPO {args.teacher_steps} steps", flush=True)
-        cfg = load_config(DEMO_CONFIG, ["trainer.logger=[jsonl]", *model_overrides(*args.teacher),
-                                        f"trainer.total_steps={args.teacher_steps}"])
-        cfg.trainer.init_from, cfg.trainer.output_dir = sft("teacher", args.teacher), str(out / "teacher" / "grpo")
-        teacher_dir = Path(train(cfg)["final_model"])
-    teacher_points, _ = curve(out / "teacher" / "grpo" / "metrics.jsonl")
+
+    def teacher_stage() -> tuple[Path, float, float]:
+        """The teacher's model directory (trained unless ``--reuse`` finds it), its held-out accuracy after SFT
+        and at the end."""
+        grpo_dir = out / "teacher" / "grpo"
+        model_dir = grpo_dir / "final" if args.teacher_steps else out / "teacher" / "sft" / "model"
+        if not (args.reuse and (model_dir / "config.json").is_file()):
+            print(f"[teacher] {args.teacher[0]} wide x {args.teacher[1]} layers: SFT {args.teacher_sft_steps} steps "
+                  f"on demonstrations {args.teacher_error_rate:.0%} off by one, then GRPO {args.teacher_steps} steps",
+                  flush=True)
+            model_dir = Path(sft("teacher", args.teacher, args.teacher_sft_steps, args.teacher_error_rate))
+            if args.teacher_steps:
+                cfg = load_config(DEMO_CONFIG, [*task, *model_overrides(*args.teacher),
+                                                f"trainer.total_steps={args.teacher_steps}"])
+                cfg.trainer.init_from, cfg.trainer.output_dir = str(model_dir), str(grpo_dir)
+                model_dir = Path(train(cfg)["final_model"])
+        if args.teacher_steps:  # its GRPO run evaluated it before its first step and after its last
+            points = curve(grpo_dir / "metrics.jsonl")[0]
+            return model_dir, points[0][1], points[-1][1]
+        accuracy = held_out_accuracy(load_config(DEMO_CONFIG, [*task, *model_overrides(*args.teacher)]), model_dir,
+                                     out / "teacher" / "held_out.json")
+        return model_dir, accuracy, accuracy
+
+    # GRPO alone needs no teacher: `--arm grpo` runs can go while the teacher trains (`--only teacher`).
+    if args.arm != "grpo":
+        teacher_dir, teacher_sft_accuracy, teacher_accuracy = teacher_stage()
+        print(f"[teacher] held-out accuracy {teacher_accuracy:.1%}", flush=True)
     if args.only == "teacher":
         return
 
-    print(f"[student] {args.student[0]} wide x {args.student[1]} layers: SFT {args.sft_steps} steps", flush=True)
-    student_sft = sft("student", args.student)
+    student_dir = student_sft()
     runs: dict[str, dict[int, dict]] = {arm: {} for arm in ARMS}
     for seed in args.seeds:
         for arm in ARMS:
@@ -164,7 +292,7 @@ def main() -> None:
             if args.arm not in (None, arm):
                 continue
             print(f"[seed {seed}] {arm}: {args.steps} GRPO steps", flush=True)
-            overrides = ["trainer.logger=[jsonl]", *model_overrides(*args.student), f"trainer.seed={seed}",
+            overrides = [*task, *model_overrides(*args.student), f"trainer.seed={seed}",
                          f"trainer.total_steps={args.steps}", f"trainer.eval_every={args.eval_every}",
                          "trainer.save_every=0"]
             if args.lr is not None:
@@ -174,7 +302,7 @@ def main() -> None:
                               f"algorithm.distill.task_weight={args.task_weight}",
                               f"algorithm.distill.coef={args.coef}", f"algorithm.distill.top_k={args.top_k}"]
             cfg = load_config(DEMO_CONFIG, overrides)
-            cfg.trainer.init_from, cfg.trainer.output_dir = student_sft, str(run_dir)
+            cfg.trainer.init_from, cfg.trainer.output_dir = student_dir, str(run_dir)
             train(cfg)
             points, step_s = curve(Path(cfg.trainer.output_dir) / "metrics.jsonl")
             runs[arm][seed] = {"curve": points, "median_step_s": step_s}
@@ -185,8 +313,8 @@ def main() -> None:
     if target is None:
         target = min(run["curve"][-1][1] for run in runs["grpo"].values())
     print()
-    print(f"teacher ({args.teacher[0]}x{args.teacher[1]}): held-out accuracy {teacher_points[0][1]:.1%} after SFT, "
-          f"{teacher_points[-1][1]:.1%} after GRPO")
+    print(f"teacher ({args.teacher[0]}x{args.teacher[1]}): held-out accuracy {teacher_sft_accuracy:.1%} after SFT"
+          + (f", {teacher_accuracy:.1%} after GRPO" if args.teacher_steps else ""))
     print(f"student ({args.student[0]}x{args.student[1]}) after SFT: {runs['grpo'][args.seeds[0]]['curve'][0][1]:.1%}; "
           f"target held-out accuracy {target:.1%}")
     print(f"{'seed':>4} | {'GRPO: step':>10} {'s':>6} {'final':>6} | {'+distill: step':>14} {'s':>6} {'final':>6} | "
@@ -209,7 +337,8 @@ def main() -> None:
               f"{g['median_step_s']:.2f} / {d['median_step_s']:.2f}")
         table.append({"seed": seed, "grpo": rg, "distill": rd, "steps_ratio": steps_ratio, "time_ratio": time_ratio,
                       "grpo_final": g["curve"][-1][1], "distill_final": d["curve"][-1][1]})
-    result = {"target": target, "teacher": {"size": args.teacher, "curve": teacher_points},
+    result = {"target": target, "settings": settings(args),
+              "teacher": {"size": args.teacher, "sft_accuracy": teacher_sft_accuracy, "accuracy": teacher_accuracy},
               "student": {"size": args.student}, "steps": args.steps, "coef": args.coef,
               "top_k": args.top_k, "task_weight": args.task_weight, "lr": args.lr, "table": table,
               "runs": runs}

@@ -130,7 +130,7 @@ def predict(name: str, calibration: dict) -> dict:
     cal = Calibration.from_dict(calibration)
     if not any("VmHWM" in note for note in cal.notes):
         if name not in _RUNTIME:
-            _RUNTIME[name] = measure_runtime(None, args)[0]
+            _RUNTIME[name] = measure_runtime(None, args).runtime_bytes
             print(f"  ({name}: runtime RSS re-measured with the VmHWM probe: {_RUNTIME[name] / 2**30:.3f} GiB, "
                   f"stored {cal.runtime_bytes / 2**30:.3f})")
         cal.runtime_bytes = _RUNTIME[name]

@@ -3,6 +3,8 @@ device holds in all."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import resource
 import sys
@@ -40,3 +42,30 @@ def memory_capacity_gb(device: torch.device) -> float:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_host_memory(device: torch.device) -> bool:
+    """Give the memory a phase freed back to the operating system, at the switch from training to generation
+    (the CPU's counterpart of emptying a GPU's cache there). On the CPU torch allocates with glibc's malloc,
+    which keeps freed blocks resident in its heap: after an update on the 0.5B-shaped plan cell the trainer
+    held 0.13-0.17 GiB of freed gradients and activations (RSS 0.81 GiB of anonymous memory against 0.68 once
+    trimmed), which stayed through generation and the next step. ``malloc_trim(0)`` returns every free page
+    (12-25 ms there, under 1.5% of a step). Not on a GPU: the built-in engine in the same process reuses the
+    caching allocator's blocks, and emptying it would only make the next update allocate them again. True when
+    memory was trimmed."""
+    trim = _malloc_trim() if device.type == "cpu" else None
+    if trim is None:
+        return False
+    trim(0)
+    return True

@@ -416,9 +416,9 @@ def render(plan: Plan, out=None) -> None:
     w(f"  calibration: {plan.calibration.source}\n")
     for note in plan.calibration.notes + plan.notes:
         w(f"    - {note}\n")
-    parts = ["parameters", "reference", "critic", "gradients", "optimizer", "ddp_buckets", "generation_replica",
+    parts = ["parameters", "reference", "critic", "gradients", "gradient_temporaries", "optimizer", "ddp_buckets", "generation_replica",
              "decode_layout", "gathered_weights", "activations", "logits", "kv_cache", "weight_sync_buckets",
-             "delta_snapshot", "decode_layout_refresh", "checkpoint_spike", "runtime"]
+             "delta_snapshot", "layout_rebuild", "checkpoint_spike", "runtime"]
     used = [p for p in parts if any(p in m for m in plan.memory.values())]
     header = ["phase", "time s", "peak GiB", *used]
     rows = []

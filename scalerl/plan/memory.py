@@ -12,16 +12,18 @@ after each optimizer step, so only the update holds them. Then, per phase:
 | --- | --- |
 | generation | FSDP: the full model gathered in the compute dtype (`scalerl.parallel.fsdp_generation`); the KV cache, rows decoding at once x (prompt + new tokens) x layers x kv heads x head dim x 2 x bytes; the prefill's activations of one layer and the last position's logits |
 | old / reference log-prob | FSDP: two gathered layers and the root; one micro-batch's forward: one layer's activations and the logits (float32) with their log-softmax |
-| update | gradients; FSDP: gathered units; the activations saved for backward (with activation checkpointing: each layer's input, plus one layer recomputed) and the logits x 3 (float32 logits, log-softmax, their gradient) |
-| weight sync | standalone workers: the bucket gathered in rollout.dtype and its encoding; delta mode: the source rank's snapshot of what the workers hold (the whole model in rollout.dtype) |
+| update | gradients, and one layer's gradients in flight (computed, then added into the accumulated ones); FSDP: gathered units; the activations saved for backward (with activation checkpointing: each layer's input, plus one layer recomputed) and the logits x 3 (float32 logits, log-softmax, their gradient) |
+| weight sync | colocated built-in engine: its decode copy laid out again in place, one fused matrix (q/k/v or gate/up) concatenated at a time; standalone workers: the bucket gathered in rollout.dtype and its encoding; delta mode: the source rank's snapshot of what the workers hold (the whole model in rollout.dtype) |
 | checkpoint save | safetensors serialises the model's state into one buffer: the rank's parameters once more (host memory) |
 | evaluation | generation of the validation rows (up to 256 at once), greedy |
 
 Activations per token come from the decoder itself: one and two layers of the config are built on the meta
 device and run under ``saved_tensors_hooks``; the difference is what one layer saves for backward at that
 width (exact for scalerl's decoder in float32; halved for 16-bit autocast). On the CPU every phase also
-holds the process's runtime (Python, torch, the data, the tokenizer): measured here by `timing` as the
-peak RSS of a process that imports the trainer and builds the run's data.
+holds the process's runtime (Python, torch, the data, the tokenizer, the kernels' code once paged in):
+measured here by `timing` in a fresh process that imports the trainer, builds the run's data and runs two
+steps of the run on a 32-wide model. What glibc keeps of memory freed inside a phase is not counted; the
+trainer gives it back at the switch to generation (`scalerl.perf.memory.release_host_memory`).
 """
 
 from __future__ import annotations
@@ -306,6 +308,7 @@ def phase_parts(s: PlanSetup) -> dict[str, dict[str, float]]:
         saved = layers * one_layer
     in_flight = min(lay.pp, 4) if lay.pp > 1 else 1
     out["update"] = {**base, "gradients": trainable * trainable_bytes / s.shard,
+                     "gradient_temporaries": gradient_temporary_bytes(s),
                      "gathered_weights": _gathered_units(s),
                      "activations": in_flight * (saved + root_activation_bytes(cfg, tokens, s.act_bytes)),
                      "logits": in_flight * _logit_bytes(s, tokens, 3)}
@@ -316,13 +319,33 @@ def phase_parts(s: PlanSetup) -> dict[str, dict[str, float]]:
         if s.fsdp:
             sync["gathered_weights"] = s.bucket_bytes * s.compute_bytes / s.rollout_bytes
         out["weight_sync"] = {**base, **sync}
-    if not s.standalone and decode_layout_bytes(s):  # the layout is built anew beside the old one, then swapped
-        out["weight_sync"] = {**base, "decode_layout_refresh": decode_layout_bytes(s)}
+    if not s.standalone and decode_layout_bytes(s):  # laid out again in place: the old copy goes first
+        cfg_q = cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim
+        # each fused matrix (q/k/v, gate/up) is concatenated plain before its kernel's layout is made from it
+        out["weight_sync"] = {**base, "layout_rebuild": max(cfg_q, 2 * cfg.intermediate_size) * cfg.hidden_size
+                              * s.compute_bytes}
     out["checkpoint_save"] = {**base, "checkpoint_spike": total * s.param_bytes / s.shard}
     if s.eval_rows:
         rows = min(s.eval_rows, EVAL_CHUNK_ROWS)
         out["evaluation"] = {**base, **_generation_parts(s, rows, s.compute_bytes)}
     return {name: out[name] for name in PHASES if name in out}
+
+
+def gradient_temporary_bytes(s: PlanSetup) -> float:
+    """The backward's weight gradients in flight: autograd computes a weight's gradient into a new tensor and
+    then adds it into ``.grad`` (every micro-batch after the first) or reduce-scatters it (FSDP), so one layer's
+    unsharded gradients are alive at once beside the accumulated ones (measured on the 0.5B-shaped plan cell:
+    a backward's peak 0.06 GiB above its live state, one layer's weights being 0.05 GiB). None with a single
+    micro-batch and no sharding (the first gradients are ``.grad`` themselves)."""
+    cfg, lay = s.model, s.layout
+    if s.micro_rows >= s.mini_rows and not s.fsdp:
+        return 0.0
+    total, trainable = policy_counts(s)
+    root = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    layer = max(0.0, (total - root) / cfg.num_hidden_layers)
+    if s.lora_rank > 0:  # only the adapters have gradients
+        layer = trainable / cfg.num_hidden_layers
+    return layer * (4 if s.lora_rank > 0 else s.param_bytes) / lay.tp
 
 
 def sync_buffer_bytes(s: PlanSetup) -> float:

@@ -41,7 +41,7 @@ from scalerl.bench.cost_model.step_projection import (
 )
 from scalerl.bench.cost_model.step_traffic import StepShape
 from scalerl.perf.flops import datasheet_peak_flops
-from scalerl.plan.memory import EVAL_CHUNK_ROWS, PlanSetup, policy_counts
+from scalerl.plan.memory import EVAL_CHUNK_ROWS, PlanSetup, decode_layout_bytes, policy_counts
 
 PROBE_REPEATS = 3  # timed turns per probe size: the plan's probe is a few seconds, not a benchmark
 PROBE_MAX_PARAMS = 120_000_000  # the compute probe builds the model: beyond this, fewer layers
@@ -68,10 +68,13 @@ class Calibration:
     source: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
     optimizer_step_s: float = 0.0  # fixed seconds of one optimizer step (per-tensor launches, the norm's clip)
+    layout_refresh_s_per_byte: float = 0.0  # the built-in engine laying its decode copy out again, per byte
+    checkpoint_fixed_s: float = 0.0  # a checkpoint save's cost whatever its size (files, metadata, fsyncs)
 
     def to_dict(self) -> dict:
         return {"rates": self.rates.to_dict(), "adam_s_per_param": self.adam_s_per_param,
-                "optimizer_step_s": self.optimizer_step_s,
+                "optimizer_step_s": self.optimizer_step_s, "layout_refresh_s_per_byte": self.layout_refresh_s_per_byte,
+                "checkpoint_fixed_s": self.checkpoint_fixed_s,
                 "disk_bytes_per_s": self.disk_bytes_per_s, "intra": self.intra.to_dict(),
                 "inter": self.inter.to_dict(), "runtime_bytes": self.runtime_bytes,
                 "threads_per_rank": self.threads_per_rank, "source": self.source, "notes": list(self.notes)}
@@ -81,7 +84,8 @@ class Calibration:
         return cls(ComputeRates.from_dict(data["rates"]), data["adam_s_per_param"], data["disk_bytes_per_s"],
                    LinkCost.from_dict(data["intra"]), LinkCost.from_dict(data["inter"]),
                    data.get("runtime_bytes", 0.0), data.get("threads_per_rank", 0), data.get("source", ""),
-                   list(data.get("notes", [])), data.get("optimizer_step_s", 0.0))
+                   list(data.get("notes", [])), data.get("optimizer_step_s", 0.0),
+                   data.get("layout_refresh_s_per_byte", 0.0), data.get("checkpoint_fixed_s", 0.0))
 
 
 # ---------------------------------------------------------------- calibration: this CPU
@@ -99,9 +103,11 @@ def _probe_model_config(s: PlanSetup):
     return probe, (cfg.num_hidden_layers + 1) / (layers + 1)
 
 
-def probe_rates(s: PlanSetup) -> tuple[ComputeRates, float]:
-    """The compute probe on the config's model (built here, random weights), fitted into per-phase rates, and
-    the seconds of one optimizer step on that model (x the layer scale when a larger model is probed smaller)."""
+def probe_rates(s: PlanSetup) -> tuple[ComputeRates, float, float]:
+    """The compute probe on the config's model (built here, random weights), fitted into per-phase rates; the
+    seconds of one optimizer step on that model (x the layer scale when a larger model is probed smaller); and
+    the seconds per byte of the built-in engine's decode layout laid out again from it (0 where the model has
+    no fused decode path)."""
     import torch
 
     from scalerl.bench.calibration import probe_fit
@@ -114,6 +120,7 @@ def probe_rates(s: PlanSetup) -> tuple[ComputeRates, float]:
     start = time.perf_counter()
     probe = probe_compute(model, 0, max(1, s.micro_rows), new_tokens, repeats=PROBE_REPEATS)
     optimizer_s = time_optimizer_step(model) * scale
+    refresh_s_per_byte = time_layout_refresh(model, torch.float32 if s.compute_bytes == 4 else torch.bfloat16)
     del model
     fit = probe_fit(cfg, probe)
 
@@ -130,7 +137,24 @@ def probe_rates(s: PlanSetup) -> tuple[ComputeRates, float]:
                                 + (f" at {cfg.num_hidden_layers} layers (fixed costs x {scale:.2f})" if scale != 1 else "")
                                 + f", {torch.get_num_threads()} thread(s), micro-batch {s.micro_rows}, "
                                 f"{new_tokens} new tokens, {time.perf_counter() - start:.0f} s")
-    return rates, optimizer_s
+    return rates, optimizer_s, refresh_s_per_byte
+
+
+def time_layout_refresh(model, dtype, repeats: int = 3) -> float:
+    """Median seconds per byte of `DecodeModel.refresh` on ``model`` in ``dtype``: what a colocated rank's weight
+    sync does with the built-in engine (each matrix cast, fused and laid out for its kernel again). 0 where the
+    model has no fused decode path (it then generates with its own forward)."""
+    from scalerl.models.decode_model import DecodeModel, fused_decode_unsupported
+
+    if fused_decode_unsupported(model) is not None:
+        return 0.0
+    layout = DecodeModel(model, dtype)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        layout.refresh()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / max(1, layout.weight_bytes)
 
 
 def time_optimizer_step(model) -> float:
@@ -188,19 +212,53 @@ def time_adamw(params: int, fused: bool = True) -> float:
 
 
 _RUNTIME_SCRIPT = """
-import resource, sys, time
+import json, resource, sys, tempfile, time
 import scalerl.trainer.rl_trainer  # the trainer and everything it imports
 from scalerl.core.config import load_config
 from scalerl.data.sources import reward_from_config, rows_from_config
 cfg = load_config(sys.argv[1] or None, sys.argv[2:])
 rows = [] if cfg.data.train_files else rows_from_config(cfg.data, "train", cfg.trainer.seed)
+out = {"worked": "imports", "checkpoint_s": 0.0, "reward_s": 0.0}
+
+def status_bytes(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+
 # VmHWM is this process's own peak; ru_maxrss is not: Linux carries the parent's resident set at the fork
 # into it across exec, so a plan that had built a large probe model read that model as runtime.
 try:
-    hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    out["runtime_bytes"] = status_bytes("VmHWM")
 except (OSError, StopIteration):
-    hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(hwm)
+    out["runtime_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# A trainer's runtime grows once it has run: the kernels' code paged in, the libraries' caches (0.30 GiB
+# after the imports, 0.34 after two steps on the built-in model). Two steps of this run's trainer on a
+# 32-wide copy of its built-in model, one process, measure that, and a checkpoint save of it times what a
+# save costs whatever its size (directories, metadata, fsyncs). Not where the model is loaded from a path (its
+# weights would be read) or the steps fail (then the imports' peak stands, and the plan says which).
+if not cfg.model.path:
+    try:
+        from scalerl.trainer.rl_trainer import RLTrainer
+        with tempfile.TemporaryDirectory() as scratch:
+            tiny = [*sys.argv[2:], "model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=4",
+                    "model.num_key_value_heads=2", "parallel.dp_replicate=1", "parallel.dp_shard=1",
+                    "parallel.tp=1", "parallel.pp=1", "parallel.sp=1", "rollout.placement=colocated",
+                    "rollout.engine=builtin", "data.num_train=16", "data.num_val=0", "rollout.n=2",
+                    "trainer.batch_size=2", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=4",
+                    "rollout.max_new_tokens=4", "trainer.eval_every=0", "trainer.save_every=0", "trainer.total_steps=2",
+                    "trainer.logger=[jsonl]", f"trainer.output_dir={scratch}", "trainer.overwrite=true"]
+            trainer = RLTrainer.from_config(load_config(sys.argv[1] or None, tiny))
+            trainer.train_step()
+            trainer.train_step()
+            out["runtime_bytes"] = max(out["runtime_bytes"], status_bytes("VmRSS"))
+            saves = []
+            for _ in range(3):
+                start = time.perf_counter()
+                trainer.save()
+                saves.append(time.perf_counter() - start)
+            out["checkpoint_s"] = sorted(saves)[1]
+            out["worked"] = "steps"
+            del trainer
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the imports' figure, said in the plan's notes
+        out["worked"] = "imports (" + type(exc).__name__ + ")"
 rows = rows[:32]
 if rows and not cfg.data.reward_model.path and "judge" not in cfg.data.reward:  # a scorer, not a model
     reward = reward_from_config(cfg.data)
@@ -209,29 +267,40 @@ if rows and not cfg.data.reward_model.path and "judge" not in cfg.data.reward:  
     start = time.perf_counter()
     for _ in range(3):
         reward.compute(texts, rows)
-    print((time.perf_counter() - start) / 3 / len(rows))
+    out["reward_s"] = (time.perf_counter() - start) / 3 / len(rows)
+print("RUNTIME " + json.dumps(out))
 """
 
 
-def measure_runtime(config_path: str | None, overrides: list[str]) -> tuple[float, float]:
-    """Peak RSS of a fresh process that imports the trainer and builds the run's built-in data (what a CPU
-    rank holds before its model), and the seconds the run's reward takes per response there (0 when the
-    reward is a model or the data is the user's)."""
-    out = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT, config_path or "", *overrides],
-                         capture_output=True, text=True, timeout=300, check=False,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if out.returncode != 0:
-        raise RuntimeError(f"runtime probe failed: {out.stderr[-2000:]}")
-    lines = out.stdout.strip().splitlines()
-    numbers = []
-    for line in reversed(lines):  # the script's own lines are last; a library may print before them
-        try:
-            numbers.insert(0, float(line))
-        except ValueError:
-            break
-    if not numbers:
-        raise RuntimeError(f"runtime probe printed no RSS: {out.stdout[-500:]}")
-    return numbers[0], (numbers[1] if len(numbers) > 1 else 0.0)
+@dataclass
+class RuntimeProbe:
+    """What `measure_runtime` read in a fresh process."""
+
+    runtime_bytes: float  # a CPU rank's resident bytes besides its model's tensors
+    reward_s: float  # the run's reward per response (0: a model or the user's data)
+    checkpoint_s: float  # a checkpoint save of a 32-wide model (0: the steps did not run)
+    worked: str  # "steps", or "imports (why not the steps)"
+
+
+def measure_runtime(config_path: str | None, overrides: list[str]) -> RuntimeProbe:
+    """A CPU rank's runtime, measured in a fresh process: the larger of its peak after importing the trainer
+    and building the run's built-in data, and its resident set after two steps of the run's trainer on a
+    32-wide model (what a rank holds besides its model's tensors once it has run); the seconds of a
+    checkpoint save of that model (a save's fixed cost); the seconds the run's reward takes per response
+    there (0 when the reward is a model or the data is the user's)."""
+    import json
+
+    done = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT, config_path or "", *overrides],
+                          capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"runtime probe failed: {done.stderr[-2000:]}")
+    line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("RUNTIME ")), None)
+    if line is None:
+        raise RuntimeError(f"runtime probe printed no result: {done.stdout[-500:]}")
+    out = json.loads(line[len("RUNTIME "):])
+    return RuntimeProbe(float(out["runtime_bytes"]), float(out["reward_s"]), float(out["checkpoint_s"]),
+                        out["worked"])
 
 
 def _loopback_rank(rank: int, port: int, queue) -> None:
@@ -292,16 +361,24 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        rates, optimizer_s = probe_rates(s)
+        rates, optimizer_s, refresh_s_per_byte = probe_rates(s)
         adam = time_adamw(policy_counts(s)[1])
         optimizer_fixed = optimizer_step_fixed_s(optimizer_s, policy_counts(s)[1], adam)
     finally:
         torch.set_num_threads(before)
-    runtime, reward_s_per_row = measure_runtime(config_path, overrides)
+    probe = measure_runtime(config_path, overrides)
+    runtime, reward_s_per_row = probe.runtime_bytes, probe.reward_s
     rates = dataclasses.replace(rates, other_s_per_row=reward_s_per_row)
     disk = disk_write_speed(output_dir)
-    notes = [(f"runtime RSS {runtime / 2**20:.0f} MiB (measured here: VmHWM of a fresh process that imported "
-              "the trainer and built the data)"),
+    how = ("a fresh process that imported the trainer, built the data and ran two steps of this run on a 32-wide "
+           "model" if probe.worked == "steps" else
+           f"VmHWM of a fresh process that imported the trainer and built the data; its two steps on a 32-wide "
+           f"model did not run: {probe.worked}")
+    notes = [f"runtime RSS {runtime / 2**20:.0f} MiB (measured here: {how})",
+             (f"checkpoint save {probe.checkpoint_s * 1e3:.0f} ms + bytes at the disk's speed (the save of a 32-wide "
+              "model, measured here)"),
+             (f"decode layout refresh {refresh_s_per_byte * 2**30:.2f} s per GiB (colocated weight sync on the "
+              "built-in engine, measured here on the probe's model)"),
              (f"reward {reward_s_per_row * 1e3:.2f} ms per response (measured here on the run's data; the rest "
               "of the host work per step, data and advantages, is not modelled)"),
              (f"AdamW step {adam * 1e9:.2f} ns per parameter + {optimizer_fixed * 1e3:.1f} ms per step (norm clip, "
@@ -315,7 +392,8 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
         intra = LinkCost(0.0, float("inf"), "one rank: no link")
     return Calibration(rates, adam, disk, intra, intra, runtime, threads,
                        source=f"this machine's CPU ({os.cpu_count()} cores), {threads} thread(s) per rank: "
-                              + rates.source, notes=notes, optimizer_step_s=optimizer_fixed)
+                              + rates.source, notes=notes, optimizer_step_s=optimizer_fixed,
+                       layout_refresh_s_per_byte=refresh_s_per_byte, checkpoint_fixed_s=probe.checkpoint_s)
 
 
 # ---------------------------------------------------------------- calibration: datasheets
@@ -403,7 +481,10 @@ def phase_seconds(s: PlanSetup, cal: Calibration, contention: float = 1.0) -> di
     total_params = policy_counts(s)[0]
     state = total_params * s.param_bytes / s.shard + 2 * trainable * (4 if s.lora_rank else s.param_bytes) / s.shard
     writers = min(s.layout.ranks_per_node, s.layout.world)  # the node's ranks share its disk
-    out["checkpoint_save"] = state * writers / cal.disk_bytes_per_s if cal.disk_bytes_per_s > 0 else 0.0
+    out["checkpoint_save"] = (cal.checkpoint_fixed_s * max(1.0, contention)
+                              + (state * writers / cal.disk_bytes_per_s if cal.disk_bytes_per_s > 0 else 0.0))
+    if not s.standalone:  # a colocated built-in engine lays its decode copy out again at every sync
+        out["weight_sync"] += decode_layout_bytes(s) * cal.layout_refresh_s_per_byte * max(1.0, contention)
     if s.eval_rows:
         eval_step = dataclasses.replace(step, rows=min(s.eval_rows, EVAL_CHUNK_ROWS), forward_passes=0)
         chunks = math.ceil(s.eval_rows / EVAL_CHUNK_ROWS)

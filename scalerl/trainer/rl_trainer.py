@@ -38,6 +38,7 @@ from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
 from scalerl.perf.mfu import StepWork
+from scalerl.perf.memory import release_host_memory
 from scalerl.perf.timing import StepTimer
 from scalerl.rollout.agent.source import AgentRollouts, EvaluationEpisodes
 from scalerl.rollout.batch import RolloutBatch
@@ -240,6 +241,7 @@ class RLTrainer(TrainingRun):
                                           self.update_plan, self.update_generator, self.dist, self.autocast))
         with timer("update_actor"):
             metrics.update((collected.update or self.actor_update(len(batch))).finish(batch))
+            release_host_memory(self.device)  # what the update freed (gradients, activations): perf/memory.py
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         with timer("update_weights"):
             metrics.update(self.rollouts.sync_weights(version=self.step + 1))  # the policy after this update

@@ -183,6 +183,10 @@ class UpdateRun:
             calls = self.parts.forward_backward(micros, objective, self.autocast, step.grad_scaler)
         objective.end_mini_batch(calls)
         norm, was_skipped = step(self.parts)
+        # Free the gradients now, not at the next mini-batch: after the last one they would otherwise stay
+        # alive through generation, the weight sync and the checkpoint (a whole model's worth, measured on
+        # the 0.5B-shaped plan cell: RSS 0.98 GiB held against 0.87 once freed).
+        step.optimizer.zero_grad(set_to_none=True)
         self.norms.append(norm)
         self.skipped.append(was_skipped)
 

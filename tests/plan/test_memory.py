@@ -42,6 +42,13 @@ def test_parameters_gradients_and_adamw_state_are_the_built_models_bytes():
     assert phase_parts(setup)["update"]["gradients"] == grads
     sharded = persistent_parts(setup.replace(layout=Layout(dp_shard=2)))  # FSDP over 2: half of each
     assert sharded["parameters"] == params / 2 and sharded["optimizer"] == moments / 2
+    # one layer's gradients in flight while micro-batches accumulate (4 of 16 rows here), none with a single
+    # micro-batch; the layer's share of the parameters outside the embedding and the head
+    cfg = model.config
+    layer = (sum(p.numel() for p in model.parameters()) - cfg.vocab_size * cfg.hidden_size
+             * (1 if cfg.tie_word_embeddings else 2)) / cfg.num_hidden_layers
+    assert phase_parts(setup)["update"]["gradient_temporaries"] == layer * 4
+    assert phase_parts(setup.replace(micro_rows=16))["update"]["gradient_temporaries"] == 0
 
 
 def test_ddp_keeps_a_bucket_copy_of_the_gradients_and_lora_trains_only_adapters():
@@ -135,7 +142,15 @@ def test_the_decode_layout_is_what_the_built_in_engine_copies():
     assert decode_layout_bytes(setup) == by_hand == DecodeModel(model).weight_bytes
     parts = phase_parts(setup)
     assert parts["update"]["decode_layout"] == by_hand  # kept from the first generation on
-    assert parts["weight_sync"]["decode_layout_refresh"] == by_hand  # laid out anew beside the old one
+    # laid out again in place (the old copy goes first): the sync holds the layout once, and one fused matrix
+    # (here gate/up, 2 x intermediate rows) concatenated before its layout is made
+    assert sum(parts["weight_sync"].values()) == sum(persistent_parts(setup).values()) + parts["weight_sync"][
+        "layout_rebuild"]
+    assert parts["weight_sync"]["layout_rebuild"] == 2 * cfg.intermediate_size * cfg.hidden_size * 4
+    layout = DecodeModel(model)
+    first = layout.layers[0].qkv.weight
+    layout.refresh()
+    assert layout.layers[0].qkv.weight is not first and not layout.is_stale()
     # sharded or standalone: generation runs the model's own forward (workers hold their own copy)
     assert decode_layout_bytes(_setup(model=cfg, layout=Layout(dp_shard=2))) == 0
     assert decode_layout_bytes(_setup(model=cfg, layout=Layout(tp=2))) == 0

@@ -3,6 +3,8 @@ behind the trainer's own work, so the trainer waits only for the rest."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from scalerl.bench.cost_model.collective_cost import LinkCost
@@ -62,8 +64,32 @@ def test_the_runtime_probe_reads_its_own_peak_not_the_parents():
     from scalerl.plan.timing import measure_runtime
 
     held = torch.ones(64 * 2**20)  # 256 MiB in this process when the probe forks
-    runtime, reward_s = measure_runtime(None, ["data.num_train=16"])
+    probe = measure_runtime(None, ["data.num_train=16"])
+    runtime, reward_s = probe.runtime_bytes, probe.reward_s
+    assert probe.worked == "steps"  # two steps of the run's trainer on a 32-wide model ran (the runtime once it ran)
+    assert 0 < probe.checkpoint_s < 30  # and its checkpoint save was timed
     import resource
     parent_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert runtime < parent_peak - 200 * 2**20 < parent_peak and held.numel()
     assert 0 < reward_s < 0.1  # the built-in task's scorer: well under 100 ms a response
+
+
+def test_a_colocated_sync_lays_the_decode_copy_out_again_and_a_save_has_a_fixed_cost():
+    from scalerl.plan.memory import decode_layout_bytes
+    from scalerl.plan.timing import time_layout_refresh
+    from tests.tiny import tiny_model
+
+    cal = Calibration(RATES, 0.0, 1e9, LINK, LINK, layout_refresh_s_per_byte=2e-9, checkpoint_fixed_s=0.3)
+    colocated = PlanSetup(model=tiny_model_config(), layout=Layout(), rows=16, prompt_width=16, new_tokens=8,
+                          micro_rows=4, mini_rows=16)
+    standalone = dataclasses.replace(colocated, layout=Layout(rollout_workers=1, ranks_per_node=2), standalone=True)
+    layout = decode_layout_bytes(colocated)
+    assert layout > 0 and decode_layout_bytes(standalone) == 0  # workers hold their own copy
+    assert phase_seconds(colocated, cal)["weight_sync"] == pytest.approx(layout * 2e-9)
+    assert phase_seconds(standalone, cal)["weight_sync"] < layout * 2e-9  # the push, not a layout
+    save = phase_seconds(colocated, cal)["checkpoint_save"]
+    assert 0.3 < save < 0.3 + 0.01  # the fixed part + the tiny model's bytes at 1 GB/s
+    again = Calibration.from_dict(cal.to_dict())
+    assert (again.layout_refresh_s_per_byte, again.checkpoint_fixed_s) == (2e-9, 0.3)
+    # measured on the built-in model: a positive time per byte, well under a second per GiB's worth of it here
+    assert 0 < time_layout_refresh(tiny_model(), __import__("torch").float32) * 2**30 < 60

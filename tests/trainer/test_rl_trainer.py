@@ -43,6 +43,11 @@ def test_gae_estimator_trains_a_critic(tiny_config, length_reward):
     assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"} <= set(metrics)
     changed = any(not torch.equal(v, trainer.critic.model.state_dict()[k]) for k, v in critic_before.items())
     assert changed
+    # Gradients are freed after each optimizer step: none held through generation and the next step (they
+    # were a whole model's worth of host memory, kept until the next update's zero_grad).
+    held = [n for m in (trainer.policy.model, trainer.critic.model) for n, p in m.named_parameters()
+            if p.grad is not None]
+    assert not held, held[:3]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
