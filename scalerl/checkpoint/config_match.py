@@ -26,6 +26,8 @@ def check_config(path: Path, saved: dict | None, expected: dict, keys: list[str]
         f"{key!r}: saved {_lookup(saved, key)!r}, current {_lookup(expected, key)!r}"
         for key in keys
         if _lookup(saved, key) != _lookup(expected, key)
+        # a key the saving version did not have matches that feature left off (null, 0, false, empty)
+        and not (_lookup(saved, key) is _MISSING and _lookup(expected, key) in (None, 0, False, {}, [], ""))
     ]
     if mismatches:
         raise CheckpointError(f"config of checkpoint {path} does not match: " + "; ".join(mismatches))

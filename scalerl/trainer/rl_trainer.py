@@ -72,7 +72,7 @@ from scalerl.trainer.update import OptimizerStep, UpdatePlan, UpdateRun, run_upd
 RESUME_MUST_MATCH = [
     "model.path", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
     "model.num_key_value_heads", "model.intermediate_size", "algorithm.adv_estimator", "trainer.init_from",
-    "algorithm.distill.teacher",
+    "algorithm.distill.teacher", "algorithm.distill.teachers", "algorithm.distill.top_k",
 ]
 
 

@@ -198,6 +198,13 @@ def test_config_mismatch_names_key_and_both_values(tmp_path):
     only_lr_changed = {"model": {"hidden_size": 8}, "lr": 0.02, "seed": 1}
     load_checkpoint(path, model=make_run(1)[0], expected_config=only_lr_changed, strict_config_keys=["model", "seed"])
     assert load_checkpoint(path, model=make_run(1)[0]).meta["config"] == config
+    # a key the saving version did not have: matches while its feature is off, named once it is on
+    newer = {**config, "distill": {"top_k": 0, "teachers": {}}}
+    load_checkpoint(path, model=make_run(1)[0], expected_config=newer,
+                    strict_config_keys=["distill.top_k", "distill.teachers"])
+    with pytest.raises(CheckpointError, match="'distill.top_k': saved '<absent>', current 16"):
+        load_checkpoint(path, model=make_run(1)[0], expected_config={**config, "distill": {"top_k": 16}},
+                        strict_config_keys=["distill.top_k"])
 
 
 def test_resolve_resume(tmp_path):
