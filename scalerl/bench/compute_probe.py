@@ -60,8 +60,11 @@ def matmul_peaks(device: torch.device) -> dict:
 
 
 def probe_compute(model: torch.nn.Module, pad_token_id: int, micro_rows: int, new_tokens: int,
-                  repeats: int = REPEATS) -> dict:
-    """Median seconds of each probe, with the shapes the fit needs."""
+                  repeats: int = REPEATS, fused_decode: bool = True) -> dict:
+    """Median seconds of each probe, with the shapes the fit needs. ``fused_decode``: generation as the built-in
+    engine runs it over whole weights (its decode layout), or False: with the model's own forward, as it runs
+    over sharded or tensor-parallel weights (measured 4-5x slower per step on the 0.5B-shaped plan cell, where a
+    plan that probed the fused path predicted an FSDP run's generation at a quarter of its time)."""
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     out: dict = {"train": [], "forward": [], "gen": [],
@@ -95,7 +98,8 @@ def probe_compute(model: torch.nn.Module, pad_token_id: int, micro_rows: int, ne
         out["train"].append({"rows": micro_rows, "width": width, "seconds": train_s})
         out["forward"].append({"rows": micro_rows, "width": width, "seconds": forward_s})
     model.eval()
-    engine = BuiltinEngine(model, pad_token_id)
+    engine = BuiltinEngine(model, pad_token_id, fused=fused_decode)
+    out["fused_decode"] = engine.fused
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0, stop_token_ids=())
     prompts = [torch.randint(3, vocab, (rows, PROMPT_LEN), generator=generator).tolist() for rows in GEN_ROWS]
     gens = [lambda p=p: engine.generate(p, sampling) for p in prompts]

@@ -118,7 +118,10 @@ def probe_rates(s: PlanSetup) -> tuple[ComputeRates, float, float]:
     model = build_model(dataclasses.replace(cfg, torch_dtype="float32"), seed=0).float()
     new_tokens = max(2, min(s.new_tokens, 16))
     start = time.perf_counter()
-    probe = probe_compute(model, 0, max(1, s.micro_rows), new_tokens, repeats=PROBE_REPEATS)
+    # generation as the run's trainer runs it: the fused decode path over whole weights, the model's own
+    # forward over sharded or tensor-parallel ones (standalone workers hold whole weights)
+    fused = s.standalone or not (s.fsdp or s.layout.tp > 1)
+    probe = probe_compute(model, 0, max(1, s.micro_rows), new_tokens, repeats=PROBE_REPEATS, fused_decode=fused)
     optimizer_s = time_optimizer_step(model) * scale
     refresh_s_per_byte = time_layout_refresh(model, torch.float32 if s.compute_bytes == 4 else torch.bfloat16)
     del model
@@ -135,6 +138,7 @@ def probe_rates(s: PlanSetup) -> tuple[ComputeRates, float, float]:
                          forward_call_s=forward_fixed * scale,
                          source="measured here: compute probe on the config's architecture"
                                 + (f" at {cfg.num_hidden_layers} layers (fixed costs x {scale:.2f})" if scale != 1 else "")
+                                + ("" if probe["fused_decode"] else ", generation with the model's own forward")
                                 + f", {torch.get_num_threads()} thread(s), micro-batch {s.micro_rows}, "
                                 f"{new_tokens} new tokens, {time.perf_counter() - start:.0f} s")
     return rates, optimizer_s, refresh_s_per_byte

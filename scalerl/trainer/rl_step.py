@@ -38,6 +38,7 @@ from scalerl.core.algorithm_names import needs_greedy_baseline
 from scalerl.data.errors import DataError
 from scalerl.data.prompts import encode_prompts
 from scalerl.parallel.activation_checkpointing import set_activation_checkpointing
+from scalerl.perf.memory import release_host_memory
 from scalerl.rollout.batch import RolloutBatch
 from scalerl.rollout.engines.engine import GenerationOutput, SamplingParams
 from scalerl.rollout.sources import StepPrompts
@@ -271,6 +272,8 @@ class RolloutPhase:
         while True:
             with t.timer("gen"):
                 arrived = next(parts, None)
+                if arrived is None:  # generation is over: what it freed (KV cache, gathered weights) goes back
+                    release_host_memory(t.device)  # before the training passes (perf/memory.py)
             if arrived is None:
                 break
             start, out, last = arrived

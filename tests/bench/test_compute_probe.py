@@ -27,6 +27,18 @@ def test_the_probe_reports_the_matmul_peaks_beside_its_timings(monkeypatch):
     out = compute_probe.probe_compute(tiny_model(), pad_token_id=0, micro_rows=2, new_tokens=2)
     assert out["matmul_peaks"] == {"peak_flops": {"float32": 1.0}}
     assert [p["width"] for p in out["train"]] == list(compute_probe.TRAIN_WIDTHS) and len(out["gen"]) == 2
+    assert out["fused_decode"] is True  # the built-in engine's decode layout, as a run over whole weights
+    # over sharded / tensor-parallel weights a run decodes with the model's own forward: so does the probe
+    calls = []
+    real_forward = compute_probe.BuiltinEngine.__init__
+
+    def spy(self, *args, **kwargs):
+        real_forward(self, *args, **kwargs)
+        calls.append(self.fused)
+
+    monkeypatch.setattr(compute_probe.BuiltinEngine, "__init__", spy)
+    unfused = compute_probe.probe_compute(tiny_model(), pad_token_id=0, micro_rows=2, new_tokens=2, fused_decode=False)
+    assert unfused["fused_decode"] is False and calls == [False]
 
 
 def test_the_sizes_of_a_phase_are_timed_in_turns(monkeypatch):

@@ -95,7 +95,9 @@ def test_a_cap_below_the_weights_needs_fsdp():
                                                                            num_hidden_layers=4),
                    rows=1, micro_rows=1, prompt_width=4, new_tokens=4)  # the weights dominate
     state = total(persistent_parts(setup))
-    cap = state / 2  # not even the weights and AdamW state fit one rank; FSDP gathers the model to generate
+    # not even the weights and AdamW state fit one rank; FSDP gathers the model to generate (twice: the
+    # all-gather's output and the parameters copied out of it), which over 2 ranks is still too much
+    cap = state * 0.6
     phase, _ = first_unfit(setup, cap)
     assert phase == "generation"
     override, _ = find_fix(setup, cap, phase)
