@@ -10,8 +10,8 @@ after each optimizer step, so only the update holds them. Then, per phase:
 
 | phase | adds |
 | --- | --- |
-| generation | FSDP: the full model gathered in the compute dtype, twice (the all-gather's output and the parameters copied out of it: `scalerl.parallel.fsdp_generation`); the KV cache, rows decoding at once x (prompt + new tokens) x layers x kv heads x head dim x 2 x bytes; the prefill's activations of one layer and the last position's logits |
-| old / reference log-prob | FSDP: two gathered layers and the root, twice; one micro-batch's forward: one layer's activations and the logits (float32) with their log-softmax |
+| generation | FSDP: the full model gathered in the compute dtype, on the CPU twice (the all-gather's output is not reused: `scalerl.parallel.fsdp_generation`); the KV cache, rows decoding at once x (prompt + new tokens) x layers x kv heads x head dim x 2 x bytes; the prefill's activations of one layer and the last position's logits |
+| old / reference log-prob | FSDP: two gathered layers and the root (twice on the CPU); one micro-batch's forward: one layer's activations and the logits (float32) with their log-softmax |
 | update | gradients, and one layer's gradients in flight (computed, then added into the accumulated ones); FSDP: gathered units; the activations saved for backward (with activation checkpointing: each layer's input, plus one layer recomputed) and the logits x 3 (float32 logits, log-softmax, their gradient) |
 | weight sync | colocated built-in engine: its decode copy laid out again in place, one fused matrix (q/k/v or gate/up) concatenated at a time; standalone workers: the bucket gathered in rollout.dtype and its encoding; delta mode: the source rank's snapshot of what the workers hold (the whole model in rollout.dtype) |
 | checkpoint save | safetensors serialises the model's state into one buffer: the rank's parameters once more (host memory) |
@@ -248,22 +248,24 @@ def persistent_parts(s: PlanSetup) -> dict[str, float]:
     return parts
 
 
-# FSDP2 holds a gathered unit twice while it is unsharded: the all-gather's output and the parameters copied out
-# of it. Measured on the 0.5B-shaped plan cell over 2 ranks (gloo): generation, which keeps every unit gathered,
-# peaked 0.22 GiB above its sharded state for a 0.11 GiB model.
-FSDP_GATHER_COPIES = 2
+# On the CPU (gloo, glibc's heap) FSDP2's gathered units take twice their size while unsharded: the all-gather's
+# output, freed once copied into the parameters, is not reused for the next unit's. Measured on the 0.5B-shaped
+# plan cell over 2 ranks: generation, which keeps every unit gathered, peaked 0.22 GiB above its sharded state
+# for a 0.11 GiB model. A GPU's caching allocator reuses the freed output: once there.
+def fsdp_gather_copies(s: PlanSetup) -> int:
+    return 2 if s.device == "cpu" else 1
 
 
 def _gathered_units(s: PlanSetup) -> float:
     """FSDP during a training or log-prob pass: the unit being run and the next one prefetched (two layers),
-    plus the root (embedding, norm, head), gathered in the compute dtype (FSDP_GATHER_COPIES times)."""
+    plus the root (embedding, norm, head), gathered in the compute dtype (`fsdp_gather_copies` times)."""
     if not s.fsdp:
         return 0.0
     cfg = s.model
     total = decoder_param_count(cfg)
     root = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     layer = (total - root) / cfg.num_hidden_layers
-    return FSDP_GATHER_COPIES * min(total, 2 * layer + root) * s.compute_bytes / s.layout.tp
+    return fsdp_gather_copies(s) * min(total, 2 * layer + root) * s.compute_bytes / s.layout.tp
 
 
 def kv_cache_bytes(cfg: ModelConfig, rows: int, length: int, kv_bytes: int, tp: int = 1) -> float:
@@ -276,7 +278,7 @@ def _generation_parts(s: PlanSetup, rows: int, kv_bytes: int) -> dict[str, float
     length = s.padded_prompt + s.new_tokens
     parts = {"kv_cache": kv_cache_bytes(cfg, rows, length, kv_bytes, lay.tp)}
     if s.fsdp:
-        parts["gathered_weights"] = FSDP_GATHER_COPIES * policy_counts(s)[0] * s.compute_bytes / lay.tp
+        parts["gathered_weights"] = fsdp_gather_copies(s) * policy_counts(s)[0] * s.compute_bytes / lay.tp
     prefill = rows * s.padded_prompt
     parts["activations"] = (layer_activation_bytes(cfg, prefill, s.padded_prompt, s.act_bytes) / lay.tp
                             + 3 * rows * cfg.vocab_size * 4)  # the last position's logits, probabilities, sample
@@ -342,8 +344,8 @@ def gradient_temporary_bytes(s: PlanSetup) -> float:
     then adds it into ``.grad`` (every micro-batch after the first) or reduce-scatters it (FSDP), so one layer's
     unsharded gradients are alive at once beside the accumulated ones (measured on the 0.5B-shaped plan cell:
     a backward's peak 0.06 GiB above its live state, one layer's weights being 0.05 GiB); under FSDP twice
-    that, as they are copied into the reduce-scatter's flat input. None with a single micro-batch and no
-    sharding (the first gradients are ``.grad`` themselves)."""
+    that on the CPU, as they are copied into the reduce-scatter's flat input. None with a single micro-batch
+    and no sharding (the first gradients are ``.grad`` themselves)."""
     cfg, lay = s.model, s.layout
     if s.micro_rows >= s.mini_rows and not s.fsdp:
         return 0.0
@@ -352,7 +354,8 @@ def gradient_temporary_bytes(s: PlanSetup) -> float:
     layer = max(0.0, (total - root) / cfg.num_hidden_layers)
     if s.lora_rank > 0:  # only the adapters have gradients
         layer = trainable / cfg.num_hidden_layers
-    return (2 if s.fsdp else 1) * layer * (4 if s.lora_rank > 0 else s.param_bytes) / lay.tp
+    return fsdp_gather_copies(s) * layer * (4 if s.lora_rank > 0 else s.param_bytes) / lay.tp if s.fsdp else \
+        layer * (4 if s.lora_rank > 0 else s.param_bytes) / lay.tp
 
 
 def sync_buffer_bytes(s: PlanSetup) -> float:

@@ -245,7 +245,7 @@ if not cfg.model.path:
             tiny = [*sys.argv[2:], "model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=4",
                     "model.num_key_value_heads=2", "parallel.dp_replicate=1", "parallel.dp_shard=1",
                     "parallel.tp=1", "parallel.pp=1", "parallel.sp=1", "rollout.placement=colocated",
-                    "rollout.engine=builtin", "data.num_train=16", "data.num_val=0", "rollout.n=2",
+                    "rollout.engine=builtin", "rollout.staleness=0", "rollout.dtype=fp32", "rollout.stream_groups=false", "data.num_train=16", "data.num_val=0", "rollout.n=2",
                     "trainer.batch_size=2", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=4",
                     "rollout.max_new_tokens=4", "trainer.eval_every=0", "trainer.save_every=0", "trainer.total_steps=2",
                     "trainer.logger=[jsonl]", f"trainer.output_dir={scratch}", "trainer.overwrite=true"]

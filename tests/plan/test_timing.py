@@ -68,6 +68,10 @@ def test_the_runtime_probe_reads_its_own_peak_not_the_parents():
     runtime, reward_s = probe.runtime_bytes, probe.reward_s
     assert probe.worked == "steps"  # two steps of the run's trainer on a 32-wide model ran (the runtime once it ran)
     assert 0 < probe.checkpoint_s < 30  # and its checkpoint save was timed
+    # an asynchronous standalone config's settings are the one-process run's (they were refused: ConfigError)
+    async_run = measure_runtime(None, ["data.num_train=16", "rollout.placement=standalone", "rollout.workers=2",
+                                       "rollout.staleness=1", "rollout.stream_groups=true", "rollout.dtype=bf16"])
+    assert async_run.worked == "steps"
     import resource
     parent_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert runtime < parent_peak - 200 * 2**20 < parent_peak and held.numel()
