@@ -70,11 +70,12 @@ class Calibration:
     optimizer_step_s: float = 0.0  # fixed seconds of one optimizer step (per-tensor launches, the norm's clip)
     layout_refresh_s_per_byte: float = 0.0  # the built-in engine laying its decode copy out again, per byte
     checkpoint_fixed_s: float = 0.0  # a checkpoint save's cost whatever its size (files, metadata, fsyncs)
+    host_step_s: float = 0.0  # a step's host work besides its timed phases and the reward per row
 
     def to_dict(self) -> dict:
         return {"rates": self.rates.to_dict(), "adam_s_per_param": self.adam_s_per_param,
                 "optimizer_step_s": self.optimizer_step_s, "layout_refresh_s_per_byte": self.layout_refresh_s_per_byte,
-                "checkpoint_fixed_s": self.checkpoint_fixed_s,
+                "checkpoint_fixed_s": self.checkpoint_fixed_s, "host_step_s": self.host_step_s,
                 "disk_bytes_per_s": self.disk_bytes_per_s, "intra": self.intra.to_dict(),
                 "inter": self.inter.to_dict(), "runtime_bytes": self.runtime_bytes,
                 "threads_per_rank": self.threads_per_rank, "source": self.source, "notes": list(self.notes)}
@@ -85,7 +86,8 @@ class Calibration:
                    LinkCost.from_dict(data["intra"]), LinkCost.from_dict(data["inter"]),
                    data.get("runtime_bytes", 0.0), data.get("threads_per_rank", 0), data.get("source", ""),
                    list(data.get("notes", [])), data.get("optimizer_step_s", 0.0),
-                   data.get("layout_refresh_s_per_byte", 0.0), data.get("checkpoint_fixed_s", 0.0))
+                   data.get("layout_refresh_s_per_byte", 0.0), data.get("checkpoint_fixed_s", 0.0),
+                   data.get("host_step_s", 0.0))
 
 
 # ---------------------------------------------------------------- calibration: this CPU
@@ -251,8 +253,13 @@ if not cfg.model.path:
                     "trainer.logger=[jsonl]", f"trainer.output_dir={scratch}", "trainer.overwrite=true"]
             trainer = RLTrainer.from_config(load_config(sys.argv[1] or None, tiny))
             trainer.train_step()
-            trainer.train_step()
+            steps = [trainer.train_step() for _ in range(2)]
             out["runtime_bytes"] = max(out["runtime_bytes"], status_bytes("VmRSS"))
+            # the step's host work besides the phases the plan times (data, the reward's fixed part,
+            # advantages, metrics): the step less those phases, the smaller of two steps
+            timed = ("gen", "old_log_prob", "ref", "update_actor", "update_critic", "update_weights")
+            out["host_step_s"] = min(max(0.0, m["timing_s/step"] - sum(m.get("timing_s/" + k, 0.0) for k in timed))
+                                     for m in steps)
             saves = []
             for _ in range(3):
                 start = time.perf_counter()
@@ -272,6 +279,8 @@ if rows and not cfg.data.reward_model.path and "judge" not in cfg.data.reward:  
     for _ in range(3):
         reward.compute(texts, rows)
     out["reward_s"] = (time.perf_counter() - start) / 3 / len(rows)
+if "host_step_s" in out:  # the reward per response is planned per row: not twice (the run above scored 2 x 2)
+    out["host_step_s"] = max(0.0, out["host_step_s"] - 4 * out["reward_s"])
 print("RUNTIME " + json.dumps(out))
 """
 
@@ -284,6 +293,7 @@ class RuntimeProbe:
     reward_s: float  # the run's reward per response (0: a model or the user's data)
     checkpoint_s: float  # a checkpoint save of a 32-wide model (0: the steps did not run)
     worked: str  # "steps", or "imports (why not the steps)"
+    host_step_s: float = 0.0  # a step's host work besides its timed phases and the reward per row
 
 
 def measure_runtime(config_path: str | None, overrides: list[str]) -> RuntimeProbe:
@@ -304,7 +314,7 @@ def measure_runtime(config_path: str | None, overrides: list[str]) -> RuntimePro
         raise RuntimeError(f"runtime probe printed no result: {done.stdout[-500:]}")
     out = json.loads(line[len("RUNTIME "):])
     return RuntimeProbe(float(out["runtime_bytes"]), float(out["reward_s"]), float(out["checkpoint_s"]),
-                        out["worked"])
+                        out["worked"], float(out.get("host_step_s", 0.0)))
 
 
 def _loopback_rank(rank: int, port: int, queue) -> None:
@@ -381,10 +391,11 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
     notes = [f"runtime RSS {runtime / 2**20:.0f} MiB (measured here: {how})",
              (f"checkpoint save {probe.checkpoint_s * 1e3:.0f} ms + bytes at the disk's speed (the save of a 32-wide "
               "model, measured here)"),
+             (f"host work {probe.host_step_s * 1e3:.1f} ms per step besides the timed phases and the reward per "
+              "response (data, advantages, metrics: a 32-wide model's step less its phases, measured here)"),
              (f"decode layout refresh {refresh_s_per_byte * 2**30:.2f} s per GiB (colocated weight sync on the "
               "built-in engine, measured here on the probe's model)"),
-             (f"reward {reward_s_per_row * 1e3:.2f} ms per response (measured here on the run's data; the rest "
-              "of the host work per step, data and advantages, is not modelled)"),
+             f"reward {reward_s_per_row * 1e3:.2f} ms per response (measured here on the run's data)",
              (f"AdamW step {adam * 1e9:.2f} ns per parameter + {optimizer_fixed * 1e3:.1f} ms per step (norm clip, "
               f"a launch per tensor) (measured here on the model, {threads} thread(s))"),
              f"disk write {disk / 1e6:.0f} MB/s (measured here, fsynced, under {output_dir})"]
@@ -397,7 +408,8 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
     return Calibration(rates, adam, disk, intra, intra, runtime, threads,
                        source=f"this machine's CPU ({os.cpu_count()} cores), {threads} thread(s) per rank: "
                               + rates.source, notes=notes, optimizer_step_s=optimizer_fixed,
-                       layout_refresh_s_per_byte=refresh_s_per_byte, checkpoint_fixed_s=probe.checkpoint_s)
+                       layout_refresh_s_per_byte=refresh_s_per_byte, checkpoint_fixed_s=probe.checkpoint_s,
+                       host_step_s=probe.host_step_s)
 
 
 # ---------------------------------------------------------------- calibration: datasheets
@@ -458,7 +470,8 @@ def phase_seconds(s: PlanSetup, cal: Calibration, contention: float = 1.0) -> di
                                  weight_sync_ratio=1.0)
     estimate = project_step(s.model, step, layout, lengths, cal.rates, Links(cal.intra, cal.inter), contention)
     out = {"generation": estimate.compute_s["gen"], "old_log_prob": 0.0, "ref_log_prob": 0.0,
-           "update": estimate.compute_s["update"], "weight_sync": 0.0, "other": estimate.compute_s["other"]}
+           "update": estimate.compute_s["update"], "weight_sync": 0.0,
+           "other": estimate.compute_s["other"] + cal.host_step_s * max(1.0, contention)}
     passes = int(s.old_pass) + int(s.reference) + int(s.critic)
     if passes:
         each = estimate.compute_s["forward"] / passes

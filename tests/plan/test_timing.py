@@ -72,6 +72,12 @@ def test_the_runtime_probe_reads_its_own_peak_not_the_parents():
     async_run = measure_runtime(None, ["data.num_train=16", "rollout.placement=standalone", "rollout.workers=2",
                                        "rollout.staleness=1", "rollout.stream_groups=true", "rollout.dtype=bf16"])
     assert async_run.worked == "steps"
+    assert 0 < probe.host_step_s < 1  # data, advantages, metrics of a 4-row step: milliseconds
+    cal = Calibration(RATES, 0.0, 0.0, LINK, LINK, host_step_s=0.25)
+    setup = PlanSetup(model=tiny_model_config(), layout=Layout(), rows=16, prompt_width=16, new_tokens=8,
+                      micro_rows=4, mini_rows=16)
+    assert phase_seconds(setup, cal)["other"] == pytest.approx(0.25)  # in the step, as "other"
+    assert Calibration.from_dict(cal.to_dict()).host_step_s == 0.25
     import resource
     parent_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert runtime < parent_peak - 200 * 2**20 < parent_peak and held.numel()
