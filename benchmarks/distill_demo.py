@@ -315,8 +315,15 @@ def main() -> None:
     print()
     print(f"teacher ({args.teacher[0]}x{args.teacher[1]}): held-out accuracy {teacher_sft_accuracy:.1%} after SFT"
           + (f", {teacher_accuracy:.1%} after GRPO" if args.teacher_steps else ""))
-    print(f"student ({args.student[0]}x{args.student[1]}) after SFT: {runs['grpo'][args.seeds[0]]['curve'][0][1]:.1%}; "
+    # Each seed draws its own held-out problems (trainer.seed), so the SFT start differs by seed.
+    starts = {seed: runs["grpo"][seed]["curve"][0][1] for seed in args.seeds}
+    print(f"student ({args.student[0]}x{args.student[1]}) after SFT: "
+          + " / ".join(f"{starts[seed]:.1%}" for seed in args.seeds) + f" (seeds {' / '.join(map(str, args.seeds))}); "
           f"target held-out accuracy {target:.1%}")
+    at_start = [seed for seed in args.seeds if starts[seed] >= target - 1e-9]
+    if at_start:
+        print(f"  the SFT start already reaches the target in seed(s) {', '.join(map(str, at_start))}: step 0 there "
+              "measures no training (give a higher --target)")
     print(f"{'seed':>4} | {'GRPO: step':>10} {'s':>6} {'final':>6} | {'+distill: step':>14} {'s':>6} {'final':>6} | "
           f"{'steps ratio':>11} {'time ratio':>10} | {'step s':>13}")
     table = []

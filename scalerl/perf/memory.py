@@ -49,7 +49,7 @@ def _malloc_trim():
     """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows' ctypes takes no None
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
