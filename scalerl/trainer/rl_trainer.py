@@ -37,8 +37,8 @@ from scalerl.models.routing_replay import enable_router_replay
 from scalerl.models.value_model import ValueModel
 from scalerl.parallel.distributed import DistContext
 from scalerl.parallel.metric_reduction import reduce_metrics
-from scalerl.perf.mfu import StepWork
 from scalerl.perf.memory import release_host_memory
+from scalerl.perf.mfu import StepWork
 from scalerl.perf.timing import StepTimer
 from scalerl.rollout.agent.source import AgentRollouts, EvaluationEpisodes
 from scalerl.rollout.batch import RolloutBatch

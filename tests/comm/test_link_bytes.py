@@ -95,7 +95,7 @@ def test_counted_bytes_match_the_link_counters(netns_ok, tmp_path):
         for name in LAYOUTS:
             for attempt in range(10):
                 mark = f"{name}_{attempt}"
-                ready = lambda: all((tmp_path / f"ready_{mark}_{r}").exists() for r in range(2))  # noqa: E731
+                ready = lambda mark=mark: all((tmp_path / f"ready_{mark}_{r}").exists() for r in range(2))  # noqa: E731
                 try:
                     wait_until(ready, 240, f"both ranks ready for {name}")
                 except AssertionError:
@@ -104,7 +104,7 @@ def test_counted_bytes_match_the_link_counters(netns_ok, tmp_path):
                 before = [cluster.link_counters(k)["tx_bytes"] for k in range(2)]
                 (tmp_path / f"go_{mark}").touch()
                 done = [tmp_path / f"done_{mark}_{r}" for r in range(2)]
-                wait_until(lambda: all(d.exists() for d in done), 240, f"{name} step")
+                wait_until(lambda done=done: all(d.exists() for d in done), 240, f"{name} step")
                 link[name] = [cluster.link_counters(k)["tx_bytes"] - b for k, b in zip(range(2), before)]
                 resent = sum(int(d.read_text()) for d in done)
                 (tmp_path / "verdict").write_text("again" if resent and attempt < 9 else "next")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scalerl.perf.memory import max_memory_gb, release_host_memory
+from scalerl.perf.memory import max_memory_gb
 
 REPO = Path(__file__).resolve().parents[2]
 
