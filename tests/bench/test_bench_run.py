@@ -43,7 +43,7 @@ def test_report_is_valid_and_complete(measured):
     assert 0 < ddp["cpu"]["utilization_per_rank"] <= 1.5 and ddp["memory"]["peak_gb"] > 0
     assert ddp["work"]["rows"] == 2 * 4 * 4 and ddp["work"]["decode_steps"] <= 8
     assert ddp["throughput"]["tokens_per_s"]["median"] > 0 and ddp["scaling_efficiency"] == 1.0  # its own reference
-    assert set(calibration["compute_probe"]) == {"train", "forward", "gen", "matmul_peaks"}
+    assert set(calibration["compute_probe"]) == {"train", "forward", "gen", "matmul_peaks", "fused_decode"}
     assert "link probe: loopback" in progress and "cell ddp|1x2" in progress
     assert report["links"]["loopback"]["intra"]["bytes_per_s"] > 0
 
