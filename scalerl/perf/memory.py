@@ -12,6 +12,18 @@ import sys
 import torch
 
 
+def _proc_gib(path: str, key: str) -> float | None:
+    """A ``key: N kB`` line of a /proc file in GiB; None where the file is not there (not Linux) or lacks it."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024**2
+    except OSError:
+        return None
+    return None
+
+
 def max_memory_gb(device: torch.device) -> float:
     """Peak accelerator memory allocated, or the process's peak resident set size on the CPU: its own high-water
     mark (VmHWM) on Linux, since it started or since the doctor's phase profiler last reset it. Not
@@ -19,13 +31,9 @@ def max_memory_gb(device: torch.device) -> float:
     large process (a test session, a launcher) read that process's peak as its own."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1024**3
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024**2  # kB
-    except OSError:
-        pass
+    peak = _proc_gib("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (1024**3 if sys.platform == "darwin" else 1024**2)
 
@@ -34,13 +42,9 @@ def memory_capacity_gb(device: torch.device) -> float:
     """The device's memory in GiB: the GPU's total, or the host's RAM (MemTotal) on the CPU."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 1024**3
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 1024**2  # kB
-    except OSError:
-        pass
+    total = _proc_gib("/proc/meminfo", "MemTotal")
+    if total is not None:
+        return total
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
 
 
