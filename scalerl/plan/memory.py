@@ -354,8 +354,8 @@ def gradient_temporary_bytes(s: PlanSetup) -> float:
     layer = max(0.0, (total - root) / cfg.num_hidden_layers)
     if s.lora_rank > 0:  # only the adapters have gradients
         layer = trainable / cfg.num_hidden_layers
-    return fsdp_gather_copies(s) * layer * (4 if s.lora_rank > 0 else s.param_bytes) / lay.tp if s.fsdp else \
-        layer * (4 if s.lora_rank > 0 else s.param_bytes) / lay.tp
+    copies = fsdp_gather_copies(s) if s.fsdp else 1
+    return copies * layer * (4 if s.lora_rank > 0 else s.param_bytes) / lay.tp
 
 
 def sync_buffer_bytes(s: PlanSetup) -> float:
