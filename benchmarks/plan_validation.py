@@ -9,11 +9,11 @@ Each repeat of a cell: the load average (`os.getloadavg`, what `uptime` prints),
 RSS), then the run, then the load again. The machine is shared, so the plan is calibrated right before each run
 it is compared with, and every repeat has its own calibration and its own error.
 
-- Colocated cells run `scalerl doctor --performance-profiling CELL --steps 2 --warmup 1` (under torchrun when
+- Colocated cells run `scalerl doctor --performance-profiling CELL --steps 3 --warmup 3` (under torchrun when
   multi-rank): per phase its wall time (mean over ranks) and its peak resident set (VmHWM reset per phase, the
   largest rank), compared by `scalerl.doctor.plan_comparison.compare_plan`.
-- Standalone-worker cells (the profiler runs colocated rollouts only) run `scalerl train` for 4 steps: the
-  trainer's `timing_s/*` (median of steps 2-4) and its `perf/max_memory_gb` (peak RSS of the whole run, no
+- Standalone-worker cells (the profiler runs colocated rollouts only) run `scalerl train` for 6 steps: the
+  trainer's `timing_s/*` (median of steps 4-6) and its `perf/max_memory_gb` (peak RSS of the whole run, no
   per-phase split, as the trainer logs it), against the larger of the plan's trainer peak over the step's phases
   and its rollout worker's peak.
 
@@ -60,7 +60,9 @@ CELLS = {
     "tiny-async1": (2, [*TINY, *STANDALONE, "rollout.staleness=1"], "train"),
 }
 TIME_TARGET, MEMORY_TARGET = 0.20, 0.10
-DOCTOR_STEPS, DOCTOR_WARMUP, TRAIN_STEPS = 2, 1, 4
+# The plan predicts a step once the run is warm; a tensor-parallel rank's generation took 3.5, 1.8, 0.9 and
+# 0.67 s in steps 1-4 here (DTensor caches its sharding rules per new shape), so three steps warm up first.
+DOCTOR_STEPS, DOCTOR_WARMUP, TRAIN_STEPS = 3, 3, 6
 STEP_PHASES_MEASURED = {"generation": "timing_s/gen", "old_log_prob": "timing_s/old_log_prob",
                         "ref_log_prob": "timing_s/ref", "update": "timing_s/update_actor",
                         "weight_sync": "timing_s/update_weights"}
@@ -104,7 +106,7 @@ def measure_once(name: str, work: Path) -> dict:
         _run(_launch(ranks, ["train", *args, f"trainer.total_steps={TRAIN_STEPS}"]))
         rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
         steps = [r for r in rows if "timing_s/step" in r]
-        later = steps[1:] or steps
+        later = steps[DOCTOR_WARMUP:] or steps[-1:]
         measured = {"step_s": statistics.median(r["timing_s/step"] for r in later),
                     "phases_s": {p: statistics.median(r.get(k, 0.0) for r in later)
                                  for p, k in STEP_PHASES_MEASURED.items()},

@@ -18,9 +18,11 @@ SIZES = (4 * 2**10, 16 * 2**10, 64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20)
 SMALL_ITERS, LARGE_ITERS = 15, 5  # small messages are cheap and noisy: more of them
 
 
-def timed_sweep(group, group_size: int, sizes: list[int]) -> list[dict]:
-    """Per size: the median over repetitions of the slowest rank's time of one all-reduce (each preceded by
-    a barrier, so a late rank's arrival is not counted), after one untimed warm-up."""
+def timed_sweep(group, group_size: int, sizes: list[int], op: str = "all_reduce") -> list[dict]:
+    """Per size (the collective's payload: the whole tensor): the median over repetitions of the slowest
+    rank's time of one ``op`` (each preceded by a barrier, so a late rank's arrival is not counted), after one
+    untimed warm-up. ``op``: ``all_reduce``, or ``all_gather`` / ``reduce_scatter`` as FSDP calls them (into
+    and out of one flat tensor), whose time on gloo is not the all-reduce's share of the bytes."""
     import statistics
     import time
 
@@ -29,13 +31,26 @@ def timed_sweep(group, group_size: int, sizes: list[int]) -> list[dict]:
 
     results = []
     for size in sizes:
-        buf = torch.ones(max(1, size // 4), dtype=torch.float32)
-        dist.all_reduce(buf, group=group)
+        elems = max(group_size, size // 4 // group_size * group_size)
+        buf = torch.ones(elems, dtype=torch.float32)
+        part = torch.ones(elems // group_size, dtype=torch.float32)
+        if op == "all_reduce":
+            def call():
+                dist.all_reduce(buf, group=group)
+        elif op == "all_gather":
+            def call():
+                dist.all_gather_into_tensor(buf, part, group=group)
+        elif op == "reduce_scatter":
+            def call():
+                dist.reduce_scatter_tensor(part, buf, group=group)
+        else:
+            raise ValueError(f"timed_sweep times all_reduce, all_gather or reduce_scatter, not {op!r}")
+        call()
         times = []
         for _ in range(SMALL_ITERS if size < 2**18 else LARGE_ITERS):
             dist.barrier(group=group)
             start = time.perf_counter()
-            dist.all_reduce(buf, group=group)
+            call()
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
             times.append(float(elapsed))

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -351,6 +352,34 @@ class Plan:
         }
 
 
+def calibrate_layout(cfg: Any, cluster: Cluster, setup: PlanSetup, calibration: Any, config_path: str | None,
+                     overrides: list[str], threads: int, contention: float) -> str | None:
+    """On this machine with more than one process (ranks or rollout workers): run the config itself on a
+    32-wide model under its layout and set ``calibration.layout_s`` to what each phase took beyond what a
+    plain calibration of that 32-wide model plans for it; the note saying so (None when there is one process, so nothing to
+    measure). Not where the model or the reward is a model loaded from a path (the small run would load it)."""
+    from scalerl.plan import timing
+
+    if cluster.world == 1:
+        return None
+    if cfg.model.path or cfg.data.reward_model.path or "judge" in str(cfg.data.reward):
+        return ("layout cost not measured: the model or the reward loads weights from a path (the plan times the "
+                "plain model and the collectives' alpha-beta time only)")
+    start = time.perf_counter()
+    try:
+        measured = timing.measure_layout_run(config_path, overrides, cluster.world, threads)
+    except (RuntimeError, OSError, ValueError) as exc:
+        return f"layout cost not measured ({str(exc).splitlines()[0][:200]}): plain model and alpha-beta only"
+    small, _ = setup_from_config(load_config(config_path, [*overrides, *timing.WIDTH_32]), cluster)
+    small = small.replace(prompt_len=setup.prompt_len, response_len=setup.response_len)
+    planned = timing.phase_seconds(small, timing.recalibrate_compute(small, calibration, threads), contention)
+    calibration.layout_s = timing.layout_residual(measured, planned)
+    added = ", ".join(f"{p} {v * 1e3:.1f} ms" for p, v in calibration.layout_s.items() if v >= 5e-4) or "nothing"
+    return (f"layout cost per step {added} (measured here: this run on a 32-wide model under its layout, "
+            f"{cluster.world} processes, {timing.LAYOUT_PROBE_STEPS} steps, less what a plain calibration of that "
+            f"model plans for it; {time.perf_counter() - start:.0f} s)")
+
+
 def make_plan(cfg: Any, cluster: Cluster, *, config_path: str | None = None, overrides: list[str] | None = None,
               model_name: str | None = None, prompt_len: float | None = None, response_len: float | None = None,
               mfu_train: float | None = None, mfu_gen: float | None = None, disk_bytes_per_s: float | None = None,
@@ -370,6 +399,7 @@ def make_plan(cfg: Any, cluster: Cluster, *, config_path: str | None = None, ove
         if response_len is None:
             notes.append(f"every response taken to run to {setup.new_tokens} new tokens (give --response-len)")
     threads = 0
+    calibrated_here = calibration is None  # a stored calibration (--calibration) is used as it is
     if cluster.device == "cpu":
         threads = cfg.trainer.cpu_threads or max(1, (os.cpu_count() or 1) // cluster.devices_per_node)
         if calibration is None:
@@ -383,7 +413,16 @@ def make_plan(cfg: Any, cluster: Cluster, *, config_path: str | None = None, ove
     capacity = cluster.capacity_bytes()
     contention = 1.0
     if cluster.device == "cpu":
-        contention = max(1.0, cluster.devices_per_node * threads / (os.cpu_count() or 1))
+        contention = timing.cpu_contention(cluster.devices_per_node, threads, calibration.other_runnable)
+        if contention > 1.0:
+            notes.append(f"{cluster.devices_per_node} rank(s) x {threads} thread(s) beside "
+                         f"{calibration.other_runnable:.1f} other runnable thread(s) on {os.cpu_count()} cores: "
+                         f"compute {contention:.2f}x the probes' (which ran as one process beside the same)")
+    if cluster.device == "cpu" and calibrated_here:
+        note = calibrate_layout(cfg, cluster, setup, calibration, config_path, list(overrides or []), threads,
+                                contention)
+        if note:
+            calibration.notes.append(note)
     seconds = timing.phase_seconds(setup, calibration, contention)
     memory = phase_parts(setup)
     plan = Plan(setup, cluster, capacity, memory, seconds, worker_parts(setup) if setup.standalone else None,

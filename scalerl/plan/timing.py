@@ -12,9 +12,12 @@ Where the rates come from:
   other, so a load change reads as neither); a fused AdamW step is timed over one large tensor (seconds per
   parameter) and, with the gradient-norm clip, over the model's own tensors (the rest is a fixed cost per
   step: a small model's step is its launches); the runtime's RSS is read in a fresh process that imports the trainer and builds the run's data;
-  the disk's write speed as `scalerl doctor` measures it; with more than one rank, the loopback link by an
-  all-reduce sweep between two gloo processes (`scalerl.bench.link_probe.timed_sweep`, fitted by
-  `fit_link`), each rank with the threads it will have.
+  the disk's write speed as `scalerl doctor` measures it; with more than one rank, the loopback link by
+  all-reduce, all-gather and reduce-scatter sweeps between two gloo processes
+  (`scalerl.bench.link_probe.timed_sweep`, each op fitted by `fit_link` on its own), each rank with the threads
+  it will have, and what the layout adds per phase beyond all that (DDP's hooks, FSDP's and DTensor's wrappers,
+  rollout workers' hand-offs) by running the config itself on a 32-wide model under its layout
+  (`measure_layout_run`, in `scalerl.plan.cli.calibrate_layout`).
 - a GPU (h100, h200, a100, ...): the datasheet's bf16 peak (`scalerl.perf.flops`) at an assumed MFU (stated,
   ``--mfu-train`` / ``--mfu-gen``), each decode step and AdamW step bounded by reading the weights at the
   datasheet's HBM bandwidth, and nominal links (`LINK_PRESETS`). Every such number is labelled assumed.
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from scalerl.bench.cost_model.collective_cost import LINK_PRESETS, LinkCost, fit_link
 from scalerl.bench.cost_model.step_projection import (
@@ -39,7 +43,7 @@ from scalerl.bench.cost_model.step_projection import (
     compute_seconds,
     project_step,
 )
-from scalerl.bench.cost_model.step_traffic import StepShape
+from scalerl.bench.cost_model.step_traffic import StepShape, step_collectives
 from scalerl.perf.flops import datasheet_peak_flops
 from scalerl.plan.memory import EVAL_CHUNK_ROWS, PlanSetup, decode_layout_bytes, policy_counts
 
@@ -71,11 +75,21 @@ class Calibration:
     layout_refresh_s_per_byte: float = 0.0  # the built-in engine laying its decode copy out again, per byte
     checkpoint_fixed_s: float = 0.0  # a checkpoint save's cost whatever its size (files, metadata, fsyncs)
     host_step_s: float = 0.0  # a step's host work besides its timed phases and the reward per row
+    # seconds per step phase that the run's layout adds (DDP's hooks, FSDP's and DTensor's wrappers, the
+    # collectives' latency as the ranks meet them, rollout workers' hand-offs) beyond the plain model's compute
+    # and the alpha-beta time: the run itself on a 32-wide model, measured less planned (`measure_layout_run`)
+    layout_s: dict = dataclasses.field(default_factory=dict)
+    intra_ops: dict = dataclasses.field(default_factory=dict)  # {op: LinkCost} fitted alone where measured
+    other_runnable: float = 0.0  # CPU: other processes runnable on this machine while it calibrated
+    copy_bytes_per_s: float = 0.0  # a tensor copy's rate (bytes of the source per second); 0: not counted
 
     def to_dict(self) -> dict:
         return {"rates": self.rates.to_dict(), "adam_s_per_param": self.adam_s_per_param,
                 "optimizer_step_s": self.optimizer_step_s, "layout_refresh_s_per_byte": self.layout_refresh_s_per_byte,
                 "checkpoint_fixed_s": self.checkpoint_fixed_s, "host_step_s": self.host_step_s,
+                "layout_s": dict(self.layout_s),
+                "intra_ops": {op: link.to_dict() for op, link in self.intra_ops.items()},
+                "other_runnable": self.other_runnable, "copy_bytes_per_s": self.copy_bytes_per_s,
                 "disk_bytes_per_s": self.disk_bytes_per_s, "intra": self.intra.to_dict(),
                 "inter": self.inter.to_dict(), "runtime_bytes": self.runtime_bytes,
                 "threads_per_rank": self.threads_per_rank, "source": self.source, "notes": list(self.notes)}
@@ -87,7 +101,9 @@ class Calibration:
                    data.get("runtime_bytes", 0.0), data.get("threads_per_rank", 0), data.get("source", ""),
                    list(data.get("notes", [])), data.get("optimizer_step_s", 0.0),
                    data.get("layout_refresh_s_per_byte", 0.0), data.get("checkpoint_fixed_s", 0.0),
-                   data.get("host_step_s", 0.0))
+                   data.get("host_step_s", 0.0), dict(data.get("layout_s", {})),
+                   {op: LinkCost.from_dict(link) for op, link in data.get("intra_ops", {}).items()},
+                   data.get("other_runnable", 0.0), data.get("copy_bytes_per_s", 0.0))
 
 
 # ---------------------------------------------------------------- calibration: this CPU
@@ -196,6 +212,33 @@ def optimizer_step_fixed_s(step_s: float, params: int, adam_s_per_param: float) 
     return max(0.0, step_s - params * adam_s_per_param)
 
 
+def time_copy(nbytes: int = 64 * 2**20) -> float:
+    """Bytes per second of one tensor copy of ``nbytes`` (median of 5, float32): what FSDP's copies into and
+    out of its collectives' flat buffers cost per byte."""
+    import torch
+
+    src = torch.randn(max(1, nbytes // 4))
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return src.numel() * 4 / max(1e-9, statistics.median(times))
+
+
+def fsdp_copy_bytes(collectives) -> dict[str, float]:
+    """Bytes FSDP copies around its collectives in one step, by kind: each all-gather copies the rank's shard
+    into the flat input and the gathered tensor out into the layer's parameters (1/n + 1 of the payload); each
+    reduce-scatter copies the gradients into the flat input and the reduced shard out (1 + 1/n)."""
+    out: dict[str, float] = {}
+    for c in collectives:
+        if (c.kind, c.op) in (("param", "all_gather"), ("grad", "reduce_scatter")) and c.group.size > 1:
+            out[c.kind] = out.get(c.kind, 0.0) + c.count * c.payload_bytes * (1 + 1 / c.group.size)
+    return out
+
+
 def time_adamw(params: int, fused: bool = True) -> float:
     """Seconds per parameter of one AdamW step, timed over a tensor of up to 8M float32 elements."""
     import torch
@@ -216,6 +259,10 @@ def time_adamw(params: int, fused: bool = True) -> float:
         times.append(time.perf_counter() - start)
     return statistics.median(times) / n
 
+
+# the built-in model at 32 wide (tests/tiny.py's shape): the layout probe's and the runtime probe's run
+WIDTH_32 = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=4",
+            "model.num_key_value_heads=2"]
 
 _RUNTIME_SCRIPT = """
 import json, resource, sys, tempfile, time
@@ -244,8 +291,7 @@ if not cfg.model.path:
     try:
         from scalerl.trainer.rl_trainer import RLTrainer
         with tempfile.TemporaryDirectory() as scratch:
-            tiny = [*sys.argv[2:], "model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=4",
-                    "model.num_key_value_heads=2", "parallel.dp_replicate=1", "parallel.dp_shard=1",
+            tiny = [*sys.argv[2:], *WIDTH_32_LIST, "parallel.dp_replicate=1", "parallel.dp_shard=1",
                     "parallel.tp=1", "parallel.pp=1", "parallel.sp=1", "rollout.placement=colocated",
                     "rollout.engine=builtin", "rollout.staleness=0", "rollout.dtype=fp32", "rollout.stream_groups=false", "data.num_train=16", "data.num_val=0", "rollout.n=2",
                     "trainer.batch_size=2", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=4",
@@ -282,7 +328,7 @@ if rows and not cfg.data.reward_model.path and "judge" not in cfg.data.reward:  
 if "host_step_s" in out:  # the reward per response is planned per row: not twice (the run above scored 2 x 2)
     out["host_step_s"] = max(0.0, out["host_step_s"] - 4 * out["reward_s"])
 print("RUNTIME " + json.dumps(out))
-"""
+""".replace("WIDTH_32_LIST", repr(WIDTH_32))
 
 
 @dataclass
@@ -317,7 +363,88 @@ def measure_runtime(config_path: str | None, overrides: list[str]) -> RuntimePro
                         out["worked"], float(out.get("host_step_s", 0.0)))
 
 
-def _loopback_rank(rank: int, port: int, queue) -> None:
+# the first steps pay the warm-up (kernels paged in, buffers grown, and under tensor parallelism DTensor's
+# sharding rules cached per new shape: a TP rank's generation took 3.5, 1.8, 0.9, 0.67 s in steps 1-4 here):
+# the median of the steps after LAYOUT_PROBE_WARMUP
+LAYOUT_PROBE_STEPS, LAYOUT_PROBE_WARMUP = 6, 3
+MEASURED_PHASES = {"generation": ("timing_s/gen",), "old_log_prob": ("timing_s/old_log_prob",),
+                   "ref_log_prob": ("timing_s/ref",), "update": ("timing_s/update_actor", "timing_s/update_critic"),
+                   "weight_sync": ("timing_s/update_weights",)}
+
+
+def measure_layout_run(config_path: str | None, overrides: list[str], processes: int, threads: int,
+                       timeout_s: float = 300) -> dict[str, float]:
+    """Seconds per step phase of the run itself, under its own layout, rank count and batch, on a 32-wide copy
+    of its built-in model: ``processes`` ranks under torchrun (the rollout workers among them), ``threads`` each,
+    ``LAYOUT_PROBE_STEPS`` steps, the median of those after the first ``LAYOUT_PROBE_WARMUP``. What a layout costs per call (DDP's hooks,
+    FSDP's and DTensor's wrappers, a collective's latency as the ranks reach it, a worker's hand-off) does not
+    depend on the width, so this run measures it where its FLOPs cost next to nothing. ``other`` is the step
+    less its timed phases."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="scalerl-plan-") as scratch:
+        args = [*([config_path] if config_path else []), *overrides, *WIDTH_32, "data.num_val=0",
+                "trainer.eval_every=0", "trainer.save_every=0", f"trainer.total_steps={LAYOUT_PROBE_STEPS}",
+                "trainer.logger=[jsonl]", f"trainer.output_dir={scratch}/run", "trainer.overwrite=true"]
+        launch = [sys.executable, "-m", "scalerl", "train"]
+        if processes > 1:
+            launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+                      "-m", "scalerl", "train"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads))}
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # this machine's ranks: loopback
+        try:
+            done = subprocess.run([*launch, *args], capture_output=True, text=True, timeout=timeout_s, check=False,
+                                  env=env, cwd=scratch)
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"the layout probe's run did not finish in {timeout_s:.0f} s") from exc
+        if done.returncode != 0:
+            raise RuntimeError(f"the layout probe's run exited {done.returncode}: {(done.stderr or done.stdout)[-1500:]}")
+        metrics = Path(scratch) / "run" / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "timing_s/step" in r]
+    if not steps:
+        raise RuntimeError("the layout probe's run logged no step")
+    later = steps[LAYOUT_PROBE_WARMUP:] or steps[-1:]
+    out = {phase: statistics.median(sum(r.get(k, 0.0) for k in keys) for r in later)
+           for phase, keys in MEASURED_PHASES.items()}
+    out["step"] = statistics.median(r["timing_s/step"] for r in later)
+    out["other"] = max(0.0, out["step"] - sum(out[p] for p in MEASURED_PHASES))
+    return out
+
+
+def recalibrate_compute(s: PlanSetup, cal: Calibration, threads: int) -> Calibration:
+    """``cal`` with its compute rates, optimizer step and layout refresh measured again on ``s``'s model (the
+    rest kept): what the plan expects of that model in one plain process. A probe's fixed cost per call,
+    fitted across two sizes of one model, holds work that grows with the width without FLOPs (elementwise
+    passes, copies), so a larger model's calibration over-predicts a 32-wide one."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        rates, optimizer_s, refresh_s_per_byte = probe_rates(s)
+    finally:
+        torch.set_num_threads(before)
+    rates = dataclasses.replace(rates, other_s_per_row=cal.rates.other_s_per_row)
+    fixed = optimizer_step_fixed_s(optimizer_s, policy_counts(s)[1], cal.adam_s_per_param)
+    return dataclasses.replace(cal, rates=rates, optimizer_step_s=fixed, layout_refresh_s_per_byte=refresh_s_per_byte,
+                               layout_s={})
+
+
+def layout_residual(measured: dict[str, float], planned: dict[str, float]) -> dict[str, float]:
+    """Per step phase, what the layout probe's run took beyond what the plan predicts for that same 32-wide run
+    from a plain calibration of that model (`recalibrate_compute`): the layout's own cost, added to the
+    full-size plan. Never negative (a plain model that over-predicts the small run says nothing about the
+    layout)."""
+    return {p: max(0.0, measured.get(p, 0.0) - planned.get(p, 0.0)) for p in STEP_PHASES}
+
+
+LOOPBACK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+LOOPBACK_MAX_BYTES = 256 * 2**20  # the sweep's largest message: a few seconds at gloo's loopback rates
+
+
+def _loopback_rank(rank: int, port: int, queue, largest: int) -> None:
     import datetime
 
     import torch
@@ -329,15 +456,21 @@ def _loopback_rank(rank: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     try:
-        results = timed_sweep(None, 2, list(SIZES) + [16 * 2**20])
+        sizes = sorted({*SIZES, 16 * 2**20, largest})
+        results = {op: timed_sweep(None, 2, sizes, op) for op in LOOPBACK_OPS}
         if rank == 0:
             queue.put(results)
     finally:
         dist.destroy_process_group()
 
 
-def measure_loopback() -> LinkCost:
-    """Two gloo processes on loopback, an all-reduce sweep (the bench's link probe), fitted alpha-beta."""
+def measure_loopback(largest_bytes: float = 0.0) -> dict[str, LinkCost]:
+    """Two gloo processes on loopback, a sweep of each of ``LOOPBACK_OPS`` (the bench's link probe) up to the
+    run's largest collective (``largest_bytes``, at most ``LOOPBACK_MAX_BYTES``), each fitted alpha-beta on
+    its own: gloo's all-gather and reduce-scatter into and out of flat tensors (as FSDP calls them) are not
+    the all-reduce's share of the bytes, and its rate falls past the caches (measured here: a 60 MB all-gather
+    1.3x and a reduce-scatter 1.7x an all-reduce of the same payload, where the ring formula says 0.5x and 1x;
+    a 16 MB all-gather at 0.77 GB/s, a 60 MB one at 0.41)."""
     import torch.multiprocessing as mp
 
     from scalerl.core.net import free_port
@@ -345,16 +478,16 @@ def measure_loopback() -> LinkCost:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_loopback_rank, args=(r, port, queue)) for r in range(2)]
+    largest = int(min(max(16 * 2**20, largest_bytes), LOOPBACK_MAX_BYTES))
+    procs = [ctx.Process(target=_loopback_rank, args=(r, port, queue, largest)) for r in range(2)]
     for p in procs:
         p.start()
     results = queue.get(timeout=300)
     for p in procs:
         p.join(timeout=60)
-    sizes = [r["size"] for r in results]
-    seconds = [r["time_s"] for r in results]
-    return fit_link(sizes, seconds, "all_reduce", 2, "gloo", source="measured here: gloo all-reduce sweep on loopback, "
-                                                                    "2 processes x 1 thread")
+    return {op: fit_link([r["size"] for r in sweep], [r["time_s"] for r in sweep], op, 2, "gloo",
+                         source=f"measured here: gloo {op.replace('_', '-')} sweep on loopback, 2 processes x 1 thread")
+            for op, sweep in results.items()}
 
 
 def disk_write_speed(directory: str) -> float:
@@ -368,15 +501,44 @@ def disk_write_speed(directory: str) -> float:
     return write_speed(path, 64 * 2**20)
 
 
+def other_runnable(samples: int = 20, interval_s: float = 0.05, stat_path: str = "/proc/stat") -> float:
+    """The mean number of other runnable threads on this machine (the kernel's ``procs_running`` less the
+    reader itself), sampled over ``samples x interval_s`` seconds: the work the run's ranks will share the
+    cores with on a shared machine. 0 where /proc/stat cannot be read."""
+    counts = []
+    for _ in range(samples):
+        try:
+            with open(stat_path) as f:
+                line = next(x for x in f if x.startswith("procs_running"))
+        except (OSError, StopIteration):
+            return 0.0
+        counts.append(max(0, int(line.split()[1]) - 1))
+        time.sleep(interval_s)
+    return statistics.mean(counts)
+
+
+def cpu_contention(processes: int, threads: int, other: float, cores: int | None = None) -> float:
+    """How much slower a rank computes than the plan's probes did: ``processes`` ranks of ``threads`` threads
+    beside ``other`` runnable threads share ``cores``, where the probes ran as one process of ``threads``
+    beside the same ``other`` (so a busy machine's share is counted once, in the probes, and only what the
+    run's own ranks add is a factor). 1 where the cores are enough for all."""
+    cores = max(1, cores or os.cpu_count() or 1)
+    run = max(1.0, (processes * max(1, threads) + other) / cores)
+    probe = max(1.0, (max(1, threads) + other) / cores)
+    return run / probe
+
+
 def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], threads: int,
                   output_dir: str) -> Calibration:
     import torch
 
+    busy = other_runnable()  # before the probes add their own
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
         rates, optimizer_s, refresh_s_per_byte = probe_rates(s)
         adam = time_adamw(policy_counts(s)[1])
+        copy_rate = time_copy()
         optimizer_fixed = optimizer_step_fixed_s(optimizer_s, policy_counts(s)[1], adam)
     finally:
         torch.set_num_threads(before)
@@ -398,18 +560,30 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
              f"reward {reward_s_per_row * 1e3:.2f} ms per response (measured here on the run's data)",
              (f"AdamW step {adam * 1e9:.2f} ns per parameter + {optimizer_fixed * 1e3:.1f} ms per step (norm clip, "
               f"a launch per tensor) (measured here on the model, {threads} thread(s))"),
-             f"disk write {disk / 1e6:.0f} MB/s (measured here, fsynced, under {output_dir})"]
+             f"disk write {disk / 1e6:.0f} MB/s (measured here, fsynced, under {output_dir})",
+             (f"tensor copy {copy_rate / 1e9:.1f} GB/s (64 MB, measured here): FSDP's copies into and out of its "
+              "collectives' buffers"),
+             (f"machine busy: {busy:.1f} other runnable thread(s) on {os.cpu_count()} cores while calibrating "
+              "(/proc/stat procs_running; the probes ran beside them, the ranks will too)")]
     world = s.layout.world + s.layout.rollout_workers
+    intra_ops: dict[str, LinkCost] = {}
     if world > 1:
-        intra = measure_loopback()
-        notes.append(f"loopback {intra.bytes_per_s / 1e9:.2f} GB/s, latency {intra.alpha_s * 1e6:.0f} us ({intra.source})")
+        step, _ = step_shape(s)
+        layout = dataclasses.replace(s.layout, rollout_param_bytes=s.rollout_bytes, weight_sync_ratio=1.0)
+        largest = max((c.payload_bytes for c in step_collectives(s.model, step, layout)), default=0.0)
+        intra_ops = measure_loopback(largest)
+        intra = intra_ops["all_reduce"]
+        notes.append("loopback " + ", ".join(f"{op.replace('_', '-')} {link.bytes_per_s / 1e9:.2f} GB/s, "
+                                             f"{link.alpha_s * 1e6:.0f} us" for op, link in intra_ops.items())
+                     + " (measured here: gloo sweeps on loopback, 2 processes x 1 thread, each op fitted alone)")
     else:
         intra = LinkCost(0.0, float("inf"), "one rank: no link")
     return Calibration(rates, adam, disk, intra, intra, runtime, threads,
                        source=f"this machine's CPU ({os.cpu_count()} cores), {threads} thread(s) per rank: "
                               + rates.source, notes=notes, optimizer_step_s=optimizer_fixed,
                        layout_refresh_s_per_byte=refresh_s_per_byte, checkpoint_fixed_s=probe.checkpoint_s,
-                       host_step_s=probe.host_step_s)
+                       host_step_s=probe.host_step_s, intra_ops=intra_ops, other_runnable=busy,
+                       copy_bytes_per_s=copy_rate)
 
 
 # ---------------------------------------------------------------- calibration: datasheets
@@ -438,8 +612,10 @@ def datasheet_calibration(s: PlanSetup, device: str, link: str | None, mfu_train
              f"AdamW step: {ADAM_BYTES_PER_PARAM} bytes per parameter at the HBM datasheet bandwidth",
              f"checkpoint writes at {disk_bytes_per_s / 1e9:.2f} GB/s per node (given or measured here)",
              "device memory: the CUDA context and the allocator's fragmentation are not counted"]
+    notes.append("FSDP's copies into and out of its collectives' buffers at half the HBM datasheet bandwidth "
+                 "(a copy reads and writes)")
     return Calibration(rates, ADAM_BYTES_PER_PARAM / hbm, disk_bytes_per_s, intra, inter, 0.0, 0,
-                       source=rates.source, notes=notes)
+                       source=rates.source, notes=notes, copy_bytes_per_s=hbm / 2)
 
 
 # ---------------------------------------------------------------- phase times
@@ -468,7 +644,7 @@ def phase_seconds(s: PlanSetup, cal: Calibration, contention: float = 1.0) -> di
     step, lengths = step_shape(s)
     layout = dataclasses.replace(s.layout, rollout_param_bytes=s.rollout_bytes,
                                  weight_sync_ratio=1.0)
-    estimate = project_step(s.model, step, layout, lengths, cal.rates, Links(cal.intra, cal.inter), contention)
+    estimate = project_step(s.model, step, layout, lengths, cal.rates, Links(cal.intra, cal.inter, cal.intra_ops), contention)
     out = {"generation": estimate.compute_s["gen"], "old_log_prob": 0.0, "ref_log_prob": 0.0,
            "update": estimate.compute_s["update"], "weight_sync": 0.0,
            "other": estimate.compute_s["other"] + cal.host_step_s * max(1.0, contention)}
@@ -480,7 +656,10 @@ def phase_seconds(s: PlanSetup, cal: Calibration, contention: float = 1.0) -> di
     trainable = policy_counts(s)[1]
     out["update"] += step.optimizer_steps * (trainable / s.shard * cal.adam_s_per_param + cal.optimizer_step_s) \
         * max(1.0, contention)
+    copies = {kind: n / cal.copy_bytes_per_s * max(1.0, contention)
+              for kind, n in fsdp_copy_bytes(estimate.collectives).items()} if cal.copy_bytes_per_s > 0 else {}
     for kind, seconds in estimate.comm_s.items():
+        seconds += copies.get(kind, 0.0)  # the copies go where their collective goes
         phase = PHASE_OF_COMM.get(kind, "other")
         if kind == "param" and s.fsdp:  # FSDP gathers: once per generation, per forward pass, per micro-batch
             calls = {"generation": 1, "old_log_prob": step.forward_passes * math.ceil(step.rows / step.micro_rows),
@@ -495,6 +674,8 @@ def phase_seconds(s: PlanSetup, cal: Calibration, contention: float = 1.0) -> di
         # waits only for what generation takes beyond its own work (the step is the longer of the two).
         trainer_work = sum(out[p] for p in ("old_log_prob", "ref_log_prob", "update", "weight_sync", "other"))
         out["generation"] = max(0.0, out["generation"] - trainer_work)
+    for phase, seconds in cal.layout_s.items():  # measured under the run's own rank count: no contention factor
+        out[phase] = out.get(phase, 0.0) + seconds
     total_params = policy_counts(s)[0]
     state = total_params * s.param_bytes / s.shard + 2 * trainable * (4 if s.lora_rank else s.param_bytes) / s.shard
     writers = min(s.layout.ranks_per_node, s.layout.world)  # the node's ranks share its disk

@@ -73,3 +73,27 @@ def test_prediction_against_a_measured_tiny_run(tmp_path):
     assert 0.7 < predicted_gb / measured_gb < 1.3
     measured_s = min(r["timing_s/step"] for r in steps[1:])
     assert 0.2 < step_seconds(plan.seconds) / measured_s < 5  # tiny steps on a shared machine: loose
+
+
+def test_a_two_rank_plan_measures_its_layout_each_collective_and_the_machines_load(tmp_path):
+    """Two ranks on this CPU: the loopback fit per collective (all-reduce, all-gather, reduce-scatter), the run
+    itself on its 32-wide model under DDP for the layout's own cost per phase (DDP's hooks and bucketed
+    all-reduce in the update), and the other work on the machine, each in the calibration and its notes."""
+    from scalerl.plan.timing import LOOPBACK_OPS, STEP_PHASES, Calibration
+
+    overrides = tiny_overrides("trainer.cpu_threads=1", f"trainer.output_dir={tmp_path / 'run'}")
+    plan = make_plan(load_config(None, overrides), Cluster(1, 2, "cpu"), overrides=overrides, recommend=False)
+    cal = plan.calibration
+    assert set(cal.intra_ops) == set(LOOPBACK_OPS) and cal.intra == cal.intra_ops["all_reduce"]
+    assert all(0 < link.bytes_per_s < float("inf") for link in cal.intra_ops.values())
+    assert set(cal.layout_s) == set(STEP_PHASES) and min(cal.layout_s.values()) >= 0
+    assert cal.layout_s["update"] > 0  # DDP's hooks and its all-reduce's wait: not in the plain probe's update
+    assert any(note.startswith("layout cost per step") for note in cal.notes), cal.notes
+    assert any(note.startswith("machine busy") for note in cal.notes) and cal.other_runnable >= 0
+    assert cal.copy_bytes_per_s > 1e8
+    # the layout's cost is in the plan's phases, and a stored calibration gives the same plan without probing
+    assert plan.seconds["update"] >= cal.layout_s["update"]
+    again = make_plan(load_config(None, overrides), Cluster(1, 2, "cpu"), overrides=overrides, recommend=False,
+                      calibration=Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))))
+    assert again.seconds == plan.seconds
+    assert not (tmp_path / "run").exists()  # the probes wrote nowhere near the run's output

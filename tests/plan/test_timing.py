@@ -103,3 +103,54 @@ def test_a_colocated_sync_lays_the_decode_copy_out_again_and_a_save_has_a_fixed_
     assert (again.layout_refresh_s_per_byte, again.checkpoint_fixed_s) == (2e-9, 0.3)
     # measured on the built-in model: a positive time per byte, well under a second per GiB's worth of it here
     assert 0 < time_layout_refresh(tiny_model(), __import__("torch").float32) * 2**30 < 60
+
+
+def test_a_busy_machine_slows_the_ranks_by_what_they_add_to_it(tmp_path):
+    from scalerl.plan.timing import cpu_contention, other_runnable
+
+    assert cpu_contention(2, 1, 0.0, cores=2) == 1.0  # a core each
+    assert cpu_contention(4, 1, 0.0, cores=2) == 2.0  # two ranks per core
+    # one busy process: the probes ran beside it with a core each (1x), the two ranks share 2 cores with it
+    assert cpu_contention(2, 1, 1.0, cores=2) == pytest.approx(1.5)
+    assert cpu_contention(1, 1, 3.0, cores=2) == 1.0  # one rank: as loaded as its probes were
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3\nprocs_running 3\nprocs_blocked 0\n")
+    assert other_runnable(samples=3, interval_s=0.0, stat_path=str(stat)) == 2.0  # less the reader itself
+    assert other_runnable(samples=1, interval_s=0.0, stat_path=str(tmp_path / "absent")) == 0.0
+    slow = dataclasses.replace(RATES, gen_step_s=0.05)
+    setup = PlanSetup(model=tiny_model_config(), layout=Layout(), rows=16, prompt_width=16, new_tokens=8,
+                      micro_rows=4, mini_rows=16)
+    alone, busy = (phase_seconds(setup, Calibration(slow, 0.0, 0.0, LINK, LINK), c) for c in (1.0, 1.5))
+    assert busy["generation"] == pytest.approx(1.5 * alone["generation"])
+
+
+def test_fsdp_copies_go_with_their_collectives_and_the_layout_cost_with_its_phase():
+    from scalerl.bench.cost_model.step_traffic import step_collectives
+    from scalerl.plan.timing import fsdp_copy_bytes, layout_residual, step_shape
+
+    setup = PlanSetup(model=tiny_model_config(), layout=Layout(dp_shard=2, ranks_per_node=2), rows=16,
+                      prompt_width=16, new_tokens=8, micro_rows=4, mini_rows=16)
+    step, _ = step_shape(setup)
+    collectives = step_collectives(setup.model, step, setup.layout)
+    gathers = sum(c.count * c.payload_bytes for c in collectives if (c.kind, c.op) == ("param", "all_gather"))
+    scatters = sum(c.count * c.payload_bytes for c in collectives if (c.kind, c.op) == ("grad", "reduce_scatter"))
+    assert gathers > 0 and scatters > 0
+    # the shard copied in and the whole copied out (1/2 + 1); the gradients in and the reduced half out
+    assert fsdp_copy_bytes(collectives) == pytest.approx({"param": 1.5 * gathers, "grad": 1.5 * scatters})
+    base = Calibration(RATES, 0.0, 0.0, LINK, LINK)
+    plain = phase_seconds(setup, base)
+    copied = phase_seconds(setup, dataclasses.replace(base, copy_bytes_per_s=1e6))
+    total_copy_s = 1.5 * (gathers + scatters) / 1e6
+    assert sum(copied.values()) - sum(plain.values()) == pytest.approx(total_copy_s)
+    assert copied["update"] - plain["update"] > 0.8 * total_copy_s  # training gathers most; generation once
+    layout = phase_seconds(setup, dataclasses.replace(base, layout_s={"update": 0.25, "other": 0.01}))
+    assert layout["update"] == pytest.approx(plain["update"] + 0.25)
+    assert layout["other"] == pytest.approx(plain["other"] + 0.01)
+    assert layout_residual({"update": 0.3, "generation": 0.1}, {"update": 0.1, "generation": 0.2}) == {
+        "generation": 0.0, "old_log_prob": 0.0, "ref_log_prob": 0.0, "update": pytest.approx(0.2),
+        "weight_sync": 0.0, "other": 0.0}  # never negative
+    stored = dataclasses.replace(base, layout_s={"update": 0.25}, other_runnable=1.5, copy_bytes_per_s=7e9,
+                                 intra_ops={"all_gather": LinkCost(1e-4, 4e8, "fit")})
+    again = Calibration.from_dict(stored.to_dict())
+    assert (again.layout_s, again.other_runnable, again.copy_bytes_per_s) == ({"update": 0.25}, 1.5, 7e9)
+    assert again.intra_ops == {"all_gather": LinkCost(1e-4, 4e8, "fit")}

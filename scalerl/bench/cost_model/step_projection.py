@@ -67,6 +67,9 @@ class ComputeRates:
 class Links:
     intra: LinkCost  # between ranks of one node
     inter: LinkCost  # one stream between nodes
+    # a collective's own fit inside a node where it was measured alone ({op: LinkCost}; `intra` otherwise):
+    # gloo's all-gather and reduce-scatter do not cost the all-reduce's share of their bytes
+    intra_ops: dict = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ def collective_seconds(c: Collective, links: Links, ranks_per_node: int) -> floa
     if c.hierarchical:
         return c.count * hierarchical_all_reduce_time(c.payload_bytes, c.group.nodes, ranks_per_node, links.intra,
                                                       links.inter, c.backend)
-    link = links.inter if c.group.crosses_nodes else links.intra
+    link = links.inter if c.group.crosses_nodes else links.intra_ops.get(c.op, links.intra)
     share = c.group.share if c.group.crosses_nodes else 1
     one = collective_time(c.op, c.payload_bytes, c.group.size, link, c.backend, share)
     fraction = c.per_rank_fraction if c.time_fraction is None else c.time_fraction

@@ -63,6 +63,21 @@ def test_pipelined_transfers_pay_latency_once():
     assert est.comm_s["weight_sync"] == pytest.approx(1e-2, rel=1e-3)  # one binomial round at p = 2, paid once
 
 
+def test_a_collective_measured_alone_is_costed_by_its_own_fit():
+    """FSDP's all-gathers and reduce-scatters over a node use their own fits where measured (gloo's do not cost
+    the all-reduce's share of their bytes); other ops, and every op across nodes, the node's all-reduce fit."""
+    layout = Layout(dp_shard=2, ranks_per_node=2)
+    plain = project_step(MODEL, STEP, layout, LENGTHS, RATES, Links(LOOPBACK, LINK_200))
+    slow_gather = LinkCost(LOOPBACK.alpha_s, LOOPBACK.bytes_per_s / 4)
+    fitted = project_step(MODEL, STEP, layout, LENGTHS, RATES, Links(LOOPBACK, LINK_200, {"all_gather": slow_gather}))
+    # all-gathers carry the parameters: their bandwidth term x 4, latency unchanged; the gradients' reduce-scatter
+    # keeps the all-reduce fit
+    gathers = [c for c in plain.collectives if (c.kind, c.op) == ("param", "all_gather")]
+    bandwidth_s = sum(c.count * c.payload_bytes / 2 / LOOPBACK.bytes_per_s for c in gathers)
+    assert fitted.comm_s["param"] - plain.comm_s["param"] == pytest.approx(3 * bandwidth_s, rel=1e-6)
+    assert fitted.comm_s["grad"] == pytest.approx(plain.comm_s["grad"])
+
+
 def test_memory_estimates_order_the_layouts():
     big = model_shape("qwen2.5-72b")
     step = StepShape(rows=64, prompt_len=256, response_len=512, train_width=768, micro_rows=4, mini_rows=32,
