@@ -9,13 +9,16 @@ Each repeat of a cell: the load average (`os.getloadavg`, what `uptime` prints),
 RSS), then the run, then the load again. The machine is shared, so the plan is calibrated right before each run
 it is compared with, and every repeat has its own calibration and its own error.
 
-- Colocated cells run `scalerl doctor --performance-profiling CELL --steps 3 --warmup 3` (under torchrun when
-  multi-rank): per phase its wall time (mean over ranks) and its peak resident set (VmHWM reset per phase, the
-  largest rank), compared by `scalerl.doctor.plan_comparison.compare_plan`.
-- Standalone-worker cells (the profiler runs colocated rollouts only) run `scalerl train` for 6 steps: the
-  trainer's `timing_s/*` (median of steps 4-6) and its `perf/max_memory_gb` (peak RSS of the whole run, no
-  per-phase split, as the trainer logs it), against the larger of the plan's trainer peak over the step's phases
-  and its rollout worker's peak.
+- Every cell runs `scalerl train` for 6 steps first (under torchrun when multi-rank): the step's and each
+  phase's time are the trainer's `timing_s/*` (rank 0; median of steps 4-6: tensor parallelism is still
+  warming up in steps 1-3), the run as a user runs it.
+- Colocated cells then run `scalerl doctor --performance-profiling CELL --steps 3 --warmup 3` for each phase's
+  peak resident set (VmHWM reset per phase, the largest rank), compared by
+  `scalerl.doctor.plan_comparison.compare_plan`, which also gives the checkpoint save's time. (The profiler's
+  own step times are not used: its bookkeeping at every phase took a third of a 32-wide two-rank step.)
+- Standalone-worker cells (the profiler runs colocated rollouts only) take memory from the same train run's
+  `perf/max_memory_gb` (peak RSS of the whole run, no per-phase split, as the trainer logs it), against the
+  larger of the plan's trainer peak over the step's phases and its rollout worker's peak.
 
 The predictions are recomputed from each repeat's stored calibration with the model code of this checkout
 (`--from` does only that), so a change to the model is judged against the same measurements and the same
@@ -96,21 +99,22 @@ def measure_once(name: str, work: Path) -> dict:
          ok=(0, 1))
     plan_s = time.perf_counter() - start
     start = time.perf_counter()
-    if how == "doctor":
+    # the run as a user runs it: its step and phase times (the profiler's own bookkeeping, a /proc read and
+    # a peak reset at every phase, took a third of a 32-wide two-rank step: 0.15 s profiled, 0.10 s not)
+    _run(_launch(ranks, ["train", *args, f"trainer.total_steps={TRAIN_STEPS}"]))
+    rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "timing_s/step" in r]
+    later = steps[DOCTOR_WARMUP:] or steps[-1:]
+    measured = {"step_s": statistics.median(r["timing_s/step"] for r in later),
+                "phases_s": {p: statistics.median(r.get(k, 0.0) for r in later)
+                             for p, k in STEP_PHASES_MEASURED.items()},
+                "peak_gb": max(r.get("perf/max_memory_gb", 0.0) for r in steps)}
+    if how == "doctor":  # and each phase's peak memory, which only the profiler splits by phase
         report = work / "doctor.json"
-        _run(_launch(ranks, ["doctor", "--performance-profiling", *args, "--steps", str(DOCTOR_STEPS), "--warmup",
-                             str(DOCTOR_WARMUP), "--scratch-dir", str(work / "scratch"), "--json", str(report)]),
-             ok=(0, 1))
-        measured = {"records": json.loads(report.read_text())["measurements"]["profile"]["per_rank"]}
-    else:
-        _run(_launch(ranks, ["train", *args, f"trainer.total_steps={TRAIN_STEPS}"]))
-        rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        steps = [r for r in rows if "timing_s/step" in r]
-        later = steps[DOCTOR_WARMUP:] or steps[-1:]
-        measured = {"step_s": statistics.median(r["timing_s/step"] for r in later),
-                    "phases_s": {p: statistics.median(r.get(k, 0.0) for r in later)
-                                 for p, k in STEP_PHASES_MEASURED.items()},
-                    "peak_gb": max(r.get("perf/max_memory_gb", 0.0) for r in steps)}
+        _run(_launch(ranks, ["doctor", "--performance-profiling", *args, "--steps",
+                             str(DOCTOR_STEPS), "--warmup", str(DOCTOR_WARMUP), "--scratch-dir", str(work / "scratch"),
+                             "--json", str(report)]), ok=(0, 1))
+        measured["records"] = json.loads(report.read_text())["measurements"]["profile"]["per_rank"]
     run_s = time.perf_counter() - start
     return {"load_before": load_before, "load_after": os.getloadavg(), "plan_s": plan_s, "run_s": run_s,
             "plan": json.loads(plan_path.read_text()), "measured": measured}
@@ -156,6 +160,12 @@ def compare(name: str, repeat: dict) -> dict:
     measured = repeat["measured"]
     if "records" in measured:
         rows = compare_plan(plan, measured["records"])["rows"]
+        if "step_s" in measured:  # times from the unprofiled run (stored since 2026-12-05 07:45 UTC)
+            for r in rows:
+                seconds = measured["step_s"] if r["phase"] == "step" else measured["phases_s"].get(r["phase"])
+                if seconds is not None:
+                    r["measured_s"] = seconds
+                    r["time_error"] = _err(r["planned_s"], seconds) if seconds >= 1e-3 else None
     else:
         step_peak = max((v["total"] for k, v in plan["memory_gb"].items() if k in STEP_PHASES), default=None)
         if plan.get("worker_memory_gb"):
@@ -183,7 +193,7 @@ def report(results: dict) -> list[dict]:
     summary = []
     for name, cell in results.items():
         ranks, overrides, how = CELLS[name]
-        print(f"\n== {name}: {ranks} process(es), measured by {'scalerl doctor --performance-profiling' if how == 'doctor' else 'scalerl train'}; "
+        print(f"\n== {name}: {ranks} process(es), times by scalerl train, memory by {'scalerl doctor --performance-profiling' if how == 'doctor' else 'scalerl train'}; "
               f"{' '.join(overrides)}")
         step_errors, memory_errors = [], []
         for i, repeat in enumerate(cell["repeats"]):

@@ -18,6 +18,19 @@ SIZES = (4 * 2**10, 16 * 2**10, 64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20)
 SMALL_ITERS, LARGE_ITERS = 15, 5  # small messages are cheap and noisy: more of them
 
 
+def _collective(op: str, whole, part, group) -> None:
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        dist.all_reduce(whole, group=group)
+    elif op == "all_gather":
+        dist.all_gather_into_tensor(whole, part, group=group)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_tensor(part, whole, group=group)
+    else:
+        raise ValueError(f"timed_sweep times all_reduce, all_gather or reduce_scatter, not {op!r}")
+
+
 def timed_sweep(group, group_size: int, sizes: list[int], op: str = "all_reduce") -> list[dict]:
     """Per size (the collective's payload: the whole tensor): the median over repetitions of the slowest
     rank's time of one ``op`` (each preceded by a barrier, so a late rank's arrival is not counted), after one
@@ -34,23 +47,12 @@ def timed_sweep(group, group_size: int, sizes: list[int], op: str = "all_reduce"
         elems = max(group_size, size // 4 // group_size * group_size)
         buf = torch.ones(elems, dtype=torch.float32)
         part = torch.ones(elems // group_size, dtype=torch.float32)
-        if op == "all_reduce":
-            def call():
-                dist.all_reduce(buf, group=group)
-        elif op == "all_gather":
-            def call():
-                dist.all_gather_into_tensor(buf, part, group=group)
-        elif op == "reduce_scatter":
-            def call():
-                dist.reduce_scatter_tensor(part, buf, group=group)
-        else:
-            raise ValueError(f"timed_sweep times all_reduce, all_gather or reduce_scatter, not {op!r}")
-        call()
+        _collective(op, buf, part, group)
         times = []
         for _ in range(SMALL_ITERS if size < 2**18 else LARGE_ITERS):
             dist.barrier(group=group)
             start = time.perf_counter()
-            call()
+            _collective(op, buf, part, group)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
             times.append(float(elapsed))
