@@ -9,8 +9,9 @@ distillation: the demo).
    which ``--error-rate`` are off by one (once: every arm and seed starts from this one checkpoint).
 3. For each seed, from that SFT start: GRPO alone, and GRPO with the teacher's per-token reverse KL added
    (``algorithm.distill.teacher`` + ``task_weight=1``; ``--top-k``: the teacher's top-k forward KL instead,
-   ``--task-weight``, ``--coef``), the same steps, batch and learning rate (``--lr`` sets both arms'); held-out
-   accuracy (greedy, ``data.num_val`` unseen problems) every ``--eval-every`` steps.
+   ``--task-weight``, ``--coef``), the same batch, and by default the same steps and learning rate (``--steps``,
+   ``--lr``: one value sets both arms', two are GRPO alone's then the distilled arm's); held-out accuracy (greedy,
+   ``data.num_val`` unseen problems) every ``--eval-every`` steps.
 
 The task is the demo's (``scalerl/configs/demo.yaml``: levels 1-2 of the built-in arithmetic) unless
 ``--difficulty`` (``data.difficulty``; levels 3-4 write a scratchpad and need ``--max-new-tokens 20``),
@@ -20,16 +21,20 @@ Printed side by side: per seed and arm, the first evaluated step whose held-out 
 the training wall time to it (the sum of ``timing_s/step`` up to that step: generation, reward, the teacher's
 pass where there is one, update; evaluation excluded, the same for both), with the ratio GRPO / distillation.
 The target defaults to the lowest final accuracy GRPO alone reaches over the seeds (so GRPO alone reaches it in
-every seed by its last step); ``--target`` fixes it. The teacher's held-out accuracy is printed (measured on the
-same problems as the arms').
+every seed by its last step); ``--target`` fixes it; ``--target-gain G`` makes it per seed that seed's SFT start
+(step 0) + G, as each seed draws its own held-out problems. An arm that never reaches it prints "never in N (T s)"
+(its whole run) and the ratio is then a bound: ">" when GRPO alone never reaches it (it would after step N, if
+ever), "<" when the distilled arm never does. The teacher's held-out accuracy is printed (measured on the same
+problems as the arms').
 
     OMP_NUM_THREADS=1 python benchmarks/distill_demo.py [--seeds 0 1 2] [--steps 40] [--out outputs/distill_demo]
 
 The teacher and the student's SFT are independent: ``--only teacher`` and ``--only student`` run one each (two
 processes at once), ``--arm grpo`` needs no teacher (it can run beside ``--only teacher``), and a later run with
 ``--reuse`` keeps every stage whose model is already under ``--out`` (an arm's run directory names its settings
-that differ from the defaults, so runs of other settings are not taken; ``--out``'s ``settings.json`` records
-the task, sizes, steps and error rates, and ``--reuse`` refuses an ``--out`` made with others).
+that differ from the defaults, its steps and evaluation interval included, so runs of other settings are not
+taken; ``--out``'s ``settings.json`` records the task, sizes, steps and error rates, and ``--reuse`` refuses an
+``--out`` made with others).
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ from scalerl.data.arithmetic import make_arithmetic_rows
 from scalerl.demo import TEACHER_ERROR_RATE, weak_teacher_rows
 
 ARMS = ("grpo", "grpo+distill")
+DEFAULT_STEPS, DEFAULT_EVAL_EVERY = 40, 5
+# The trainer logs accuracies (k / data.num_val) as float32: 43.6% reads 0.43599998..., under a target of
+# 0.386... + 0.05 computed in float64; far under one problem's share of any held-out set (1/500 here).
+ACCURACY_TOLERANCE = 1e-6
 
 
 def model_overrides(hidden: int, layers: int) -> list[str]:
@@ -131,17 +140,72 @@ def _finished(metrics: Path, steps: int) -> bool:
 
 
 def reached(points: list[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
-    """The first evaluated (step, seconds) at which the accuracy is >= ``target``, None if never."""
+    """The first evaluated (step, seconds) at which the accuracy is >= ``target``, None if never (to within
+    ``ACCURACY_TOLERANCE``)."""
     for step, accuracy, seconds in points:
-        if accuracy >= target - 1e-9:
+        if accuracy >= target - ACCURACY_TOLERANCE:
             return step, seconds
     return None
+
+
+def per_arm(values: list | None) -> dict[str, object]:
+    """``--steps`` / ``--lr``'s values per arm: one value is both arms', two are GRPO alone's then the distilled
+    arm's (None: the default for both)."""
+    values = values or [None]
+    return dict(zip(ARMS, values if len(values) == 2 else values * 2))
+
+
+def targets(runs: dict[str, dict[int, dict]], seeds: list[int], target: float | None,
+            gain: float | None) -> dict[int, float]:
+    """The held-out accuracy each seed's arms must reach: ``target`` for every seed; or, with ``gain``, that seed's
+    SFT start (step 0 of its GRPO run; each seed draws its own held-out problems) plus ``gain``; neither: the lowest
+    final accuracy GRPO alone reaches over the seeds."""
+    if gain is not None:
+        return {seed: runs["grpo"][seed]["curve"][0][1] + gain for seed in seeds}
+    if target is None:
+        target = min(runs["grpo"][seed]["curve"][-1][1] for seed in seeds)
+    return {seed: target for seed in seeds}
+
+
+def compare(grpo: dict, distill: dict, target: float) -> dict:
+    """One seed's two runs against ``target``: each arm's first evaluated (step, training seconds) reaching it
+    (None: never within its run) and the ratios GRPO alone / distilled. ``bound``: "=" both reached it (the ratios
+    are measured); ">" only the distilled arm did (GRPO alone would reach it after its last step if ever, so the
+    ratios of its whole run are lower bounds); "<" only GRPO alone did (upper bounds); None: neither."""
+    rg, rd = reached(grpo["curve"], target), reached(distill["curve"], target)
+    last_g, last_d = (grpo["curve"][-1][0], grpo["curve"][-1][2]), (distill["curve"][-1][0], distill["curve"][-1][2])
+    g, d, bound = {(True, True): (rg, rd, "="), (False, True): (last_g, rd, ">"),
+                   (True, False): (rg, last_d, "<"), (False, False): (None, None, None)}[(rg is not None, rd is not None)]
+    return {"target": target, "grpo": rg, "distill": rd, "bound": bound,
+            "grpo_run": last_g, "distill_run": last_d,
+            "steps_ratio": g[0] / d[0] if bound and d[0] else None,
+            "time_ratio": g[1] / d[1] if bound and d[1] else None,
+            "grpo_final": grpo["curve"][-1][1], "distill_final": distill["curve"][-1][1]}
+
+
+def format_row(seed: int, row: dict, step_s: tuple[float, float]) -> str:
+    """``compare``'s row as a line of the printed table (an arm that never reaches the target: "never in N (T s)",
+    its whole run; a bounded ratio: prefixed with > or <)."""
+    def cell(hit, run):
+        return f"{hit[0]:>5} {hit[1]:>6.0f} s" if hit else f"never in {run[0]} ({run[1]:.0f} s)"
+
+    def ratio(value):
+        return "-" if value is None else ("" if row["bound"] == "=" else row["bound"]) + f"{value:.2f}x"
+
+    return (f"{seed:>4} | {row['target']:>6.1%} | {cell(row['grpo'], row['grpo_run']):>20} {row['grpo_final']:>6.1%} | "
+            f"{cell(row['distill'], row['distill_run']):>20} {row['distill_final']:>6.1%} | "
+            f"{ratio(row['steps_ratio']):>11} {ratio(row['time_ratio']):>10} | {step_s[0]:.2f} / {step_s[1]:.2f}")
 
 
 def run_tag(args: argparse.Namespace, arm: str) -> str:
     """The part of an arm's run directory naming its settings where they differ from the defaults, so that
     ``--reuse`` under one ``--out`` never takes a run made with other settings for this one."""
-    tag = "" if args.lr is None else f"_lr{args.lr:g}"
+    lr, steps = per_arm(args.lr)[arm], per_arm(args.steps)[arm]
+    tag = "" if lr is None else f"_lr{lr:g}"
+    if steps != DEFAULT_STEPS:
+        tag += f"_s{steps}"
+    if args.eval_every != DEFAULT_EVAL_EVERY:
+        tag += f"_e{args.eval_every}"
     if arm == "grpo+distill":
         if args.top_k:
             tag += f"_top{args.top_k}"
@@ -194,17 +258,23 @@ def main() -> None:
     parser.add_argument("--num-val", type=int, default=None, help="data.num_val (default: the demo's, 500)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="rollout.max_new_tokens (default: the demo's, 16; levels 3-4 need 20)")
-    parser.add_argument("--steps", type=int, default=40, help="each student arm's GRPO steps")
-    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--steps", type=int, nargs="+", default=[DEFAULT_STEPS],
+                        help="each student arm's GRPO steps; two values: GRPO alone's, then the distilled arm's")
+    parser.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY)
     parser.add_argument("--coef", type=float, default=1.0, help="algorithm.distill.coef")
     parser.add_argument("--top-k", type=int, default=0,
                         help="algorithm.distill.top_k: k > 0 trains on the teacher's top-k forward KL (a loss term) "
                              "instead of the sampled tokens' reverse KL (0)")
     parser.add_argument("--task-weight", type=float, default=1.0,
                         help="algorithm.distill.task_weight of the distilled arm (0: distillation alone)")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="actor.lr of both arms (default: the demo's, 3e-5)")
-    parser.add_argument("--target", type=float, default=None)
+    parser.add_argument("--lr", type=float, nargs="+", default=None,
+                        help="actor.lr of both arms (default: the demo's, 3e-5); two values: GRPO alone's, then "
+                             "the distilled arm's")
+    target_group = parser.add_mutually_exclusive_group()
+    target_group.add_argument("--target", type=float, default=None,
+                              help="the held-out accuracy to reach, every seed (default: GRPO alone's lowest final)")
+    target_group.add_argument("--target-gain", type=float, default=None,
+                              help="the target per seed: that seed's SFT start (step 0) plus this, e.g. 0.05")
     parser.add_argument("--reuse", action="store_true", help="keep the models of stages already under --out")
     parser.add_argument("--only", choices=("teacher", "student"), default=None,
                         help="run only the teacher's training or only the student's SFT, then stop")
@@ -215,6 +285,10 @@ def main() -> None:
         args.teacher_sft_steps = args.sft_steps
     if args.teacher_error_rate is None:
         args.teacher_error_rate = args.error_rate
+    for name in ("steps", "lr"):
+        if getattr(args, name) is not None and len(getattr(args, name)) > 2:
+            parser.error(f"--{name} takes one value (both arms) or two (GRPO alone's, then the distilled arm's), "
+                         f"got {len(getattr(args, name))}")
     for name in ("error_rate", "teacher_error_rate"):
         if not 0 <= getattr(args, name) <= 1:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
@@ -285,18 +359,19 @@ def main() -> None:
     for seed in args.seeds:
         for arm in ARMS:
             run_dir = out / "student" / f"{arm}{run_tag(args, arm)}_seed{seed}"
-            if args.reuse and _finished(run_dir / "metrics.jsonl", args.steps):
+            steps, lr = per_arm(args.steps)[arm], per_arm(args.lr)[arm]
+            if args.reuse and _finished(run_dir / "metrics.jsonl", steps):
                 points, step_s = curve(run_dir / "metrics.jsonl")
                 runs[arm][seed] = {"curve": points, "median_step_s": step_s}
                 continue
             if args.arm not in (None, arm):
                 continue
-            print(f"[seed {seed}] {arm}: {args.steps} GRPO steps", flush=True)
+            print(f"[seed {seed}] {arm}: {steps} GRPO steps", flush=True)
             overrides = [*task, *model_overrides(*args.student), f"trainer.seed={seed}",
-                         f"trainer.total_steps={args.steps}", f"trainer.eval_every={args.eval_every}",
+                         f"trainer.total_steps={steps}", f"trainer.eval_every={args.eval_every}",
                          "trainer.save_every=0"]
-            if args.lr is not None:
-                overrides.append(f"actor.lr={args.lr}")
+            if lr is not None:
+                overrides.append(f"actor.lr={lr}")
             if arm == "grpo+distill":
                 overrides += [f"algorithm.distill.teacher={teacher_dir}",
                               f"algorithm.distill.task_weight={args.task_weight}",
@@ -309,45 +384,36 @@ def main() -> None:
 
     if args.arm is not None:
         return
-    target = args.target
-    if target is None:
-        target = min(run["curve"][-1][1] for run in runs["grpo"].values())
+    target = targets(runs, args.seeds, args.target, args.target_gain)
     print()
     print(f"teacher ({args.teacher[0]}x{args.teacher[1]}): held-out accuracy {teacher_sft_accuracy:.1%} after SFT"
           + (f", {teacher_accuracy:.1%} after GRPO" if args.teacher_steps else ""))
     # Each seed draws its own held-out problems (trainer.seed), so the SFT start differs by seed.
     starts = {seed: runs["grpo"][seed]["curve"][0][1] for seed in args.seeds}
+    rule = (f"its SFT start + {args.target_gain:.1%}" if args.target_gain is not None
+            else f"{target[args.seeds[0]]:.1%}")
+    steps, lrs = per_arm(args.steps), per_arm(args.lr)
+    arms = ", ".join(f"{arm} {steps[arm]} steps at lr {lrs[arm] if lrs[arm] is not None else 'the demo default'}"
+                     for arm in ARMS)
     print(f"student ({args.student[0]}x{args.student[1]}) after SFT: "
           + " / ".join(f"{starts[seed]:.1%}" for seed in args.seeds) + f" (seeds {' / '.join(map(str, args.seeds))}); "
-          f"target held-out accuracy {target:.1%}")
-    at_start = [seed for seed in args.seeds if starts[seed] >= target - 1e-9]
+          f"target held-out accuracy per seed: {rule}; {arms}")
+    at_start = [seed for seed in args.seeds if starts[seed] >= target[seed] - ACCURACY_TOLERANCE]
     if at_start:
         print(f"  the SFT start already reaches the target in seed(s) {', '.join(map(str, at_start))}: step 0 there "
               "measures no training (give a higher --target)")
-    print(f"{'seed':>4} | {'GRPO: step':>10} {'s':>6} {'final':>6} | {'+distill: step':>14} {'s':>6} {'final':>6} | "
-          f"{'steps ratio':>11} {'time ratio':>10} | {'step s':>13}")
+    print(f"{'seed':>4} | {'target':>6} | {'GRPO: step, s':>20} {'final':>6} | {'+distill: step, s':>20} {'final':>6} | "
+          f"{'steps ratio':>11} {'time ratio':>10} | step s (median)")
     table = []
     for seed in args.seeds:
         g, d = runs["grpo"][seed], runs["grpo+distill"][seed]
-        rg, rd = reached(g["curve"], target), reached(d["curve"], target)
-
-        def cell(r):
-            return (f"{r[0]:>10} {r[1]:>6.0f}" if r else f"{'never':>10} {'-':>6}")
-
-        steps_ratio = rg[0] / rd[0] if rg and rd and rd[0] else None
-        time_ratio = rg[1] / rd[1] if rg and rd and rd[1] else None
-        def ratio(r):
-            return "-" if r is None else f"{r:.2f}x"
-
-        print(f"{seed:>4} | {cell(rg)} {g['curve'][-1][1]:>6.1%} | {cell(rd):>21} {d['curve'][-1][1]:>6.1%} | "
-              f"{ratio(steps_ratio):>11} {ratio(time_ratio):>10} | "
-              f"{g['median_step_s']:.2f} / {d['median_step_s']:.2f}")
-        table.append({"seed": seed, "grpo": rg, "distill": rd, "steps_ratio": steps_ratio, "time_ratio": time_ratio,
-                      "grpo_final": g["curve"][-1][1], "distill_final": d["curve"][-1][1]})
-    result = {"target": target, "settings": settings(args),
+        row = compare(g, d, target[seed])
+        print(format_row(seed, row, (g["median_step_s"], d["median_step_s"])))
+        table.append({"seed": seed, **row})
+    result = {"target": target, "target_gain": args.target_gain, "settings": settings(args),
               "teacher": {"size": args.teacher, "sft_accuracy": teacher_sft_accuracy, "accuracy": teacher_accuracy},
-              "student": {"size": args.student}, "steps": args.steps, "coef": args.coef,
-              "top_k": args.top_k, "task_weight": args.task_weight, "lr": args.lr, "table": table,
+              "student": {"size": args.student}, "steps": steps, "coef": args.coef,
+              "top_k": args.top_k, "task_weight": args.task_weight, "lr": lrs, "table": table,
               "runs": runs}
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"curves: {out / 'result.json'}")
