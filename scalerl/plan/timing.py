@@ -25,9 +25,11 @@ Where the rates come from:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -372,6 +374,24 @@ MEASURED_PHASES = {"generation": ("timing_s/gen",), "old_log_prob": ("timing_s/o
                    "weight_sync": ("timing_s/update_weights",)}
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, theirs, ...), read from /proc: what a session kill misses when a
+    child starts its own sessions."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        out += children
+        todo += children
+    return out
+
+
 def measure_layout_run(config_path: str | None, overrides: list[str], processes: int, threads: int,
                        timeout_s: float = 300) -> dict[str, float]:
     """Seconds per step phase of the run itself, under its own layout, rank count and batch, on a 32-wide copy
@@ -393,13 +413,25 @@ def measure_layout_run(config_path: str | None, overrides: list[str], processes:
                       "-m", "scalerl", "train"]
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads))}
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # this machine's ranks: loopback
+        # in the user's directory (relative paths in the config resolve as in the run); a timeout or Ctrl-C takes
+        # torchrun and its ranks down
+        proc = subprocess.Popen([*launch, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        def kill() -> None:
+            for pid in [*_descendants(proc.pid), proc.pid]:  # torchrun starts each rank in a session of its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.communicate()
+
         try:
-            done = subprocess.run([*launch, *args], capture_output=True, text=True, timeout=timeout_s, check=False,
-                                  env=env, cwd=scratch)
+            stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:
+            kill()
             raise RuntimeError(f"the layout probe's run did not finish in {timeout_s:.0f} s") from exc
-        if done.returncode != 0:
-            raise RuntimeError(f"the layout probe's run exited {done.returncode}: {(done.stderr or done.stdout)[-1500:]}")
+        except BaseException:  # Ctrl-C: no rank left behind
+            kill()
+            raise
+        if proc.returncode != 0:
+            raise RuntimeError(f"the layout probe's run exited {proc.returncode}: {(stderr or stdout)[-1500:]}")
         metrics = Path(scratch) / "run" / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "timing_s/step" in r]

@@ -154,3 +154,26 @@ def test_fsdp_copies_go_with_their_collectives_and_the_layout_cost_with_its_phas
     again = Calibration.from_dict(stored.to_dict())
     assert (again.layout_s, again.other_runnable, again.copy_bytes_per_s) == ({"update": 0.25}, 1.5, 7e9)
     assert again.intra_ops == {"all_gather": LinkCost(1e-4, 4e8, "fit")}
+
+
+def test_the_layout_probe_says_why_it_failed_and_leaves_no_rank_behind():
+    import time
+    from pathlib import Path
+
+    from scalerl.plan.timing import measure_layout_run
+    from tests.tiny import tiny_overrides
+
+    with pytest.raises(RuntimeError, match="exited 2"):
+        measure_layout_run(None, ["actor.lrr=1e-6"], 1, 1)  # a misspelt key: the train command's own error
+    marker = "trainer.seed=987651"  # on the command line of this run's processes only
+    with pytest.raises(RuntimeError, match="did not finish in 3 s"):
+        measure_layout_run(None, [*tiny_overrides(), marker], 2, 1, timeout_s=3)
+    time.sleep(0.5)
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker.encode() in cmdline.read_bytes():
+                left.append(cmdline.parent.name)
+        except OSError:
+            pass
+    assert not left, f"processes of the timed-out probe still running: {left}"
