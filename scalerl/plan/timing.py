@@ -417,7 +417,15 @@ def measure_layout_run(config_path: str | None, overrides: list[str], processes:
         # torchrun and its ranks down
         proc = subprocess.Popen([*launch, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         def kill() -> None:
-            for pid in [*_descendants(proc.pid), proc.pid]:  # torchrun starts each rank in a session of its own
+            # torchrun starts each rank in a session of its own, so a session kill misses them: stop the whole
+            # tree first (a stopped process forks no more), until a scan finds nothing new, then kill it
+            stopped: set[int] = set()
+            while new := [p for p in (proc.pid, *_descendants(proc.pid)) if p not in stopped]:
+                for pid in new:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGSTOP)
+                stopped.update(new)
+            for pid in stopped:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             proc.communicate()
