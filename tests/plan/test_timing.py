@@ -156,7 +156,7 @@ def test_fsdp_copies_go_with_their_collectives_and_the_layout_cost_with_its_phas
     assert again.intra_ops == {"all_gather": LinkCost(1e-4, 4e8, "fit")}
 
 
-def test_the_layout_probe_says_why_it_failed_and_leaves_no_rank_behind():
+def test_the_layout_probe_says_why_it_failed_and_leaves_no_rank_behind(tmp_path):
     import time
     from pathlib import Path
 
@@ -166,8 +166,13 @@ def test_the_layout_probe_says_why_it_failed_and_leaves_no_rank_behind():
     with pytest.raises(RuntimeError, match="exited 2"):
         measure_layout_run(None, ["actor.lrr=1e-6"], 1, 1)  # a misspelt key: the train command's own error
     marker = "trainer.seed=987651"  # on the command line of this run's processes only
-    with pytest.raises(RuntimeError, match="did not finish in 10 s"):  # the ranks are up by then: killed too
-        measure_layout_run(None, [*tiny_overrides(), marker], 2, 1, timeout_s=10)
+    # a reward of 2 s a step: the probe's 6 steps cannot end within the limit, and its ranks are up by then
+    slow = tmp_path / "slow_reward.py"
+    slow.write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    time.sleep(2)\n    return 0.0\n")
+    with pytest.raises(RuntimeError, match="did not finish in 10 s"):
+        measure_layout_run(None, [*tiny_overrides(), marker, f"data.reward={slow}:compute_score"], 2, 1,
+                           timeout_s=10)
     time.sleep(0.5)
     left = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
