@@ -9,6 +9,9 @@ multi-process group in `tests.spawned_group`.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +19,7 @@ from scalerl.core.cpu_capabilities import ISA_SWITCH, CpuCapabilities, cpu_capab
 from tests.emulated_network import emulated_network_unavailable
 
 RAY_OBJECT_STORE_BYTES = 128 * 2**20
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +29,20 @@ def netns_ok():
     reason = emulated_network_unavailable()
     if reason is not None:
         pytest.skip(f"emulated cluster unavailable here: {reason}")
+
+
+@pytest.fixture(scope="session")
+def repo_script():
+    """Loads a script of this repository that is not a package module (a benchmark, a wrapper) by its path from
+    the repository root, as a fresh module: ``repo_script("benchmarks/algorithms.py")``."""
+    def load(relative: str):
+        path = REPO / relative
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="module")

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from tests.tiny import tiny_overrides
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("algorithms_bench", REPO / "benchmarks" / "algorithms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_variants_cover_every_registry_name_once():
+def test_variants_cover_every_registry_name_once(repo_script):
     from scalerl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
-    bench = _bench()
+    bench = repo_script("benchmarks/algorithms.py")
     variants = bench.all_variants()
     assert variants[0] == "grpo+vanilla" and len(set(variants)) == len(variants)
     assert {"rloo+vanilla", "remax+vanilla", "gae+vanilla", "gpg+vanilla", "grpo+gpg", "grpo+gspo"} <= set(variants)
@@ -37,8 +26,8 @@ def test_variants_cover_every_registry_name_once():
         bench.variant_overrides("gpg")
 
 
-def test_a_failed_variant_is_a_row_of_its_own_and_a_failed_baseline_stops():
-    bench = _bench()
+def test_a_failed_variant_is_a_row_of_its_own_and_a_failed_baseline_stops(repo_script):
+    bench = repo_script("benchmarks/algorithms.py")
     run = {"initial": 0.3, "final": 0.5, "step_s": 1.0, "steps": 2}
     results = {"grpo+vanilla": {0: run}, "rloo+vanilla": {0: {**run, "final": 0.6, "step_s": 1.5}},
                "remax+vanilla": {0: {"error": "exit 1, see remax.log"}}}
@@ -52,8 +41,8 @@ def test_a_failed_variant_is_a_row_of_its_own_and_a_failed_baseline_stops():
         bench.table({"grpo+vanilla": {0: {"error": "exit 1"}}}, [0])
 
 
-def test_two_variants_one_seed_two_steps_give_a_table_with_numbers(tmp_path, capsys):
-    bench = _bench()
+def test_two_variants_one_seed_two_steps_give_a_table_with_numbers(tmp_path, capsys, repo_script):
+    bench = repo_script("benchmarks/algorithms.py")
     out = tmp_path / "bench"
     # the demo's model, task sizes and SFT at toy size; the ppo micro-batch must divide the tiny mini-batch
     overrides = tiny_overrides("trainer.total_steps=2", "sft.steps=3", "data.num_val=8")

@@ -4,22 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import struct
 import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("distill_demo_bench", REPO / "benchmarks" / "distill_demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run(points: list[tuple[int, float, float]]) -> dict:
@@ -37,8 +27,8 @@ def _write_metrics(path: Path, accuracies: dict[int, float], steps: int, step_s:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def test_run_directories_name_each_arms_steps_and_rate_and_keep_the_old_names():
-    bench = _bench()
+def test_run_directories_name_each_arms_steps_and_rate_and_keep_the_old_names(repo_script):
+    bench = repo_script("benchmarks/distill_demo.py")
 
     def tags(steps, lr, eval_every=5):
         args = argparse.Namespace(steps=steps, lr=lr, eval_every=eval_every, top_k=16, task_weight=1.0, coef=1.0)
@@ -53,17 +43,17 @@ def test_run_directories_name_each_arms_steps_and_rate_and_keep_the_old_names():
     assert bench.per_arm([7, 9]) == {"grpo": 7, "grpo+distill": 9}
 
 
-def test_target_gain_is_per_seed_from_its_start_and_fixed_and_default_targets_are_one():
-    bench = _bench()
+def test_target_gain_is_per_seed_from_its_start_and_fixed_and_default_targets_are_one(repo_script):
+    bench = repo_script("benchmarks/distill_demo.py")
     runs = {"grpo": {0: _run([(0, 0.40, 0.0), (10, 0.38, 30.0)]), 1: _run([(0, 0.48, 0.0), (10, 0.50, 30.0)])}}
     assert bench.targets(runs, [0, 1], None, 0.05) == pytest.approx({0: 0.45, 1: 0.53})
     assert bench.targets(runs, [0, 1], 0.6, None) == {0: 0.6, 1: 0.6}
     assert bench.targets(runs, [0, 1], None, None) == {0: 0.38, 1: 0.38}  # GRPO alone's lowest final
 
 
-def test_an_accuracy_logged_as_float32_reaches_a_target_of_the_same_value():
+def test_an_accuracy_logged_as_float32_reaches_a_target_of_the_same_value(repo_script):
     """43.6% logged as float32 (0.43599998...) reaches 38.6% + 5 points (0.43600000... in float64); 43.4% does not."""
-    bench = _bench()
+    bench = repo_script("benchmarks/distill_demo.py")
 
     def float32(value):
         return struct.unpack("f", struct.pack("f", value))[0]
@@ -74,8 +64,8 @@ def test_an_accuracy_logged_as_float32_reaches_a_target_of_the_same_value():
     assert bench.reached([(0, float32(0.386), 0.0), (20, float32(0.434), 60.0)], target) is None
 
 
-def test_an_arm_that_never_reaches_the_target_bounds_the_ratio():
-    bench = _bench()
+def test_an_arm_that_never_reaches_the_target_bounds_the_ratio(repo_script):
+    bench = repo_script("benchmarks/distill_demo.py")
     slow = _run([(0, 0.40, 0.0), (10, 0.42, 30.0), (20, 0.46, 60.0)])
     fast = _run([(0, 0.40, 0.0), (5, 0.46, 25.0), (10, 0.50, 50.0)])
     never = _run([(0, 0.40, 0.0), (10, 0.41, 30.0), (150, 0.44, 450.0)])
@@ -98,9 +88,9 @@ def test_an_arm_that_never_reaches_the_target_bounds_the_ratio():
     assert bench.format_row(0, neither, (3.0, 5.0)).count("never in 150") == 2
 
 
-def test_the_table_comes_from_reused_runs_of_different_lengths(tmp_path, monkeypatch, capsys):
+def test_the_table_comes_from_reused_runs_of_different_lengths(tmp_path, monkeypatch, capsys, repo_script):
     """--reuse with --steps 150 80: no stage trains; the faked runs are read back and compared per seed."""
-    bench = _bench()
+    bench = repo_script("benchmarks/distill_demo.py")
     out = tmp_path / "demo"
     for stage in ("teacher", "student"):  # models --reuse keeps (never loaded: the teacher's accuracy is cached)
         (out / stage / "sft" / "model").mkdir(parents=True)
@@ -131,8 +121,8 @@ def test_the_table_comes_from_reused_runs_of_different_lengths(tmp_path, monkeyp
     assert "never in 150 (300 s)" in printed and ">7.50x" in printed
 
 
-def test_target_and_target_gain_exclude_each_other_and_steps_take_at_most_two(monkeypatch, capsys):
-    bench = _bench()
+def test_target_and_target_gain_exclude_each_other_and_steps_take_at_most_two(monkeypatch, capsys, repo_script):
+    bench = repo_script("benchmarks/distill_demo.py")
     for argv, message in ((["--target", "0.5", "--target-gain", "0.05"], "not allowed with argument --target"),
                           (["--steps", "1", "2", "3"], "--steps takes one value (both arms) or two")):
         monkeypatch.setattr(sys, "argv", ["distill_demo.py", *argv])

@@ -3,7 +3,6 @@ and that pytest never collects the benchmark script despite its test_-name."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +10,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_benchmark_wrapper_translates_the_seed_options():
-    bench = _load(REPO / "tests/utils/profiler/test_performance_benchmark.py")
+def test_benchmark_wrapper_translates_the_seed_options(repo_script):
+    bench = repo_script("tests/utils/profiler/test_performance_benchmark.py")
     argv = bench.build_argv(["--num_nodes", "4", "--iterations", "100", "--output_report", "benchmark_report.json"])
     assert argv[:3] == ["bench", "--nodes", "1,2,4"]
     assert argv[argv.index("--steps") + 1] == "100" and argv[argv.index("-o") + 1] == "benchmark_report.json"
@@ -29,8 +21,8 @@ def test_benchmark_wrapper_translates_the_seed_options():
     assert not [name for name in dir(bench) if name.startswith("test")]  # nothing pytest could run
 
 
-def test_analyzer_wrapper_translates_the_seed_options():
-    analyzer = _load(REPO / "scripts/performance_analyzer.py")
+def test_analyzer_wrapper_translates_the_seed_options(repo_script):
+    analyzer = repo_script("scripts/performance_analyzer.py")
     assert analyzer.build_argv(["--input", "benchmark_report.json", "--output", "performance_analysis.pdf"]) == \
         ["report", "benchmark_report.json", "-o", "performance_analysis.pdf"]
 
