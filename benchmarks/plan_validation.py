@@ -56,7 +56,7 @@ CELLS = {
     "tiny": (1, TINY, "doctor"),
     "0.5b-shaped": (1, HALF_B, "doctor"),
     "tiny-dp2": (2, TINY, "doctor"),
-        "0.5b-shaped-fsdp2": (2, [*HALF_B, "parallel.dp_shard=2"], "doctor"),
+    "0.5b-shaped-fsdp2": (2, [*HALF_B, "parallel.dp_shard=2"], "doctor"),
     "0.5b-shaped-tp2": (2, [*HALF_B, "parallel.tp=2"], "doctor"),
     "0.5b-shaped-pp2": (2, [*HALF_B, "parallel.pp=2"], "doctor"),
     "tiny-standalone": (2, [*TINY, *STANDALONE], "train"),
@@ -64,8 +64,11 @@ CELLS = {
 }
 TIME_TARGET, MEMORY_TARGET = 0.20, 0.10
 # The plan predicts a step once the run is warm; a tensor-parallel rank's generation took 3.5, 1.8, 0.9 and
-# 0.67 s in steps 1-4 here (DTensor caches its sharding rules per new shape), so three steps warm up first.
-DOCTOR_STEPS, DOCTOR_WARMUP, TRAIN_STEPS = 3, 3, 6
+# 0.67 s in steps 1-4 here (DTensor caches its sharding rules per new shape), so four steps warm up first.
+# A 32-wide step (20-70 ms) varies by 3x from one step to the next on this shared machine (an asynchronous
+# cell's steps over 30 steps: 22-72 ms), so those cells take the median of 16 steps; a 0.5B-shaped one of 5.
+DOCTOR_STEPS, DOCTOR_WARMUP = 3, 3
+TRAIN_WARMUP, TRAIN_STEPS, TRAIN_STEPS_32_WIDE = 4, 9, 20
 STEP_PHASES_MEASURED = {"generation": "timing_s/gen", "old_log_prob": "timing_s/old_log_prob",
                         "ref_log_prob": "timing_s/ref", "update": "timing_s/update_actor",
                         "weight_sync": "timing_s/update_weights"}
@@ -101,10 +104,11 @@ def measure_once(name: str, work: Path) -> dict:
     start = time.perf_counter()
     # the run as a user runs it: its step and phase times (the profiler's own bookkeeping, a /proc read and
     # a peak reset at every phase, took a third of a 32-wide two-rank step: 0.15 s profiled, 0.10 s not)
-    _run(_launch(ranks, ["train", *args, f"trainer.total_steps={TRAIN_STEPS}"]))
+    total = TRAIN_STEPS_32_WIDE if "model.hidden_size=32" in overrides else TRAIN_STEPS
+    _run(_launch(ranks, ["train", *args, f"trainer.total_steps={total}"]))
     rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "timing_s/step" in r]
-    later = steps[DOCTOR_WARMUP:] or steps[-1:]
+    later = steps[TRAIN_WARMUP:] or steps[-1:]
     measured = {"step_s": statistics.median(r["timing_s/step"] for r in later),
                 "phases_s": {p: statistics.median(r.get(k, 0.0) for r in later)
                              for p, k in STEP_PHASES_MEASURED.items()},

@@ -214,9 +214,13 @@ def optimizer_step_fixed_s(step_s: float, params: int, adam_s_per_param: float) 
     return max(0.0, step_s - params * adam_s_per_param)
 
 
-def time_copy(nbytes: int = 64 * 2**20) -> float:
-    """Bytes per second of one tensor copy of ``nbytes`` (median of 5, float32): what FSDP's copies into and
-    out of its collectives' flat buffers cost per byte."""
+def time_copy(nbytes: int = 64 * 2**20, fresh: bool = True) -> float:
+    """Bytes per second of one tensor copy of ``nbytes`` (median of 5, float32), into a buffer allocated for
+    that copy (``fresh``, as FSDP allocates its flat buffers at every collective) or into one reused. A fresh
+    buffer over glibc's mmap ceiling (32 MB) comes from the kernel as new pages, each faulted in at its first
+    write: measured here, 60 MB copied at 2.5 GB/s into a fresh buffer against 6.1 GB/s into a reused one, and
+    FSDP's own copies of a 60 MB unit ran at 2.2-2.8 GB/s in the run (its profile). Under that ceiling a fresh
+    buffer reuses freed heap pages, and the two rates meet."""
     import torch
 
     src = torch.randn(max(1, nbytes // 4))
@@ -224,10 +228,22 @@ def time_copy(nbytes: int = 64 * 2**20) -> float:
     dst.copy_(src)
     times = []
     for _ in range(5):
+        if fresh:
+            del dst  # freed first, as FSDP's previous buffer is
         start = time.perf_counter()
+        if fresh:
+            dst = torch.empty_like(src)
         dst.copy_(src)
         times.append(time.perf_counter() - start)
     return src.numel() * 4 / max(1e-9, statistics.median(times))
+
+
+def fsdp_buffer_bytes(collectives) -> float:
+    """The largest flat buffer FSDP allocates for one collective of the step (an all-gather's gathered unit or a
+    reduce-scatter's input): the size its copies are timed at. 0 without FSDP."""
+    return max((c.payload_bytes for c in collectives
+                if (c.kind, c.op) in (("param", "all_gather"), ("grad", "reduce_scatter")) and c.group.size > 1),
+               default=0.0)
 
 
 def fsdp_copy_bytes(collectives) -> dict[str, float]:
@@ -368,7 +384,7 @@ def measure_runtime(config_path: str | None, overrides: list[str]) -> RuntimePro
 # the first steps pay the warm-up (kernels paged in, buffers grown, and under tensor parallelism DTensor's
 # sharding rules cached per new shape: a TP rank's generation took 3.5, 1.8, 0.9, 0.67 s in steps 1-4 here):
 # the median of the steps after LAYOUT_PROBE_WARMUP
-LAYOUT_PROBE_STEPS, LAYOUT_PROBE_WARMUP = 6, 3
+LAYOUT_PROBE_STEPS, LAYOUT_PROBE_WARMUP = 16, 4
 MEASURED_PHASES = {"generation": ("timing_s/gen",), "old_log_prob": ("timing_s/old_log_prob",),
                    "ref_log_prob": ("timing_s/ref",), "update": ("timing_s/update_actor", "timing_s/update_critic"),
                    "weight_sync": ("timing_s/update_weights",)}
@@ -572,13 +588,17 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
                   output_dir: str) -> Calibration:
     import torch
 
-    busy = other_runnable()  # before the probes add their own
+    busy_before = other_runnable()  # before the probes add their own
+    step, _ = step_shape(s)
+    collectives = step_collectives(s.model, step, dataclasses.replace(s.layout, rollout_param_bytes=s.rollout_bytes,
+                                                                      weight_sync_ratio=1.0))
+    copy_size = int(fsdp_buffer_bytes(collectives)) or 64 * 2**20
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
         rates, optimizer_s, refresh_s_per_byte = probe_rates(s)
         adam = time_adamw(policy_counts(s)[1])
-        copy_rate = time_copy()
+        copy_rate = time_copy(copy_size)
         optimizer_fixed = optimizer_step_fixed_s(optimizer_s, policy_counts(s)[1], adam)
     finally:
         torch.set_num_threads(before)
@@ -586,6 +606,9 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
     runtime, reward_s_per_row = probe.runtime_bytes, probe.reward_s
     rates = dataclasses.replace(rates, other_s_per_row=reward_s_per_row)
     disk = disk_write_speed(output_dir)
+    # and again once they are done: a shared machine's load comes and goes, one second of it says little
+    busy_after = other_runnable()
+    busy = (busy_before + busy_after) / 2
     how = ("a fresh process that imported the trainer, built the data and ran two steps of this run on a 32-wide "
            "model" if probe.worked == "steps" else
            f"VmHWM of a fresh process that imported the trainer and built the data; its two steps on a 32-wide "
@@ -601,16 +624,15 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
              (f"AdamW step {adam * 1e9:.2f} ns per parameter + {optimizer_fixed * 1e3:.1f} ms per step (norm clip, "
               f"a launch per tensor) (measured here on the model, {threads} thread(s))"),
              f"disk write {disk / 1e6:.0f} MB/s (measured here, fsynced, under {output_dir})",
-             (f"tensor copy {copy_rate / 1e9:.1f} GB/s (64 MB, measured here): FSDP's copies into and out of its "
-              "collectives' buffers"),
+             (f"tensor copy {copy_rate / 1e9:.1f} GB/s ({copy_size / 2**20:.0f} MB into a freshly allocated buffer, "
+              "measured here): FSDP's copies into and out of its collectives' buffers, allocated at every call"),
              (f"machine busy: {busy:.1f} other runnable thread(s) on {os.cpu_count()} cores while calibrating "
-              "(/proc/stat procs_running; the probes ran beside them, the ranks will too)")]
+              f"({busy_before:.1f} in the second before the probes, {busy_after:.1f} in the second after; /proc/stat "
+              "procs_running; the probes ran beside them, the ranks will too)")]
     world = s.layout.world + s.layout.rollout_workers
     intra_ops: dict[str, LinkCost] = {}
     if world > 1:
-        step, _ = step_shape(s)
-        layout = dataclasses.replace(s.layout, rollout_param_bytes=s.rollout_bytes, weight_sync_ratio=1.0)
-        largest = max((c.payload_bytes for c in step_collectives(s.model, step, layout)), default=0.0)
+        largest = max((c.payload_bytes for c in collectives), default=0.0)
         intra_ops = measure_loopback(largest)
         intra = intra_ops["all_reduce"]
         notes.append("loopback " + ", ".join(f"{op.replace('_', '-')} {link.bytes_per_s / 1e9:.2f} GB/s, "

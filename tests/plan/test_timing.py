@@ -126,7 +126,12 @@ def test_a_busy_machine_slows_the_ranks_by_what_they_add_to_it(tmp_path):
 
 def test_fsdp_copies_go_with_their_collectives_and_the_layout_cost_with_its_phase():
     from scalerl.bench.cost_model.step_traffic import step_collectives
-    from scalerl.plan.timing import fsdp_copy_bytes, layout_residual, step_shape
+    from scalerl.plan.timing import (
+        fsdp_buffer_bytes,
+        fsdp_copy_bytes,
+        layout_residual,
+        step_shape,
+    )
 
     setup = PlanSetup(model=tiny_model_config(), layout=Layout(dp_shard=2, ranks_per_node=2), rows=16,
                       prompt_width=16, new_tokens=8, micro_rows=4, mini_rows=16)
@@ -137,6 +142,10 @@ def test_fsdp_copies_go_with_their_collectives_and_the_layout_cost_with_its_phas
     assert gathers > 0 and scatters > 0
     # the shard copied in and the whole copied out (1/2 + 1); the gradients in and the reduced half out
     assert fsdp_copy_bytes(collectives) == pytest.approx({"param": 1.5 * gathers, "grad": 1.5 * scatters})
+    # the copies are timed at the largest buffer FSDP allocates: a layer's parameters gathered whole
+    largest = max(c.payload_bytes for c in collectives if (c.kind, c.op) == ("param", "all_gather"))
+    assert fsdp_buffer_bytes(collectives) == largest > 0
+    assert fsdp_buffer_bytes(step_collectives(setup.model, step, Layout(tp=2, ranks_per_node=2))) == 0.0
     base = Calibration(RATES, 0.0, 0.0, LINK, LINK)
     plain = phase_seconds(setup, base)
     copied = phase_seconds(setup, dataclasses.replace(base, copy_bytes_per_s=1e6))
@@ -166,7 +175,7 @@ def test_the_layout_probe_says_why_it_failed_and_leaves_no_rank_behind(tmp_path)
     with pytest.raises(RuntimeError, match="exited 2"):
         measure_layout_run(None, ["actor.lrr=1e-6"], 1, 1)  # a misspelt key: the train command's own error
     marker = "trainer.seed=987651"  # on the command line of this run's processes only
-    # a reward of 2 s a step: the probe's 6 steps cannot end within the limit, and its ranks are up by then
+    # a reward of 2 s a step: the probe's 16 steps cannot end within the limit, and its ranks are up by then
     slow = tmp_path / "slow_reward.py"
     slow.write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                     "    time.sleep(2)\n    return 0.0\n")
