@@ -243,12 +243,13 @@ def main() -> int:
     unknown = [n for n in names if n not in CELLS]
     if unknown:
         parser.error(f"--cells: unknown {', '.join(unknown)}; known: {', '.join(CELLS)}")
-    results: dict = {}
     out = Path(args.output)
+    results = {name: {"repeats": []} for name in names}
     with tempfile.TemporaryDirectory(prefix="scalerl-plan-validation-") as tmp:
-        for name in names:
-            results[name] = {"repeats": []}
-            for i in range(args.repeats):
+        # every cell once, then every cell again: a load that comes and goes over minutes falls on each cell's
+        # repeats differently, rather than on all repeats of one cell
+        for i in range(args.repeats):
+            for name in names:
                 work = Path(tmp) / f"{name}-{i}"
                 work.mkdir()
                 results[name]["repeats"].append(measure_once(name, work))
