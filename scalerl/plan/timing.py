@@ -415,7 +415,7 @@ def measure_layout_run(config_path: str | None, overrides: list[str], processes:
     ``LAYOUT_PROBE_STEPS`` steps, the median of those after the first ``LAYOUT_PROBE_WARMUP``. What a layout costs per call (DDP's hooks,
     FSDP's and DTensor's wrappers, a collective's latency as the ranks reach it, a worker's hand-off) does not
     depend on the width, so this run measures it where its FLOPs cost next to nothing. ``other`` is the step
-    less its timed phases."""
+    less its timed phases; ``peak_bytes`` the largest rank's peak resident set (a runtime under the layout)."""
     import json
     import tempfile
 
@@ -466,6 +466,7 @@ def measure_layout_run(config_path: str | None, overrides: list[str], processes:
            for phase, keys in MEASURED_PHASES.items()}
     out["step"] = statistics.median(r["timing_s/step"] for r in later)
     out["other"] = max(0.0, out["step"] - sum(out[p] for p in MEASURED_PHASES))
+    out["peak_bytes"] = max(r.get("perf/max_memory_gb", 0.0) for r in steps) * 2**30  # the largest rank's RSS
     return out
 
 

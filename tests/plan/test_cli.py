@@ -97,3 +97,24 @@ def test_a_two_rank_plan_measures_its_layout_each_collective_and_the_machines_lo
                       calibration=Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))))
     assert again.seconds == plan.seconds
     assert not (tmp_path / "run").exists()  # the probes wrote nowhere near the run's output
+
+
+def test_a_rank_under_the_layout_holds_the_runtime_its_layout_run_measured(monkeypatch):
+    """The layout probe's run peaks above one plain process's runtime (the distributed stack): the plan's
+    runtime is the larger, said in the note; a smaller peak changes nothing."""
+    from scalerl.plan import timing
+    from scalerl.plan.cli import calibrate_layout, setup_from_config
+
+    overrides = tiny_overrides("trainer.cpu_threads=1")
+    cfg = load_config(None, overrides)
+    cluster = Cluster(1, 2, "cpu")
+    setup = setup_from_config(cfg, cluster)[0]
+    rates = timing.ComputeRates(1e9, 1e9, 1e9, 0.0)
+    link = timing.LinkCost(1e-4, 1e9, "test")
+    for peak, expected in ((600 * 2**20, 600 * 2**20), (100 * 2**20, 400 * 2**20)):
+        measured = dict.fromkeys(timing.STEP_PHASES, 0.01) | {"step": 0.06, "peak_bytes": peak}
+        monkeypatch.setattr(timing, "measure_layout_run", lambda *a, m=measured, **k: m)
+        cal = timing.Calibration(rates, 1e-9, 1e9, link, link, runtime_bytes=400 * 2**20)
+        note = calibrate_layout(cfg, cluster, setup, cal, None, overrides, 1, 1.0)
+        assert cal.runtime_bytes == expected
+        assert ("runtime RSS 600 MiB under the layout" in note) == (peak > 400 * 2**20), note
