@@ -50,6 +50,7 @@ from scalerl.perf.flops import datasheet_peak_flops
 from scalerl.plan.memory import EVAL_CHUNK_ROWS, PlanSetup, decode_layout_bytes, policy_counts
 
 PROBE_REPEATS = 3  # timed turns per probe size: the plan's probe is a few seconds, not a benchmark
+PROBE_MAX_ACCUMULATE = 4  # micro-batches a training probe accumulates (the run's per optimizer step, at most)
 PROBE_MAX_PARAMS = 120_000_000  # the compute probe builds the model: beyond this, fewer layers
 # Datasheet HBM bandwidth (bytes/s): NVIDIA H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80GB SXM 2.039 TB/s,
 # A100 40GB 1.555 TB/s, L40S 864 GB/s, AMD MI300X 5.3 TB/s.
@@ -141,7 +142,10 @@ def probe_rates(s: PlanSetup) -> tuple[ComputeRates, float, float]:
     # generation as the run's trainer runs it: the fused decode path over whole weights, the model's own
     # forward over sharded or tensor-parallel ones (standalone workers hold whole weights)
     fused = s.standalone or not (s.fsdp or s.layout.tp > 1)
-    probe = probe_compute(model, 0, max(1, s.micro_rows), new_tokens, repeats=PROBE_REPEATS, fused_decode=fused)
+    # the update's micro-batches accumulate into one set of gradients, freed and trimmed after the step
+    accumulate = min(PROBE_MAX_ACCUMULATE, max(1, math.ceil(min(s.rows, s.mini_rows) / max(1, s.micro_rows))))
+    probe = probe_compute(model, 0, max(1, s.micro_rows), new_tokens, repeats=PROBE_REPEATS, fused_decode=fused,
+                          accumulate=accumulate)
     optimizer_s = time_optimizer_step(model) * scale
     refresh_s_per_byte = time_layout_refresh(model, torch.float32 if s.compute_bytes == 4 else torch.bfloat16)
     del model

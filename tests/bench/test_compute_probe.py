@@ -55,3 +55,29 @@ def test_the_sizes_of_a_phase_are_timed_in_turns(monkeypatch):
     monkeypatch.setattr(compute_probe.time, "perf_counter", lambda: clock["t"])
     small, large = compute_probe._interleaved_median_seconds([work(1.0), work(3.0)], repeats=4)
     assert [small, large] == [1.5, 4.5]  # medians of (1, 1, 2, 2) and (3, 3, 6, 6): the ratio kept at 3
+
+
+def test_a_training_probe_accumulates_as_the_trainer_and_counts_seconds_per_pass(monkeypatch):
+    # accumulate=3: three forward + backward passes into the same gradients per timed call, then the gradients
+    # freed and the memory given back (once per call), the seconds divided by 3
+    from tests.tiny import tiny_model
+
+    model = tiny_model()
+    monkeypatch.setattr(compute_probe, "matmul_peaks", lambda device: {})
+    trims, held = [], []
+    monkeypatch.setattr(compute_probe, "release_host_memory", lambda device: trims.append(device))
+    real = model.forward
+
+    def forward(*args, **kwargs):
+        if torch.is_grad_enabled():  # a training pass (the forward-only probe runs without gradients)
+            held.append(next(model.parameters()).grad is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    seconds = iter([0.0, 3.0] * 100)  # every timed call takes 3 s
+    monkeypatch.setattr(compute_probe.time, "perf_counter", lambda: next(seconds))
+    out = compute_probe.probe_compute(model, pad_token_id=0, micro_rows=2, new_tokens=2, repeats=1, accumulate=3)
+    calls = len(compute_probe.TRAIN_WIDTHS) * 2  # an untimed warm-up and one timed turn per width
+    assert held == [False, True, True] * calls and len(trims) == calls
+    assert all(p.grad is None for p in model.parameters())
+    assert [p["seconds"] for p in out["train"]] == [1.0] * len(compute_probe.TRAIN_WIDTHS)
