@@ -6,12 +6,15 @@ What is exact and what is not (recorded in each later checkpoint's ``meta.json``
 - exact: model weights, optimizer state (AdamW moments, step counts, param groups), LR scheduler, loss
   scaler, data position and step. DCP stores every tensor with its global shape, so any layout can read
   the chunks it owns; a single-process checkpoint is read whole and distributed by ``set_state_dict``.
-- re-derived: the per-rank RNG streams (Python, NumPy, torch, the update shuffler). They were one per rank
+- re-derived: the RNG streams (Python, NumPy, torch, the update shuffler). They were saved one per rank
   of the old layout and have no counterpart in the new one, so the trainer seeds them from
-  ``(trainer.seed, step, rank)`` (`scalerl.core.rng_state.reseed_after_reshard`). Rollout sampling draws
-  from a seed per step and global row, so the samples of the first step after a resharded resume are
-  those the old layout would have drawn, up to float summation order of the new layout; the update's
-  mini-batch shuffle is not (it is per rank), so losses after a resharded resume are close, not bitwise.
+  ``(trainer.seed, step)``, alike on every rank as a fresh run seeds them
+  (`scalerl.core.rng_state.reseed_after_reshard`): ranks that hold the same rows (a data-parallel rank's
+  TP, SP and PP peers) must draw the same mini-batch shuffle, or their micro-batches differ and their
+  collectives mismatch; data-parallel ranks differ by their rows. Rollout sampling draws from a seed per
+  step and global row, so the samples of the first step after a resharded resume are those the old layout
+  would have drawn, up to float summation order of the new layout; the update's mini-batch shuffle is not
+  (its stream is new), so losses after a resharded resume are close, not bitwise.
 
 Pipeline layouts are not resharded (their optimizer state is keyed per stage); they are refused, naming
 both layouts. Every load checks the files' sha256 first and reads DCP with the restricted unpicklers of
@@ -58,7 +61,7 @@ from scalerl.parallel.distributed import DistContext
 
 SINGLE_PROCESS = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
 EXACT = ["model weights", "optimizer state", "lr scheduler", "grad scaler", "data position", "step"]
-RE_DERIVED = ["per-rank RNG streams (python, numpy, torch, update shuffler): seeded from (trainer.seed, step, rank)"]
+RE_DERIVED = ["RNG streams (python, numpy, torch, update shuffler): from (trainer.seed, step), alike on every rank"]
 _STAGE = re.compile(r"\.stage\d+(?=\.)")  # actor.stage1.layers.2.x (a pipeline stage) -> actor.layers.2.x
 
 

@@ -20,10 +20,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def reseed_after_reshard(seed: int, step: int, rank: int, generators: dict[str, torch.Generator]) -> None:
-    """Seed the global generators and ``generators`` from ``(seed, step, rank)``: a run resumed under another
-    layout has no saved stream for its rank, so it starts deterministic ones of its own."""
-    derived = ((seed * 1_000_003 + step) * 65_537 + rank) % 2**63
+def reseed_after_reshard(seed: int, step: int, generators: dict[str, torch.Generator]) -> None:
+    """Seed the global generators and ``generators`` from ``(seed, step)``, alike on every rank: a run
+    resumed under another layout has no saved stream for its ranks, so it starts deterministic ones of its own.
+
+    Not per rank: ranks that hold the same rows (the TP, SP and PP peers of one data-parallel rank) must draw
+    the same mini-batch shuffle and the same global draws (LoRA dropout, ...), or their micro-batches differ
+    in width and their collectives mismatch. A fresh run seeds every rank alike (`seed_everything`, the update
+    shuffler from the seed), with data-parallel ranks told apart by their rows, not their streams; this keeps
+    to that, whatever the new layout's mesh."""
+    derived = ((seed * 1_000_003 + step) * 65_537) % 2**63
     seed_everything(derived)
     for offset, name in enumerate(sorted(generators), start=1):
         generators[name].manual_seed((derived + offset) % 2**63)

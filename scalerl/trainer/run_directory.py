@@ -130,10 +130,11 @@ def resume_from_checkpoint(path: Path, *, ctx: DistContext, seed: int, generator
     message = f"resumed from step {loaded.step} ({loaded.path})"
     if loaded.resharded_from is not None:
         current = checkpoint.current_layout(ctx)
-        reseed_after_reshard(seed, loaded.step, ctx.rank, generators)
+        reseed_after_reshard(seed, loaded.step, generators)
         history.append(checkpoint.reshard_record(loaded.step, loaded.resharded_from, current))
         message += (f", resharded from {_layout_text(loaded.resharded_from)} to {_layout_text(current)}: weights, "
-                    "optimizer, scheduler and data position exact; RNG streams re-derived from (seed, step, rank)")
+                    "optimizer, scheduler and data position exact; RNG streams re-derived from (seed, step), "
+                    "alike on every rank")
     say(ctx, message)
     return loaded, history
 

@@ -1,6 +1,8 @@
 """Resume a checkpoint under another layout or world size: weights and optimizer state identical (bitwise)
 to what was saved, for FSDP world 4 -> world 2, DP2xTP2 -> DP4, distributed -> one process and one process
--> DP2xTP2; the resumed run trains on and records the reshard in meta.json; pipeline layouts are refused.
+-> DP2xTP2 or TP2; the resumed run trains on and records the reshard in meta.json; the ranks of one
+data-parallel rank (its TP peers) resume with the same RNG streams, so a TP2 resume trains on; pipeline
+layouts are refused.
 
 One spawned world-4 group and one world-2 group do the distributed parts; the test process the single ones.
 Each run dumps its full (gathered) model and optimizer state, which the tests compare."""
@@ -24,6 +26,7 @@ LAYOUTS = {
     "dp4": ["parallel.dp_replicate=4"],
     "fsdp2": ["parallel.dp_replicate=1", "parallel.dp_shard=2"],
     "pp2": ["parallel.dp_replicate=1", "parallel.pp=2"],
+    "tp2": ["parallel.dp_replicate=1", "parallel.tp=2"],
     "single": [],
 }
 
@@ -69,6 +72,24 @@ def _resume_and_dump(out: Path, name: str, layout: str, source: str, *extra: str
     return trainer
 
 
+def _record_rng(trainer, out: Path, name: str) -> bool:
+    """This rank's RNG streams (a digest of Python's, NumPy's, torch's and the update shuffler's) and its DP
+    rank, in ``rng-<name>-<rank>.json``; True when every rank's TP peers (same DP rank) hold the same ones."""
+    import hashlib
+
+    from scalerl.core.rng_state import capture_rng_state
+
+    state = capture_rng_state(trainer.generators)
+    digest = hashlib.sha256(repr(state["python"]).encode())
+    for tensor in (state["numpy"]["keys"], state["torch_cpu"], *state["generators"].values()):
+        digest.update(tensor.numpy().tobytes())
+    mine = {"dp_rank": trainer.dist.dp_rank, "rng": digest.hexdigest()}
+    (out / f"rng-{name}-{trainer.dist.rank}.json").write_text(json.dumps(mine))
+    everyone: list = [None] * trainer.dist.world_size
+    torch.distributed.all_gather_object(everyone, mine)
+    return all(other["rng"] == mine["rng"] for other in everyone if other["dp_rank"] == mine["dp_rank"])
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
@@ -80,7 +101,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             _train_and_dump(out, "fsdp4", "fsdp4")
             _train_and_dump(out, "dp2tp2", "dp2tp2")
             _resume_and_dump(out, "dp2tp2-as-dp4", "dp4", "dp2tp2")
-            _resume_and_dump(out, "single-as-dp2tp2", "dp2tp2", "single")
+            _record_rng(_resume_and_dump(out, "single-as-dp2tp2", "dp2tp2", "single"), out, "single-as-dp2tp2")
         else:
             trainer = _resume_and_dump(out, "fsdp4-as-fsdp2", "fsdp2", "fsdp4", f"trainer.total_steps={STEPS + 1}")
             trainer.fit()  # trains on from the resharded state and saves step STEPS + 1
@@ -88,6 +109,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 _resume_and_dump(out, "fsdp4-as-pp2", "pp2", "fsdp4")
             except CheckpointError as error:  # the refusal is the result
                 (out / f"pp2-refusal-{rank}.txt").write_text(str(error))
+            trainer = _resume_and_dump(out, "single-as-tp2", "tp2", "single", f"trainer.total_steps={STEPS + 1}")
+            if _record_rng(trainer, out, "single-as-tp2"):  # peers that disagree would mismatch a collective
+                trainer.fit()
     finally:
         torch.distributed.destroy_process_group()
 
@@ -125,7 +149,7 @@ def _assert_same_state(out: Path, saved: str, resumed: str) -> None:
 
 @pytest.mark.parametrize("saved, resumed", [
     ("fsdp4", "fsdp4-as-fsdp2"), ("dp2tp2", "dp2tp2-as-dp4"), ("fsdp4", "fsdp4-as-single"),
-    ("dp2tp2", "dp2tp2-as-single"), ("single", "single-as-dp2tp2"),
+    ("dp2tp2", "dp2tp2-as-single"), ("single", "single-as-dp2tp2"), ("single", "single-as-tp2"),
 ])
 def test_resharded_resume_restores_weights_and_optimizer_exactly(runs, saved, resumed):
     _assert_same_state(runs, saved, resumed)
@@ -140,6 +164,25 @@ def test_resharded_run_trains_on_and_records_the_reshard(runs):
     assert "optimizer state" in record["exact"] and "RNG" in record["re_derived"][0]
     rows = [json.loads(x) for x in (runs / "fsdp4-as-fsdp2" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [STEPS + 1] and rows[0]["actor/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("resumed, world", [("single-as-dp2tp2", 4), ("single-as-tp2", 2)])
+def test_tp_peers_resume_with_the_same_rng_streams(runs, resumed, world):
+    """A resharded resume re-derives the RNG streams; the TP peers of a DP rank hold the same rows and must
+    draw the same shuffle (they once drew per global rank: a TP2 resume then mismatched gloo sizes)."""
+    by_dp_rank: dict[int, set[str]] = {}
+    for rank in range(world):
+        record = json.loads((runs / f"rng-{resumed}-{rank}.json").read_text())
+        by_dp_rank.setdefault(record["dp_rank"], set()).add(record["rng"])
+    assert len(by_dp_rank) == world // 2  # two TP peers per DP rank
+    assert all(len(streams) == 1 for streams in by_dp_rank.values()), by_dp_rank
+
+
+def test_single_checkpoint_trains_on_under_tp(runs):
+    rows = [json.loads(x) for x in (runs / "single-as-tp2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [STEPS + 1] and rows[0]["actor/grad_norm"] > 0
+    meta = json.loads((runs / "single-as-tp2" / "checkpoints" / f"step_{STEPS + 1:08d}" / "meta.json").read_text())
+    assert [r["to"]["layout"]["tp"] for r in meta["reshard_history"]] == [2]
 
 
 def test_pipeline_layouts_are_refused_naming_both(runs):
