@@ -138,7 +138,7 @@ def predict(name: str, calibration: dict) -> dict:
     ranks, overrides, _ = CELLS[name]
     args = [*BASE, *overrides, "trainer.output_dir=/nonexistent/plan-validation"]
     cal = Calibration.from_dict(calibration)
-    if not any("VmHWM" in note for note in cal.notes):
+    if not any("VmHWM" in note or "ran two steps" in note for note in cal.notes):  # both read the child's own peak
         if name not in _RUNTIME:
             _RUNTIME[name] = measure_runtime(None, args).runtime_bytes
             print(f"  ({name}: runtime RSS re-measured with the VmHWM probe: {_RUNTIME[name] / 2**30:.3f} GiB, "
@@ -216,17 +216,38 @@ def report(results: dict) -> list[dict]:
                 if r["phase"] == "step":
                     step_errors.append(r["time_error"])
                     memory_errors.append(r["memory_error"])
-        step_ok = all(e is not None and abs(e) <= TIME_TARGET for e in step_errors)
-        mem_ok = all(e is not None and abs(e) <= MEMORY_TARGET for e in memory_errors)
-        line = {"cell": name, "step_errors": step_errors, "memory_errors": memory_errors, "step_met": step_ok,
-                "memory_met": mem_ok}
-        summary.append(line)
-    print("\nsummary (error = planned / measured - 1 per repeat; targets: step within 20%, peak memory within 10%)")
+        summary.append({"cell": name, **cell_verdict(step_errors, memory_errors)})
+    print("\nsummary (error = planned / measured - 1 per repeat, then the median of the cell's repeats; targets: step "
+          "within 20%, peak memory within 10%; met: in every repeat / by the median)")
     for s in summary:
-        print(f"  {s['cell']:18s} step {' / '.join(_pct(e) for e in s['step_errors']):16s} "
-              f"{'met' if s['step_met'] else 'MISSED':6s}  peak memory {' / '.join(_pct(e) for e in s['memory_errors']):14s} "
-              f"{'met' if s['memory_met'] else 'MISSED'}")
+        print(f"  {s['cell']:18s} step {' / '.join(_pct(e) for e in s['step_errors']):22s} "
+              f"median {_pct(s['step_median']):>5s} {_met(s['step_met'])}/{_met(s['step_median_met'])}  "
+              f"peak memory {' / '.join(_pct(e) for e in s['memory_errors']):16s} "
+              f"median {_pct(s['memory_median']):>4s} {_met(s['memory_met'])}/{_met(s['memory_median_met'])}")
     return summary
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def cell_verdict(step_errors: list, memory_errors: list) -> dict:
+    """A cell's errors against the targets: met in every repeat, and met by the median of its repeats (this
+    machine's run-to-run variation is of the step-time target's size, so one repeat does not say where the
+    plan stands). A repeat without a measurement (None) misses."""
+    def median(errors):
+        return statistics.median(errors) if errors and None not in errors else None
+
+    def within(error, target):
+        return error is not None and abs(error) <= target
+
+    step_median, memory_median = median(step_errors), median(memory_errors)
+    return {"step_errors": step_errors, "memory_errors": memory_errors,
+            "step_median": step_median, "memory_median": memory_median,
+            "step_met": bool(step_errors) and all(within(e, TIME_TARGET) for e in step_errors),
+            "memory_met": bool(memory_errors) and all(within(e, MEMORY_TARGET) for e in memory_errors),
+            "step_median_met": within(step_median, TIME_TARGET),
+            "memory_median_met": within(memory_median, MEMORY_TARGET)}
 
 
 def main() -> int:
