@@ -61,16 +61,18 @@ def matmul_peaks(device: torch.device) -> dict:
 
 
 def probe_compute(model: torch.nn.Module, pad_token_id: int, micro_rows: int, new_tokens: int,
-                  repeats: int = REPEATS, fused_decode: bool = True, accumulate: int = 1) -> dict:
+                  repeats: int = REPEATS, fused_decode: bool = True, accumulate: int | None = None) -> dict:
     """Median seconds of each probe, with the shapes the fit needs. ``fused_decode``: generation as the built-in
     engine runs it over whole weights (its decode layout), or False: with the model's own forward, as it runs
     over sharded or tensor-parallel weights (measured 4-5x slower per step on the 0.5B-shaped plan cell, where a
     plan that probed the fused path predicted an FSDP run's generation at a quarter of its time).
-    ``accumulate``: micro-batches per optimizer step; a training probe then runs that many forward + backward
-    passes into the same gradients, frees them and gives the freed memory back as the trainer does after its
-    update (`scalerl.perf.memory.release_host_memory`), and counts the seconds per pass: the gradients' adds
-    and the pages the next update faults in again are the trainer's (on the 0.5B-shaped plan cell: 4 such
-    passes took a median 1.11x four single ones, which free their gradients each time and keep the pages)."""
+    ``accumulate``: micro-batches per optimizer step (None: one pass, its gradients freed); a training probe
+    then runs that many forward + backward passes into the same gradients, frees them and gives the freed
+    memory back as the trainer does after its update (`scalerl.perf.memory.release_host_memory`), and counts
+    the seconds per pass: the gradients' adds and the pages the next update faults in again are the trainer's
+    (on the 0.5B-shaped plan cell: 4 such passes took a median 1.11x four single ones, which free their
+    gradients each time and keep the pages)."""
+    passes = accumulate or 1
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     out: dict = {"train": [], "forward": [], "gen": [],
@@ -84,7 +86,7 @@ def probe_compute(model: torch.nn.Module, pad_token_id: int, micro_rows: int, ne
         # As the trainer's objective reads the logits (`scalerl.trainer.objectives`): each token's log-prob with
         # gradient, its entropy as a metric without; the forward-only pass (old / reference log-probs) the same.
         def train_once(ids=ids, mask=mask):
-            for _ in range(accumulate):
+            for _ in range(passes):
                 logits = model(ids, attention_mask=mask).float()
                 logp = logprobs_from_logits(logits[:, :-1], ids[:, 1:])
                 with torch.no_grad():
@@ -92,7 +94,7 @@ def probe_compute(model: torch.nn.Module, pad_token_id: int, micro_rows: int, ne
                 (-(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()).backward()
                 del logits, logp
             model.zero_grad(set_to_none=True)
-            if accumulate > 1:
+            if accumulate is not None:
                 release_host_memory(ids.device)
 
         def forward_once(ids=ids, mask=mask):
@@ -105,7 +107,7 @@ def probe_compute(model: torch.nn.Module, pad_token_id: int, micro_rows: int, ne
         forwards.append(forward_once)
     for width, train_s, forward_s in zip(TRAIN_WIDTHS, _interleaved_median_seconds(trains, repeats),
                                          _interleaved_median_seconds(forwards, repeats), strict=True):
-        out["train"].append({"rows": micro_rows, "width": width, "seconds": train_s / accumulate})
+        out["train"].append({"rows": micro_rows, "width": width, "seconds": train_s / passes})
         out["forward"].append({"rows": micro_rows, "width": width, "seconds": forward_s})
     model.eval()
     engine = BuiltinEngine(model, pad_token_id, fused=fused_decode)

@@ -218,9 +218,9 @@ def optimizer_step_fixed_s(step_s: float, params: int, adam_s_per_param: float) 
     return max(0.0, step_s - params * adam_s_per_param)
 
 
-def time_copy(nbytes: int = 64 * 2**20, fresh: bool = True) -> float:
-    """Bytes per second of one tensor copy of ``nbytes`` (median of 5, float32), into a buffer allocated for
-    that copy (``fresh``, as FSDP allocates its flat buffers at every collective) or into one reused. A fresh
+def time_copy(nbytes: int = 64 * 2**20) -> float:
+    """Bytes per second of one tensor copy of ``nbytes`` (median of 5, float32) into a buffer allocated for
+    that copy, as FSDP allocates its flat buffers at every collective. A fresh
     buffer over glibc's mmap ceiling (32 MB) comes from the kernel as new pages, each faulted in at its first
     write: measured here, 60 MB copied at 2.5 GB/s into a fresh buffer against 6.1 GB/s into a reused one, and
     FSDP's own copies of a 60 MB unit ran at 2.2-2.8 GB/s in the run (its profile). Under that ceiling a fresh
@@ -232,11 +232,9 @@ def time_copy(nbytes: int = 64 * 2**20, fresh: bool = True) -> float:
     dst.copy_(src)
     times = []
     for _ in range(5):
-        if fresh:
-            del dst  # freed first, as FSDP's previous buffer is
+        del dst  # freed first, as FSDP's previous buffer is
         start = time.perf_counter()
-        if fresh:
-            dst = torch.empty_like(src)
+        dst = torch.empty_like(src)
         dst.copy_(src)
         times.append(time.perf_counter() - start)
     return src.numel() * 4 / max(1e-9, statistics.median(times))
