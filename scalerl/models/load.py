@@ -47,18 +47,20 @@ def builtin_model_config(model_cfg: Any, tokenizer: CharTokenizer) -> ModelConfi
     )
 
 
-def tokenizer_source(model_cfg: Any, source: str | None, source_key: str = "model.path") -> str:
-    """Where a run's tokenizer comes from: ``model.tokenizer`` when set, the built-in character tokenizer for
-    the built-in model (no ``source``), else the model directory, which must then hold ``tokenizer.json``:
-    falling back to the built-in tokenizer would silently train a real model on the wrong vocabulary."""
+def tokenizer_source(model_cfg: Any, source: str | None, source_key: str = "model.path",
+                     tokenizer_key: str = "model.tokenizer") -> str:
+    """Where a run's tokenizer comes from: ``model.tokenizer`` (``tokenizer_key``, read as ``model_cfg.tokenizer``)
+    when set, the built-in character tokenizer for the built-in model (no ``source``), else the model directory,
+    which must then hold ``tokenizer.json``: falling back to the built-in tokenizer would silently train a real
+    model on the wrong vocabulary."""
     if model_cfg.tokenizer:
         return model_cfg.tokenizer
     if not source:
         return "builtin"
     if not (Path(source) / "tokenizer.json").is_file():
         raise TokenizerNotFound(
-            f"{source_key}={source!r} has no tokenizer.json: set model.tokenizer=<directory with tokenizer.json> "
-            "(or model.tokenizer=builtin, only for a model trained with the built-in character tokenizer)"
+            f"{source_key}={source!r} has no tokenizer.json: set {tokenizer_key}=<directory with tokenizer.json> "
+            f"(or {tokenizer_key}=builtin, only for a model trained with the built-in character tokenizer)"
         )
     return source
 

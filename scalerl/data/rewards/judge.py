@@ -166,14 +166,17 @@ def judge_from_section(j: Any, device: Any) -> GenerativeJudge:
     """The judge of a ``data.judge`` section (or an object with its fields: a pool worker gets a copy), on the
     engine ``data.judge.engine`` names: the built-in one over the model loaded on ``device``, or vLLM over the
     model directory (its own weights and KV cache; imported only here, so a run without it never needs it)."""
+    from scalerl.models.load import tokenizer_source
+
     labels = tuple(parse_judge_labels(j.labels).items()) if j.verdict == "label" else ()
     parse = VerdictParser(j.verdict, j.max_score, labels)
+    # the judge's keys in the error where its directory has no tokenizer (either engine)
+    source = tokenizer_source(j, j.model, "data.judge.model", "data.judge.tokenizer")
     if getattr(j, "engine", "builtin") == "vllm":
-        from scalerl.models.load import tokenizer_source
         from scalerl.models.tokenizer import load_tokenizer
         from scalerl.rollout.engines.vllm import VLLMEngine
 
-        tokenizer = load_tokenizer(tokenizer_source(j, j.model, "data.judge.model"))
+        tokenizer = load_tokenizer(source)
         engine: Any = VLLMEngine(j.model, tokenizer.pad_token_id, dtype=VLLM_JUDGE_DTYPES[j.dtype],
                                  kv_cache_gib=getattr(j, "vllm_kv_cache_gib", 1.0))
     else:

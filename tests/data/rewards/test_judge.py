@@ -174,3 +174,20 @@ def test_a_vllm_judge_gives_the_builtin_judges_verdicts(tmp_path):
         assert judge(prompts, responses) == expected and judge.last_texts == builtin.last_texts
     finally:
         judge.engine.close()
+
+
+def test_a_judge_directory_without_a_tokenizer_names_the_judges_keys(tmp_path):
+    """The judge's own keys in the error, for either engine (the check runs before an engine is built, so
+    vLLM need not be installed for the error)."""
+    import dataclasses
+
+    from scalerl.data.rewards.judge import judge_from_section
+    from scalerl.models.tokenizer import TokenizerNotFound
+
+    judge_dir = save_tiny_teacher(tmp_path / "judge", 3)
+    (judge_dir / "tokenizer.json").unlink()
+    section = load_config(None, ["data.reward=judge", f"data.judge.model={judge_dir}"]).data.judge
+    for engine in ("builtin", "vllm"):
+        with pytest.raises(TokenizerNotFound, match=r"data\.judge\.model=.* has no tokenizer.json: set "
+                                                    r"data\.judge\.tokenizer=<directory"):
+            judge_from_section(dataclasses.replace(section, engine=engine), "cpu")
