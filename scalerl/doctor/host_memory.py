@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from scalerl.perf.memory import proc_field_gib
+
 MEMINFO = Path("/proc/meminfo")
 STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -17,24 +19,14 @@ CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/
 GiB = 2**30
 
 
-def _status_gb(field: str) -> float | None:
-    try:
-        for line in STATUS.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024 / GiB  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def host_rss_gb() -> float:
     """This process's resident set now (VmRSS), GiB; 0 where /proc is not readable."""
-    return _status_gb("VmRSS") or 0.0
+    return proc_field_gib(STATUS, "VmRSS") or 0.0
 
 
 def host_peak_gb() -> float:
     """This process's peak resident set (VmHWM) since it started or since `reset_host_peak`, GiB."""
-    return _status_gb("VmHWM") or 0.0
+    return proc_field_gib(STATUS, "VmHWM") or 0.0
 
 
 def reset_host_peak() -> bool:

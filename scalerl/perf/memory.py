@@ -12,14 +12,15 @@ import sys
 import torch
 
 
-def _proc_gib(path: str, key: str) -> float | None:
-    """A ``key: N kB`` line of a /proc file in GiB; None where the file is not there (not Linux) or lacks it."""
+def proc_field_gib(path: str | os.PathLike, key: str) -> float | None:
+    """A ``key: N kB`` line of a /proc file (``/proc/self/status``, ``/proc/meminfo``) in GiB; None where the file
+    is not there (not Linux), lacks the line or has it malformed."""
     try:
         with open(path) as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) / 1024**2
-    except OSError:
+    except (OSError, ValueError, IndexError):
         return None
     return None
 
@@ -31,7 +32,7 @@ def max_memory_gb(device: torch.device) -> float:
     large process (a test session, a launcher) read that process's peak as its own."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1024**3
-    peak = _proc_gib("/proc/self/status", "VmHWM")
+    peak = proc_field_gib("/proc/self/status", "VmHWM")
     if peak is not None:
         return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
@@ -42,7 +43,7 @@ def memory_capacity_gb(device: torch.device) -> float:
     """The device's memory in GiB: the GPU's total, or the host's RAM (MemTotal) on the CPU."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 1024**3
-    total = _proc_gib("/proc/meminfo", "MemTotal")
+    total = proc_field_gib("/proc/meminfo", "MemTotal")
     if total is not None:
         return total
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
