@@ -117,11 +117,16 @@ class PlanSetup:
         return min(tokens, self.micro_max_tokens) if self.micro_max_tokens else tokens
 
     @property
+    def generated_rows(self) -> int:
+        """Rows one rank (a worker, when standalone) generates per step."""
+        if self.standalone:
+            return math.ceil(self.rows * self.layout.dp / max(1, self.layout.rollout_workers))
+        return self.rows
+
+    @property
     def gen_rows(self) -> int:
         """Rows one rank (a worker, when standalone) decodes at once."""
-        rows = self.rows
-        if self.standalone:
-            rows = math.ceil(self.rows * self.layout.dp / max(1, self.layout.rollout_workers))
+        rows = self.generated_rows
         return min(rows, self.max_num_seqs) if self.max_num_seqs else rows
 
     def replace(self, **changes) -> PlanSetup:
@@ -333,8 +338,8 @@ def phase_parts(s: PlanSetup) -> dict[str, dict[str, float]]:
         out["weight_sync"] = {**base, "layout_rebuild": max(cfg_q, 2 * cfg.intermediate_size) * cfg.hidden_size
                               * s.compute_bytes}
     out["checkpoint_save"] = {**base, "checkpoint_spike": total * s.param_bytes / s.shard}
-    if s.eval_rows:
-        rows = min(s.eval_rows, EVAL_CHUNK_ROWS)
+    if s.eval_rows:  # the same engine: at most rollout.max_num_seqs of a chunk decode at once
+        rows = min(s.eval_rows, EVAL_CHUNK_ROWS, s.max_num_seqs or EVAL_CHUNK_ROWS)
         out["evaluation"] = {**base, **_generation_parts(s, rows, s.compute_bytes)}
     return {name: out[name] for name in PHASES if name in out}
 

@@ -124,11 +124,12 @@ def _probe_model_config(s: PlanSetup):
     return probe, (cfg.num_hidden_layers + 1) / (layers + 1)
 
 
-def probe_rates(s: PlanSetup) -> tuple[ComputeRates, float, float]:
+def probe_rates(s: PlanSetup, adam_s_per_param: float) -> tuple[ComputeRates, float, float]:
     """The compute probe on the config's model (built here, random weights), fitted into per-phase rates; the
-    seconds of one optimizer step on that model (x the layer scale when a larger model is probed smaller); and
-    the seconds per byte of the built-in engine's decode layout laid out again from it (0 where the model has
-    no fused decode path)."""
+    fixed part of one optimizer step on that model (what ``adam_s_per_param`` does not explain: the norm clip, a
+    launch per tensor; x the layer scale when a larger model is probed with fewer layers); and the seconds per
+    byte of the built-in engine's decode layout laid out again from it (0 where the model has no fused decode
+    path)."""
     import torch
 
     from scalerl.bench.calibration import probe_fit
@@ -146,7 +147,10 @@ def probe_rates(s: PlanSetup) -> tuple[ComputeRates, float, float]:
     accumulate = min(PROBE_MAX_ACCUMULATE, max(1, math.ceil(min(s.rows, s.mini_rows) / max(1, s.micro_rows))))
     probe = probe_compute(model, 0, max(1, s.micro_rows), new_tokens, repeats=PROBE_REPEATS, fused_decode=fused,
                           accumulate=accumulate)
-    optimizer_s = time_optimizer_step(model) * scale
+    # the fixed part on the probe's own parameters, then scaled: scaling the whole step by the layers had
+    # counted a 1-layer probe's 151M-parameter embedding 12.5 times (Qwen2.5-0.5B: 3.7 s "fixed" per step)
+    probe_params = sum(p.numel() for p in model.parameters())
+    optimizer_fixed_s = optimizer_step_fixed_s(time_optimizer_step(model), probe_params, adam_s_per_param) * scale
     refresh_s_per_byte = time_layout_refresh(model, torch.float32 if s.compute_bytes == 4 else torch.bfloat16)
     del model
     fit = probe_fit(cfg, probe)
@@ -165,7 +169,7 @@ def probe_rates(s: PlanSetup) -> tuple[ComputeRates, float, float]:
                                 + ("" if probe["fused_decode"] else ", generation with the model's own forward")
                                 + f", {torch.get_num_threads()} thread(s), micro-batch {s.micro_rows}, "
                                 f"{new_tokens} new tokens, {time.perf_counter() - start:.0f} s")
-    return rates, optimizer_s, refresh_s_per_byte
+    return rates, optimizer_fixed_s, refresh_s_per_byte
 
 
 def time_layout_refresh(model, dtype, repeats: int = 3) -> float:
@@ -482,11 +486,10 @@ def recalibrate_compute(s: PlanSetup, cal: Calibration, threads: int) -> Calibra
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        rates, optimizer_s, refresh_s_per_byte = probe_rates(s)
+        rates, fixed, refresh_s_per_byte = probe_rates(s, cal.adam_s_per_param)
     finally:
         torch.set_num_threads(before)
     rates = dataclasses.replace(rates, other_s_per_row=cal.rates.other_s_per_row)
-    fixed = optimizer_step_fixed_s(optimizer_s, policy_counts(s)[1], cal.adam_s_per_param)
     return dataclasses.replace(cal, rates=rates, optimizer_step_s=fixed, layout_refresh_s_per_byte=refresh_s_per_byte,
                                layout_s={})
 
@@ -599,10 +602,9 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        rates, optimizer_s, refresh_s_per_byte = probe_rates(s)
         adam = time_adamw(policy_counts(s)[1])
+        rates, optimizer_fixed, refresh_s_per_byte = probe_rates(s, adam)
         copy_rate = time_copy(copy_size)
-        optimizer_fixed = optimizer_step_fixed_s(optimizer_s, policy_counts(s)[1], adam)
     finally:
         torch.set_num_threads(before)
     probe = measure_runtime(config_path, overrides)
@@ -695,7 +697,8 @@ def step_shape(s: PlanSetup) -> tuple[StepShape, TokenLengths]:
         micro = max(1, min(micro, int(s.micro_max_tokens // max(1.0, width))))
     step = StepShape(rows=s.rows, prompt_len=s.prompt_width, response_len=s.new_tokens, train_width=width,
                      micro_rows=micro, mini_rows=max(1, s.mini_rows), epochs=s.epochs, forward_passes=forward,
-                     pp_width=s.prompt_width + s.new_tokens, act_bytes=s.act_bytes, param_bytes=s.param_bytes)
+                     pp_width=s.prompt_width + s.new_tokens, act_bytes=s.act_bytes, param_bytes=s.param_bytes,
+                     decode_waves=math.ceil(s.generated_rows / max(1, s.gen_rows)))
     return step, lengths
 
 
@@ -749,7 +752,9 @@ def phase_seconds(s: PlanSetup, cal: Calibration, contention: float = 1.0) -> di
     if not s.standalone:  # a colocated built-in engine lays its decode copy out again at every sync
         out["weight_sync"] += decode_layout_bytes(s) * cal.layout_refresh_s_per_byte * max(1.0, contention)
     if s.eval_rows:
-        eval_step = dataclasses.replace(step, rows=min(s.eval_rows, EVAL_CHUNK_ROWS), forward_passes=0)
+        chunk = min(s.eval_rows, EVAL_CHUNK_ROWS)
+        eval_step = dataclasses.replace(step, rows=chunk, forward_passes=0,
+                                        decode_waves=math.ceil(chunk / min(chunk, s.max_num_seqs or chunk)))
         chunks = math.ceil(s.eval_rows / EVAL_CHUNK_ROWS)
         out["evaluation"] = chunks * compute_seconds(s.model, eval_step, layout, lengths, cal.rates, contention)["gen"]
     return out

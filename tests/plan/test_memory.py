@@ -157,3 +157,14 @@ def test_the_decode_layout_is_what_the_built_in_engine_copies():
     assert decode_layout_bytes(_setup(model=cfg, layout=Layout(dp_shard=2))) == 0
     assert decode_layout_bytes(_setup(model=cfg, layout=Layout(tp=2))) == 0
     assert decode_layout_bytes(_setup(model=cfg, standalone=True, layout=Layout(rollout_workers=1))) == 0
+
+
+def test_evaluation_decodes_at_most_max_num_seqs_rows_at_once_as_generation_does():
+    # a long-context projection's evaluation (its validation rows at up to 256 per call) once needed the KV cache
+    # of 256 rows where the same engine decodes rollout.max_num_seqs at a time
+    setup = _setup(eval_rows=64, prompt_width=64, new_tokens=64)
+    capped = setup.replace(max_num_seqs=4)
+    cfg = tiny_model_config()
+    assert phase_parts(setup)["evaluation"]["kv_cache"] == kv_cache_bytes(cfg, 64, 128, 4)
+    assert phase_parts(capped)["evaluation"]["kv_cache"] == kv_cache_bytes(cfg, 4, 128, 4)
+    assert phase_parts(capped)["generation"]["kv_cache"] == kv_cache_bytes(cfg, 4, 128, 4)

@@ -56,6 +56,28 @@ def test_an_optimizer_step_is_a_fixed_part_plus_a_part_per_parameter():
     assert Calibration.from_dict(cal.to_dict()).optimizer_step_s == 4e-3
 
 
+def test_a_model_probed_with_fewer_layers_scales_only_its_optimizer_steps_fixed_part(monkeypatch):
+    # a 4-layer model probed at 1 layer (fixed costs x 2.5): a step of the probe's parameters at 2 ns each plus
+    # 10 ms fixed plans 25 ms fixed, not 2.5x the whole step (the embedding's per-parameter time included)
+    from scalerl.plan import timing
+    from tests.tiny import tiny_model
+
+    setup = PlanSetup(model=tiny_model_config(num_hidden_layers=4), layout=Layout(), rows=4, prompt_width=8,
+                      new_tokens=2, micro_rows=4, mini_rows=4)
+    counted = {}
+
+    def step(model):
+        counted["params"] = sum(p.numel() for p in model.parameters())
+        return counted["params"] * 2e-9 + 0.01
+
+    monkeypatch.setattr(timing, "PROBE_MAX_PARAMS", 1)  # any model is probed at one layer
+    monkeypatch.setattr(timing, "time_optimizer_step", step)
+    monkeypatch.setattr(timing, "PROBE_REPEATS", 1)
+    _, fixed, _ = timing.probe_rates(setup, 2e-9)
+    assert fixed == pytest.approx(0.01 * 2.5)
+    assert counted["params"] < sum(p.numel() for p in tiny_model(num_hidden_layers=4).parameters())  # 1 layer's
+
+
 def test_the_runtime_probe_reads_its_own_peak_not_the_parents():
     # ru_maxrss carries the parent's resident set at the fork across exec: a plan that had built a large probe
     # model read it as the runtime of every rank. The probe reads the child's own VmHWM.
@@ -191,3 +213,15 @@ def test_the_layout_probe_says_why_it_failed_and_leaves_no_rank_behind(tmp_path)
         except OSError:
             pass
     assert not left, f"processes of the timed-out probe still running: {left}"
+
+
+def test_a_cap_on_rows_decoding_at_once_pays_each_decode_steps_fixed_cost_once_per_round():
+    # rollout.max_num_seqs=4 of 16 rows: four rounds of decode steps, each paying the fixed cost per step (a GPU
+    # reads the weights once per step), where the FLOPs stay those of 16 rows; evaluation alike
+    slow = dataclasses.replace(RATES, gen_step_s=0.05)
+    setup = PlanSetup(model=tiny_model_config(), layout=Layout(), rows=16, prompt_width=16, new_tokens=8,
+                      micro_rows=4, mini_rows=16, eval_rows=16)
+    cal = Calibration(slow, 0.0, 0.0, LINK, LINK)
+    free, capped = phase_seconds(setup, cal), phase_seconds(setup.replace(max_num_seqs=4), cal)
+    assert capped["generation"] - free["generation"] == pytest.approx(3 * 8 * 0.05)
+    assert capped["evaluation"] - free["evaluation"] == pytest.approx(3 * 8 * 0.05)

@@ -141,7 +141,7 @@ def compute_seconds(model: ModelConfig, step: StepShape, layout: Layout, lengths
     train_calls = step.optimizer_steps * step.pp_microbatches / layout.pp if layout.pp > 1 else step.micro_batches
     forward_calls = step.forward_passes * math.ceil(step.rows / step.micro_rows)
     seconds = {
-        "gen": step.response_len * rates.gen_step_s + flops["gen"] / rates.gen_flops_per_s,
+        "gen": step.decode_waves * step.response_len * rates.gen_step_s + flops["gen"] / rates.gen_flops_per_s,
         "forward": forward_calls * rates.forward_call_s + flops["forward"] / rates.forward_flops_per_s,
         "update": (train_calls * rates.train_call_s + flops["update"] / rates.train_flops_per_s) * (1 + bubble),
         "other": step.rows * rates.other_s_per_row,

@@ -70,6 +70,10 @@ class StepShape:
     pp_microbatches: int = 4
     act_bytes: int = 4  # activation element size (fp32; 2 under bf16 autocast)
     param_bytes: int = 4  # parameter / gradient element size
+    # rounds of decode steps: the rows a rank generates over the rows its engine decodes at once
+    # (rollout.max_num_seqs: continuous batching refills a finished row's slot, so each round pays every decode
+    # step's fixed cost, the weights read once per step on a GPU, again)
+    decode_waves: int = 1
 
     @property
     def micro_batches(self) -> int:
