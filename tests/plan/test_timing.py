@@ -225,3 +225,8 @@ def test_a_cap_on_rows_decoding_at_once_pays_each_decode_steps_fixed_cost_once_p
     free, capped = phase_seconds(setup, cal), phase_seconds(setup.replace(max_num_seqs=4), cal)
     assert capped["generation"] - free["generation"] == pytest.approx(3 * 8 * 0.05)
     assert capped["evaluation"] - free["evaluation"] == pytest.approx(3 * 8 * 0.05)
+    # responses of 5 tokens on average: the rounds before the last cost the mean (a finished row's slot takes the
+    # next row), the last runs to the longest (8)
+    mean = phase_seconds(setup.replace(max_num_seqs=4, response_len=5), cal)
+    assert mean["generation"] - phase_seconds(setup.replace(response_len=5), cal)["generation"] == pytest.approx(
+        3 * 5 * 0.05)

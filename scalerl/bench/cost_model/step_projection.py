@@ -140,8 +140,11 @@ def compute_seconds(model: ModelConfig, step: StepShape, layout: Layout, lengths
     bubble = (layout.pp - 1) / step.pp_microbatches if layout.pp > 1 else 0.0
     train_calls = step.optimizer_steps * step.pp_microbatches / layout.pp if layout.pp > 1 else step.micro_batches
     forward_calls = step.forward_passes * math.ceil(step.rows / step.micro_rows)
+    # one round runs to its longest response; over several (rollout.max_num_seqs), a finished row's slot takes the
+    # next row, so the rounds before the last cost the mean response each
+    decode_steps = step.response_len + (step.decode_waves - 1) * lengths.response
     seconds = {
-        "gen": step.decode_waves * step.response_len * rates.gen_step_s + flops["gen"] / rates.gen_flops_per_s,
+        "gen": decode_steps * rates.gen_step_s + flops["gen"] / rates.gen_flops_per_s,
         "forward": forward_calls * rates.forward_call_s + flops["forward"] / rates.forward_flops_per_s,
         "update": (train_calls * rates.train_call_s + flops["update"] / rates.train_flops_per_s) * (1 + bubble),
         "other": step.rows * rates.other_s_per_row,

@@ -71,8 +71,8 @@ class StepShape:
     act_bytes: int = 4  # activation element size (fp32; 2 under bf16 autocast)
     param_bytes: int = 4  # parameter / gradient element size
     # rounds of decode steps: the rows a rank generates over the rows its engine decodes at once
-    # (rollout.max_num_seqs: continuous batching refills a finished row's slot, so each round pays every decode
-    # step's fixed cost, the weights read once per step on a GPU, again)
+    # (rollout.max_num_seqs: each round pays every decode step's fixed cost, on a GPU the weights read once per
+    # step, again; `step_projection.compute_seconds`)
     decode_waves: int = 1
 
     @property
