@@ -127,9 +127,8 @@ def _probe_model_config(s: PlanSetup):
 def probe_rates(s: PlanSetup, adam_s_per_param: float) -> tuple[ComputeRates, float, float]:
     """The compute probe on the config's model (built here, random weights), fitted into per-phase rates; the
     fixed part of one optimizer step on that model (what ``adam_s_per_param`` does not explain: the norm clip, a
-    launch per tensor; x the layer scale when a larger model is probed with fewer layers); and the seconds per
-    byte of the built-in engine's decode layout laid out again from it (0 where the model has no fused decode
-    path)."""
+    launch per tensor); and the seconds per byte of the built-in engine's decode layout laid out again from it
+    (0 where the model has no fused decode path)."""
     import torch
 
     from scalerl.bench.calibration import probe_fit
@@ -147,10 +146,12 @@ def probe_rates(s: PlanSetup, adam_s_per_param: float) -> tuple[ComputeRates, fl
     accumulate = min(PROBE_MAX_ACCUMULATE, max(1, math.ceil(min(s.rows, s.mini_rows) / max(1, s.micro_rows))))
     probe = probe_compute(model, 0, max(1, s.micro_rows), new_tokens, repeats=PROBE_REPEATS, fused_decode=fused,
                           accumulate=accumulate)
-    # the fixed part on the probe's own parameters, then scaled: scaling the whole step by the layers had
-    # counted a 1-layer probe's 151M-parameter embedding 12.5 times (Qwen2.5-0.5B: 3.7 s "fixed" per step)
-    probe_params = sum(p.numel() for p in model.parameters())
-    optimizer_fixed_s = optimizer_step_fixed_s(time_optimizer_step(model), probe_params, adam_s_per_param) * scale
+    # a model probed with fewer layers: its step scaled by the parameters, not the layers (the norm clip and AdamW
+    # are work per parameter; by the layers, a 1-layer probe's 136M-parameter embedding counted 12.5 times and
+    # Qwen2.5-0.5B's step had 1.6-3.7 s "fixed"), less the per-parameter AdamW rate: the fixed part
+    probe_params, params = sum(p.numel() for p in model.parameters()), policy_counts(s)[0]
+    step_s = time_optimizer_step(model) * (params / probe_params if scale != 1 else 1.0)
+    optimizer_fixed_s = optimizer_step_fixed_s(step_s, params, adam_s_per_param)
     refresh_s_per_byte = time_layout_refresh(model, torch.float32 if s.compute_bytes == 4 else torch.bfloat16)
     del model
     fit = probe_fit(cfg, probe)
