@@ -132,12 +132,26 @@ def setup_from_config(cfg: Any, cluster: Cluster, model_name: str | None = None,
         prompt_len, longest, said = _prompt_lengths(cfg, not cfg.model.path and not model_name)
         notes.append(f"mean prompt length {prompt_len:.1f} tokens: {said}"
                      + (f"; batches padded to the longest, {longest} (memory)" if longest else ""))
+    new_tokens = cfg.rollout.max_new_tokens
+    agent = cfg.rollout.agent
+    if agent.env:
+        # A multi-turn episode is one trajectory: its turns and the environment's answers after the prompt, up to
+        # its token budget (the loop's own default: 64 tokens per environment answer)
+        budget = agent.max_total_tokens or cfg.data.max_prompt_length + agent.max_turns * (new_tokens + 64)
+        new_tokens = max(1, budget - cfg.data.max_prompt_length)
+        notes.append(f"multi-turn agent (rollout.agent.env={agent.env}): each episode planned at its token budget, "
+                     f"{new_tokens} positions after the prompt ("
+                     + ("rollout.agent.max_total_tokens" if agent.max_total_tokens else
+                        f"rollout.agent.max_turns={agent.max_turns} x (rollout.max_new_tokens="
+                        f"{cfg.rollout.max_new_tokens} + 64 per environment answer)")
+                     + "), every one decoded (the environment's answers are prefilled: fewer decode steps); the "
+                       "tools' time is not counted (scalerl doctor's tool-latency leaf measures it)")
     if response_len is None:
-        notes.append(f"every response taken to run to rollout.max_new_tokens={cfg.rollout.max_new_tokens} "
+        notes.append(f"every response taken to run to {new_tokens} new tokens "
                      "(decode steps; give --response-len for a mean)")
     setup = PlanSetup(
         model=model, layout=layout, rows=rows, prompt_width=cfg.data.max_prompt_length,
-        new_tokens=cfg.rollout.max_new_tokens, micro_rows=min(cfg.actor.ppo_micro_batch_size, rows),
+        new_tokens=new_tokens, micro_rows=min(cfg.actor.ppo_micro_batch_size, rows),
         mini_rows=max(1, math.ceil(cfg.actor.ppo_mini_batch_size / dp)), prompt_len=prompt_len,
         response_len=response_len or 0.0, micro_max_tokens=cfg.actor.micro_batch_max_tokens,
         epochs=cfg.actor.ppo_epochs, old_pass=recompute,

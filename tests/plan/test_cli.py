@@ -118,3 +118,23 @@ def test_a_rank_under_the_layout_holds_the_runtime_its_layout_run_measured(monke
         note = calibrate_layout(cfg, cluster, setup, cal, None, overrides, 1, 1.0)
         assert cal.runtime_bytes == expected
         assert ("runtime RSS 600 MiB under the layout" in note) == (peak > 400 * 2**20), note
+
+
+def test_a_multi_turn_agent_is_planned_at_its_episodes_token_budget():
+    """An agent run's trajectory is its turns and the environment's answers after the prompt: the plan widens
+    the response to the loop's budget (or rollout.agent.max_total_tokens) and says so, tools' time aside."""
+    from scalerl.plan.cli import setup_from_config
+    from scalerl.plan.memory import phase_parts
+
+    agent = ["data.task=tool_arithmetic", "rollout.agent.env=tools",
+             "rollout.agent.tools=scalerl.data.tool_arithmetic:op", "data.chat_template=true"]
+    plain, _ = setup_from_config(load_config(None, tiny_overrides()), Cluster(1, 1, "cpu"))
+    cfg = load_config(None, tiny_overrides(*agent, "rollout.agent.max_turns=3"))
+    setup, notes = setup_from_config(cfg, Cluster(1, 1, "cpu"))
+    assert setup.new_tokens == 3 * (cfg.rollout.max_new_tokens + 64) > plain.new_tokens
+    assert any("multi-turn agent (rollout.agent.env=tools)" in n and "tools' time is not counted" in n
+               for n in notes), notes
+    assert phase_parts(setup)["generation"]["kv_cache"] > phase_parts(plain)["generation"]["kv_cache"]
+    capped, _ = setup_from_config(load_config(None, tiny_overrides(*agent, "rollout.agent.max_total_tokens=200")),
+                                  Cluster(1, 1, "cpu"))
+    assert capped.new_tokens == 200 - cfg.data.max_prompt_length
