@@ -136,14 +136,15 @@ def setup_from_config(cfg: Any, cluster: Cluster, model_name: str | None = None,
     agent = cfg.rollout.agent
     if agent.env:
         # A multi-turn episode is one trajectory: its turns and the environment's answers after the prompt, up to
-        # its token budget (the loop's own default: 64 tokens per environment answer)
-        budget = agent.max_total_tokens or cfg.data.max_prompt_length + agent.max_turns * (new_tokens + 64)
-        new_tokens = max(1, budget - cfg.data.max_prompt_length)
+        # the token budget the agent loop itself runs with
+        from scalerl.rollout.agent.source import ENV_TOKENS_PER_TURN, agent_limits
+
+        new_tokens = max(1, agent_limits(cfg).max_total_tokens - cfg.data.max_prompt_length)
         notes.append(f"multi-turn agent (rollout.agent.env={agent.env}): each episode planned at its token budget, "
                      f"{new_tokens} positions after the prompt ("
                      + ("rollout.agent.max_total_tokens" if agent.max_total_tokens else
                         f"rollout.agent.max_turns={agent.max_turns} x (rollout.max_new_tokens="
-                        f"{cfg.rollout.max_new_tokens} + 64 per environment answer)")
+                        f"{cfg.rollout.max_new_tokens} + {ENV_TOKENS_PER_TURN} per environment answer)")
                      + "), every one decoded (the environment's answers are prefilled: fewer decode steps); the "
                        "tools' time is not counted (scalerl doctor's tool-latency leaf measures it)")
     if response_len is None:

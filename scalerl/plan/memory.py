@@ -123,11 +123,14 @@ class PlanSetup:
             return math.ceil(self.rows * self.layout.dp / max(1, self.layout.rollout_workers))
         return self.rows
 
+    def decoding_at_once(self, rows: int) -> int:
+        """Of ``rows`` given to the engine, how many decode at once (rollout.max_num_seqs; at least 1)."""
+        return max(1, min(rows, self.max_num_seqs) if self.max_num_seqs else rows)
+
     @property
     def gen_rows(self) -> int:
         """Rows one rank (a worker, when standalone) decodes at once."""
-        rows = self.generated_rows
-        return min(rows, self.max_num_seqs) if self.max_num_seqs else rows
+        return self.decoding_at_once(self.generated_rows)
 
     def replace(self, **changes) -> PlanSetup:
         return dataclasses.replace(self, **changes)
@@ -339,7 +342,7 @@ def phase_parts(s: PlanSetup) -> dict[str, dict[str, float]]:
                               * s.compute_bytes}
     out["checkpoint_save"] = {**base, "checkpoint_spike": total * s.param_bytes / s.shard}
     if s.eval_rows:  # the same engine: at most rollout.max_num_seqs of a chunk decode at once
-        rows = min(s.eval_rows, EVAL_CHUNK_ROWS, s.max_num_seqs or EVAL_CHUNK_ROWS)
+        rows = s.decoding_at_once(min(s.eval_rows, EVAL_CHUNK_ROWS))
         out["evaluation"] = {**base, **_generation_parts(s, rows, s.compute_bytes)}
     return {name: out[name] for name in PHASES if name in out}
 

@@ -45,7 +45,7 @@ from scalerl.bench.cost_model.step_projection import (
     compute_seconds,
     project_step,
 )
-from scalerl.bench.cost_model.step_traffic import StepShape, step_collectives
+from scalerl.bench.cost_model.step_traffic import Layout, StepShape, step_collectives
 from scalerl.perf.flops import datasheet_peak_flops
 from scalerl.plan.memory import EVAL_CHUNK_ROWS, PlanSetup, decode_layout_bytes, policy_counts
 
@@ -245,12 +245,16 @@ def time_copy(nbytes: int = 64 * 2**20) -> float:
     return src.numel() * 4 / max(1e-9, statistics.median(times))
 
 
+def _fsdp_collectives(collectives):
+    """FSDP's own collectives of the step: its parameters' all-gathers and its gradients' reduce-scatters."""
+    return [c for c in collectives
+            if (c.kind, c.op) in (("param", "all_gather"), ("grad", "reduce_scatter")) and c.group.size > 1]
+
+
 def fsdp_buffer_bytes(collectives) -> float:
     """The largest flat buffer FSDP allocates for one collective of the step (an all-gather's gathered unit or a
     reduce-scatter's input): the size its copies are timed at. 0 without FSDP."""
-    return max((c.payload_bytes for c in collectives
-                if (c.kind, c.op) in (("param", "all_gather"), ("grad", "reduce_scatter")) and c.group.size > 1),
-               default=0.0)
+    return max((c.payload_bytes for c in _fsdp_collectives(collectives)), default=0.0)
 
 
 def fsdp_copy_bytes(collectives) -> dict[str, float]:
@@ -258,9 +262,8 @@ def fsdp_copy_bytes(collectives) -> dict[str, float]:
     into the flat input and the gathered tensor out into the layer's parameters (1/n + 1 of the payload); each
     reduce-scatter copies the gradients into the flat input and the reduced shard out (1 + 1/n)."""
     out: dict[str, float] = {}
-    for c in collectives:
-        if (c.kind, c.op) in (("param", "all_gather"), ("grad", "reduce_scatter")) and c.group.size > 1:
-            out[c.kind] = out.get(c.kind, 0.0) + c.count * c.payload_bytes * (1 + 1 / c.group.size)
+    for c in _fsdp_collectives(collectives):
+        out[c.kind] = out.get(c.kind, 0.0) + c.count * c.payload_bytes * (1 + 1 / c.group.size)
     return out
 
 
@@ -597,8 +600,7 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
 
     busy_before = other_runnable()  # before the probes add their own
     step, _ = step_shape(s)
-    collectives = step_collectives(s.model, step, dataclasses.replace(s.layout, rollout_param_bytes=s.rollout_bytes,
-                                                                      weight_sync_ratio=1.0))
+    collectives = step_collectives(s.model, step, step_layout(s))
     copy_size = int(fsdp_buffer_bytes(collectives)) or 64 * 2**20
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
@@ -689,6 +691,11 @@ def datasheet_calibration(s: PlanSetup, device: str, link: str | None, mfu_train
 # ---------------------------------------------------------------- phase times
 
 
+def step_layout(s: PlanSetup) -> Layout:
+    """The cost model's layout of ``s``: its rollout weights in rollout.dtype, every weight sync a full one."""
+    return dataclasses.replace(s.layout, rollout_param_bytes=s.rollout_bytes, weight_sync_ratio=1.0)
+
+
 def step_shape(s: PlanSetup) -> tuple[StepShape, TokenLengths]:
     forward = int(s.old_pass) + int(s.reference) + int(s.critic)
     lengths = TokenLengths(s.prompt_len or s.prompt_width, s.response_len or s.new_tokens)
@@ -699,7 +706,7 @@ def step_shape(s: PlanSetup) -> tuple[StepShape, TokenLengths]:
     step = StepShape(rows=s.rows, prompt_len=s.prompt_width, response_len=s.new_tokens, train_width=width,
                      micro_rows=micro, mini_rows=max(1, s.mini_rows), epochs=s.epochs, forward_passes=forward,
                      pp_width=s.prompt_width + s.new_tokens, act_bytes=s.act_bytes, param_bytes=s.param_bytes,
-                     decode_waves=math.ceil(s.generated_rows / max(1, s.gen_rows)))
+                     decode_waves=math.ceil(s.generated_rows / s.decoding_at_once(s.generated_rows)))
     return step, lengths
 
 
@@ -711,8 +718,7 @@ def phase_seconds(s: PlanSetup, cal: Calibration, contention: float = 1.0) -> di
     """Seconds per phase of one trainer rank: the step's phases, and (once each time they run) checkpoint
     save and evaluation. ``other`` is the per-row host work (not probed: 0 unless calibrated)."""
     step, lengths = step_shape(s)
-    layout = dataclasses.replace(s.layout, rollout_param_bytes=s.rollout_bytes,
-                                 weight_sync_ratio=1.0)
+    layout = step_layout(s)
     estimate = project_step(s.model, step, layout, lengths, cal.rates, Links(cal.intra, cal.inter, cal.intra_ops), contention)
     out = {"generation": estimate.compute_s["gen"], "old_log_prob": 0.0, "ref_log_prob": 0.0,
            "update": estimate.compute_s["update"], "weight_sync": 0.0,
@@ -755,7 +761,7 @@ def phase_seconds(s: PlanSetup, cal: Calibration, contention: float = 1.0) -> di
     if s.eval_rows:
         chunk = min(s.eval_rows, EVAL_CHUNK_ROWS)
         eval_step = dataclasses.replace(step, rows=chunk, forward_passes=0,
-                                        decode_waves=math.ceil(chunk / min(chunk, s.max_num_seqs or chunk)))
+                                        decode_waves=math.ceil(chunk / s.decoding_at_once(chunk)))
         chunks = math.ceil(s.eval_rows / EVAL_CHUNK_ROWS)
         out["evaluation"] = chunks * compute_seconds(s.model, eval_step, layout, lengths, cal.rates, contention)["gen"]
     return out
