@@ -119,27 +119,33 @@ def _scenarios(rank: int) -> dict | None:
 
     # 3. Replies as requests finish: a long request, then a short one, answered short first. The push
     # announced before both holds the worker (in its load, which ends only with the push sent after both
-    # requests) so that neither starts before both were sent: announced between them, a trainer rank
-    # descheduled for the long one's 40 steps let it finish first (seen once in CI).
-    driver.announce_weights(version)
-    request(3, PROMPTS[:1], SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
-    request(4, PROMPTS[1:], SamplingParams(max_new_tokens=3, temperature=0.0, row_offset=1))
-    sender.sync(list(model.named_parameters()))  # version 5, the same weights
-    version += 1
-    first, second = driver.receive(1), driver.receive(1)
-    results["order"] = [(first.step, first.row_start), (second.step, second.row_start)]
-    results["short_lengths"] = first.out.response_mask.sum(-1).tolist()
+    # requests) so that neither starts before both were sent. Its inbox thread can still be descheduled past
+    # the long one's 40 steps before it has read the short one (seen twice in CI, once with the push announced
+    # between them, once before both), so the pair is sent up to three times: a worker that answers in the
+    # order it was asked fails every time.
+    for attempt in range(3):
+        step = 3 + 2 * attempt
+        driver.announce_weights(version)
+        request(step, PROMPTS[:1], SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
+        request(step + 1, PROMPTS[1:], SamplingParams(max_new_tokens=3, temperature=0.0, row_offset=1))
+        sender.sync(list(model.named_parameters()))  # the same weights
+        version += 1
+        first, second = driver.receive(1), driver.receive(1)
+        results["order"] = [(first.step - 2 * attempt, first.row_start), (second.step - 2 * attempt, second.row_start)]
+        results["short_lengths"] = first.out.response_mask.sum(-1).tolist()
+        if first.step == step + 1:
+            break
 
     # 4. No push while decoding: seeded samples of a part of a step (rows 2..4 of 6) equal the fixed batch's.
     sampled = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, row_offset=2, total_rows=6,
                              stop_token_ids=[tokenizer.eos_token_id])
-    request(5, PROMPTS, sampled)
+    request(10, PROMPTS, sampled)
     fixed = BuiltinEngine(model, pad).generate(PROMPTS, sampled)
-    streamed = driver.collect(5, 2).out
-    results["seeded"] = dict(fixed=fixed, streamed=streamed)
+    streamed = driver.collect(10, 2).out
+    results["seeded"] = dict(fixed=fixed, streamed=streamed, version=version - 1)
 
     # 5. STOP with a request still decoding: the worker drops it and returns.
-    request(6, PROMPTS, no_stop)
+    request(11, PROMPTS, no_stop)
     driver.stop()
     return results
 
@@ -203,7 +209,7 @@ def test_without_a_push_the_stream_samples_what_the_fixed_batch_samples(scenario
     assert torch.equal(streamed.prompt_ids, fixed.prompt_ids)
     assert torch.allclose(streamed.logprobs, fixed.logprobs, atol=1e-5)
     assert streamed.finish_reasons == fixed.finish_reasons
-    assert set(streamed.weight_versions[streamed.response_mask.bool()].tolist()) == {5}
+    assert set(streamed.weight_versions[streamed.response_mask.bool()].tolist()) == {scenarios["seeded"]["version"]}
 
 
 def test_vllm_start_weights_are_saved_only_after_the_checks_and_removed_if_the_engine_fails(tmp_path, monkeypatch):
