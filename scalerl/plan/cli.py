@@ -132,24 +132,27 @@ def setup_from_config(cfg: Any, cluster: Cluster, model_name: str | None = None,
         prompt_len, longest, said = _prompt_lengths(cfg, not cfg.model.path and not model_name)
         notes.append(f"mean prompt length {prompt_len:.1f} tokens: {said}"
                      + (f"; batches padded to the longest, {longest} (memory)" if longest else ""))
-    new_tokens = cfg.rollout.max_new_tokens
+    new_tokens, decode_calls = cfg.rollout.max_new_tokens, 0
     agent = cfg.rollout.agent
     if agent.env:
         # A multi-turn episode is one trajectory: its turns and the environment's answers after the prompt, up to
-        # the token budget the agent loop itself runs with
+        # the token budget the agent loop itself runs with; generation decodes the turns and prefills each answer
         from scalerl.rollout.agent.source import ENV_TOKENS_PER_TURN, agent_limits
 
         new_tokens = max(1, agent_limits(cfg).max_total_tokens - cfg.data.max_prompt_length)
+        decode_calls = min(new_tokens, agent.max_turns * (cfg.rollout.max_new_tokens + 1) - 1)
         notes.append(f"multi-turn agent (rollout.agent.env={agent.env}): each episode planned at its token budget, "
                      f"{new_tokens} positions after the prompt ("
                      + ("rollout.agent.max_total_tokens" if agent.max_total_tokens else
                         f"rollout.agent.max_turns={agent.max_turns} x (rollout.max_new_tokens="
                         f"{cfg.rollout.max_new_tokens} + {ENV_TOKENS_PER_TURN} per environment answer)")
-                     + "), every one decoded (the environment's answers are prefilled: fewer decode steps); the "
-                       "tools' time is not counted (scalerl doctor's tool-latency leaf measures it)")
+                     + f"), in at most {decode_calls} forward calls (each turn decoded, each environment answer "
+                       "prefilled in one); the tools' time is not counted (scalerl doctor's tool-latency leaf "
+                       "measures it)")
     if response_len is None:
         notes.append(f"every response taken to run to {new_tokens} new tokens "
-                     "(decode steps; give --response-len for a mean)")
+                     + ("(training width; give --response-len for a mean trajectory)" if decode_calls else
+                        "(decode steps; give --response-len for a mean)"))
     setup = PlanSetup(
         model=model, layout=layout, rows=rows, prompt_width=cfg.data.max_prompt_length,
         new_tokens=new_tokens, micro_rows=min(cfg.actor.ppo_micro_batch_size, rows),
@@ -166,7 +169,8 @@ def setup_from_config(cfg: Any, cluster: Cluster, model_name: str | None = None,
         bucket_bytes=int(cfg.weight_sync.bucket_mb * MIB), max_num_seqs=cfg.rollout.max_num_seqs,
         eval_rows=math.ceil(cfg.data.num_val * cfg.trainer.val_n / dp),
         export_bytes=param_bytes if cfg.trainer.export_dtype == "source" else DTYPE_BYTES[cfg.trainer.export_dtype],
-        device=cluster.device, longest_prompt=longest, staleness=cfg.rollout.staleness if standalone else 0)
+        device=cluster.device, longest_prompt=longest, staleness=cfg.rollout.staleness if standalone else 0,
+        decode_calls=decode_calls)
     return setup, notes
 
 

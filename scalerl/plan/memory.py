@@ -53,7 +53,7 @@ class PlanSetup:
     layout: Layout  # the trainer ranks' mesh, rollout workers, ranks per node
     rows: int  # sequences each trainer DP rank generates and trains on per step
     prompt_width: int  # data.max_prompt_length: the widest a prompt may be (pipeline stages pad to it)
-    new_tokens: int  # rollout.max_new_tokens
+    new_tokens: int  # rollout.max_new_tokens; a multi-turn agent's episode budget after the prompt
     micro_rows: int
     mini_rows: int  # sequences per optimizer step on this rank
     prompt_len: float = 0.0  # mean real prompt length (time); 0 = prompt_width
@@ -81,6 +81,9 @@ class PlanSetup:
     device: str = "cpu"
     longest_prompt: int = 0  # the longest prompt of the run's data, when known (0: prompt_width)
     staleness: int = 0  # rollout.staleness with standalone workers: generation overlaps the trainer's work
+    # forward calls a row's generation takes at most, when fewer than new_tokens: a multi-turn agent decodes its
+    # turns (max_turns x rollout.max_new_tokens) and prefills each environment answer in one call (0 = new_tokens)
+    decode_calls: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -106,6 +109,10 @@ class PlanSetup:
         if self.longest_prompt and self.layout.pp == 1:
             return min(self.prompt_width, self.longest_prompt)
         return self.prompt_width
+
+    @property
+    def decode_steps(self) -> int:
+        return min(self.decode_calls or self.new_tokens, self.new_tokens)
 
     @property
     def train_width(self) -> int:

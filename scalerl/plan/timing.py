@@ -703,7 +703,7 @@ def step_shape(s: PlanSetup) -> tuple[StepShape, TokenLengths]:
     micro = s.micro_rows
     if s.micro_max_tokens:
         micro = max(1, min(micro, int(s.micro_max_tokens // max(1.0, width))))
-    step = StepShape(rows=s.rows, prompt_len=s.prompt_width, response_len=s.new_tokens, train_width=width,
+    step = StepShape(rows=s.rows, prompt_len=s.prompt_width, response_len=s.decode_steps, train_width=width,
                      micro_rows=micro, mini_rows=max(1, s.mini_rows), epochs=s.epochs, forward_passes=forward,
                      pp_width=s.prompt_width + s.new_tokens, act_bytes=s.act_bytes, param_bytes=s.param_bytes,
                      decode_waves=math.ceil(s.generated_rows / s.decoding_at_once(s.generated_rows)))

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from scalerl.core.config import load_config
 from scalerl.plan.cli import (
     Cluster,
@@ -123,6 +125,7 @@ def test_a_rank_under_the_layout_holds_the_runtime_its_layout_run_measured(monke
 def test_a_multi_turn_agent_is_planned_at_its_episodes_token_budget():
     """An agent run's trajectory is its turns and the environment's answers after the prompt: the plan widens
     the response to the loop's budget (or rollout.agent.max_total_tokens) and says so, tools' time aside."""
+    from scalerl.plan import timing
     from scalerl.plan.cli import setup_from_config
     from scalerl.plan.memory import phase_parts
 
@@ -132,9 +135,20 @@ def test_a_multi_turn_agent_is_planned_at_its_episodes_token_budget():
     cfg = load_config(None, tiny_overrides(*agent, "rollout.agent.max_turns=3"))
     setup, notes = setup_from_config(cfg, Cluster(1, 1, "cpu"))
     assert setup.new_tokens == 3 * (cfg.rollout.max_new_tokens + 64) > plain.new_tokens
-    assert any("multi-turn agent (rollout.agent.env=tools)" in n and "tools' time is not counted" in n
-               for n in notes), notes
+    # generation decodes the three turns and prefills each of the two answers in a call, not the whole budget
+    decode = 3 * cfg.rollout.max_new_tokens + 2
+    assert setup.decode_steps == decode and f"in at most {decode} forward calls" in " ".join(notes)
+    # a decode step's fixed cost only: generation's time is the forward calls it makes
+    rates = timing.ComputeRates(float("inf"), float("inf"), float("inf"), 0.0, gen_step_s=0.05)
+    cal = timing.Calibration(rates, 0.0, 0.0, timing.LinkCost(0.0, float("inf"), "none"),
+                             timing.LinkCost(0.0, float("inf"), "none"))
+    gen = timing.phase_seconds(setup, cal)["generation"]
+    whole_budget = timing.phase_seconds(setup.replace(decode_calls=0), cal)["generation"]
+    assert gen == pytest.approx(whole_budget * decode / setup.new_tokens)
     assert phase_parts(setup)["generation"]["kv_cache"] > phase_parts(plain)["generation"]["kv_cache"]
-    capped, _ = setup_from_config(load_config(None, tiny_overrides(*agent, "rollout.agent.max_total_tokens=200")),
-                                  Cluster(1, 1, "cpu"))
-    assert capped.new_tokens == 200 - cfg.data.max_prompt_length
+    for budget in (200, cfg.data.max_prompt_length + 20):  # above the turns' decode calls, then below
+        capped, _ = setup_from_config(load_config(None, tiny_overrides(*agent, "rollout.agent.max_turns=3",
+                                                                       f"rollout.agent.max_total_tokens={budget}")),
+                                      Cluster(1, 1, "cpu"))
+        assert capped.new_tokens == budget - cfg.data.max_prompt_length
+        assert capped.decode_steps == min(capped.new_tokens, decode)

@@ -141,8 +141,9 @@ def compute_seconds(model: ModelConfig, step: StepShape, layout: Layout, lengths
     train_calls = step.optimizer_steps * step.pp_microbatches / layout.pp if layout.pp > 1 else step.micro_batches
     forward_calls = step.forward_passes * math.ceil(step.rows / step.micro_rows)
     # one round runs to its longest response; over several (rollout.max_num_seqs), a finished row's slot takes the
-    # next row, so the rounds before the last cost the mean response each
-    decode_steps = step.response_len + (step.decode_waves - 1) * lengths.response
+    # next row, so the rounds before the last cost the mean response each (no more than the longest: an agent's
+    # mean trajectory holds the environment's answers, prefilled, beside its decoded turns)
+    decode_steps = step.response_len + (step.decode_waves - 1) * min(lengths.response, step.response_len)
     seconds = {
         "gen": decode_steps * rates.gen_step_s + flops["gen"] / rates.gen_flops_per_s,
         "forward": forward_calls * rates.forward_call_s + flops["forward"] / rates.forward_flops_per_s,
