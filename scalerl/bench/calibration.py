@@ -161,14 +161,19 @@ def link_key(nodes: int, rate_mbit: float) -> str:
     return f"{nodes}nodes@{rate_mbit:g}Mbit"
 
 
-def doctor_link(doctor: dict[str, Any]) -> LinkCost:
-    """The inter-node link fitted to a `scalerl doctor --distributed-check` report's inter-node sweep."""
+def doctor_link(doctor: dict[str, Any], scope: str = "inter-node", backend: str = "gloo") -> LinkCost:
+    """The link fitted to a `scalerl doctor --distributed-check` report's all-reduce sweep of ``scope``
+    (``inter-node``: between the nodes' first ranks; ``intra-node``: inside a node, the slowest node's)."""
     sweeps = (doctor or {}).get("measurements", {}).get("bandwidth", {}).get("sweeps", [])
-    inter = next((s for s in sweeps if s.get("scope") == "inter-node"), None)
-    if inter is None:
-        raise ValueError("the doctor report has no inter-node all-reduce sweep (run it on 2+ nodes with "
-                         "--distributed-check)")
-    sizes = [r["size"] for r in inter["results"]]
-    seconds = [r["time_s"] for r in inter["results"]]
-    p = len(inter.get("ranks", [])) or 2
-    return fit_link(sizes, seconds, "all_reduce", p, source=f"measured: scalerl doctor inter-node sweep, {p} nodes")
+    fitted = []
+    for sweep in sweeps:
+        if sweep.get("scope") != scope or len(sweep.get("ranks", [])) < 2 or len(sweep.get("results", [])) < 2:
+            continue
+        p = len(sweep["ranks"])
+        where = f"{p} nodes" if scope == "inter-node" else f"{p} ranks on {sweep.get('node', 'one node')}"
+        fitted.append(fit_link([r["size"] for r in sweep["results"]], [r["time_s"] for r in sweep["results"]],
+                               "all_reduce", p, backend, source=f"measured: scalerl doctor {scope} sweep, {where}"))
+    if not fitted:
+        raise ValueError(f"the doctor report has no {scope} all-reduce sweep of two or more ranks (run scalerl doctor "
+                         f"--distributed-check --json on {'2+ nodes' if scope == 'inter-node' else 'a node of 2+ ranks'})")
+    return min(fitted, key=lambda link: link.bytes_per_s)

@@ -28,17 +28,23 @@ examples:
   scalerl plan run.yaml --devices-per-node 2 parallel.dp_shard=2
   scalerl plan run.yaml --model qwen2.5-7b --nodes 1 --devices-per-node 8 --device h100
   scalerl plan run.yaml --memory-gb 0.5 --json plan.json      # a tighter budget per rank
+  scalerl plan run.yaml --model qwen2.5-7b --doctor doctor.json  # the cluster a doctor report measured
 """
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = "%(prog)s [CONFIG.yaml] [key=value ...] [options]"
     parser.add_argument("config_args", nargs="*", metavar="CONFIG.yaml | key=value")
-    parser.add_argument("--nodes", type=int, default=1, metavar="N")
-    parser.add_argument("--devices-per-node", type=int, default=1, metavar="G",
-                        help="ranks per node (GPUs; on the CPU: processes) (1)")
-    parser.add_argument("--device", default="cpu", metavar="NAME",
-                        help="cpu (calibrated here) | h100 | h200 | a100 | ... (datasheets) (cpu)")
+    parser.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes (1; or the --doctor report's)")
+    parser.add_argument("--devices-per-node", type=int, default=None, metavar="G",
+                        help="ranks per node (GPUs; on the CPU: processes) (1; or the --doctor report's)")
+    parser.add_argument("--device", default=None, metavar="NAME",
+                        help="cpu (calibrated here) | h100 | h200 | a100 | ... (datasheets) (cpu; or the --doctor "
+                             "report's GPU)")
+    parser.add_argument("--doctor", metavar="REPORT.json", default=None,
+                        help="a `scalerl doctor --distributed-check [--performance-profiling] --json` report of the "
+                             "cluster: its shape, GPU and memory, links (its all-reduce sweeps), checkpoint write "
+                             "speed and profiled update MFU in place of the datasheet's")
     parser.add_argument("--link", default=None, metavar="PRESET",
                         help="inter-node link for a GPU cluster: ib-ndr | ib-hdr | 100gbe | 25gbe (ib-ndr)")
     parser.add_argument("--model", default=None, metavar="NAME",

@@ -410,9 +410,12 @@ def calibrate_layout(cfg: Any, cluster: Cluster, setup: PlanSetup, calibration: 
 def make_plan(cfg: Any, cluster: Cluster, *, config_path: str | None = None, overrides: list[str] | None = None,
               model_name: str | None = None, prompt_len: float | None = None, response_len: float | None = None,
               mfu_train: float | None = None, mfu_gen: float | None = None, disk_bytes_per_s: float | None = None,
-              calibration: Any = None, recommend: bool = True, widths: dict[str, int] | None = None) -> Plan:
+              calibration: Any = None, recommend: bool = True, widths: dict[str, int] | None = None,
+              doctor: Any = None) -> Plan:
     """The plan of ``cfg`` on ``cluster``. ``widths`` (``prompt_width``, ``new_tokens``) replace the config's
-    lengths for a named model, whose positions the built-in model's config check does not know."""
+    lengths for a named model, whose positions the built-in model's config check does not know. ``doctor``
+    (`timing.DoctorMeasured`): a doctor report's measurements of the cluster, in place of the datasheet's
+    links, disk speed and update MFU (a stored ``calibration`` is used as it is)."""
     from scalerl.plan import timing
 
     setup, notes = setup_from_config(cfg, cluster, model_name, prompt_len, response_len)
@@ -433,8 +436,14 @@ def make_plan(cfg: Any, cluster: Cluster, *, config_path: str | None = None, ove
             calibration = timing.calibrate_cpu(setup, config_path, list(overrides or []), threads, cfg.trainer.output_dir)
         setup = setup.replace(runtime_bytes=calibration.runtime_bytes)
     elif calibration is None:
-        disk = disk_bytes_per_s or timing.disk_write_speed(cfg.trainer.output_dir)
-        calibration = timing.datasheet_calibration(setup, cluster.device, cluster.link, mfu_train, mfu_gen, disk)
+        disk = disk_bytes_per_s or (doctor and doctor.disk_bytes_per_s) or timing.disk_write_speed(cfg.trainer.output_dir)
+        profiled = not mfu_train and doctor is not None and doctor.mfu_train
+        calibration = timing.datasheet_calibration(setup, cluster.device, cluster.link,
+                                                   doctor.mfu_train if profiled else mfu_train, mfu_gen, disk,
+                                                   mfu_train_said="measured by the doctor's profile" if profiled else "")
+    if doctor is not None and calibrated_here:  # what the doctor measured, unless given here
+        gpu = cluster.device != "cpu"
+        doctor.apply(calibration, intra=gpu, inter=gpu and not cluster.link, disk=not disk_bytes_per_s)
     if disk_bytes_per_s:
         calibration.disk_bytes_per_s = disk_bytes_per_s
     capacity = cluster.capacity_bytes()
@@ -521,7 +530,7 @@ def render(plan: Plan, out=None) -> None:
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
-    from scalerl.plan.timing import Calibration
+    from scalerl.plan import timing
 
     try:
         path, overrides = split_config_args(list(args.config_args))
@@ -531,18 +540,27 @@ def run_plan_command(args: argparse.Namespace) -> int:
             widths = {keys[o.split("=", 1)[0]]: int(o.split("=", 1)[1]) for o in overrides if o.split("=", 1)[0] in keys}
             overrides = [o for o in overrides if o.split("=", 1)[0] not in keys]
         cfg = load_config(path, overrides)
-        if args.nodes < 1 or args.devices_per_node < 1:
+        doctor = timing.DoctorMeasured.read(args.doctor) if args.doctor else None
+        measured = vars(doctor) if doctor else {}  # the report's cluster, where not given here
+        nodes = args.nodes if args.nodes is not None else measured.get("nodes", 1)
+        per_node = args.devices_per_node if args.devices_per_node is not None else measured.get("devices_per_node", 1)
+        device = args.device or measured.get("device", "cpu")
+        memory_gb = args.memory_gb if args.memory_gb is not None else (
+            measured.get("memory_gb") if device == measured.get("device") else None)  # the report's device's
+        if nodes < 1 or per_node < 1:
             raise ConfigError("--nodes and --devices-per-node must be >= 1")
-        if args.device == "cpu" and args.nodes > 1:
-            raise ConfigError("--device cpu plans this machine: --nodes 1 (name a GPU to project a cluster)")
+        if device == "cpu" and nodes > 1:
+            raise ConfigError(f"--device cpu plans this machine: --nodes 1 (the {nodes} nodes "
+                              + (f"of {args.doctor}" if doctor and args.nodes is None else "given")
+                              + " need a GPU named to project a cluster: --device h100 ...)")
         calibration = None
         if args.calibration:
-            calibration = Calibration.from_dict(json.loads(Path(args.calibration).read_text())["calibration"])
-        plan = make_plan(cfg, Cluster(args.nodes, args.devices_per_node, args.device, args.memory_gb, args.link),
+            calibration = timing.Calibration.from_dict(json.loads(Path(args.calibration).read_text())["calibration"])
+        plan = make_plan(cfg, Cluster(nodes, per_node, device, memory_gb, args.link),
                          config_path=path, overrides=overrides, model_name=args.model, prompt_len=args.prompt_len,
                          response_len=args.response_len, mfu_train=args.mfu_train, mfu_gen=args.mfu_gen,
                          disk_bytes_per_s=args.disk_gb_per_s * 1e9 if args.disk_gb_per_s else None,
-                         calibration=calibration, recommend=not args.no_recommend, widths=widths)
+                         calibration=calibration, recommend=not args.no_recommend, widths=widths, doctor=doctor)
     except (ConfigError, KeyError, ValueError) as e:
         print(f"scalerl plan: {e}", file=sys.stderr)
         return 2

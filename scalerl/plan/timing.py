@@ -21,6 +21,10 @@ Where the rates come from:
 - a GPU (h100, h200, a100, ...): the datasheet's bf16 peak (`scalerl.perf.flops`) at an assumed MFU (stated,
   ``--mfu-train`` / ``--mfu-gen``), each decode step and AdamW step bounded by reading the weights at the
   datasheet's HBM bandwidth, and nominal links (`LINK_PRESETS`). Every such number is labelled assumed.
+- ``--doctor REPORT.json`` (`DoctorMeasured`): what `scalerl doctor` measured on the cluster itself replaces
+  the datasheet's guesses where it has them: the cluster's shape, GPU and memory, the links fitted to its
+  intra- and inter-node all-reduce sweeps, the checkpoint directory's write speed, and with a
+  ``--performance-profiling`` report the update's achieved MFU.
 """
 
 from __future__ import annotations
@@ -660,7 +664,9 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
 
 
 def datasheet_calibration(s: PlanSetup, device: str, link: str | None, mfu_train: float | None,
-                          mfu_gen: float | None, disk_bytes_per_s: float) -> Calibration:
+                          mfu_gen: float | None, disk_bytes_per_s: float, mfu_train_said: str = "") -> Calibration:
+    """Rates from ``device``'s datasheet at an MFU given, measured (``mfu_train_said`` says where: a doctor
+    report's profile) or assumed."""
     import torch
 
     name = device.lower()
@@ -674,8 +680,8 @@ def datasheet_calibration(s: PlanSetup, device: str, link: str | None, mfu_train
     rates = ComputeRates(gen_flops_per_s=peak * gen, train_flops_per_s=peak * train, forward_flops_per_s=peak * train,
                          other_s_per_row=0.0, gen_step_s=weights / hbm,
                          source=f"datasheet: {device.upper()} {'bf16' if s.compute_bytes == 2 else 'fp32'} peak "
-                                f"{peak / 1e12:.0f} TFLOP/s x MFU {train:g} (train, assumed) / {gen:g} (generation, "
-                                f"assumed), each decode step reading the weights at {hbm / 1e12:.2f} TB/s (HBM datasheet)")
+                                f"{peak / 1e12:.0f} TFLOP/s x MFU {train:g} (train, {mfu_train_said or ('given' if mfu_train else 'assumed')}) / {gen:g} (generation, "
+                                f"{'given' if mfu_gen else 'assumed'}), each decode step reading the weights at {hbm / 1e12:.2f} TB/s (HBM datasheet)")
     intra = LINK_PRESETS[NVLINK.get(name[:4], "pcie5")]
     inter = LINK_PRESETS[link or "ib-ndr"]
     notes = [f"intra-node: {intra.source}", f"inter-node: {inter.source}",
@@ -686,6 +692,104 @@ def datasheet_calibration(s: PlanSetup, device: str, link: str | None, mfu_train
                  "(a copy reads and writes)")
     return Calibration(rates, ADAM_BYTES_PER_PARAM / hbm, disk_bytes_per_s, intra, inter, 0.0, 0,
                        source=rates.source, notes=notes, copy_bytes_per_s=hbm / 2)
+
+
+# ---------------------------------------------------------------- calibration: a doctor report of the cluster
+
+
+DOCTOR_SCHEMA = "scalerl.doctor/1"
+
+
+def datasheet_device(gpu_name: str, memory_gb: float) -> str | None:
+    """The datasheet key (`HBM_BYTES_PER_S`) of a GPU as torch names it ("NVIDIA H100 80GB HBM3"), or None."""
+    name = gpu_name.upper().replace(" ", "")
+    for key in ("h200", "h100", "a100", "l40s", "mi300x"):
+        if key.upper() in name:
+            return "a100-40gb" if key == "a100" and memory_gb < 50 else key
+    return None
+
+
+@dataclass
+class DoctorMeasured:
+    """What a `scalerl doctor --json` report measured on the cluster a plan is for (None: not in the report)."""
+
+    source: str
+    nodes: int
+    devices_per_node: int
+    device: str  # a datasheet key ("h100") or "cpu"
+    memory_gb: float | None  # per device (a GPU's; a CPU node's memory over its ranks)
+    intra: LinkCost | None
+    inter: LinkCost | None
+    disk_bytes_per_s: float | None  # the checkpoint directory's write speed, the slowest node's
+    mfu_train: float | None  # the profiled update's achieved MFU (with --performance-profiling)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def read(cls, path: str) -> DoctorMeasured:
+        import json
+
+        from scalerl.bench.calibration import doctor_link
+
+        how = f"write one with `scalerl doctor --distributed-check --json {path}` on the cluster"
+        try:
+            report = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--doctor {path}: cannot read it as JSON ({e}); {how}") from e
+        if not isinstance(report, dict) or report.get("schema") != DOCTOR_SCHEMA:
+            got = report.get("schema") if isinstance(report, dict) else type(report).__name__
+            raise ValueError(f"--doctor {path}: not a scalerl doctor report (schema {got!r}, expected "
+                             f"{DOCTOR_SCHEMA!r}); {how}")
+        world, facts = report.get("world") or {}, report.get("ranks") or []
+        if not facts:
+            raise ValueError(f"--doctor {path}: the report holds no rank's facts; {how}")
+        nodes = world.get("nodes") or {"": list(range(int(world.get("world_size") or len(facts))))}
+        per_node = max(len(ranks) for ranks in nodes.values())
+        gpus = [g for f in facts for g in f.get("gpus") or []]
+        notes, device, memory_gb = [], "cpu", None
+        if gpus:
+            memory_gb = min(float(g["memory_gb"]) for g in gpus)
+            device = datasheet_device(str(gpus[0]["name"]), memory_gb)
+            if device is None:
+                raise ValueError(f"--doctor {path}: no datasheet for its GPU {gpus[0]['name']!r} (known: "
+                                 f"{', '.join(HBM_BYTES_PER_S)}); give --device and --memory-gb")
+        else:
+            totals = [float(f["memory"]["total_gb"]) for f in facts if (f.get("memory") or {}).get("total_gb")]
+            memory_gb = min(totals) / per_node if totals else None
+        backend = "nccl" if gpus else "gloo"
+        links = {}
+        for scope in ("intra-node", "inter-node"):
+            try:
+                links[scope] = doctor_link(report, scope, backend)
+            except ValueError as e:
+                links[scope] = None
+                notes.append(f"doctor report: {e}")
+        speeds = [p["write_bytes_per_s"] for f in facts for p in f.get("paths") or []
+                  if p.get("role") == "checkpoint" and p.get("write_bytes_per_s")]
+        profile = report.get("measurements", {}).get("profile") or {}
+        if not speeds and (profile.get("context") or {}).get("write_bytes_per_s"):
+            speeds = [profile["context"]["write_bytes_per_s"]]
+        mfu = (profile.get("metrics") or {}).get("perf/mfu/update") if gpus else None
+        source = (f"scalerl doctor report {path} ({report.get('created', 'undated')}: {sum(map(len, nodes.values()))} "
+                  f"rank(s) on {len(nodes)} node(s)" + (f", {gpus[0]['name']}" if gpus else ", CPU") + ")")
+        return cls(source, len(nodes), per_node, device, memory_gb, links["intra-node"], links["inter-node"],
+                   min(speeds) if speeds else None, float(mfu) if mfu else None, notes)
+
+    def apply(self, cal: Calibration, intra: bool, inter: bool, disk: bool) -> None:
+        """Its measurements in place of ``cal``'s where asked (a CPU plan fits each op on this machine's loopback
+        itself; a link or disk speed given on the command line stays), each said in the calibration's notes."""
+        said, replaced = [f"calibrated from {self.source}"], []
+        for scope, field_name, wanted, link in (("intra-node", "intra", intra, self.intra),
+                                                ("inter-node", "inter", inter, self.inter)):
+            if wanted and link is not None:
+                setattr(cal, field_name, link)
+                said.append(f"{scope}: {link.source} ({link.bytes_per_s / 1e9:.2f} GB/s, {link.alpha_s * 1e6:.0f} us)")
+                replaced.append(f"{scope}:")
+        if disk and self.disk_bytes_per_s:
+            cal.disk_bytes_per_s = self.disk_bytes_per_s
+            said.append(f"checkpoint writes at {self.disk_bytes_per_s / 1e9:.2f} GB/s per node (measured by the doctor)")
+            replaced.append("checkpoint writes")
+        cal.notes = said[1:] + [n for n in cal.notes if not n.startswith(tuple(replaced))] + self.notes
+        cal.source = f"{cal.source}; {said[0]}"
 
 
 # ---------------------------------------------------------------- phase times

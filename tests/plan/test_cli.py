@@ -62,6 +62,76 @@ def test_the_command_writes_json_and_exits_1_when_a_phase_does_not_fit(tmp_path,
     assert "--nodes 1" in capsys.readouterr().err
 
 
+def _doctor_report(tmp_path: Path, gpu: str | None = "NVIDIA H100 80GB HBM3", mfu: float | None = 0.41) -> Path:
+    """A doctor report of 2 nodes x 2 ranks (tests/health's recorded healthy world: 5 GB/s busbw inside a node,
+    ~1.06 GB/s between them), each rank with ``gpu`` (79.1 GiB) or none, the checkpoint directory written at
+    1.5 GB/s, and with ``mfu`` a profile whose update reached it."""
+    from scalerl.doctor.report import DoctorReport
+    from tests.health.recorded_measurements import healthy_cluster_measurements, healthy_facts
+
+    facts, measured = healthy_facts(nodes=2), healthy_cluster_measurements()
+    for f in facts:
+        f["gpus"] = [{"index": 0, "name": gpu, "memory_gb": 79.1}] if gpu else []
+        for path in f["paths"]:
+            path["write_bytes_per_s"] = 1.5e9 if path["role"] == "checkpoint" else 9e9
+    if mfu is not None:
+        measured["profile"] = {"metrics": {"perf/mfu/update": mfu}, "context": {}}
+    world = {"world_size": 4, "joined": [0, 1, 2, 3], "missing": [], "launcher": "torchrun",
+             "nodes": {"node0": [0, 1], "node1": [2, 3]}}
+    path = tmp_path / "doctor.json"
+    path.write_text(json.dumps(DoctorReport(["distributed-check"], [], facts, measured, world).to_json()))
+    return path
+
+
+def test_a_doctor_report_of_the_cluster_replaces_the_datasheets_guesses(tmp_path, capsys):
+    """`--doctor REPORT.json`: the cluster's shape, GPU and memory from the report, its links fitted to the
+    report's all-reduce sweeps, its checkpoint write speed and profiled update MFU; flags given still win."""
+    from scalerl.bench.calibration import doctor_link
+    from scalerl.plan.timing import DoctorMeasured
+
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    report = _doctor_report(tmp_path)
+    cfg = ["parallel.dp_replicate=1", "parallel.dp_shard=-1", "trainer.precision=bf16", "--model", "qwen2.5-7b", "--no-recommend"]
+
+    def plan(*flags: str) -> dict:
+        out = tmp_path / "plan.json"
+        assert run_plan_command(parser.parse_args([*cfg, *flags, "--json", str(out)])) in (0, 1)
+        return json.loads(out.read_text())
+
+    measured = plan("--doctor", str(report))
+    assert measured["cluster"] == {"nodes": 2, "devices_per_node": 2, "device": "h100", "memory_gb": 79.1, "link": None}
+    document = json.loads(report.read_text())
+    cal = measured["calibration"]
+    assert cal["intra"]["bytes_per_s"] == pytest.approx(doctor_link(document, "intra-node", "nccl").bytes_per_s)
+    assert cal["inter"]["bytes_per_s"] == pytest.approx(doctor_link(document, "inter-node", "nccl").bytes_per_s)
+    assert cal["inter"]["bytes_per_s"] < 2e9 and "inter-node sweep, 2 nodes" in cal["inter"]["source"]
+    assert cal["disk_bytes_per_s"] == 1.5e9  # the checkpoint directory's, not the output's
+    assert "MFU 0.41 (train, measured by the doctor's profile)" in cal["source"] and str(report) in cal["source"]
+    assert "; calibrated from scalerl doctor report" in cal["source"]
+    assert any(n.startswith("checkpoint writes at 1.50 GB/s per node (measured by the doctor)") for n in cal["notes"])
+    # the same cluster from the datasheets (InfiniBand NDR between the nodes, 0.35 MFU): the doctor's slow
+    # Ethernet makes the sharded update slower, its higher MFU the compute faster
+    nominal = plan("--nodes", "2", "--devices-per-node", "2", "--device", "h100", "--disk-gb-per-s", "1.5")
+    assert measured["seconds"]["update"] != pytest.approx(nominal["seconds"]["update"], rel=0.01)
+    assert "datasheet" in nominal["calibration"]["source"] and "doctor" not in nominal["calibration"]["source"]
+    # flags given on the command line win over the report
+    given = plan("--doctor", str(report), "--devices-per-node", "8", "--link", "ib-ndr", "--mfu-train", "0.3")
+    assert given["cluster"]["devices_per_node"] == 8 and given["cluster"]["nodes"] == 2
+    assert given["calibration"]["inter"]["bytes_per_s"] == pytest.approx(50e9)
+    assert "MFU 0.3 (train, given)" in given["calibration"]["source"]
+    # a CPU cluster's report: its ranks per node and memory over them; its links stay this machine's own fits
+    cpu = DoctorMeasured.read(str(_doctor_report(tmp_path, gpu=None, mfu=None)))
+    assert (cpu.device, cpu.nodes, cpu.devices_per_node, cpu.memory_gb, cpu.mfu_train) == ("cpu", 2, 2, 32.0, None)
+    assert run_plan_command(parser.parse_args(["--doctor", str(tmp_path / "doctor.json")])) == 2
+    assert "the 2 nodes of" in capsys.readouterr().err
+    # not a doctor report: the file and the command that writes one
+    (tmp_path / "plan.json").write_text(json.dumps({"schema": "scalerl.plan/1"}))
+    assert run_plan_command(parser.parse_args(["--doctor", str(tmp_path / "plan.json")])) == 2
+    err = capsys.readouterr().err
+    assert "not a scalerl doctor report (schema 'scalerl.plan/1'" in err and "scalerl doctor --distributed-check" in err
+
+
 def test_prediction_against_a_measured_tiny_run(tmp_path):
     overrides = tiny_overrides("trainer.total_steps=3", "trainer.cpu_threads=1", f"trainer.output_dir={tmp_path}")
     cfg = load_config(None, overrides)
