@@ -345,6 +345,8 @@ class Plan:
     unfit: tuple[str, float] | None = None
     fix: tuple[str, str] | None = None
     advice: list[tuple[str, str]] = field(default_factory=list)
+    # the update with activation checkpointing off and on: {"off"|"on": {activations_gb, peak_gb, seconds}}
+    checkpointing: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         from scalerl.plan.timing import step_seconds
@@ -367,6 +369,7 @@ class Plan:
                                                             "fix": self.fix[0] if self.fix else None,
                                                             "why": self.fix[1] if self.fix else None},
             "recommendations": [{"setting": a, "why": b} for a, b in self.advice],
+            "update_activation_checkpointing": self.checkpointing,
             "calibration": self.calibration.to_dict(), "notes": self.notes,
         }
 
@@ -463,6 +466,13 @@ def make_plan(cfg: Any, cluster: Cluster, *, config_path: str | None = None, ove
     memory = phase_parts(setup)
     plan = Plan(setup, cluster, capacity, memory, seconds, worker_parts(setup) if setup.standalone else None,
                 host_parts(setup, cluster.device != "cpu"), calibration, notes)
+    for on in (False, True):  # the update both ways, whichever the config chose
+        other = setup.replace(activation_checkpointing=on)
+        update = phase_parts(other)["update"] if on != setup.activation_checkpointing else memory["update"]
+        seconds_ = timing.phase_seconds(other, calibration, contention) if on != setup.activation_checkpointing \
+            else seconds
+        plan.checkpointing["on" if on else "off"] = {"activations_gb": update["activations"] / GIB,
+                                                      "peak_gb": total(update) / GIB, "seconds": seconds_["update"]}
     plan.unfit = first_unfit(setup, capacity)
     if plan.unfit:
         plan.fix = find_fix(setup, capacity, plan.unfit[0])
@@ -513,6 +523,13 @@ def render(plan: Plan, out=None) -> None:
         w("  per rollout worker: " + ", ".join(f"{k} {_gb(v)}" for k, v in plan.worker_memory.items())
           + f" = {_gb(total(plan.worker_memory))} GiB\n")
     w("  host RAM per node (GiB): " + ", ".join(f"{k} {_gb(v)}" for k, v in plan.host.items()) + "\n")
+    if plan.checkpointing:
+        now, other = ("on", "off") if s.activation_checkpointing else ("off", "on")
+        a, b = plan.checkpointing[now], plan.checkpointing[other]
+        w(f"  update with activation checkpointing {now} (as configured): activations {a['activations_gb']:.3g} GiB, "
+          f"peak {a['peak_gb']:.3g} GiB, {a['seconds']:.3g} s; with model.activation_checkpointing="
+          f"{'false' if now == 'on' else 'true'}: activations {b['activations_gb']:.3g} GiB, peak {b['peak_gb']:.3g} "
+          f"GiB, {b['seconds']:.3g} s (checkpointing recomputes each micro-batch's forward in its backward)\n")
     if plan.unfit:
         phase, peak = plan.unfit
         w(f"\n  DOES NOT FIT: {phase} needs {_gb(peak)} GiB of {plan.capacity_bytes / GIB:.1f} GiB per rank\n")

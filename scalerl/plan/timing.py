@@ -827,6 +827,9 @@ def phase_seconds(s: PlanSetup, cal: Calibration, contention: float = 1.0) -> di
     out = {"generation": estimate.compute_s["gen"], "old_log_prob": 0.0, "ref_log_prob": 0.0,
            "update": estimate.compute_s["update"], "weight_sync": 0.0,
            "other": estimate.compute_s["other"] + cal.host_step_s * max(1.0, contention)}
+    if s.activation_checkpointing:  # each micro-batch's forward runs again inside its backward (the probe's does not)
+        again = dataclasses.replace(step, forward_passes=step.epochs)
+        out["update"] += compute_seconds(s.model, again, layout, lengths, cal.rates, contention)["forward"]
     passes = int(s.old_pass) + int(s.reference) + int(s.critic)
     if passes:
         each = estimate.compute_s["forward"] / passes

@@ -47,6 +47,13 @@ def test_a_7b_projection_to_8_gpus_gives_every_phase():
     text = io.StringIO()
     render(plan, text)
     assert "DOES NOT FIT" in text.getvalue() and "fix:" in text.getvalue()
+    # the update both ways: checkpointing keeps each layer's input only and pays the forward again
+    off, on = plan.checkpointing["off"], plan.checkpointing["on"]
+    assert off["activations_gb"] == pytest.approx(plan.memory["update"]["activations"] / 2**30)
+    assert on["activations_gb"] < off["activations_gb"] / 4 and on["peak_gb"] < off["peak_gb"]
+    assert on["seconds"] > off["seconds"] == plan.seconds["update"]
+    assert "with model.activation_checkpointing=true: activations" in text.getvalue()
+    assert plan.to_dict()["update_activation_checkpointing"] == plan.checkpointing
 
 
 def test_the_command_writes_json_and_exits_1_when_a_phase_does_not_fit(tmp_path, capsys):

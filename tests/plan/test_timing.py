@@ -40,6 +40,17 @@ def test_async_generation_is_hidden_behind_the_trainers_work():
     assert step_seconds(sync) == pytest.approx(8 * 0.05 + trainer)
 
 
+def test_activation_checkpointing_pays_each_micro_batchs_forward_again_in_the_update():
+    setup = PlanSetup(model=tiny_model_config(), layout=Layout(), rows=16, prompt_width=16, new_tokens=8,
+                      micro_rows=4, mini_rows=16, epochs=2)
+    cal = Calibration(RATES, 0.0, 0.0, LINK, LINK)
+    plain = phase_seconds(setup, cal)
+    recomputed = phase_seconds(setup.replace(activation_checkpointing=True), cal)
+    assert plain["update"] == pytest.approx(2 * 4 * 0.02)  # 2 epochs x 4 micro-batches x a training call
+    assert recomputed["update"] == pytest.approx(2 * 4 * (0.02 + 0.01))  # and a forward call again each
+    assert {k: v for k, v in recomputed.items() if k != "update"} == {k: v for k, v in plain.items() if k != "update"}
+
+
 def test_an_optimizer_step_is_a_fixed_part_plus_a_part_per_parameter():
     from scalerl.plan.timing import optimizer_step_fixed_s
     from tests.tiny import tiny_model
