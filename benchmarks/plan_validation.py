@@ -59,6 +59,7 @@ CELLS = {
     "0.5b-shaped-fsdp2": (2, [*HALF_B, "parallel.dp_shard=2"], "doctor"),
     "0.5b-shaped-tp2": (2, [*HALF_B, "parallel.tp=2"], "doctor"),
     "0.5b-shaped-pp2": (2, [*HALF_B, "parallel.pp=2"], "doctor"),
+    "0.5b-shaped-ac": (1, [*HALF_B, "model.activation_checkpointing=true"], "doctor"),
     "tiny-standalone": (2, [*TINY, *STANDALONE], "train"),
     "tiny-async1": (2, [*TINY, *STANDALONE, "rollout.staleness=1"], "train"),
 }
