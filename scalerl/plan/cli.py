@@ -562,6 +562,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
         nodes = args.nodes if args.nodes is not None else measured.get("nodes", 1)
         per_node = args.devices_per_node if args.devices_per_node is not None else measured.get("devices_per_node", 1)
         device = args.device or measured.get("device", "cpu")
+        if device is None:
+            raise ConfigError(f"--doctor {args.doctor}: no datasheet here for its GPU (known: "
+                              f"{', '.join(timing.HBM_BYTES_PER_S)}); name the closest with --device")
         memory_gb = args.memory_gb if args.memory_gb is not None else (
             measured.get("memory_gb") if device == measured.get("device") else None)  # the report's device's
         if nodes < 1 or per_node < 1:

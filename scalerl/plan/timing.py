@@ -716,7 +716,7 @@ class DoctorMeasured:
     source: str
     nodes: int
     devices_per_node: int
-    device: str  # a datasheet key ("h100") or "cpu"
+    device: str | None  # a datasheet key ("h100"), "cpu", or None for a GPU without a datasheet here
     memory_gb: float | None  # per device (a GPU's; a CPU node's memory over its ranks)
     intra: LinkCost | None
     inter: LinkCost | None
@@ -748,10 +748,7 @@ class DoctorMeasured:
         notes, device, memory_gb = [], "cpu", None
         if gpus:
             memory_gb = min(float(g["memory_gb"]) for g in gpus)
-            device = datasheet_device(str(gpus[0]["name"]), memory_gb)
-            if device is None:
-                raise ValueError(f"--doctor {path}: no datasheet for its GPU {gpus[0]['name']!r} (known: "
-                                 f"{', '.join(HBM_BYTES_PER_S)}); give --device and --memory-gb")
+            device = datasheet_device(str(gpus[0]["name"]), memory_gb)  # None: --device must name one
         else:
             totals = [float(f["memory"]["total_gb"]) for f in facts if (f.get("memory") or {}).get("total_gb")]
             memory_gb = min(totals) / per_node if totals else None
@@ -768,7 +765,7 @@ class DoctorMeasured:
         profile = report.get("measurements", {}).get("profile") or {}
         if not speeds and (profile.get("context") or {}).get("write_bytes_per_s"):
             speeds = [profile["context"]["write_bytes_per_s"]]
-        mfu = (profile.get("metrics") or {}).get("perf/mfu/update") if gpus else None
+        mfu = (profile.get("metrics") or {}).get("perf/mfu/update") if gpus else None  # of the config it profiled
         source = (f"scalerl doctor report {path} ({report.get('created', 'undated')}: {sum(map(len, nodes.values()))} "
                   f"rank(s) on {len(nodes)} node(s)" + (f", {gpus[0]['name']}" if gpus else ", CPU") + ")")
         return cls(source, len(nodes), per_node, device, memory_gb, links["intra-node"], links["inter-node"],

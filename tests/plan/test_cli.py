@@ -132,6 +132,11 @@ def test_a_doctor_report_of_the_cluster_replaces_the_datasheets_guesses(tmp_path
     assert (cpu.device, cpu.nodes, cpu.devices_per_node, cpu.memory_gb, cpu.mfu_train) == ("cpu", 2, 2, 32.0, None)
     assert run_plan_command(parser.parse_args(["--doctor", str(tmp_path / "doctor.json")])) == 2
     assert "the 2 nodes of" in capsys.readouterr().err
+    # a GPU without a datasheet here: --device names the closest, the rest of the report still counts
+    odd = _doctor_report(tmp_path, gpu="Vendor X1000")
+    assert run_plan_command(parser.parse_args([*cfg, "--doctor", str(odd)])) == 2
+    assert "no datasheet here for its GPU" in capsys.readouterr().err
+    assert plan("--doctor", str(odd), "--device", "a100")["cluster"]["memory_gb"] is None  # the report's is an X1000's
     # not a doctor report: the file and the command that writes one
     (tmp_path / "plan.json").write_text(json.dumps({"schema": "scalerl.plan/1"}))
     assert run_plan_command(parser.parse_args(["--doctor", str(tmp_path / "plan.json")])) == 2
