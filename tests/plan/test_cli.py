@@ -74,7 +74,10 @@ def _doctor_report(tmp_path: Path, gpu: str | None = "NVIDIA H100 80GB HBM3", mf
     ~1.06 GB/s between them), each rank with ``gpu`` (79.1 GiB) or none, the checkpoint directory written at
     1.5 GB/s, and with ``mfu`` a profile whose update reached it."""
     from scalerl.doctor.report import DoctorReport
-    from tests.health.recorded_measurements import healthy_cluster_measurements, healthy_facts
+    from tests.health.recorded_measurements import (
+        healthy_cluster_measurements,
+        healthy_facts,
+    )
 
     facts, measured = healthy_facts(nodes=2), healthy_cluster_measurements()
     for f in facts:
