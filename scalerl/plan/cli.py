@@ -439,7 +439,7 @@ def make_plan(cfg: Any, cluster: Cluster, *, config_path: str | None = None, ove
             calibration = timing.calibrate_cpu(setup, config_path, list(overrides or []), threads, cfg.trainer.output_dir)
         setup = setup.replace(runtime_bytes=calibration.runtime_bytes)
     elif calibration is None:
-        disk = disk_bytes_per_s or (doctor and doctor.disk_bytes_per_s) or timing.disk_write_speed(cfg.trainer.output_dir)
+        disk = disk_bytes_per_s or (doctor and doctor.disk_bytes_per_s) or timing.checkpoint_write_rate(cfg.trainer.output_dir)
         profiled = not mfu_train and doctor is not None and doctor.mfu_train
         calibration = timing.datasheet_calibration(setup, cluster.device, cluster.link,
                                                    doctor.mfu_train if profiled else mfu_train, mfu_gen, disk,

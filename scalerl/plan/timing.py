@@ -560,15 +560,30 @@ def measure_loopback(largest_bytes: float = 0.0) -> dict[str, LinkCost]:
             for op, sweep in results.items()}
 
 
-def disk_write_speed(directory: str) -> float:
-    from pathlib import Path
+def checkpoint_write_rate(directory: str, nbytes: int = 64 * 2**20) -> float:
+    """Bytes per second of checkpoint files written under ``directory`` as `save_checkpoint` writes them: a
+    random tensor of ``nbytes`` serialized by ``torch.save`` and fsynced (`save_torch_state`), then read back for
+    the manifest's sha256 (`sha256_of`). A raw fsynced write is faster: 1.35 GB/s on the Intel VM, where a
+    checkpoint's files went at 0.5 GB/s (docs/plan.md: the 0.5B-shaped cells' saves had been planned 51-74% short)."""
+    import uuid
 
-    from scalerl.doctor.storage import probe_dir, write_speed
+    import torch
+
+    from scalerl.checkpoint.atomic import save_torch_state, sha256_of
+    from scalerl.doctor.storage import probe_dir
 
     path = probe_dir(directory)
     if not path.is_dir():
         path = Path(".").absolute()
-    return write_speed(path, 64 * 2**20)
+    file = path / f".scalerl-plan-save-{uuid.uuid4().hex}.pt"
+    tensor = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(0))  # incompressible
+    try:
+        start = time.perf_counter()
+        save_torch_state({"tensor": tensor}, file)
+        sha256_of(file)
+        return nbytes / (time.perf_counter() - start)
+    finally:
+        file.unlink(missing_ok=True)
 
 
 def other_runnable(samples: int = 20, interval_s: float = 0.05, stat_path: str = "/proc/stat") -> float:
@@ -617,7 +632,7 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
     probe = measure_runtime(config_path, overrides)
     runtime, reward_s_per_row = probe.runtime_bytes, probe.reward_s
     rates = dataclasses.replace(rates, other_s_per_row=reward_s_per_row)
-    disk = disk_write_speed(output_dir)
+    disk = checkpoint_write_rate(output_dir)
     # and again once they are done: a shared machine's load comes and goes, one second of it says little
     busy_after = other_runnable()
     busy = (busy_before + busy_after) / 2
@@ -626,7 +641,7 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
            f"VmHWM of a fresh process that imported the trainer and built the data; its two steps on a 32-wide "
            f"model did not run: {probe.worked}")
     notes = [f"runtime RSS {runtime / 2**20:.0f} MiB (measured here: {how})",
-             (f"checkpoint save {probe.checkpoint_s * 1e3:.0f} ms + bytes at the disk's speed (the save of a 32-wide "
+             (f"checkpoint save {probe.checkpoint_s * 1e3:.0f} ms + bytes at the checkpoint write rate (the save of a 32-wide "
               "model, measured here)"),
              (f"host work {probe.host_step_s * 1e3:.1f} ms per step besides the timed phases and the reward per "
               "response (data, advantages, metrics: a 32-wide model's step less its phases, measured here)"),
@@ -635,7 +650,8 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
              f"reward {reward_s_per_row * 1e3:.2f} ms per response (measured here on the run's data)",
              (f"AdamW step {adam * 1e9:.2f} ns per parameter + {optimizer_fixed * 1e3:.1f} ms per step (norm clip, "
               f"a launch per tensor) (measured here on the model, {threads} thread(s))"),
-             f"disk write {disk / 1e6:.0f} MB/s (measured here, fsynced, under {output_dir})",
+             f"checkpoint files written at {disk / 1e6:.0f} MB/s (measured here under {output_dir}: a 64 MB tensor "
+             "saved by torch.save, fsynced and read back for its sha256, as a checkpoint's files are)",
              (f"tensor copy {copy_rate / 1e9:.1f} GB/s ({copy_size / 2**20:.0f} MB into a freshly allocated buffer, "
               "measured here): FSDP's copies into and out of its collectives' buffers, allocated at every call"),
              (f"machine busy: {busy:.1f} other runnable thread(s) on {os.cpu_count()} cores while calibrating "
@@ -686,7 +702,8 @@ def datasheet_calibration(s: PlanSetup, device: str, link: str | None, mfu_train
     inter = LINK_PRESETS[link or "ib-ndr"]
     notes = [f"intra-node: {intra.source}", f"inter-node: {inter.source}",
              f"AdamW step: {ADAM_BYTES_PER_PARAM} bytes per parameter at the HBM datasheet bandwidth",
-             f"checkpoint writes at {disk_bytes_per_s / 1e9:.2f} GB/s per node (given or measured here)",
+             f"checkpoint writes at {disk_bytes_per_s / 1e9:.2f} GB/s per node (given, or measured here with torch.save, "
+             "fsync and sha256)",
              "device memory: the CUDA context and the allocator's fragmentation are not counted"]
     notes.append("FSDP's copies into and out of its collectives' buffers at half the HBM datasheet bandwidth "
                  "(a copy reads and writes)")
@@ -783,7 +800,8 @@ class DoctorMeasured:
                 replaced.append(f"{scope}:")
         if disk and self.disk_bytes_per_s:
             cal.disk_bytes_per_s = self.disk_bytes_per_s
-            said.append(f"checkpoint writes at {self.disk_bytes_per_s / 1e9:.2f} GB/s per node (measured by the doctor)")
+            said.append(f"checkpoint writes at {self.disk_bytes_per_s / 1e9:.2f} GB/s per node (the doctor's raw fsynced "
+                        "write: a save's serialization and sha256 are not in it)")
             replaced.append("checkpoint writes")
         cal.notes = said[1:] + [n for n in cal.notes if not n.startswith(tuple(replaced))] + self.notes
         cal.source = f"{cal.source}; {said[0]}"

@@ -119,7 +119,7 @@ def test_a_doctor_report_of_the_cluster_replaces_the_datasheets_guesses(tmp_path
     assert cal["disk_bytes_per_s"] == 1.5e9  # the checkpoint directory's, not the output's
     assert "MFU 0.41 (train, measured by the doctor's profile)" in cal["source"] and str(report) in cal["source"]
     assert "; calibrated from scalerl doctor report" in cal["source"]
-    assert any(n.startswith("checkpoint writes at 1.50 GB/s per node (measured by the doctor)") for n in cal["notes"])
+    assert any(n.startswith("checkpoint writes at 1.50 GB/s per node (the doctor's raw fsynced write") for n in cal["notes"])
     # the same cluster from the datasheets (InfiniBand NDR between the nodes, 0.35 MFU): the doctor's slow
     # Ethernet makes the sharded update slower, its higher MFU the compute faster
     nominal = plan("--nodes", "2", "--devices-per-node", "2", "--device", "h100", "--disk-gb-per-s", "1.5")

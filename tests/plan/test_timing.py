@@ -141,6 +141,23 @@ def test_a_colocated_sync_lays_the_decode_copy_out_again_and_a_save_has_a_fixed_
     assert 0 < time_layout_refresh(tiny_model(), __import__("torch").float32) * 2**30 < 60
 
 
+def test_the_checkpoint_write_rate_is_timed_on_a_checkpoints_own_writes_and_leaves_nothing(tmp_path, monkeypatch):
+    """A save's bytes go at the rate of torch.save + fsync + the manifest's sha256 (each called once on the
+    probe's file, which is gone after), in the run's output directory."""
+    from scalerl.checkpoint import atomic
+    from scalerl.plan import timing
+
+    called = []
+    for name in ("save_torch_state", "sha256_of"):
+        real = getattr(atomic, name)
+        monkeypatch.setattr(atomic, name, lambda *a, real=real, name=name: called.append((name, a[-1])) or real(*a))
+    rate = timing.checkpoint_write_rate(str(tmp_path / "run"), nbytes=4 * 2**20)
+    assert 0 < rate < float("inf")
+    assert [name for name, _ in called] == ["save_torch_state", "sha256_of"]
+    assert called[0][1] == called[1][1] and called[0][1].parent == tmp_path  # the run's directory's nearest
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_busy_machine_slows_the_ranks_by_what_they_add_to_it(tmp_path):
     from scalerl.plan.timing import cpu_contention, other_runnable
 
