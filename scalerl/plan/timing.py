@@ -1,7 +1,7 @@
 """Predicted seconds of each phase of one rank, from the cost model (`scalerl.bench.cost_model`): compute at
 per-phase rates (a fixed cost per call plus FLOPs at an effective rate) and every collective's alpha-beta
 time, plus what the cost model leaves out and a plan needs: the AdamW step (seconds per parameter), the
-checkpoint write (bytes at the disk's write speed) and evaluation (a greedy generation of the validation rows).
+checkpoint write (bytes at a checkpoint's write rate) and evaluation (a greedy generation of the validation rows).
 
 Where the rates come from:
 
@@ -12,7 +12,7 @@ Where the rates come from:
   other, so a load change reads as neither); a fused AdamW step is timed over one large tensor (seconds per
   parameter) and, with the gradient-norm clip, over the model's own tensors (the rest is a fixed cost per
   step: a small model's step is its launches); the runtime's RSS is read in a fresh process that imports the trainer and builds the run's data;
-  the disk's write speed as `scalerl doctor` measures it; with more than one rank, the loopback link by
+  the rate a checkpoint's files are written at (`checkpoint_write_rate`); with more than one rank, the loopback link by
   all-reduce, all-gather and reduce-scatter sweeps between two gloo processes
   (`scalerl.bench.link_probe.timed_sweep`, each op fitted by `fit_link` on its own), each rank with the threads
   it will have, and what the layout adds per phase beyond all that (DDP's hooks, FSDP's and DTensor's wrappers,
