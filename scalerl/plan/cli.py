@@ -444,9 +444,8 @@ def make_plan(cfg: Any, cluster: Cluster, *, config_path: str | None = None, ove
         calibration = timing.datasheet_calibration(setup, cluster.device, cluster.link,
                                                    doctor.mfu_train if profiled else mfu_train, mfu_gen, disk,
                                                    mfu_train_said="measured by the doctor's profile" if profiled else "")
-    if doctor is not None and calibrated_here:  # what the doctor measured, unless given here
-        gpu = cluster.device != "cpu"
-        doctor.apply(calibration, intra=gpu, inter=gpu and not cluster.link, disk=not disk_bytes_per_s)
+    if doctor is not None and calibrated_here and cluster.device != "cpu":  # the CPU plan measures all of this here
+        doctor.apply(calibration, intra=True, inter=not cluster.link, disk=not disk_bytes_per_s)
     if disk_bytes_per_s:
         calibration.disk_bytes_per_s = disk_bytes_per_s
     capacity = cluster.capacity_bytes()

@@ -650,8 +650,8 @@ def calibrate_cpu(s: PlanSetup, config_path: str | None, overrides: list[str], t
              f"reward {reward_s_per_row * 1e3:.2f} ms per response (measured here on the run's data)",
              (f"AdamW step {adam * 1e9:.2f} ns per parameter + {optimizer_fixed * 1e3:.1f} ms per step (norm clip, "
               f"a launch per tensor) (measured here on the model, {threads} thread(s))"),
-             f"checkpoint files written at {disk / 1e6:.0f} MB/s (measured here under {output_dir}: a 64 MB tensor "
-             "saved by torch.save, fsynced and read back for its sha256, as a checkpoint's files are)",
+             (f"checkpoint files written at {disk / 1e6:.0f} MB/s (measured here under {output_dir}: a 64 MB tensor "
+              "saved by torch.save, fsynced and read back for its sha256, as a checkpoint's files are)"),
              (f"tensor copy {copy_rate / 1e9:.1f} GB/s ({copy_size / 2**20:.0f} MB into a freshly allocated buffer, "
               "measured here): FSDP's copies into and out of its collectives' buffers, allocated at every call"),
              (f"machine busy: {busy:.1f} other runnable thread(s) on {os.cpu_count()} cores while calibrating "
@@ -689,6 +689,7 @@ def datasheet_calibration(s: PlanSetup, device: str, link: str | None, mfu_train
     dtype = torch.bfloat16 if s.compute_bytes == 2 else torch.float32
     peak = datasheet_peak_flops(name.upper(), dtype)
     train, gen = mfu_train or DEFAULT_MFU_TRAIN, mfu_gen or DEFAULT_MFU_GEN
+    train_said = mfu_train_said or ("given" if mfu_train else "assumed")
     hbm = next((v for k, v in HBM_BYTES_PER_S.items() if name.startswith(k)), None)
     if hbm is None:
         raise KeyError(f"no datasheet HBM bandwidth for {device!r}; known: {', '.join(HBM_BYTES_PER_S)}")
@@ -696,14 +697,15 @@ def datasheet_calibration(s: PlanSetup, device: str, link: str | None, mfu_train
     rates = ComputeRates(gen_flops_per_s=peak * gen, train_flops_per_s=peak * train, forward_flops_per_s=peak * train,
                          other_s_per_row=0.0, gen_step_s=weights / hbm,
                          source=f"datasheet: {device.upper()} {'bf16' if s.compute_bytes == 2 else 'fp32'} peak "
-                                f"{peak / 1e12:.0f} TFLOP/s x MFU {train:g} (train, {mfu_train_said or ('given' if mfu_train else 'assumed')}) / {gen:g} (generation, "
-                                f"{'given' if mfu_gen else 'assumed'}), each decode step reading the weights at {hbm / 1e12:.2f} TB/s (HBM datasheet)")
+                                f"{peak / 1e12:.0f} TFLOP/s x MFU {train:g} (train, {train_said}) / {gen:g} (generation, "
+                                f"{'given' if mfu_gen else 'assumed'}), each decode step reading the weights at "
+                                f"{hbm / 1e12:.2f} TB/s (HBM datasheet)")
     intra = LINK_PRESETS[NVLINK.get(name[:4], "pcie5")]
     inter = LINK_PRESETS[link or "ib-ndr"]
     notes = [f"intra-node: {intra.source}", f"inter-node: {inter.source}",
              f"AdamW step: {ADAM_BYTES_PER_PARAM} bytes per parameter at the HBM datasheet bandwidth",
-             f"checkpoint writes at {disk_bytes_per_s / 1e9:.2f} GB/s per node (given, or measured here with torch.save, "
-             "fsync and sha256)",
+             (f"checkpoint writes at {disk_bytes_per_s / 1e9:.2f} GB/s per node (given, or measured here with "
+              "torch.save, fsync and sha256)"),
              "device memory: the CUDA context and the allocator's fragmentation are not counted"]
     notes.append("FSDP's copies into and out of its collectives' buffers at half the HBM datasheet bandwidth "
                  "(a copy reads and writes)")
@@ -770,13 +772,13 @@ class DoctorMeasured:
             totals = [float(f["memory"]["total_gb"]) for f in facts if (f.get("memory") or {}).get("total_gb")]
             memory_gb = min(totals) / per_node if totals else None
         backend = "nccl" if gpus else "gloo"
-        links = {}
-        for scope in ("intra-node", "inter-node"):
-            try:
-                links[scope] = doctor_link(report, scope, backend)
-            except ValueError as e:
-                links[scope] = None
-                notes.append(f"doctor report: {e}")
+        links = {"intra-node": None, "inter-node": None}
+        for scope, ranks in (("intra-node", per_node), ("inter-node", len(nodes))):
+            if ranks > 1:  # a link the cluster has
+                try:
+                    links[scope] = doctor_link(report, scope, backend)
+                except ValueError as e:
+                    notes.append(f"doctor report: {e}")
         speeds = [p["write_bytes_per_s"] for f in facts for p in f.get("paths") or []
                   if p.get("role") == "checkpoint" and p.get("write_bytes_per_s")]
         profile = report.get("measurements", {}).get("profile") or {}
@@ -789,8 +791,9 @@ class DoctorMeasured:
                    min(speeds) if speeds else None, float(mfu) if mfu else None, notes)
 
     def apply(self, cal: Calibration, intra: bool, inter: bool, disk: bool) -> None:
-        """Its measurements in place of ``cal``'s where asked (a CPU plan fits each op on this machine's loopback
-        itself; a link or disk speed given on the command line stays), each said in the calibration's notes."""
+        """Its measurements in place of a GPU plan's datasheet ones where asked (a link or disk speed given on the
+        command line stays), each said in the calibration's notes. A CPU plan measures them all here: loopback
+        fitted per op, the checkpoint write rate with a checkpoint's own serialization and hashing."""
         said, replaced = [f"calibrated from {self.source}"], []
         for scope, field_name, wanted, link in (("intra-node", "intra", intra, self.intra),
                                                 ("inter-node", "inter", inter, self.inter)):

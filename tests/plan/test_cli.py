@@ -69,7 +69,8 @@ def test_the_command_writes_json_and_exits_1_when_a_phase_does_not_fit(tmp_path,
     assert "--nodes 1" in capsys.readouterr().err
 
 
-def _doctor_report(tmp_path: Path, gpu: str | None = "NVIDIA H100 80GB HBM3", mfu: float | None = 0.41) -> Path:
+def _doctor_report(tmp_path: Path, gpu: str | None = "NVIDIA H100 80GB HBM3", mfu: float | None = 0.41,
+                   nodes: int = 2) -> Path:
     """A doctor report of 2 nodes x 2 ranks (tests/health's recorded healthy world: 5 GB/s busbw inside a node,
     ~1.06 GB/s between them), each rank with ``gpu`` (79.1 GiB) or none, the checkpoint directory written at
     1.5 GB/s, and with ``mfu`` a profile whose update reached it."""
@@ -77,18 +78,21 @@ def _doctor_report(tmp_path: Path, gpu: str | None = "NVIDIA H100 80GB HBM3", mf
     from tests.health.recorded_measurements import (
         healthy_cluster_measurements,
         healthy_facts,
+        sweep,
     )
 
-    facts, measured = healthy_facts(nodes=2), healthy_cluster_measurements()
+    facts, measured = healthy_facts(nodes=nodes), healthy_cluster_measurements(nodes)
     for f in facts:
         f["gpus"] = [{"index": 0, "name": gpu, "memory_gb": 79.1}] if gpu else []
         for path in f["paths"]:
             path["write_bytes_per_s"] = 1.5e9 if path["role"] == "checkpoint" else 9e9
     if mfu is not None:
         measured["profile"] = {"metrics": {"perf/mfu/update": mfu}, "context": {}}
+    if nodes == 1:  # one sweep over the node's four ranks
+        measured["bandwidth"]["sweeps"] = [sweep("intra-node", [0, 1, 2, 3], 5e9)]
     world = {"world_size": 4, "joined": [0, 1, 2, 3], "missing": [], "launcher": "torchrun",
-             "nodes": {"node0": [0, 1], "node1": [2, 3]}}
-    path = tmp_path / "doctor.json"
+             "nodes": {"node0": [0, 1], "node1": [2, 3]} if nodes == 2 else {"node0": [0, 1, 2, 3]}}
+    path = tmp_path / f"doctor-{(gpu or 'cpu').split()[-1]}-{nodes}node.json"
     path.write_text(json.dumps(DoctorReport(["distributed-check"], [], facts, measured, world).to_json()))
     return path
 
@@ -131,9 +135,12 @@ def test_a_doctor_report_of_the_cluster_replaces_the_datasheets_guesses(tmp_path
     assert given["calibration"]["inter"]["bytes_per_s"] == pytest.approx(50e9)
     assert "MFU 0.3 (train, given)" in given["calibration"]["source"]
     # a CPU cluster's report: its ranks per node and memory over them; its links stay this machine's own fits
-    cpu = DoctorMeasured.read(str(_doctor_report(tmp_path, gpu=None, mfu=None)))
+    cpu_report = _doctor_report(tmp_path, gpu=None, mfu=None)
+    cpu = DoctorMeasured.read(str(cpu_report))
     assert (cpu.device, cpu.nodes, cpu.devices_per_node, cpu.memory_gb, cpu.mfu_train) == ("cpu", 2, 2, 32.0, None)
-    assert run_plan_command(parser.parse_args(["--doctor", str(tmp_path / "doctor.json")])) == 2
+    one_node = DoctorMeasured.read(str(_doctor_report(tmp_path, gpu=None, mfu=None, nodes=1)))
+    assert one_node.nodes == 1 and one_node.inter is None and one_node.intra is not None and not one_node.notes
+    assert run_plan_command(parser.parse_args(["--doctor", str(cpu_report)])) == 2
     assert "the 2 nodes of" in capsys.readouterr().err
     # a GPU without a datasheet here: --device names the closest, the rest of the report still counts
     odd = _doctor_report(tmp_path, gpu="Vendor X1000")
