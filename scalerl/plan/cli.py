@@ -465,13 +465,13 @@ def make_plan(cfg: Any, cluster: Cluster, *, config_path: str | None = None, ove
     memory = phase_parts(setup)
     plan = Plan(setup, cluster, capacity, memory, seconds, worker_parts(setup) if setup.standalone else None,
                 host_parts(setup, cluster.device != "cpu"), calibration, notes)
-    for on in (False, True):  # the update both ways, whichever the config chose
-        other = setup.replace(activation_checkpointing=on)
-        update = phase_parts(other)["update"] if on != setup.activation_checkpointing else memory["update"]
-        seconds_ = timing.phase_seconds(other, calibration, contention) if on != setup.activation_checkpointing \
-            else seconds
+    for on in (False, True):  # the update both ways: as configured, and flipped
+        flipped = setup.replace(activation_checkpointing=on)
+        same = on == setup.activation_checkpointing
+        update = memory["update"] if same else phase_parts(flipped)["update"]
+        update_s = seconds["update"] if same else timing.phase_seconds(flipped, calibration, contention)["update"]
         plan.checkpointing["on" if on else "off"] = {"activations_gb": update["activations"] / GIB,
-                                                      "peak_gb": total(update) / GIB, "seconds": seconds_["update"]}
+                                                      "peak_gb": total(update) / GIB, "seconds": update_s}
     plan.unfit = first_unfit(setup, capacity)
     if plan.unfit:
         plan.fix = find_fix(setup, capacity, plan.unfit[0])

@@ -716,9 +716,6 @@ def datasheet_calibration(s: PlanSetup, device: str, link: str | None, mfu_train
 # ---------------------------------------------------------------- calibration: a doctor report of the cluster
 
 
-DOCTOR_SCHEMA = "scalerl.doctor/1"
-
-
 def datasheet_device(gpu_name: str, memory_gb: float) -> str | None:
     """The datasheet key (`HBM_BYTES_PER_S`) of a GPU as torch names it ("NVIDIA H100 80GB HBM3"), or None."""
     name = gpu_name.upper().replace(" ", "")
@@ -748,16 +745,17 @@ class DoctorMeasured:
         import json
 
         from scalerl.bench.calibration import doctor_link
+        from scalerl.doctor.report import SCHEMA
 
         how = f"write one with `scalerl doctor --distributed-check --json {path}` on the cluster"
         try:
             report = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             raise ValueError(f"--doctor {path}: cannot read it as JSON ({e}); {how}") from e
-        if not isinstance(report, dict) or report.get("schema") != DOCTOR_SCHEMA:
+        if not isinstance(report, dict) or report.get("schema") != SCHEMA:
             got = report.get("schema") if isinstance(report, dict) else type(report).__name__
             raise ValueError(f"--doctor {path}: not a scalerl doctor report (schema {got!r}, expected "
-                             f"{DOCTOR_SCHEMA!r}); {how}")
+                             f"{SCHEMA!r}); {how}")
         world, facts = report.get("world") or {}, report.get("ranks") or []
         if not facts:
             raise ValueError(f"--doctor {path}: the report holds no rank's facts; {how}")
@@ -794,7 +792,7 @@ class DoctorMeasured:
         """Its measurements in place of a GPU plan's datasheet ones where asked (a link or disk speed given on the
         command line stays), each said in the calibration's notes. A CPU plan measures them all here: loopback
         fitted per op, the checkpoint write rate with a checkpoint's own serialization and hashing."""
-        said, replaced = [f"calibrated from {self.source}"], []
+        said, replaced = [], []  # new notes, and the prefixes of the notes they replace
         for scope, field_name, wanted, link in (("intra-node", "intra", intra, self.intra),
                                                 ("inter-node", "inter", inter, self.inter)):
             if wanted and link is not None:
@@ -806,8 +804,8 @@ class DoctorMeasured:
             said.append(f"checkpoint writes at {self.disk_bytes_per_s / 1e9:.2f} GB/s per node (the doctor's raw fsynced "
                         "write: a save's serialization and sha256 are not in it)")
             replaced.append("checkpoint writes")
-        cal.notes = said[1:] + [n for n in cal.notes if not n.startswith(tuple(replaced))] + self.notes
-        cal.source = f"{cal.source}; {said[0]}"
+        cal.notes = said + [n for n in cal.notes if not n.startswith(tuple(replaced))] + self.notes
+        cal.source = f"{cal.source}; calibrated from {self.source}"
 
 
 # ---------------------------------------------------------------- phase times
